@@ -1,0 +1,75 @@
+"""Model spec: an ordered list of layers with the costs planners, simulator and executor share.
+
+Every cost is *per sample* (one sequence or one image) so a stage can scale it by its per-replica
+microbatch; bytes assume the model's activation dtype (``act_dtype_bytes``).
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field, model_validator
+
+from specs._base import Spec
+
+
+class LayerKind(str, Enum):
+    embedding = "embedding"
+    transformer_block = "transformer_block"
+    moe_block = "moe_block"
+    residual_block = "residual_block"
+    head = "head"
+
+
+class LayerSpec(Spec):
+    """One pipeline-placeable layer.
+
+    ``tp_sharded_param_fraction`` / ``tp_sharded_saved_fraction``: the part of parameters and of
+    saved activations that tensor parallelism divides by t (Megatron: weights of the column/row
+    parallel GEMMs; activations s·b·h·(24 + 5as/h) of the 34 + 5as/h, Korthikanti et al. 2022 §4).
+    """
+
+    name: str
+    kind: LayerKind
+    params: int = Field(ge=0)
+    fwd_flops_per_sample: float = Field(ge=0)
+    saved_bytes_per_sample: int = Field(ge=0, description="bytes kept for backward, no recompute")
+    output_bytes_per_sample: int = Field(ge=0, description="boundary activation sent to next layer")
+    workspace_bytes_per_sample: int = Field(0, ge=0, description="transient peak inside the layer")
+    tp_sharded_param_fraction: float = Field(1.0, ge=0, le=1)
+    tp_sharded_saved_fraction: float = Field(1.0, ge=0, le=1)
+    tp_allreduces_per_pass: int = Field(
+        0, ge=0, description="all-reduces of the output per forward (and per backward) under TP"
+    )
+    max_tp: int | None = Field(None, ge=1, description="largest tensor-parallel degree (e.g. heads)")
+
+
+class ModelSpec(Spec):
+    """A model as the planners see it: layers in execution order plus shape facts."""
+
+    name: str
+    family: str
+    layers: list[LayerSpec] = Field(min_length=1)
+    act_dtype_bytes: int = Field(2, description="bytes per activation element (2 fp16/bf16, 4 fp32)")
+    seq_len: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ModelSpec:
+        names = [layer.name for layer in self.layers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"layers: duplicate layer names {dupes}")
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def total_params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+    @property
+    def fwd_flops_per_sample(self) -> float:
+        return sum(layer.fwd_flops_per_sample for layer in self.layers)

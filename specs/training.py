@@ -1,0 +1,78 @@
+"""Training spec: batch, precision and optimizer, and the bytes per parameter they imply."""
+from __future__ import annotations
+
+from enum import Enum
+
+from pydantic import Field, model_validator
+
+from specs._base import Spec
+
+
+class Precision(str, Enum):
+    fp32 = "fp32"
+    fp16 = "fp16"  # mixed precision: fp16 weights/activations, fp32 master copy in the optimizer
+    bf16 = "bf16"
+
+
+class Optimizer(str, Enum):
+    adam = "adam"
+    sgd = "sgd"  # with momentum
+
+
+class TrainingSpec(Spec):
+    """``microbatch_size`` is the pipeline microbatch: a stage with data-parallel degree d gives
+    each replica microbatch_size / d samples (Alpa/CAPTURE convention, so stages may differ in d)."""
+
+    global_batch: int = Field(ge=1)
+    microbatch_size: int | None = Field(None, ge=1)
+    num_microbatches: int | None = Field(None, ge=1)
+    precision: Precision = Precision.fp16
+    mixed_bytes_per_param: int = Field(
+        16, description="16: fp16 weights+grads, fp32 master/m/v (ZeRO); 18: fp32 grads (Megatron)"
+    )
+    optimizer: Optimizer = Optimizer.adam
+
+    @model_validator(mode="after")
+    def _batch(self) -> TrainingSpec:
+        if self.mixed_bytes_per_param not in (16, 18):
+            raise ValueError(
+                f"mixed_bytes_per_param: must be 16 or 18, got {self.mixed_bytes_per_param}"
+            )
+        mb, m = self.microbatch_size, self.num_microbatches
+        if mb is None and m is None:
+            raise ValueError("training: give microbatch_size or num_microbatches")
+        if mb is not None and m is not None and mb * m != self.global_batch:
+            raise ValueError(
+                f"training: microbatch_size ({mb}) x num_microbatches ({m}) must equal "
+                f"global_batch ({self.global_batch})"
+            )
+        got = mb if mb is not None else m
+        if self.global_batch % got:
+            field = "microbatch_size" if mb is not None else "num_microbatches"
+            raise ValueError(f"training.{field}: {got} does not divide global_batch {self.global_batch}")
+        return self
+
+    @property
+    def microbatches(self) -> int:
+        if self.num_microbatches is not None:
+            return self.num_microbatches
+        return self.global_batch // self.microbatch_size
+
+    @property
+    def samples_per_microbatch(self) -> int:
+        return self.global_batch // self.microbatches
+
+    @property
+    def act_dtype_bytes(self) -> int:
+        return 4 if self.precision is Precision.fp32 else 2
+
+    def bytes_per_param(self) -> tuple[int, int, int]:
+        """(weights, gradients, optimizer state) bytes per parameter.
+
+        Mixed Adam: 2 + 2 + 12 = 16 (ZeRO §3.1), or 2 + 4 + 12 = 18 with fp32 gradients
+        (Megatron). fp32 Adam: 4 + 4 + 8. SGD keeps one momentum (+ fp32 master when mixed).
+        """
+        if self.precision is Precision.fp32:
+            return (4, 4, 8 if self.optimizer is Optimizer.adam else 4)
+        grads = 2 if self.mixed_bytes_per_param == 16 else 4
+        return (2, grads, 12 if self.optimizer is Optimizer.adam else 8)

@@ -1,0 +1,121 @@
+"""Analytic estimate: closed-form per-device peak memory and iteration time of a plan.
+
+Cheap enough for planners to call inside a search (no simulation); the simulator refines it with
+the schedule's real timing (swap overlap, link contention, per-step memory). Both use specs.costs.
+"""
+from __future__ import annotations
+
+from specs import costs
+from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
+from specs.plan import MemoryAction, Plan, ScheduleKind
+from specs.result import DeviceResult, MemoryBreakdown, Result
+
+
+def _add(a: MemoryBreakdown, **extra: int) -> MemoryBreakdown:
+    return a.model_copy(update={k: getattr(a, k) + v for k, v in extra.items()})
+
+
+def device_memory(plan: Plan, model: ModelSpec) -> dict[int, tuple[MemoryBreakdown, int]]:
+    """Peak breakdown and host bytes for every device the plan uses.
+
+    Peak = static + in-flight microbatches x resident activations + one backward's transient
+    (recompute or swap-in) + receive buffers + PipeDream stashed weights + bytes peers D2D-swapped
+    here (held for the in-flight microbatches, striped by weight, MPress §IV-C).
+    """
+    out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
+    for i, stage in enumerate(plan.stages):
+        static, host = costs.stage_static(model, plan, stage)
+        in_flight = costs.in_flight_microbatches(plan, i)
+        acts = in_flight * costs.stage_activation_bytes(model, plan, stage)
+        recompute, swap_in = costs.backward_transient_bytes(model, plan, stage)
+        stashed = costs.stashed_versions(plan, i) * static.parameters_bytes
+        buffers = costs.comm_buffer_bytes(model, plan, stage)
+        for device in stage.devices:
+            mem, h = out[device]
+            mem = _add(mem, parameters_bytes=static.parameters_bytes, gradients_bytes=static.gradients_bytes,
+                       optimizer_bytes=static.optimizer_bytes, activations_bytes=acts + recompute,
+                       buffers_bytes=buffers, swapped_in_bytes=swap_in, stashed_weights_bytes=stashed)
+            out[device] = (mem, h + host + _swapped_to_host(model, plan, stage, in_flight))
+        for target, nbytes in _d2d_held(model, plan, stage, in_flight).items():
+            mem, h = out.setdefault(target, (MemoryBreakdown(), 0))
+            out[target] = (_add(mem, swapped_in_bytes=nbytes), h)
+    return out
+
+
+def _swapped_to_host(model: ModelSpec, plan: Plan, stage, in_flight: int) -> int:
+    b = costs.samples_per_replica(plan, stage)
+    return sum(in_flight * costs.layer_saved_bytes(model.layers[l], b, stage.tp)
+               for l in stage.layers if stage.action_of(l).action in (MemoryAction.cpu_swap, MemoryAction.nvme))
+
+
+def _d2d_held(model: ModelSpec, plan: Plan, stage, in_flight: int) -> dict[int, int]:
+    """Bytes each D2D target holds for one replica of ``stage`` (every replica swaps alike, so a
+    target shared by k replicas of the stage would hold k shares; planners give each its own)."""
+    held: dict[int, int] = {}
+    b = costs.samples_per_replica(plan, stage)
+    for item in stage.memory:
+        if item.action is not MemoryAction.d2d_swap:
+            continue
+        nbytes = in_flight * costs.layer_saved_bytes(model.layers[item.layer], b, stage.tp)
+        total = sum(t.weight for t in item.targets)
+        for t in item.targets:
+            held[t.device] = held.get(t.device, 0) + round(nbytes * t.weight / total)
+    return held
+
+
+def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> float:
+    """Pipeline time + gradient all-reduce + optimizer step.
+
+    GPipe / 1F1B (flush): Σ_i (F_i + B_i + p2p) + (m − 1) · max_i (F_i + B_i) — the first microbatch
+    crosses every stage, the rest queue behind the slowest; uniform stages give the bubble
+    (p − 1)/(m + p − 1) (GPipe §2.2). Interleaved: (m + (p − 1)/v) · max_i work (Megatron §2.2).
+    PipeDream async has no flush: m · max_i work per iteration in steady state.
+    """
+    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+    work = [0.0] * p
+    p2p = [0.0] * p
+    for i, stage in enumerate(plan.stages):
+        fwd, bwd = costs.stage_pass_times_s(model, plan, hardware, stage)
+        work[i % p] += fwd + bwd
+        if i + 1 < len(plan.stages):
+            nxt = plan.stages[i + 1]
+            nbytes = costs.samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+            src, dst = stage.devices[0], nxt.devices[0]
+            p2p[i % p] += 2 * costs.transfer_s(nbytes, hardware.link(src, dst)) if src != dst else 0.0
+    slowest = max(work)
+    kind = plan.schedule.kind
+    if kind is ScheduleKind.pipedream_async:
+        pipe = m * slowest
+    elif kind is ScheduleKind.interleaved_1f1b:
+        pipe = (m + (p - 1) / v) * slowest + sum(p2p)
+    else:
+        pipe = sum(work) + sum(p2p) + (m - 1) * slowest
+    per_device_sync: dict[int, float] = {}
+    for stage in plan.stages:
+        t = costs.dp_allreduce_s(model, plan, hardware, stage) + costs.optimizer_step_s(model, plan, hardware, stage)
+        for d in stage.devices:
+            per_device_sync[d] = per_device_sync.get(d, 0.0) + t
+    return pipe + max(per_device_sync.values())
+
+
+def estimate(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Result:
+    """The plan's closed-form Result (source ``predicted-by-analytic``)."""
+    capacity = hardware.device.memory_bytes
+    devices = []
+    for device, (mem, host) in sorted(device_memory(plan, model).items()):
+        stages = plan.stages_on(device)
+        peak = mem.total_bytes
+        devices.append(DeviceResult(
+            device=device, stages=stages,
+            layers=[(plan.stages[s].layer_start, plan.stages[s].layer_stop) for s in stages],
+            capacity_bytes=capacity, peak_bytes=peak, breakdown=mem, host_bytes=host,
+            oom=peak > capacity, oom_over_bytes=max(0, peak - capacity),
+        ))
+    t = iteration_time_s(plan, model, hardware)
+    flops = costs.model_flops_per_iteration(model, plan)
+    return Result(
+        source="predicted-by-analytic", plan_id=plan.id, model=plan.model, hardware=plan.hardware,
+        devices=devices, iteration_time_s=t, samples_per_s=plan.training.global_batch / t,
+        tflops_per_device=flops / t / len(plan.used_devices()) / 1e12,
+    )

@@ -1,0 +1,102 @@
+"""Shared plan-building steps: device groups, layer splits, memory actions."""
+from __future__ import annotations
+
+from specs.hardware import HardwareSpec
+from specs.model import LayerKind, ModelSpec
+from specs.plan import LayerMemory, MemoryAction, Plan, ScheduleSpec, StagePlan
+from specs.training import TrainingSpec
+
+#: layers that full recompute checkpoints (Megatron recomputes whole transformer layers)
+RECOMPUTED_KINDS = frozenset({LayerKind.transformer_block, LayerKind.moe_block, LayerKind.residual_block})
+
+
+class PlanningError(ValueError):
+    """The planner cannot make a valid plan for these inputs; the message says which knob to turn."""
+
+
+def device_groups(hardware: HardwareSpec, pp: int, dp: int, tp: int) -> list[list[int]]:
+    """Consecutive blocks of dp·tp devices, tensor-parallel ranks adjacent so TP groups stay on
+    one node's fast links when tp divides the node (Megatron's rank ordering)."""
+    per_stage = dp * tp
+    if pp * per_stage != hardware.num_devices:
+        raise PlanningError(
+            f"policy.pp ({pp}) x policy.dp ({dp}) x policy.tp ({tp}) = {pp * per_stage} must equal "
+            f"the {hardware.num_devices} devices of hardware {hardware.name!r}"
+        )
+    return [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(pp)]
+
+
+def resolve_pp(pp: int | None, hardware: HardwareSpec, dp: int, tp: int) -> int:
+    """pp given, or every device used: devices / (dp · tp)."""
+    if pp is not None:
+        return pp
+    if hardware.num_devices % (dp * tp):
+        raise PlanningError(
+            f"policy.dp ({dp}) x policy.tp ({tp}) must divide the {hardware.num_devices} devices of "
+            f"hardware {hardware.name!r}"
+        )
+    return hardware.num_devices // (dp * tp)
+
+
+def even_split(num_layers: int, parts: int) -> list[int]:
+    """Layer counts as equal as possible; the extra layers go to the middle stages, which under
+    1F1B hold fewer in-flight microbatches than the first ones."""
+    base, extra = divmod(num_layers, parts)
+    counts = [base] * parts
+    start = (parts - extra) // 2
+    for i in range(start, start + extra):
+        counts[i] += 1
+    return counts
+
+
+def check_chunks(model: ModelSpec, chunks: int, what: str) -> None:
+    if chunks > model.num_layers:
+        raise PlanningError(
+            f"{what} = {chunks} pipeline chunks but model {model.name!r} has only {model.num_layers} "
+            "layers; lower policy.pp (or schedule.virtual_stages), or raise policy.dp / policy.tp"
+        )
+
+
+def recompute_actions(model: ModelSpec, start: int, stop: int, recompute: str) -> list[LayerMemory]:
+    if recompute == "none":
+        return []
+    return [LayerMemory(layer=i, action=MemoryAction.recompute)
+            for i in range(start, stop) if model.layers[i].kind in RECOMPUTED_KINDS]
+
+
+def assemble(
+    planner: str,
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    training: TrainingSpec,
+    schedule: ScheduleSpec,
+    counts: list[int],
+    groups: list[list[int]],
+    dp: int,
+    tp: int,
+    recompute: str,
+    zero_stage: int,
+) -> Plan:
+    """Stages from per-chunk layer counts; chunk j goes to device group j mod p (interleaving)."""
+    if sum(counts) != model.num_layers or min(counts) < 1:
+        raise PlanningError(
+            f"layers per stage {counts} must be positive and sum to the model's {model.num_layers} layers"
+        )
+    per_mb = training.samples_per_microbatch
+    if per_mb % dp:
+        raise PlanningError(
+            f"training: the microbatch of {per_mb} samples cannot be split over policy.dp={dp} replicas; "
+            "choose training.microbatch_size divisible by dp"
+        )
+    stages, start = [], 0
+    for j, count in enumerate(counts):
+        stop = start + count
+        stages.append(StagePlan(
+            layer_start=start, layer_stop=stop, devices=groups[j % len(groups)], dp=dp, tp=tp,
+            memory=recompute_actions(model, start, stop, recompute),
+        ))
+        start = stop
+    return Plan(
+        planner=planner, model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
+        training=training, schedule=schedule, zero_stage=zero_stage, stages=stages,
+    )

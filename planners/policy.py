@@ -1,0 +1,47 @@
+"""Policy configs: what a user asks a planner for (``conf/policy/*.yaml``), validated once.
+
+``kind`` picks the planner through a pydantic discriminated union, never an import string.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, TypeAdapter
+
+from specs._base import Spec
+
+
+class _Uniform(Spec):
+    pp: int | None = Field(None, ge=1, description="pipeline stages; null: every device is used")
+    dp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
+    recompute: Literal["none", "full"] = "none"
+    zero_stage: int = Field(0, ge=0, le=3)
+
+
+class EvenPolicy(_Uniform):
+    """Equal layer counts per stage (DeepSpeed/Megatron default partitioning)."""
+
+    kind: Literal["even"] = "even"
+
+
+class BalancedPolicy(_Uniform):
+    """Contiguous stages balancing forward FLOPs (PipeDream §3.1 / DAPPLE planner)."""
+
+    kind: Literal["balanced"] = "balanced"
+
+
+class ManualPolicy(_Uniform):
+    """Megatron-style: the user fixes pp × dp × tp (= the device count) and, optionally, layers."""
+
+    kind: Literal["manual"] = "manual"
+    pp: int = Field(1, ge=1)
+    layers_per_stage: list[int] | None = None
+
+
+PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy], Field(discriminator="kind")]
+_adapter: TypeAdapter = TypeAdapter(PolicyConfig)
+
+
+def parse_policy(data: dict) -> PolicyConfig:
+    return _adapter.validate_python(data)

@@ -1,0 +1,49 @@
+"""Small hand-built specs so unit tests do not depend on the shipped YAMLs."""
+from __future__ import annotations
+
+import pytest
+
+from specs import (
+    DeviceSpec, HardwareSpec, HostSpec, LayerKind, LayerSpec, LinkKind, LinkSpec, ModelSpec,
+    NodeTopology, PairLink, TrainingSpec,
+)
+
+GIB = 1 << 30
+
+
+def make_model(num_layers: int = 8, params: int = 1_000_000, flops: float = 1e9, saved: int = 1 << 20,
+               out: int = 1 << 16, name: str = "toy") -> ModelSpec:
+    layers = [LayerSpec(name=f"l{i}", kind=LayerKind.transformer_block, params=params,
+                        fwd_flops_per_sample=flops, saved_bytes_per_sample=saved, output_bytes_per_sample=out,
+                        tp_allreduces_per_pass=2)
+              for i in range(num_layers)]
+    return ModelSpec(name=name, family="custom", layers=layers)
+
+
+def make_hardware(devices: int = 8, nodes: int = 1, memory_bytes: int = 32 * GIB, bw_gbps: float = 25.0,
+                  latency_s: float = 1e-6, name: str = "toyhw", nvlink_pairs=((0, 1), (2, 3))) -> HardwareSpec:
+    links = [PairLink(a=a, b=b, kind=LinkKind.nvlink, count=2, bw_gbps=bw_gbps, latency_s=latency_s)
+             for a, b in nvlink_pairs if a < devices and b < devices]
+    return HardwareSpec(
+        name=name, nodes=nodes, devices_per_node=devices,
+        device=DeviceSpec(model="toy-gpu", memory_bytes=memory_bytes, peak_tflops={"fp32": 10, "fp16": 100},
+                          compute_efficiency=1.0, hbm_gbps=1000),
+        host=HostSpec(memory_bytes=512 * GIB, pcie_gbps=12),
+        intra_node=NodeTopology(links=links, fallback=LinkSpec(kind=LinkKind.pcie, bw_gbps=bw_gbps / 2, latency_s=latency_s)),
+        inter_node=LinkSpec(kind=LinkKind.ib, bw_gbps=12.5, latency_s=5e-6) if nodes > 1 else None,
+    )
+
+
+@pytest.fixture
+def model() -> ModelSpec:
+    return make_model()
+
+
+@pytest.fixture
+def hardware() -> HardwareSpec:
+    return make_hardware()
+
+
+@pytest.fixture
+def training() -> TrainingSpec:
+    return TrainingSpec(global_batch=16, microbatch_size=2)

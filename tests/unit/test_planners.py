@@ -1,0 +1,91 @@
+"""Baseline planners: valid plans, sensible splits, errors that name the knob to turn."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from planners import PlanningError, make_plan, parse_policy
+from planners.baselines import balanced_split
+from planners.layout import even_split
+from specs import MemoryAction, ScheduleKind, ScheduleSpec, TrainingSpec
+from tests.conftest import make_hardware, make_model
+
+
+def test_even_uses_every_device(model, hardware, training):
+    plan = make_plan(parse_policy({"kind": "even"}), model, hardware, training, ScheduleSpec())
+    assert [s.num_layers for s in plan.stages] == [1] * 8
+    assert plan.used_devices() == list(range(8))
+
+
+def test_even_split_puts_extra_layers_in_the_middle():
+    assert even_split(10, 4) == [2, 3, 3, 2]
+    assert sum(even_split(34, 8)) == 34 and max(even_split(34, 8)) - min(even_split(34, 8)) == 1
+
+
+def test_balanced_split_is_optimal_against_brute_force():
+    costs = [1.0, 7.0, 2.0, 2.0, 9.0, 1.0, 3.0, 4.0]
+    best = min(
+        max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, len(costs))))
+        for cuts in itertools.combinations(range(1, len(costs)), 3)
+    )
+    counts = balanced_split(costs, 4)
+    bounds = list(itertools.accumulate(counts))
+    got = max(sum(costs[a:b]) for a, b in zip([0, *bounds], bounds))
+    assert got == best and sum(counts) == len(costs) and min(counts) >= 1
+
+
+def test_balanced_moves_layers_away_from_a_heavy_head(hardware, training):
+    model = make_model(num_layers=8)
+    heavy = model.layers[-1].model_copy(update={"fwd_flops_per_sample": 5e9})
+    model = model.model_copy(update={"layers": [*model.layers[:-1], heavy]})
+    plan = make_plan(parse_policy({"kind": "balanced", "pp": 4, "dp": 2}), model, hardware, training, ScheduleSpec())
+    assert plan.stages[-1].num_layers == 1  # the heavy head gets a stage of its own
+
+
+def test_manual_megatron_style_with_recompute(training):
+    hardware = make_hardware(devices=8, nodes=2)
+    plan = make_plan(parse_policy({"kind": "manual", "pp": 2, "tp": 4, "dp": 2, "recompute": "full"}),
+                     make_model(num_layers=8), hardware, training, ScheduleSpec())
+    assert [s.devices for s in plan.stages] == [list(range(8)), list(range(8, 16))]
+    assert all(s.tp == 4 and s.dp == 2 for s in plan.stages)
+    assert all(s.action_of(l).action is MemoryAction.recompute for s in plan.stages for l in s.layers)
+
+
+def test_manual_degrees_must_cover_devices(model, hardware, training):
+    with pytest.raises(PlanningError, match=r"policy.pp \(2\) x policy.dp \(1\) x policy.tp \(1\) = 2 must equal the 8"):
+        make_plan(parse_policy({"kind": "manual", "pp": 2}), model, hardware, training, ScheduleSpec())
+
+
+def test_manual_layers_per_stage(model, hardware):
+    training = TrainingSpec(global_batch=16, microbatch_size=4)
+    plan = make_plan(parse_policy({"kind": "manual", "pp": 2, "dp": 4, "layers_per_stage": [3, 5]}),
+                     model, hardware, training, ScheduleSpec())
+    assert [s.num_layers for s in plan.stages] == [3, 5]
+    with pytest.raises(PlanningError, match="layers_per_stage"):
+        make_plan(parse_policy({"kind": "manual", "pp": 2, "dp": 4, "layers_per_stage": [3, 4]}),
+                  model, hardware, training, ScheduleSpec())
+
+
+def test_interleaved_places_chunk_j_on_group_j_mod_p(model, hardware, training):
+    sched = ScheduleSpec(kind=ScheduleKind.interleaved_1f1b, virtual_stages=2)
+    plan = make_plan(parse_policy({"kind": "even", "pp": 4, "dp": 2}), model, hardware, training, sched)
+    assert len(plan.stages) == 8
+    assert all(plan.stages[j].devices == plan.stages[j % 4].devices for j in range(8))
+
+
+def test_too_many_stages_says_what_to_do(hardware, training):
+    with pytest.raises(PlanningError, match="lower policy.pp"):
+        make_plan(parse_policy({"kind": "even"}), make_model(num_layers=4), hardware, training, ScheduleSpec())
+
+
+def test_dp_not_dividing_microbatch_names_training(model, hardware):
+    with pytest.raises(PlanningError, match="training.microbatch_size"):
+        make_plan(parse_policy({"kind": "even", "dp": 4, "pp": 2}), model, hardware,
+                  TrainingSpec(global_batch=12, microbatch_size=2), ScheduleSpec())
+
+
+def test_unknown_policy_kind_lists_allowed():
+    with pytest.raises(Exception) as err:
+        parse_policy({"kind": "greedy"})
+    assert all(k in str(err.value) for k in ("even", "balanced", "manual"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 
 from planners.layout import (
-    PlanningError, assemble, check_chunks, device_groups, even_split, resolve_pp,
+    PlanningError, assemble, check_chunks, device_groups, even_split, resolve_degrees,
 )
 from planners.policy import BalancedPolicy, EvenPolicy, ManualPolicy
 from specs.hardware import HardwareSpec
@@ -39,12 +39,12 @@ def balanced_split(costs: list[float], parts: int) -> list[int]:
 
 def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
              schedule: ScheduleSpec, split) -> Plan:
-    pp = resolve_pp(policy.pp, hardware, policy.dp, policy.tp)
-    groups = device_groups(hardware, pp, policy.dp, policy.tp)
+    pp, dp = resolve_degrees(policy.pp, policy.dp, policy.tp, hardware, model, schedule.virtual_stages)
+    groups = device_groups(hardware, pp, dp, policy.tp)
     chunks = pp * schedule.virtual_stages
     check_chunks(model, chunks, f"policy.pp ({pp}) x schedule.virtual_stages ({schedule.virtual_stages})")
     return assemble(planner, model, hardware, training, schedule, split(chunks), groups,
-                    policy.dp, policy.tp, policy.recompute, policy.zero_stage)
+                    dp, policy.tp, policy.recompute, policy.zero_stage)
 
 
 def plan_even(policy: EvenPolicy, model, hardware, training, schedule) -> Plan:

@@ -26,16 +26,21 @@ def device_groups(hardware: HardwareSpec, pp: int, dp: int, tp: int) -> list[lis
     return [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(pp)]
 
 
-def resolve_pp(pp: int | None, hardware: HardwareSpec, dp: int, tp: int) -> int:
-    """pp given, or every device used: devices / (dp · tp)."""
+def resolve_degrees(pp: int | None, dp: int, tp: int, hardware: HardwareSpec, model: ModelSpec,
+                    virtual: int = 1) -> tuple[int, int]:
+    """(pp, dp): pp as given, or — when null — the deepest pipeline the layers allow on all devices,
+    with the devices left over going to data parallelism (so a 6-layer model on 8 GPUs gets
+    pp 4 x dp 2 rather than an error)."""
     if pp is not None:
-        return pp
+        return pp, dp
     if hardware.num_devices % (dp * tp):
         raise PlanningError(
             f"policy.dp ({dp}) x policy.tp ({tp}) must divide the {hardware.num_devices} devices of "
             f"hardware {hardware.name!r}"
         )
-    return hardware.num_devices // (dp * tp)
+    groups = hardware.num_devices // (dp * tp)
+    depth = max(d for d in range(1, groups + 1) if groups % d == 0 and d * virtual <= model.num_layers)
+    return depth, dp * (groups // depth)
 
 
 def even_split(num_layers: int, parts: int) -> list[int]:

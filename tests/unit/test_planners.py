@@ -76,7 +76,14 @@ def test_interleaved_places_chunk_j_on_group_j_mod_p(model, hardware, training):
 
 def test_too_many_stages_says_what_to_do(hardware, training):
     with pytest.raises(PlanningError, match="lower policy.pp"):
-        make_plan(parse_policy({"kind": "even"}), make_model(num_layers=4), hardware, training, ScheduleSpec())
+        make_plan(parse_policy({"kind": "even", "pp": 8}), make_model(num_layers=4), hardware, training,
+                  ScheduleSpec())
+
+
+def test_default_depth_falls_back_to_data_parallel(hardware, training):
+    plan = make_plan(parse_policy({"kind": "even"}), make_model(num_layers=6), hardware, training, ScheduleSpec())
+    assert len(plan.stages) == 4 and all(s.dp == 2 for s in plan.stages)
+    assert plan.used_devices() == list(range(8))
 
 
 def test_dp_not_dividing_microbatch_names_training(model, hardware):

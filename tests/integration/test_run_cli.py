@@ -1,0 +1,75 @@
+"""`python -m run` end to end, as a user types it, from a directory outside the repo."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from specs import Plan, Result
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "run", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_main_job_writes_plan_and_results_for_8_devices(tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan.model_validate_json((out / "plan.json").read_text())
+    result = Result.model_validate_json((out / "results.json").read_text())
+    raw = json.loads((out / "results.json").read_text())
+    assert [d["device"] for d in raw["devices"]] == list(range(8))
+    assert all(d["peak_bytes"] > 0 for d in raw["devices"])
+    assert raw["iteration_time_s"] > 0 and raw["samples_per_s"] > 0
+    assert result.plan_id == plan.id and plan.hardware == "dgx1"
+    assert "peak GiB" in proc.stdout and "samples/s" in proc.stdout
+
+
+def test_missing_hardware_lists_the_options(tmp_path):
+    proc = run_cli(tmp_path, "+model=gpt", f"hydra.run.dir={tmp_path / 'o'}")
+    assert proc.returncode != 0
+    assert "+hardware=NAME" in proc.stderr and "dgx1" in proc.stderr and "local_cpu" in proc.stderr
+
+
+def test_missing_model_lists_the_options(tmp_path):
+    proc = run_cli(tmp_path, "+hardware=dgx1", f"hydra.run.dir={tmp_path / 'o'}")
+    assert proc.returncode != 0 and "+model=NAME" in proc.stderr and "gpt3_175b" in proc.stderr
+
+
+def test_typo_in_a_key_is_rejected(tmp_path):
+    proc = run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", "polcy=even", f"hydra.run.dir={tmp_path / 'o'}")
+    assert proc.returncode != 0 and "polcy" in proc.stderr
+    proc = run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", "+policy.ppp=2", f"hydra.run.dir={tmp_path / 'o'}")
+    assert proc.returncode != 0 and "policy" in proc.stderr and "ppp" in proc.stderr
+
+
+def test_bad_value_names_the_field(tmp_path):
+    proc = run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", "training.precision=fp8",
+                   f"hydra.run.dir={tmp_path / 'o'}")
+    assert proc.returncode == 2 and "training.precision" in proc.stderr and "bf16" in proc.stderr
+
+
+def test_unplannable_request_says_why(tmp_path):
+    proc = run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", "policy=manual", "policy.pp=3",
+                   f"hydra.run.dir={tmp_path / 'o'}")
+    assert proc.returncode == 2 and "policy.pp (3)" in proc.stderr
+
+
+def test_later_modes_say_not_available_yet(tmp_path):
+    proc = run_cli(tmp_path, "+hardware=local_cpu", "+model=gpt_tiny", "mode=execute",
+                   f"hydra.run.dir={tmp_path / 'o'}")
+    assert proc.returncode == 2 and "not available yet" in proc.stderr
+
+
+def test_multirun_2x2_gives_4_result_files(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(tmp_path, "-m", "+hardware=dgx1,dgx2", "+model=gpt,bert", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 0, proc.stderr
+    results = sorted(sweep.rglob("results.json"))
+    assert len(results) == 4
+    pairs = {(Result.model_validate_json(p.read_text()).hardware, Result.model_validate_json(p.read_text()).model)
+             for p in results}
+    assert {hw for hw, _ in pairs} == {"dgx1", "dgx2"} and len(pairs) == 4

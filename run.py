@@ -42,7 +42,7 @@ class RunConfig(Spec):
     """The whole composed config, validated once."""
 
     mode: Literal["simulate", "execute", "compare", "profile", "calibrate"] = "simulate"
-    estimator: Literal["analytic", "simulator"] = "analytic"
+    estimator: Literal["analytic", "simulator"] = "simulator"
     training: TrainingSpec
     model: ModelConfig
     hardware: HardwareSpec
@@ -90,8 +90,8 @@ def run(cfg: RunConfig, outdir: Path) -> Result:
         result, trace = sim.result, sim.trace
     else:
         result = estimate(plan, model, cfg.hardware)
-    write_run(outdir, plan, result, trace)
-    print(summary(plan, result, outdir))
+    written = write_run(outdir, plan, result, trace)
+    print(summary(plan, result, written))
     return result
 
 

@@ -39,7 +39,8 @@ def balanced_split(costs: list[float], parts: int) -> list[int]:
 
 def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
              schedule: ScheduleSpec, split) -> Plan:
-    pp, dp = resolve_degrees(policy.pp, policy.dp, policy.tp, hardware, model, schedule.virtual_stages)
+    pp, dp = resolve_degrees(policy.pp, policy.dp, policy.tp, hardware, model, training,
+                             schedule.virtual_stages)
     groups = device_groups(hardware, pp, dp, policy.tp)
     chunks = pp * schedule.virtual_stages
     check_chunks(model, chunks, f"policy.pp ({pp}) x schedule.virtual_stages ({schedule.virtual_stages})")

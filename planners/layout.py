@@ -27,10 +27,10 @@ def device_groups(hardware: HardwareSpec, pp: int, dp: int, tp: int) -> list[lis
 
 
 def resolve_degrees(pp: int | None, dp: int, tp: int, hardware: HardwareSpec, model: ModelSpec,
-                    virtual: int = 1) -> tuple[int, int]:
+                    training: TrainingSpec, virtual: int = 1) -> tuple[int, int]:
     """(pp, dp): pp as given, or — when null — the deepest pipeline the layers allow on all devices,
     with the devices left over going to data parallelism (so a 6-layer model on 8 GPUs gets
-    pp 4 x dp 2 rather than an error)."""
+    pp 4 x dp 2 rather than an error). The added dp must still split the microbatch."""
     if pp is not None:
         return pp, dp
     if hardware.num_devices % (dp * tp):
@@ -39,8 +39,16 @@ def resolve_degrees(pp: int | None, dp: int, tp: int, hardware: HardwareSpec, mo
             f"hardware {hardware.name!r}"
         )
     groups = hardware.num_devices // (dp * tp)
-    depth = max(d for d in range(1, groups + 1) if groups % d == 0 and d * virtual <= model.num_layers)
-    return depth, dp * (groups // depth)
+    per_mb = training.samples_per_microbatch
+    for depth in range(min(groups, model.num_layers // virtual), 0, -1):
+        if groups % depth == 0 and per_mb % (dp * groups // depth) == 0:
+            return depth, dp * (groups // depth)
+    raise PlanningError(
+        f"hardware {hardware.name!r} has {hardware.num_devices} devices, but model {model.name!r} has "
+        f"{model.num_layers} layers and a microbatch of {per_mb} samples: no pipeline depth fills every "
+        "device with data parallelism that splits the microbatch; raise training.microbatch_size or "
+        "set policy.pp / policy.dp / policy.tp"
+    )
 
 
 def even_split(num_layers: int, parts: int) -> list[int]:

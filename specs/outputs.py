@@ -74,12 +74,12 @@ def device_table(plan: Plan, result: Result) -> str:
     return "\n".join(lines)
 
 
-def summary(plan: Plan, result: Result, outdir: Path) -> str:
+def summary(plan: Plan, result: Result, written: list[Path]) -> str:
     ooms = result.oom_devices
     head = (f"memwall [{result.source}] plan {plan.id} ({plan.planner}, {plan.schedule.kind.value}, "
             f"{len(plan.stages)} stages) model={plan.model} hardware={plan.hardware} ({plan.num_devices} devices)")
     tail = (f"iteration {result.iteration_time_s:.4g} s | {result.samples_per_s:.4g} samples/s | "
             f"{result.tflops_per_device:.4g} TFLOP/s per device | "
             f"{'OOM on ' + str(len(ooms)) + ' device(s)' if ooms else 'fits'}\n"
-            f"wrote {outdir}/plan.json, results.json")
+            f"wrote {', '.join(str(p) for p in written)}")
     return "\n".join([head, device_table(plan, result), tail])

@@ -1,0 +1,282 @@
+"""The simpy model: one process per pipeline position walking its action list.
+
+Symmetry: every dp replica and tp rank of a position runs the same list on identical data sizes,
+so one representative device per position (``stage.devices[0]``) is simulated; the Result copies
+its memory to the group's other devices (STYLE simpy notes).
+
+Streams of the representative: the compute stream is the walking process itself (passes,
+recompute, optimizer, and the blocking gradient all-reduce); sends, swaps and prefetches are
+booked on links / copy engines (see links.py) and complete as one simpy timeout each, so the
+compute stream never waits for them except where a recv or a backward needs their data.
+Send -> recv dependencies use a mailbox of simpy events keyed by (kind, sending stage, mb): no
+polling. Memory is a Timeline per position plus, per d2d target device, a Timeline of the bytes
+it holds for its peers (MPress §IV-C).
+"""
+from __future__ import annotations
+
+import simpy
+
+from simulator.links import Links
+from simulator.memory import ACTS, BUFFERS, GRADS, OPTIM, PARAMS, STASHED, SWAPPED, Timeline
+from simulator.stagecost import SWAPS, StageCost, ns, stage_costs
+from simulator.trace import TraceBuilder
+from specs import costs
+from specs.hardware import HardwareSpec, LinkSpec
+from specs.model import ModelSpec
+from specs.plan import MemoryAction, Plan, ScheduleKind
+from specs.schedule import ActionKind, build_schedule, pairs
+
+_F, _B = ActionKind.forward, ActionKind.backward
+_SA, _SG, _RA, _RG = ActionKind.send_act, ActionKind.send_grad, ActionKind.recv_act, ActionKind.recv_grad
+_SO, _SI, _RC = ActionKind.swap_out, ActionKind.swap_in, ActionKind.recompute
+_AR, _OPT = ActionKind.allreduce_grads, ActionKind.optimizer_step
+
+
+class Engine:
+    def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec):
+        self.plan, self.hardware = plan, hardware
+        self.env = simpy.Environment()
+        self.p = plan.pipeline_depth
+        self.costs: list[StageCost] = stage_costs(plan, model, hardware)
+        self.schedule = build_schedule(plan)
+        self.links = Links(hardware)
+        self.trace = TraceBuilder()
+        self.mem = [Timeline() for _ in range(self.p)]
+        self.extra: dict[int, Timeline] = {}       # d2d target device -> bytes held for peers
+        self.host_now = [0] * self.p
+        self.host_peak = [0] * self.p
+        self.finish_ns = [0] * self.p
+        self.busy_ns = [0] * self.p
+        self.events = 0
+        self._mail: dict[tuple, simpy.Event] = {}
+        self._swap_out_end: dict[tuple[int, int, int], int] = {}
+        self._swap_in_done: dict[tuple[int, int, int], simpy.Event] = {}
+        self._prefetch: dict[tuple[int, int], list[int]] = {}  # (stage, mb) -> layers not yet fetched
+        self._xfer_ns: dict[tuple[int, int, int], int] = {}
+        self._stash = plan.schedule.kind is ScheduleKind.pipedream_async
+        self._pcie = LinkSpec(kind="pcie", bw_gbps=hardware.host.pcie_gbps, latency_s=hardware.host.pcie_latency_s)
+        nvme_gbps = min(hardware.host.pcie_gbps, hardware.host.nvme_gbps or hardware.host.pcie_gbps)
+        self._nvme = LinkSpec(kind="pcie", bw_gbps=nvme_gbps, latency_s=hardware.host.pcie_latency_s)
+
+    # ---- setup and run ---------------------------------------------------------------------
+    def run(self) -> None:
+        for sc in self.costs:  # static memory is there before the first pass (t = 0)
+            mem, st = self.mem[sc.position], sc.static
+            for cat, nbytes in ((PARAMS, st.parameters_bytes), (GRADS, st.gradients_bytes),
+                                (OPTIM, st.optimizer_bytes), (BUFFERS, sc.buffer_bytes)):
+                mem.add(0, cat, nbytes)
+            self._host(sc.position, sc.host_bytes)
+        for pos in range(self.p):
+            self.env.process(self._walk(pos))
+        self.env.run()
+
+    def _host(self, pos: int, delta: int) -> None:
+        self.host_now[pos] += delta
+        if self.host_now[pos] > self.host_peak[pos]:
+            self.host_peak[pos] = self.host_now[pos]
+
+    def _extra(self, device: int) -> Timeline:
+        tl = self.extra.get(device)
+        if tl is None:
+            tl = self.extra[device] = Timeline()
+        return tl
+
+    def _later(self, delay_ns: int, callback=None) -> simpy.Event:
+        """A timeout that fires ``callback(event)`` when a booked copy ends."""
+        ev = self.env.timeout(delay_ns)
+        self.events += 1
+        if callback is not None:
+            ev.callbacks.append(callback)
+        return ev
+
+    # ---- the walker ----------------------------------------------------------------------------
+    def _walk(self, pos: int):
+        env, mem, trace, costs_ = self.env, self.mem[pos], self.trace, self.costs
+        rep = costs_[pos].rep
+        in_flight: dict[int, int] = {}
+        busy = 0
+        for a in self.schedule[pos]:
+            kind, s, k = a.kind, a.stage, a.microbatch
+            sc = costs_[s]
+            if kind is _F:
+                t0 = env.now
+                if self._stash:  # weight stashing: every in-flight microbatch but the newest keeps
+                    n = in_flight.get(s, 0)  # the version its forward used (PipeDream §3.3)
+                    if n:
+                        mem.add(t0, STASHED, sc.static.parameters_bytes)
+                    in_flight[s] = n + 1
+                yield env.timeout(sc.fwd_ns)
+                self.events += 1
+                busy += sc.fwd_ns
+                trace.slice(rep, "compute", f"F s{s} mb{k}", t0, sc.fwd_ns, "forward")
+                mem.add(env.now, ACTS, sc.fwd_alloc_bytes)  # activations exist once the pass ends
+            elif kind is _B:
+                t0 = env.now
+                if sc.simple:
+                    yield env.timeout(sc.bwd_ns)
+                    self.events += 1
+                    busy += sc.bwd_ns
+                    mem.add(env.now, ACTS, -sc.fwd_alloc_bytes)
+                else:
+                    busy += yield from self._layered_backward(pos, sc, k)
+                trace.slice(rep, "compute", f"B s{s} mb{k}", t0, env.now - t0, "backward")
+                if self._stash:
+                    n = in_flight[s] - 1
+                    in_flight[s] = n
+                    if n:
+                        mem.add(env.now, STASHED, -sc.static.parameters_bytes)
+            elif kind is _SA or kind is _SG:
+                self._send(a, sc, rep)
+            elif kind is _RA or kind is _RG:
+                key = pairs(a)
+                ev = self._mail.pop(key, None)
+                if ev is None:
+                    ev = self._mail[key] = env.event()
+                    self.events += 1
+                yield ev
+            elif kind is _SO:
+                self._swap_out(pos, sc, k, a.layer)
+            elif kind is _SI:
+                queue = self._prefetch.get((s, k))
+                if queue is None:  # the first layer the backward needs: prefetch it now
+                    self._prefetch[(s, k)] = []
+                    self._swap_in(pos, sc, k, a.layer)
+                else:  # the rest follow one layer ahead of the backward (see _layered_backward)
+                    queue.append(a.layer)
+            elif kind is _RC:
+                pass  # the backward re-runs recompute layers; the entry tells the executor which
+            elif kind is _AR or kind is _OPT:
+                dur = sc.allreduce_ns if kind is _AR else sc.optimizer_ns
+                if dur:
+                    t0 = env.now
+                    yield env.timeout(dur)
+                    self.events += 1
+                    busy += dur
+                    trace.slice(rep, "collective" if kind is _AR else "compute", f"{kind.value} s{s}",
+                                t0, dur, kind.value)
+        self.finish_ns[pos] = env.now
+        self.busy_ns[pos] = busy
+
+    def _layered_backward(self, pos: int, sc: StageCost, k: int):
+        """Backward one layer at a time (last first) when a stage recomputes or swaps: recompute
+        re-allocates a layer's activations just before its backward (checkpoint input kept,
+        Chen et al. 2016); a swapped layer waits for its prefetch. Prefetch policy: the first
+        layer the backward needs is fetched when its swap_in entry is reached (one pass ahead);
+        each further swapped layer is fetched when the backward of the previous swapped layer
+        starts — double buffering, so at most two layers' copies are on the device (MPress §IV
+        overlaps swap-in with the backward of the layers above). Returns busy nanoseconds."""
+        env, mem, busy = self.env, self.mem[pos], 0
+        for lc in reversed(sc.layers):
+            if lc.action is MemoryAction.recompute:
+                t0 = env.now
+                mem.add(t0, ACTS, lc.saved_bytes)
+                yield env.timeout(lc.recompute_ns)
+                self.events += 1
+                busy += lc.recompute_ns
+                self.trace.slice(sc.rep, "compute", f"recompute L{lc.layer} mb{k}", t0, lc.recompute_ns, "recompute")
+            elif lc.action in SWAPS:
+                queue = self._prefetch.get((sc.index, k), [])
+                if lc.layer in queue:  # not prefetched yet (listed out of order): fetch now
+                    queue.remove(lc.layer)
+                    self._swap_in(pos, sc, k, lc.layer)
+                ready = self._swap_in_done.pop((sc.index, k, lc.layer), None)
+                if ready is not None:
+                    yield ready
+                if queue:  # double buffering: the next swapped layer comes in while this one runs
+                    self._swap_in(pos, sc, k, queue.pop(0))
+            yield env.timeout(lc.bwd_ns)
+            self.events += 1
+            busy += lc.bwd_ns
+            if lc.action is MemoryAction.keep:
+                mem.add(env.now, ACTS, -lc.saved_bytes)
+            elif lc.action is MemoryAction.recompute:
+                mem.add(env.now, ACTS, -(lc.saved_bytes + lc.resident_bytes))
+            else:
+                mem.add(env.now, SWAPPED, -lc.saved_bytes)
+        self._prefetch.pop((sc.index, k), None)
+        return busy
+
+    # ---- transfers -----------------------------------------------------------------------------
+    def _transfer_ns(self, nbytes: int, a: int, b: int) -> tuple[int, tuple]:
+        link, res = self.links.route(a, b)
+        key = (a, b, nbytes)
+        dur = self._xfer_ns.get(key)
+        if dur is None:
+            dur = self._xfer_ns[key] = ns(costs.transfer_s(nbytes, link))
+        return dur, res
+
+    def _send(self, a, sc: StageCost, rep: int) -> None:
+        now = self.env.now
+        fwd = a.kind is _SA
+        nbytes = sc.act_out_bytes if fwd else sc.grad_out_bytes
+        dst = self.costs[a.peer_stage].rep
+        end = now
+        if dst != rep and nbytes:
+            dur, res = self._transfer_ns(nbytes, rep, dst)
+            start, end = self.links.reserve(res, dur, now)
+            self.trace.slice(rep, "send_fwd" if fwd else "send_bwd",
+                             f"{'act' if fwd else 'grad'} s{a.stage}->s{a.peer_stage} mb{a.microbatch}",
+                             start, dur, "p2p")
+        arrived = self._later(end - now)
+        key = pairs(a)
+        waiting = self._mail.pop(key, None)
+        if waiting is None:
+            self._mail[key] = arrived
+        else:  # the receiver is already blocked on a placeholder event
+            arrived.callbacks.append(lambda _e, w=waiting: w.succeed())
+
+    def _stripes(self, nbytes: int, targets: tuple[tuple[int, float], ...]) -> list[tuple[int, int]]:
+        """Split ``nbytes`` over d2d targets proportionally to weight (MPress §IV-C striping);
+        rounding as the analytic estimator does, the last stripe takes the remainder."""
+        total = sum(w for _, w in targets)
+        out, left = [], nbytes
+        for j, (dev, w) in enumerate(targets):
+            part = left if j == len(targets) - 1 else round(nbytes * w / total)
+            out.append((dev, part))
+            left -= part
+        return out
+
+    def _swap_out(self, pos: int, sc: StageCost, k: int, layer: int) -> None:
+        lc = sc.layers[layer - sc.layers[0].layer]
+        env, mem, now = self.env, self.mem[pos], self.env.now
+        nbytes = lc.saved_bytes
+        if lc.action is MemoryAction.d2d_swap:
+            end = now
+            for dev, part in self._stripes(nbytes, lc.targets):
+                dur, res = self._transfer_ns(part, sc.rep, dev)
+                start, e = self.links.reserve(res, dur, now)
+                self._extra(dev).add(now, SWAPPED, part)  # the peer's buffer is allocated at enqueue
+                self.trace.slice(sc.rep, f"peer->{dev}", f"swap_out L{layer} mb{k}", start, dur, "swap")
+                end = max(end, e)
+        else:
+            link = self._nvme if lc.action is MemoryAction.nvme else self._pcie
+            dur = ns(costs.transfer_s(nbytes, link))
+            start, end = self.links.reserve((("d2h", sc.rep),), dur, now)
+            self.trace.slice(sc.rep, "d2h", f"swap_out L{layer} mb{k}", start, dur, "swap")
+            self._host(pos, nbytes)  # pinned host buffer reserved at enqueue
+        self._swap_out_end[(sc.index, k, layer)] = end
+        # the source is freed when the copy has finished
+        self._later(end - now, lambda _e: mem.add(env.now, ACTS, -nbytes))
+
+    def _swap_in(self, pos: int, sc: StageCost, k: int, layer: int) -> None:
+        lc = sc.layers[layer - sc.layers[0].layer]
+        env, now, nbytes = self.env, self.env.now, lc.saved_bytes
+        earliest = max(now, self._swap_out_end.pop((sc.index, k, layer)))
+        self.mem[pos].add(now, SWAPPED, nbytes)  # destination allocated when the copy is enqueued
+        if lc.action is MemoryAction.d2d_swap:
+            end = now
+            for dev, part in self._stripes(nbytes, lc.targets):
+                dur, res = self._transfer_ns(part, dev, sc.rep)
+                start, e = self.links.reserve(res, dur, earliest)
+                tl = self._extra(dev)
+                self._later(e - now, lambda _e, tl=tl, part=part: tl.add(env.now, SWAPPED, -part))
+                self.trace.slice(sc.rep, f"peer->{dev}", f"swap_in L{layer} mb{k}", start, dur, "swap")
+                end = max(end, e)
+            done = self._later(end - now)
+        else:
+            link = self._nvme if lc.action is MemoryAction.nvme else self._pcie
+            dur = ns(costs.transfer_s(nbytes, link))
+            start, end = self.links.reserve((("h2d", sc.rep),), dur, earliest)
+            self.trace.slice(sc.rep, "h2d", f"swap_in L{layer} mb{k}", start, dur, "swap")
+            done = self._later(end - now, lambda _e: self._host(pos, -nbytes))
+        self._swap_in_done[(sc.index, k, layer)] = done

@@ -1,0 +1,86 @@
+"""Per-stage numbers the simulator needs, in integer nanoseconds and bytes, all from specs.costs.
+
+Nothing here re-derives a formula: times come from ``stage_pass_times_s`` / ``layer_fwd_s`` /
+``layer_tp_comm_s`` / ``dp_allreduce_s`` / ``optimizer_step_s``, bytes from ``stage_static`` /
+``layer_saved_bytes`` / ``resident_activation_bytes`` / ``comm_buffer_bytes``, so the simulator and
+the analytic estimator agree on static memory and per-microbatch activations by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specs import costs
+from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
+from specs.plan import MemoryAction, Plan
+from specs.result import MemoryBreakdown
+
+SWAPS = frozenset({MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme})
+
+
+def ns(seconds: float) -> int:
+    """Seconds -> integer nanoseconds (simulation time is integral so runs are reproducible)."""
+    return int(round(seconds * 1e9))
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    layer: int
+    action: MemoryAction
+    targets: tuple[tuple[int, float], ...]  # d2d: (device, weight)
+    saved_bytes: int      # everything the layer saves for backward (keep)
+    resident_bytes: int   # what stays between forward and backward under its action
+    recompute_ns: int     # one forward of the layer incl. its TP all-reduces
+    bwd_ns: int           # its backward: 2 x forward FLOPs + TP all-reduces
+
+
+@dataclass(frozen=True)
+class StageCost:
+    index: int
+    position: int
+    rep: int                      # representative device (devices[0]); the others are identical
+    fwd_ns: int
+    bwd_ns: int
+    layers: tuple[LayerCost, ...]
+    simple: bool                  # all layers keep: one event per pass, no per-layer walk
+    fwd_alloc_bytes: int          # activation bytes allocated when the forward ends
+    act_out_bytes: int            # boundary activation sent to the next stage (per replica)
+    grad_out_bytes: int           # boundary gradient sent to the previous stage
+    static: MemoryBreakdown
+    host_bytes: int
+    buffer_bytes: int
+    allreduce_ns: int
+    optimizer_ns: int
+
+
+def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[StageCost]:
+    out = []
+    for s, stage in enumerate(plan.stages):
+        b = costs.samples_per_replica(plan, stage)
+        fwd_s, bwd_s = costs.stage_pass_times_s(model, plan, hardware, stage)
+        layers = []
+        for l in stage.layers:
+            item = stage.action_of(l)
+            f = costs.layer_fwd_s(model, plan, hardware, stage, l)
+            c = costs.layer_tp_comm_s(model, plan, hardware, stage, l)
+            layers.append(LayerCost(
+                layer=l, action=item.action, targets=tuple((t.device, t.weight) for t in item.targets),
+                saved_bytes=costs.layer_saved_bytes(model.layers[l], b, stage.tp),
+                resident_bytes=costs.resident_activation_bytes(model, stage, l, b),
+                recompute_ns=ns(f + c), bwd_ns=ns(2 * f + c),
+            ))
+        static, host = costs.stage_static(model, plan, stage)
+        # A swapped layer's activations stay resident until its copy-out finishes.
+        fwd_alloc = sum(lc.saved_bytes if lc.action in SWAPS else lc.resident_bytes for lc in layers)
+        out.append(StageCost(
+            index=s, position=plan.device_group_of(s), rep=stage.devices[0],
+            fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
+            simple=all(lc.action is MemoryAction.keep for lc in layers),
+            fwd_alloc_bytes=fwd_alloc,
+            act_out_bytes=b * model.layers[stage.layer_stop - 1].output_bytes_per_sample,
+            grad_out_bytes=costs.layer_input_bytes(model, stage.layer_start, b),
+            static=static, host_bytes=host, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage),
+            allreduce_ns=ns(costs.dp_allreduce_s(model, plan, hardware, stage)),
+            optimizer_ns=ns(costs.optimizer_step_s(model, plan, hardware, stage)),
+        ))
+    return out

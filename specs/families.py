@@ -1,0 +1,94 @@
+"""Model families: the config schemas users write (conf/model/*.yaml) and the builders that turn
+them into a ModelSpec with closed-form per-layer costs.
+
+A config names its family (``family: gpt``); a pydantic discriminated union picks the schema and a
+registry maps the family to its builder, so a config never names code to import. Closed forms
+live per family: ``family_transformer`` (gpt, bert), ``family_moe``, ``family_wresnet``.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Callable, Literal, NamedTuple, Union
+
+from pydantic import ConfigDict, Field, TypeAdapter
+
+from specs._base import Spec
+from specs.family_moe import MoEConfig, build_moe
+from specs.family_moe import tied_params as _moe_tied
+from specs.family_transformer import BertConfig, GPTConfig, build_bert, build_gpt
+from specs.family_transformer import tied_params as _transformer_tied
+from specs.family_wresnet import WResNetConfig, build_wresnet
+from specs.model import LayerSpec, ModelSpec
+
+ACT_DTYPE_BYTES = (2, 4)  # fp16/bf16, fp32
+
+
+class CustomConfig(Spec):
+    """A user's own model: the layers and their costs written out, for ``act_dtype_bytes``."""
+
+    family: Literal["custom"]
+    name: str = Field(min_length=1)
+    layers: list[LayerSpec] = Field(min_length=1)
+    act_dtype_bytes: int = Field(2, description="activation dtype the byte counts were written for")
+
+
+def build_custom(cfg: CustomConfig, act: int) -> ModelSpec:
+    """The layers as given, their activation bytes rescaled from the config's dtype to ``act``."""
+    if cfg.act_dtype_bytes not in ACT_DTYPE_BYTES:
+        raise ValueError(f"act_dtype_bytes: must be one of {ACT_DTYPE_BYTES}, got {cfg.act_dtype_bytes}")
+    scale = lambda n: -(-n * act // cfg.act_dtype_bytes)  # noqa: E731  (ceil)
+    layers = [
+        layer.model_copy(update={
+            "saved_bytes_per_sample": scale(layer.saved_bytes_per_sample),
+            "output_bytes_per_sample": scale(layer.output_bytes_per_sample),
+            "workspace_bytes_per_sample": scale(layer.workspace_bytes_per_sample),
+        })
+        for layer in cfg.layers
+    ]
+    return ModelSpec(name=cfg.name, family=cfg.family, layers=layers, act_dtype_bytes=act)
+
+
+ModelConfig = Annotated[
+    Union[GPTConfig, BertConfig, MoEConfig, WResNetConfig, CustomConfig],
+    Field(discriminator="family"),
+]
+
+
+class Family(NamedTuple):
+    build: Callable[..., ModelSpec]  # (config, act_dtype_bytes) -> ModelSpec
+    tied_params: Callable[..., int]  # params the published size counts once but the spec twice
+
+
+FAMILIES: dict[str, Family] = {
+    "gpt": Family(build_gpt, _transformer_tied),
+    "bert": Family(build_bert, _transformer_tied),
+    "moe": Family(build_moe, _moe_tied),
+    "wresnet": Family(build_wresnet, lambda cfg: 0),
+    "custom": Family(build_custom, lambda cfg: 0),
+}
+
+_ADAPTER: TypeAdapter = TypeAdapter(ModelConfig, config=ConfigDict(title="model"))
+
+
+def parse_model_config(data: dict) -> ModelConfig:
+    """Validate a plain dict (a YAML file's content) into the config schema its ``family`` names.
+
+    Raises pydantic.ValidationError naming the bad field, or listing the allowed families."""
+    return _ADAPTER.validate_python(data)
+
+
+def build_model(cfg: ModelConfig, act_dtype_bytes: int = 2) -> ModelSpec:
+    """The ModelSpec of ``cfg`` with activation bytes for ``act_dtype_bytes`` (2 fp16/bf16, 4 fp32).
+
+    Layer costs are per sample: params (count), fwd FLOPs, saved/output/workspace bytes."""
+    if act_dtype_bytes not in ACT_DTYPE_BYTES:
+        raise ValueError(f"act_dtype_bytes: must be one of {ACT_DTYPE_BYTES}, got {act_dtype_bytes}")
+    if isinstance(cfg, dict):
+        cfg = parse_model_config(cfg)
+    return FAMILIES[cfg.family].build(cfg, act_dtype_bytes)
+
+
+def published_params(cfg: ModelConfig) -> int:
+    """The parameter count papers quote for ``cfg`` (GPT-3 Table 2.1, BERT, Alpa's benchmark):
+    the spec's total minus the second copy of a tied input/output embedding, which the spec keeps
+    on the head because a pipeline's last stage really holds it (see family_transformer)."""
+    return build_model(cfg).total_params - FAMILIES[cfg.family].tied_params(cfg)

@@ -1,0 +1,213 @@
+"""GPT and BERT: closed-form per-sample costs of embedding, transformer blocks and head.
+
+Symbols: s sequence length, h hidden, a heads, f FFN width (ffn_mult·h), V vocabulary,
+act bytes per activation element (2 fp16/bf16, 4 fp32). Every cost is per sample (one sequence).
+
+Saved-activation counts follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", §4.1, eq. 1): a block keeps s·h·(34 + 5as/h) bytes in fp16, of which
+s·h·(24 + 5as/h) is split by tensor parallelism (eq. 2) and 10·s·h (layernorm inputs, the
+attention and MLP inputs, two dropout masks) is replicated. Their 1-byte dropout masks are counted
+like every other element, so the fp32 count is exactly twice the fp16 count (a slight overcount
+of 2·s·h + a·s² bytes per block in fp32, accepted to keep one closed form).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from specs._base import Spec
+from specs.model import LayerKind, LayerSpec, ModelSpec
+
+TOKEN_ID_BYTES = 8  # int64 token ids, as torch.nn.Embedding takes them
+LOSS_BYTES = 4  # one fp32 loss per sample leaves the head
+LOGIT_BYTES = 4  # cross-entropy runs on fp32 logits (Korthikanti et al. 2022 §4.3: "4sbv")
+
+
+class _TransformerConfig(Spec):
+    name: str = Field(min_length=1)
+    num_layers: int = Field(gt=0, description="transformer blocks")
+    hidden: int = Field(gt=0)
+    heads: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    vocab: int = Field(gt=0)
+    ffn_mult: int = Field(4, gt=0, description="FFN width f = ffn_mult · hidden")
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self):
+        if self.hidden % self.heads:
+            raise ValueError(f"heads: {self.heads} does not divide hidden {self.hidden}")
+        return self
+
+
+class GPTConfig(_TransformerConfig):
+    """Decoder-only GPT (Radford et al. 2019; GPT-3, Brown et al. 2020, Table 2.1): learned
+    position embeddings, pre-LN blocks, final layernorm, LM head."""
+
+    family: Literal["gpt"]
+
+
+class BertConfig(_TransformerConfig):
+    """BERT encoder (Devlin et al. 2019) with the masked-LM head, pre-training style."""
+
+    family: Literal["bert"]
+
+
+# ---- sublayers: (params, tp-sharded params, fwd flops, saved fp16 bytes, tp-sharded saved) ----
+
+def attention_costs(s: int, h: int, a: int) -> tuple[int, int, float, int, int]:
+    """Self-attention sublayer with its layernorm.
+
+    Params: QKV 3h²+3h, projection h²+h, layernorm 2h. TP (Megatron, Shoeybi et al. 2019 §3):
+    QKV is column-parallel (weight and bias split), the projection row-parallel (weight split, bias
+    replicated), layernorm replicated -> 4h²+3h sharded.
+    FLOPs: QKV 6sh², scores QKᵀ 2s²h, attention·V 2s²h, projection 2sh² (Narayanan et al. 2021 §5.1).
+    Saved fp16 (Korthikanti eq. 1): LN input 2sh, QKV input 2sh, Q,K 4sh, softmax output 2as²,
+    softmax dropout mask as², dropout output 2as², V 2sh, projection input 2sh, dropout mask sh
+    = 13sh + 5as²; sharded: Q, K, V, projection input and the three a·s² tensors = 8sh + 5as².
+    """
+    params = 4 * h * h + 6 * h
+    sharded_params = 4 * h * h + 3 * h
+    flops = 8.0 * s * h * h + 4.0 * s * s * h
+    saved = 13 * s * h + 5 * a * s * s
+    sharded_saved = 8 * s * h + 5 * a * s * s
+    return params, sharded_params, flops, saved, sharded_saved
+
+
+def mlp_costs(s: int, h: int, f: int) -> tuple[int, int, float, int, int]:
+    """MLP sublayer with its layernorm: h->f GeLU f->h.
+
+    Params: fc1 hf+f, fc2 fh+h, layernorm 2h; fc1 column-parallel (weight+bias split), fc2
+    row-parallel (weight split, bias replicated) -> 2hf+f sharded. FLOPs 4shf (16sh² for f=4h).
+    Saved fp16 (Korthikanti eq. 1, f=4h gives 19sh + LN 2sh): LN input 2sh, fc1 input 2sh,
+    GeLU input 2sf, fc2 input 2sf, dropout mask sh = 5sh + 4sf; sharded: the two f-wide tensors.
+    """
+    params = 2 * h * f + f + 3 * h
+    sharded_params = 2 * h * f + f
+    flops = 4.0 * s * h * f
+    return params, sharded_params, flops, 5 * s * h + 4 * s * f, 4 * s * f
+
+
+def block_layer(name: str, s: int, h: int, a: int, f: int, act: int) -> LayerSpec:
+    """One transformer block (GPT pre-LN or BERT post-LN: the same counts).
+
+    f = 4h gives params 12h²+13h, FLOPs 24sh² + 4s²h (Narayanan et al. 2021 §5.1: their
+    96·B·s·l·h²(1 + s/6h) covers four passes with recompute, i.e. 24sh² + 4s²h per block and
+    forward) and saved bytes sh(34 + 5as/h) in fp16 (Korthikanti et al. 2022, eq. 1).
+    """
+    p_a, sp_a, fl_a, sv_a, ssv_a = attention_costs(s, h, a)
+    p_m, sp_m, fl_m, sv_m, ssv_m = mlp_costs(s, h, f)
+    saved_fp16, sharded_fp16 = sv_a + sv_m, ssv_a + ssv_m
+    return LayerSpec(
+        name=name,
+        kind=LayerKind.transformer_block,
+        params=p_a + p_m,
+        fwd_flops_per_sample=fl_a + fl_m,
+        saved_bytes_per_sample=saved_fp16 * act // 2,
+        output_bytes_per_sample=s * h * act,
+        # largest transient of the backward: the gradient of the a·s² attention scores (estimate)
+        workspace_bytes_per_sample=a * s * s * act,
+        tp_sharded_param_fraction=(sp_a + sp_m) / (p_a + p_m),
+        tp_sharded_saved_fraction=sharded_fp16 / saved_fp16,
+        tp_allreduces_per_pass=2,  # after the attention projection and after fc2 (Megatron §3)
+        max_tp=a,  # heads are split whole across TP ranks
+    )
+
+
+def embedding_layer(name: str, s: int, h: int, V: int, act: int, extra_params: int = 0,
+                    extra_saved: int = 0, id_tensors: int = 1) -> LayerSpec:
+    """Token embedding V·h + learned positions s·h (+ ``extra_params`` such as BERT's token types
+    and layernorm). Megatron's vocab-parallel embedding splits V·h over TP and all-reduces its
+    output once per pass (Shoeybi et al. 2019 §3). Saved: the int64 ids and the dropout mask s·h
+    (Korthikanti et al. 2022 §4.3 counts the embedding dropout mask), plus ``extra_saved``.
+    FLOPs: the position add, s·h (lookups do no arithmetic)."""
+    params = V * h + s * h + extra_params
+    return LayerSpec(
+        name=name,
+        kind=LayerKind.embedding,
+        params=params,
+        fwd_flops_per_sample=float(s * h),
+        saved_bytes_per_sample=id_tensors * s * TOKEN_ID_BYTES + s * h + extra_saved,
+        output_bytes_per_sample=s * h * act,
+        tp_sharded_param_fraction=V * h / params,
+        tp_sharded_saved_fraction=0.0,
+        tp_allreduces_per_pass=1,
+    )
+
+
+def head_layer(name: str, s: int, h: int, V: int, act: int, params: int, sharded_params: int,
+               flops: float, saved_inputs: int) -> LayerSpec:
+    """An LM head ending in the loss: ``saved_inputs`` bytes of hidden-size tensors plus the fp32
+    logits s·V·4 that cross-entropy keeps (Korthikanti et al. 2022 §4.3); the logits are split
+    over TP by Megatron's vocab-parallel cross-entropy. Workspace: the fp32 gradient of the
+    logits, s·V·4, allocated in the backward of the loss (estimate; Megatron computes it in place)."""
+    logits = s * V * LOGIT_BYTES
+    saved = saved_inputs + logits
+    return LayerSpec(
+        name=name,
+        kind=LayerKind.head,
+        params=params,
+        fwd_flops_per_sample=flops,
+        saved_bytes_per_sample=saved,
+        output_bytes_per_sample=LOSS_BYTES,
+        workspace_bytes_per_sample=logits,
+        tp_sharded_param_fraction=sharded_params / params,
+        tp_sharded_saved_fraction=logits / saved,
+        # the vocab-parallel loss all-reduces only s-sized max/sum vectors: negligible
+        tp_allreduces_per_pass=0,
+    )
+
+
+def _blocks(cfg: _TransformerConfig, act: int) -> list[LayerSpec]:
+    f = cfg.ffn_mult * cfg.hidden
+    return [block_layer(f"block_{i:02d}", cfg.seq_len, cfg.hidden, cfg.heads, f, act)
+            for i in range(cfg.num_layers)]
+
+
+def build_gpt(cfg: GPTConfig, act: int) -> ModelSpec:
+    """embed, block_00..block_{L-1}, head (final LN 2h + untied LM head h·V, and the loss).
+
+    The head holds its own h·V matrix even where GPT ties it to the token embedding: in a
+    pipeline the last stage keeps a copy and all-reduces its gradient with the first stage
+    (Narayanan et al. 2021, Megatron's word-embedding sync), so the memory is there either way.
+    """
+    s, h, V = cfg.seq_len, cfg.hidden, cfg.vocab
+    head = head_layer(
+        "head", s, h, V, act,
+        params=2 * h + h * V, sharded_params=h * V,
+        flops=2.0 * s * h * V,  # logits GEMM (Narayanan et al. 2021 §5.1: the V/16lh term, 2shV)
+        saved_inputs=2 * s * h * act,  # final-LN input and LM-head input (Korthikanti §4.3)
+    )
+    layers = [embedding_layer("embed", s, h, V, act), *_blocks(cfg, act), head]
+    return ModelSpec(name=cfg.name, family=cfg.family, layers=layers, act_dtype_bytes=act,
+                     seq_len=s, hidden=h, heads=cfg.heads)
+
+
+def build_bert(cfg: BertConfig, act: int) -> ModelSpec:
+    """embed (word + position + token type 2h + layernorm 2h), blocks, head (MLM head).
+
+    MLM head as in BERT's reference code (Devlin et al. 2019; google-research/bert
+    ``get_masked_lm_output``): dense h²+h with GeLU, layernorm 2h, decoder h·V (kept untied for the
+    pipeline reason given in ``build_gpt``) plus output bias V; logits for all s positions. The
+    pooler and next-sentence head (h²+h+2h+2) are left out: MLM pre-training only.
+    """
+    s, h, V = cfg.seq_len, cfg.hidden, cfg.vocab
+    embed = embedding_layer(
+        "embed", s, h, V, act, extra_params=2 * h + 2 * h,
+        extra_saved=s * h * act,  # embedding-layernorm input
+        id_tensors=2,  # token ids and token-type ids
+    )
+    head = head_layer(
+        "head", s, h, V, act,
+        params=(h * h + h) + 2 * h + (h * V + V), sharded_params=h * V + V,
+        flops=2.0 * s * h * h + 2.0 * s * h * V,
+        saved_inputs=4 * s * h * act,  # inputs of dense, GeLU, layernorm, decoder
+    )
+    layers = [embed, *_blocks(cfg, act), head]
+    return ModelSpec(name=cfg.name, family=cfg.family, layers=layers, act_dtype_bytes=act,
+                     seq_len=s, hidden=h, heads=cfg.heads)
+
+
+def tied_params(cfg: _TransformerConfig) -> int:
+    """The h·V copy that the published parameter counts leave out (tied input/output embedding)."""
+    return cfg.vocab * cfg.hidden

@@ -1,0 +1,171 @@
+"""Simulator against closed forms: bubble, in-flight activations, stashing, ring all-reduce,
+static memory, and determinism. Specs are built here, small, with free communication where the
+oracle assumes it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from simulator import simulate
+from specs import (
+    DeviceSpec, HardwareSpec, HostSpec, LayerKind, LayerSpec, LinkKind, LinkSpec, ModelSpec,
+    NodeTopology, Plan, ScheduleSpec, StagePlan, TrainingSpec, costs,
+)
+
+GIB = 1 << 30
+
+
+def model(layers: int = 8, flops: float = 1e10, params: int = 1_000_000, saved: int = 1 << 20,
+          out: int = 1 << 16) -> ModelSpec:
+    return ModelSpec(name="toy", family="custom", layers=[
+        LayerSpec(name=f"l{i}", kind=LayerKind.transformer_block, params=params, fwd_flops_per_sample=flops,
+                  saved_bytes_per_sample=saved, output_bytes_per_sample=out) for i in range(layers)])
+
+
+def hardware(devices: int = 4, bw_gbps: float = 1e12, latency_s: float = 0.0, memory_bytes: int = 80 * GIB,
+             pcie_gbps: float = 1e12, hbm_gbps: float = 1e15, nvlink: bool = False) -> HardwareSpec:
+    link = LinkSpec(kind=LinkKind.nvlink if nvlink else LinkKind.nvswitch, bw_gbps=bw_gbps, latency_s=latency_s)
+    return HardwareSpec(
+        name="toyhw", devices_per_node=devices,
+        device=DeviceSpec(model="toy", memory_bytes=memory_bytes, peak_tflops={"fp32": 100, "fp16": 100},
+                          compute_efficiency=1.0, hbm_gbps=hbm_gbps),
+        host=HostSpec(memory_bytes=512 * GIB, pcie_gbps=pcie_gbps, pcie_latency_s=0.0),
+        intra_node=NodeTopology(all_to_all=link, fallback=link))
+
+
+def plan(kind: str = "1f1b", p: int = 4, m: int = 8, mdl: ModelSpec | None = None, dp: int = 1,
+         memory=None, v: int = 1, zero: int = 0) -> Plan:
+    mdl = mdl or model()
+    chunks = p * v
+    per = mdl.num_layers // chunks
+    stages = []
+    for j in range(chunks):
+        devs = list(range((j % p) * dp, (j % p) * dp + dp))
+        stages.append(StagePlan(layer_start=j * per, layer_stop=(j + 1) * per, devices=devs, dp=dp,
+                                memory=(memory or {}).get(j, [])))
+    return Plan(planner="test", model="toy", hardware="toyhw", num_devices=p * dp,
+                training=TrainingSpec(global_batch=m * dp, num_microbatches=m),
+                schedule=ScheduleSpec(kind=kind, virtual_stages=v), zero_stage=zero, stages=stages)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(4, 8), (2, 16), (8, 8), (4, 1)])
+def test_bubble_fraction(kind, p, m):
+    """Zero-cost communication, uniform stages: bubble = (p - 1)/(m + p - 1) (GPipe §2.2)."""
+    pl = plan(kind, p, m)
+    res = simulate(pl, model(), hardware(p)).result
+    fwd, bwd = costs.stage_pass_times_s(model(), pl, hardware(p), pl.stages[0])
+    busy = m * (fwd + bwd)
+    bubble = 1 - busy / res.iteration_time_s
+    assert bubble == pytest.approx((p - 1) / (m + p - 1), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_peak_in_flight_activations(kind):
+    """Peak activations on stage i: m microbatches (GPipe), min(p - i, m) (1F1B)."""
+    p, m = 4, 6
+    pl, mdl = plan(kind, p, m), model()
+    res = simulate(pl, mdl, hardware(p)).result
+    for i, d in enumerate(res.devices):
+        per_mb = costs.stage_activation_bytes(mdl, pl, pl.stages[i])
+        expect = m if kind == "gpipe" else min(p - i, m)
+        assert d.breakdown.activations_bytes == expect * per_mb
+
+
+def test_first_stage_peaks_above_last_and_gpipe_above_1f1b():
+    p, m = 4, 8
+    one = simulate(plan("1f1b", p, m), model(), hardware(p)).result
+    gp = simulate(plan("gpipe", p, m), model(), hardware(p)).result
+    assert one.devices[0].peak_bytes > one.devices[-1].peak_bytes
+    assert gp.devices[0].peak_bytes > one.devices[0].peak_bytes
+
+
+def test_pipedream_stashes_p_minus_i_versions():
+    p, m = 4, 16
+    pl = plan("pipedream_async", p, m)
+    res = simulate(pl, model(), hardware(p)).result
+    for i, d in enumerate(res.devices):
+        b = d.breakdown
+        assert b.stashed_weights_bytes % b.parameters_bytes == 0
+        assert 1 + b.stashed_weights_bytes // b.parameters_bytes == p - i
+        assert b.stashed_weights_bytes == costs.stashed_versions(pl, i) * b.parameters_bytes
+
+
+def test_pipedream_has_no_flush_bubble():
+    p, m = 4, 8
+    a = simulate(plan("pipedream_async", p, m), model(), hardware(p)).result
+    f = simulate(plan("1f1b", p, m), model(), hardware(p)).result
+    assert a.iteration_time_s == pytest.approx(f.iteration_time_s * m / (m + p - 1), rel=1e-6)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_isolated_ring_allreduce(n):
+    """One stage, dp = n, no compute: the iteration is the gradient all-reduce,
+    2(n-1)/n · bytes/bw + 2(n-1)·latency (Thakur et al. 2005), plus a negligible optimizer step."""
+    bw, lat = 50.0, 3e-6
+    mdl = model(layers=2, flops=0.0)
+    hw = hardware(n, bw_gbps=bw, latency_s=lat)
+    pl = plan("1f1b", p=1, m=1, mdl=mdl, dp=n)
+    sim = simulate(pl, mdl, hw)
+    nbytes = 2 * mdl.total_params  # fp16 gradients
+    expect = 2 * (n - 1) / n * nbytes / (bw * 1e9) + 2 * (n - 1) * lat
+    ar = [e for e in sim.trace["traceEvents"] if e.get("cat") == "allreduce_grads"]
+    assert len(ar) == 1 and ar[0]["dur"] * 1e-6 == pytest.approx(expect, abs=1e-9)
+    assert sim.result.iteration_time_s == pytest.approx(expect, abs=2e-9)
+
+
+@pytest.mark.parametrize("kind,v,zero", [("1f1b", 1, 0), ("interleaved_1f1b", 2, 0), ("gpipe", 1, 3)])
+def test_static_memory_equals_closed_form(kind, v, zero):
+    pl = plan(kind, p=2, m=4, dp=2, v=v, zero=zero)
+    mdl = model()
+    res = simulate(pl, mdl, hardware(4)).result
+    assert [d.device for d in res.devices] == pl.used_devices()
+    for d in res.devices:
+        want = [costs.stage_static(mdl, pl, pl.stages[s])[0] for s in d.stages]
+        b = d.breakdown
+        assert b.parameters_bytes == sum(w.parameters_bytes for w in want)
+        assert b.gradients_bytes == sum(w.gradients_bytes for w in want)
+        assert b.optimizer_bytes == sum(w.optimizer_bytes for w in want)
+        assert b.buffers_bytes == sum(costs.comm_buffer_bytes(mdl, pl, pl.stages[s]) for s in d.stages)
+
+
+def test_agrees_with_analytic_on_peaks():
+    from planners.analytic import estimate
+    for kind in ("gpipe", "1f1b", "pipedream_async"):
+        pl, mdl, hw = plan(kind, 4, 16), model(), hardware(4)
+        sim, ana = simulate(pl, mdl, hw).result, estimate(pl, mdl, hw)
+        assert [d.peak_bytes for d in sim.devices] == [d.peak_bytes for d in ana.devices], kind
+
+
+def test_oom_recorded_and_run_completes():
+    pl, mdl = plan("gpipe", 2, 8), model(saved=1 << 30)
+    res = simulate(pl, mdl, hardware(2, memory_bytes=4 * GIB)).result
+    d = res.devices[0]
+    assert d.oom and d.oom_over_bytes == d.peak_bytes - 4 * GIB > 0 and d.oom_time_s is not None
+    assert res.iteration_time_s > 0 and all(x.peak_bytes > 0 for x in res.devices)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "pipedream_async", "interleaved_1f1b"])
+def test_deterministic_and_valid_trace(kind):
+    v = 2 if kind == "interleaved_1f1b" else 1
+    pl = plan(kind, 2, 4, dp=2, v=v)
+    hw = hardware(4, bw_gbps=10, latency_s=1e-6)
+    a, b = simulate(pl, model(), hw), simulate(pl, model(), hw)
+    assert a.result.model_dump_json() == b.result.model_dump_json()
+    ta, tb = json.dumps(a.trace, sort_keys=True), json.dumps(b.trace, sort_keys=True)
+    assert ta == tb
+    events = json.loads(ta)["traceEvents"]
+    pids = {e["pid"] for e in events if e["ph"] == "X"}
+    assert pids == {0, 2}  # one representative per pipeline position
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert set(names) == pids
+    assert any(e["ph"] == "C" and e["name"] == "activations_bytes" for e in events)
+    # slices on one thread never overlap (Perfetto nests X events per thread)
+    by_thread: dict = {}
+    for e in events:
+        if e["ph"] == "X" and e["cat"] not in ("recompute",):
+            by_thread.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for spans in by_thread.values():
+        spans.sort()
+        assert all(x[1] <= y[0] + 1e-9 for x, y in zip(spans, spans[1:]))

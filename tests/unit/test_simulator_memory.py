@@ -1,0 +1,88 @@
+"""The plan's per-layer memory actions in the simulator: recompute, cpu_swap, d2d_swap, nvme."""
+from __future__ import annotations
+
+import pytest
+
+from simulator import simulate
+from specs import D2DTarget, LayerMemory, MemoryAction, costs
+from tests.unit.test_simulator import hardware, model, plan
+
+P, M = 2, 4
+
+
+def _all(action: MemoryAction, stage: int = 0, per: int = 4, **kw) -> dict:
+    return {stage: [LayerMemory(layer=l, action=action, **kw) for l in range(stage * per, stage * per + per)]}
+
+
+def test_recompute_lowers_activation_peak_and_costs_a_forward():
+    mdl, hw = model(saved=1 << 22, out=1 << 12), hardware(P)
+    base = simulate(plan("1f1b", P, M), mdl, hw).result
+    pl = plan("1f1b", P, M, memory=_all(MemoryAction.recompute))
+    rc = simulate(pl, mdl, hw).result
+    assert rc.devices[0].peak_bytes < base.devices[0].peak_bytes
+    # in flight: p checkpoints; transient: one layer's full activations during its backward
+    st = pl.stages[0]
+    b = costs.samples_per_replica(pl, st)
+    want = P * costs.stage_activation_bytes(mdl, pl, st) + costs.layer_saved_bytes(mdl.layers[0], b, 1)
+    assert rc.devices[0].breakdown.activations_bytes == want
+    assert rc.iteration_time_s > base.iteration_time_s
+
+
+def test_cpu_swap_lowers_peak_and_slow_pcie_costs_time():
+    mdl = model(saved=1 << 24)
+    mem = _all(MemoryAction.cpu_swap)
+    fast, slow = hardware(P, pcie_gbps=1e9), hardware(P, pcie_gbps=0.05)
+    base = simulate(plan("1f1b", P, M), mdl, fast).result
+    quick = simulate(plan("1f1b", P, M, memory=mem), mdl, fast).result
+    crawl = simulate(plan("1f1b", P, M, memory=mem), mdl, slow).result
+    assert quick.devices[0].peak_bytes < base.devices[0].peak_bytes
+    assert quick.iteration_time_s == pytest.approx(base.iteration_time_s, rel=1e-3)
+    assert crawl.iteration_time_s > 1.5 * base.iteration_time_s
+    assert quick.devices[0].host_bytes > 0 and base.devices[0].host_bytes == 0
+
+
+def test_nvme_swap_is_slower_than_cpu_swap():
+    mdl = model(saved=1 << 24)
+    hw = hardware(P, pcie_gbps=1.0).model_copy(deep=True)
+    hw = hw.model_copy(update={"host": hw.host.model_copy(update={"nvme_bytes": 1 << 40, "nvme_gbps": 0.1})})
+    cpu = simulate(plan("1f1b", P, M, memory=_all(MemoryAction.cpu_swap)), mdl, hw).result
+    nvme = simulate(plan("1f1b", P, M, memory=_all(MemoryAction.nvme)), mdl, hw).result
+    assert nvme.iteration_time_s > cpu.iteration_time_s
+
+
+def test_d2d_swap_puts_bytes_on_the_targets_striped_by_weight():
+    """Stage 0 (device 0) swaps every layer to devices 2 and 3 (not in the plan), stripes 3:1."""
+    mdl = model(saved=1 << 22)
+    hw = hardware(4, bw_gbps=100.0, nvlink=True)
+    targets = [D2DTarget(device=2, weight=3.0), D2DTarget(device=3, weight=1.0)]
+    pl = plan("1f1b", P, M, memory=_all(MemoryAction.d2d_swap, targets=targets))
+    pl = pl.model_copy(update={"num_devices": 4})
+    sim = simulate(pl, mdl, hw)
+    res = {d.device: d for d in sim.result.devices}
+    assert set(res) == {0, 1, 2, 3} and res[2].stages == [] and res[3].stages == []
+    held2, held3 = res[2].breakdown.swapped_in_bytes, res[3].breakdown.swapped_in_bytes
+    assert held2 > 0 and held3 > 0 and held2 == pytest.approx(3 * held3, rel=1e-3)
+    base = simulate(plan("1f1b", P, M), mdl, hw).result
+    assert res[0].peak_bytes < base.devices[0].peak_bytes
+    # the held bytes come back: targets end empty (the counter's last value is 0)
+    last = {}
+    for e in sim.trace["traceEvents"]:
+        if e["ph"] == "C" and e["pid"] in (2, 3) and e["name"] == "swapped_in_bytes":
+            last[e["pid"]] = e["args"]["bytes"]
+    assert last == {2: 0, 3: 0}
+
+
+def test_memory_returns_to_static_after_the_iteration():
+    """Every allocation made by a pass, swap or prefetch is freed by the end of the iteration."""
+    mdl = model(saved=1 << 22)
+    mem = {0: [LayerMemory(layer=0, action=MemoryAction.recompute),
+               LayerMemory(layer=1, action=MemoryAction.cpu_swap),
+               LayerMemory(layer=2, action=MemoryAction.keep)]}
+    sim = simulate(plan("1f1b", P, M, memory=mem), mdl, hardware(P))
+    last: dict = {}
+    for e in sim.trace["traceEvents"]:
+        if e["ph"] == "C":
+            last[(e["pid"], e["name"])] = e["args"]["bytes"]
+    for (pid, name), value in last.items():
+        if name in ("activations_bytes", "swapped_in_bytes", "stashed_weights_bytes"):
+            assert value == 0, (pid, name)

@@ -73,3 +73,36 @@ def test_multirun_2x2_gives_4_result_files(tmp_path):
     pairs = {(Result.model_validate_json(p.read_text()).hardware, Result.model_validate_json(p.read_text()).model)
              for p in results}
     assert {hw for hw, _ in pairs} == {"dgx1", "dgx2"} and len(pairs) == 4
+
+
+def peaks(tmp_path: Path, name: str, *args: str) -> list[int]:
+    out = tmp_path / name
+    proc = run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", *args, f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    return [d.peak_bytes for d in Result.model_validate_json((out / "results.json").read_text()).devices]
+
+
+def test_gpipe_first_stage_peaks_above_1f1b_and_1f1b_first_above_last(tmp_path):
+    gpipe, one_f = peaks(tmp_path, "g", "schedule=gpipe"), peaks(tmp_path, "o", "schedule=1f1b")
+    assert gpipe[0] > one_f[0]
+    assert one_f[0] > one_f[-1]
+
+
+def test_simulator_is_default_writes_valid_trace_and_is_deterministic(tmp_path):
+    outs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        assert run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", f"hydra.run.dir={out}").returncode == 0
+        outs.append(out)
+    trace = json.loads((outs[0] / "trace.json").read_text())
+    assert trace["traceEvents"] and {"X", "C", "M"} <= {e["ph"] for e in trace["traceEvents"]}
+    assert json.loads((outs[0] / "results.json").read_text())["source"] == "simulated"
+    for f in ("results.json", "trace.json", "plan.json"):
+        assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes()
+
+
+def test_analytic_estimator_selectable(tmp_path):
+    out = tmp_path / "an"
+    assert run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", "estimator=analytic", f"hydra.run.dir={out}").returncode == 0
+    assert json.loads((out / "results.json").read_text())["source"] == "predicted-by-analytic"
+    assert not (out / "trace.json").exists()

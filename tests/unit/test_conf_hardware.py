@@ -57,7 +57,7 @@ def test_dgx1_pairs_without_nvlink_use_pcie():
     assert hw.link(0, 5).kind is LinkKind.pcie
     assert hw.link(3, 4).kind is LinkKind.pcie
     assert hw.link(0, 3).kind is LinkKind.nvlink and hw.link(0, 3).count == 2
-    assert hw.link(0, 3).total_bw_gbps == 50.0  # "GPU0 to GPU3 at 50GB/s" (MPress §III)
+    assert hw.link(0, 3).total_bw_gbps == 50.0  # "GPU0 to GPU3 at 50GB/s" (MPress §III-C)
     assert hw.link(0, 1).total_bw_gbps == 25.0
     non_nvlink = [(a, b) for a, b in itertools.combinations(range(8), 2) if not hw.is_peer(a, b)]
     assert len(non_nvlink) == 28 - 16
@@ -76,7 +76,7 @@ def test_map_nvlink_pairs_numa_pcie_and_cross_numa():
     assert [p for p in itertools.combinations(range(8), 2) if hw.is_peer(*p)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert hw.link(0, 2).kind is LinkKind.pcie and hw.link(0, 2).total_bw_gbps == 20.0
     assert hw.link(3, 4).total_bw_gbps == 10.0 and hw.link(7, 0).total_bw_gbps == 10.0
-    # MAP §6: an 8-GPU ring is bounded by the cross-NUMA PCIe, a 4-GPU one by PCIe in a NUMA node
+    # MAP §7: an 8-GPU ring is bounded by the cross-NUMA PCIe, a 4-GPU one by PCIe in a NUMA node
     assert group_link(hw, list(range(8))).total_bw_gbps == 10.0
     assert group_link(hw, [0, 1, 2, 3]).total_bw_gbps == 20.0
 

@@ -22,13 +22,13 @@ from planners.analytic import estimate
 from specs._base import Spec
 from specs.families import ModelConfig, build_model
 from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
 from specs.outputs import summary, write_run
-from specs.plan import PlanError, ScheduleSpec
+from specs.plan import Plan, PlanError, ScheduleSpec
 from specs.result import Result
 from specs.training import TrainingSpec
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-MODES = ("simulate", "execute", "compare", "profile", "calibrate")
 NOT_YET = {"execute": "issue #4 (executor)", "compare": "issue #4 (executor and compare)",
            "profile": "issue #5 (profiling)", "calibrate": "issue #5 (calibration)"}
 
@@ -73,15 +73,18 @@ def validate_config(cfg: DictConfig) -> RunConfig:
         raise UsageError("invalid config:\n" + "\n".join(lines)) from None
 
 
-def run(cfg: RunConfig, outdir: Path) -> Result:
-    """Plan, estimate (or simulate), write plan.json + results.json (+ trace.json) into outdir."""
-    if cfg.mode != "simulate":
-        raise UsageError(f"mode={cfg.mode} is not available yet ({NOT_YET[cfg.mode]}); available: simulate")
+def plan_for(cfg: RunConfig) -> tuple[ModelSpec, Plan]:
+    """Model spec and validated plan for the composed config (any planner error -> UsageError)."""
     model = build_model(cfg.model, cfg.training.act_dtype_bytes)
     try:
-        plan = make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
+        return model, make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
     except (PlanningError, PlanError) as exc:
         raise UsageError(f"policy {cfg.policy.kind!r} cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
+
+
+def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
+    """Plan, simulate (or estimate), write plan.json + results.json (+ trace.json) into outdir."""
+    model, plan = plan_for(cfg)
     trace = None
     if cfg.estimator == "simulator":
         from simulator import simulate  # imported lazily: the analytic path needs no simpy
@@ -93,6 +96,25 @@ def run(cfg: RunConfig, outdir: Path) -> Result:
     written = write_run(outdir, plan, result, trace)
     print(summary(plan, result, written))
     return result
+
+
+def not_yet(cfg: RunConfig, outdir: Path) -> Result:
+    raise UsageError(f"mode={cfg.mode} is not available yet ({NOT_YET[cfg.mode]}); available: "
+                     + ", ".join(m for m in MODE_RUNNERS if MODE_RUNNERS[m] is not not_yet))
+
+
+#: one function per mode; each takes the validated config and the output directory
+MODE_RUNNERS = {
+    "simulate": run_simulate,
+    "execute": not_yet,
+    "compare": not_yet,
+    "profile": not_yet,
+    "calibrate": not_yet,
+}
+
+
+def run(cfg: RunConfig, outdir: Path) -> Result:
+    return MODE_RUNNERS[cfg.mode](cfg, outdir)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

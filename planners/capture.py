@@ -1,0 +1,210 @@
+"""CAPTURE (capture.txt §III): predictor, layer merger and recommender over hybrid-parallel plans.
+
+Pure: the predictor reads M_i / M_a statistics (from profiling, issue 5) handed in as data; the
+recommender searches stage placements to minimise the predicted peak per-GPU memory.
+
+Two searches over the same space, which must agree (tests compare them):
+- :func:`recommend_exhaustive` — Algorithm 4: enumerate placements group by group, pruning
+  stage configs whose prediction exceeds the best plan's peak (§III-C "Reducing the time").
+- :func:`recommend` — exact dynamic programming over (next layer, next GPU). The objective,
+  peak memory with the paper's tie-break (drop the highest GPU(s), compare the rest, repeat), is
+  the *leximax* order on per-GPU predictions sorted high to low. Adding the same multiset to two
+  vectors preserves their leximax order, so the best completion from (layer, GPU) does not depend
+  on how that state was reached: optimal substructure holds and the DP is exact.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+#: (layer_start, layer_stop, parallelism "pp" | "dp" | "tp", degree) -> predicted per-GPU bytes
+Predictor = Callable[[int, int, str, int], float]
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    layer_start: int
+    layer_stop: int
+    parallelism: str  # "pp" (degree 1), "dp" or "tp"
+    degree: int
+    predicted_bytes: float
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    stages: tuple[StageConfig, ...]
+    per_gpu_bytes: tuple[float, ...]  # in GPU order
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.per_gpu_bytes)
+
+    @property
+    def leximax(self) -> tuple[float, ...]:
+        return tuple(sorted(self.per_gpu_bytes, reverse=True))
+
+
+# ---- predictor (§III-B) -------------------------------------------------------------------------
+
+def stage_prediction(m_i: list[float], m_a: list[float], start: int, stop: int) -> float:
+    """M_p(l; l+n) = M_i(l) + Σ_{k=l+1}^{l+n} M_a(k)  (§III-B1)."""
+    return m_i[start] + sum(m_a[start + 1:stop])
+
+
+def line_at(x: tuple[float, float], y: tuple[float, float], at: float) -> float:
+    """Straight line through two profiled batch sizes, sampled at the target (Description 2)."""
+    (x0, x1), (y0, y1) = x, y
+    return y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+
+
+def log_at(d: tuple[int, int], y: tuple[float, float], degree: int) -> float:
+    """y = a + b·ln(degree) through the two profiled degrees (2 and 4), sampled at ``degree``:
+    a fixed part plus a part divided by the degree sums to a log-like curve (§III-B3)."""
+    (d0, d1), (y0, y1) = d, y
+    b = (y1 - y0) / (math.log(d1) - math.log(d0))
+    return y0 + b * (math.log(degree) - math.log(d0))
+
+
+@dataclass(frozen=True)
+class CaptureStats:
+    """M_i and M_a per layer for each profiled (scenario, batch) — scenario "pp", "dp2", "dp4",
+    "tp2", "tp4" — as the CAPTURE profiler (§III-A) records them."""
+
+    m_i: dict[tuple[str, int], tuple[float, ...]]
+    m_a: dict[tuple[str, int], tuple[float, ...]]
+
+    @property
+    def batches(self) -> tuple[int, int]:
+        sizes = sorted({b for _, b in self.m_i})
+        if len(sizes) != 2:
+            raise ValueError(f"CAPTURE needs exactly two profiled batch sizes, got {sizes}")
+        return sizes[0], sizes[1]
+
+    @property
+    def num_layers(self) -> int:
+        return len(next(iter(self.m_i.values())))
+
+    def predictor(self, target_batch: int) -> Predictor:
+        """The §III-B predictor at ``target_batch``: profiled scenarios directly (batch-scaled);
+        degrees above 4 by a log fit over the 2- and 4-way predictions."""
+        lo, hi = self.batches
+
+        def scenario(name: str, start: int, stop: int) -> float:
+            ys = tuple(stage_prediction(self.m_i[name, b], self.m_a[name, b], start, stop) for b in (lo, hi))
+            return line_at((lo, hi), ys, target_batch)
+
+        def predict(start: int, stop: int, parallelism: str, degree: int) -> float:
+            if degree == 1:
+                return scenario("pp", start, stop)
+            if degree in (2, 4):
+                return scenario(f"{parallelism}{degree}", start, stop)
+            ys = (scenario(f"{parallelism}2", start, stop), scenario(f"{parallelism}4", start, stop))
+            return log_at((2, 4), ys, degree)
+
+        return predict
+
+
+def merge_layers(m_i: list[float], m_a: list[float], target: int) -> tuple[list[float], list[float], list[tuple[int, int]]]:
+    """Layer merger (§III-A3): repeatedly merge the adjacent pair whose merged M_i is lowest,
+    M_i(l;l+1) = M_i(l) + M_a(l+1), M_a = M_a(l) + M_a(l+1), until ``target`` layers remain.
+    Returns the merged M_i, M_a and each merged layer's original [start, stop)."""
+    m_i, m_a = list(m_i), list(m_a)
+    spans = [(i, i + 1) for i in range(len(m_i))]
+    while len(m_i) > max(target, 1):
+        j = min(range(len(m_i) - 1), key=lambda k: (m_i[k] + m_a[k + 1], k))
+        m_i[j:j + 2] = [m_i[j] + m_a[j + 1]]
+        m_a[j:j + 2] = [m_a[j] + m_a[j + 1]]
+        spans[j:j + 2] = [(spans[j][0], spans[j + 1][1])]
+    return m_i, m_a, spans
+
+
+# ---- the plan space (§III-C) -------------------------------------------------------------------
+
+def _degrees(k: int) -> list[int]:
+    """Powers of two up to the node's GPU count k (CAPTURE limits degrees to powers of 2)."""
+    return [1 << e for e in range(k.bit_length()) if (1 << e) <= k]
+
+
+def _configs(predict: Predictor, start: int, stop: int, free_on_node: int, k: int):
+    for degree in _degrees(k):
+        if degree > free_on_node:
+            break
+        for par in ("pp",) if degree == 1 else ("dp", "tp"):
+            yield StageConfig(start, stop, par, degree, predict(start, stop, par, degree))
+
+
+def _finish(stages: list[StageConfig]) -> Recommendation:
+    per_gpu = tuple(s.predicted_bytes for s in stages for _ in range(s.degree))
+    return Recommendation(tuple(stages), per_gpu)
+
+
+def recommend_exhaustive(predict: Predictor, num_layers: int, nodes: int, gpus_per_node: int) -> Recommendation:
+    """Algorithm 4 with pruning: depth-first placement of layer groups, in order, onto the GPUs
+    node by node; the degrees on a node's sub-mesh sum to its GPU count and no GPU stays idle."""
+    k, total = gpus_per_node, nodes * gpus_per_node
+    best: list[Recommendation | None] = [None]
+
+    def place(layer: int, gpu: int, stages: list[StageConfig]) -> None:
+        if layer == num_layers or gpu == total:
+            if layer == num_layers and gpu == total:
+                rec = _finish(stages)
+                if best[0] is None or rec.leximax < best[0].leximax:
+                    best[0] = rec
+            return
+        free = k - gpu % k
+        for stop in range(layer + 1, num_layers + 1):
+            for cfg in _configs(predict, layer, stop, free, k):
+                if best[0] is not None and cfg.predicted_bytes > best[0].peak_bytes:
+                    continue  # prune: this config alone exceeds the best plan's peak (§III-C)
+                if num_layers - stop < (0 if gpu + cfg.degree == total else 1):
+                    continue  # GPUs left but no layers for them
+                stages.append(cfg)
+                place(stop, gpu + cfg.degree, stages)
+                stages.pop()
+
+    place(0, 0, [])
+    if best[0] is None:
+        raise ValueError(f"no plan places {num_layers} layers on {nodes} x {gpus_per_node} GPUs")
+    return best[0]
+
+
+def recommend(predict: Predictor, num_layers: int, nodes: int, gpus_per_node: int) -> Recommendation:
+    """Exact DP over (next layer, next GPU) for the same objective as Algorithm 4 (leximax)."""
+    k, total = gpus_per_node, nodes * gpus_per_node
+    table: dict[tuple[int, int, int], float] = {}
+
+    def pred(start: int, stop: int, par: str, degree: int) -> float:
+        key = (start, stop, degree if par != "tp" else -degree)
+        if key not in table:
+            table[key] = predict(start, stop, par, degree)
+        return table[key]
+
+    @lru_cache(maxsize=None)
+    def best(layer: int, gpu: int) -> tuple[tuple[float, ...], tuple[StageConfig, ...]] | None:
+        if layer == num_layers or gpu == total:
+            return ((), ()) if layer == num_layers and gpu == total else None
+        found = None
+        free = k - gpu % k
+        for stop in range(layer + 1, num_layers + 1):
+            for degree in _degrees(k):
+                if degree > free:
+                    break
+                for par in ("pp",) if degree == 1 else ("dp", "tp"):
+                    rest = best(stop, gpu + degree)
+                    if rest is None:
+                        continue
+                    value = pred(layer, stop, par, degree)
+                    if found is not None and value > found[0][0]:
+                        continue  # cannot beat the incumbent's peak
+                    vec = tuple(sorted(rest[0] + (value,) * degree, reverse=True))
+                    if found is None or vec < found[0]:
+                        found = (vec, (StageConfig(layer, stop, par, degree, value),) + rest[1])
+        return found
+
+    result = best(0, 0)
+    best.cache_clear()
+    if result is None:
+        raise ValueError(f"no plan places {num_layers} layers on {nodes} x {gpus_per_node} GPUs")
+    return _finish(list(result[1]))

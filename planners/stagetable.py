@@ -59,7 +59,9 @@ class StageTable:
         self.proto = Plan(planner="table", model=model.name, hardware=hardware.name,
                           num_devices=hardware.num_devices, training=training, schedule=schedule,
                           zero_stage=zero_stage, stages=[StagePlan(layer_start=0, layer_stop=model.num_layers, devices=[0])])
-        self._cache: dict[tuple, StageCost | None] = {}
+        self._cache: dict[tuple, StageCost | None] = {}   # by (layers, parallelism, degree, link)
+        self._placed: dict[Placed, StageCost | None] = {}  # the same costs, by placement (hot path)
+        self._p2p: dict[tuple[int, int, int], float] = {}
 
     def allowed(self, parallelism: str, degree: int, start: int, stop: int) -> bool:
         """dp must split the microbatch; tp may not exceed any layer's max (heads)."""
@@ -70,10 +72,15 @@ class StageTable:
         return True
 
     def cost(self, p: Placed) -> StageCost | None:
+        try:
+            return self._placed[p]
+        except KeyError:
+            pass
         link = costs.group_link(self.hardware, list(range(p.gpu, p.gpu + p.degree))) if p.degree > 1 else None
         key = (p.start, p.stop, p.parallelism, p.degree, link)
         if key not in self._cache:
             self._cache[key] = self._compute(p) if self.allowed(p.parallelism, p.degree, p.start, p.stop) else None
+        self._placed[p] = self._cache[key]
         return self._cache[key]
 
     def _compute(self, p: Placed) -> StageCost:
@@ -94,7 +101,10 @@ class StageTable:
 
     def p2p_s(self, a: Placed, b: Placed, out_bytes: int) -> float:
         """Activation forward + gradient back between the first devices of consecutive stages."""
-        return 2 * costs.transfer_s(out_bytes, self.hardware.link(a.gpu, b.gpu))
+        key = (a.gpu, b.gpu, out_bytes)
+        if key not in self._p2p:
+            self._p2p[key] = 2 * costs.transfer_s(out_bytes, self.hardware.link(a.gpu, b.gpu))
+        return self._p2p[key]
 
     def in_flight(self, i: int, p: int) -> int:
         m, kind = self.training.microbatches, self.schedule.kind

@@ -14,6 +14,7 @@ from typing import Literal
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from pydantic import Field, ValidationError
 
@@ -23,7 +24,7 @@ from specs._base import Spec
 from specs.families import ModelConfig, build_model
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.outputs import summary, write_run
+from specs.outputs import GIB, find_jobs, summary, write_run, write_sweep_summary
 from specs.plan import Plan, PlanError, ScheduleSpec
 from specs.result import Result
 from specs.training import TrainingSpec
@@ -49,6 +50,8 @@ class RunConfig(Spec):
     policy: PolicyConfig
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     experiment: ExperimentInfo | None = None
+    model_costs: Literal["closed_form", "symbolic"] = "closed_form"  # symbolic: from the torch modules (issue #5)
+    profile_cache: str | None = None  # symbolic-profile cache dir; None: ~/.cache/memwall/profiles
 
 
 class UsageError(Exception):
@@ -75,7 +78,7 @@ def validate_config(cfg: DictConfig) -> RunConfig:
 
 def plan_for(cfg: RunConfig) -> tuple[ModelSpec, Plan]:
     """Model spec and validated plan for the composed config (any planner error -> UsageError)."""
-    model = build_model(cfg.model, cfg.training.act_dtype_bytes)
+    model = model_spec(cfg)
     try:
         return model, make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
     except (PlanningError, PlanError) as exc:
@@ -98,6 +101,137 @@ def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
     return result
 
 
+def symbolic_profile(cfg: RunConfig, attention: str = "default"):
+    """The symbolic profile of cfg.model at the run's microbatch and precision, from the cache
+    (keyed by model config, microbatch, dtype, attention path and torch version) or traced now."""
+    import torch
+
+    from executor.profile_symbolic import profile_model
+    from specs import profile_io
+
+    mb, dtype = cfg.training.samples_per_microbatch, cfg.training.precision.value
+    cache = Path(cfg.profile_cache or Path.home() / ".cache" / "memwall" / "profiles")
+    key = profile_io.cache_key(cfg.model.model_dump(mode="json"), mb, dtype, attention, torch.__version__)
+    prof = profile_io.cached_profile(cache, key)
+    if prof is None:
+        prof = profile_model(cfg.model, microbatch=mb, dtype=dtype, attention=attention,
+                             progress=lambda k, i, name: print(f"[profile] tracing layer {i} ({name}), distinct #{k}",
+                                                                flush=True))
+        profile_io.store_profile(cache, key, prof)
+    return prof
+
+
+def model_spec(cfg: RunConfig) -> ModelSpec:
+    """Closed-form model spec, or (model_costs=symbolic) the same layers with costs measured by the
+    symbolic profiler (specs.profile.apply_profile)."""
+    model = build_model(cfg.model, cfg.training.act_dtype_bytes)
+    if cfg.model_costs == "symbolic":
+        from specs.profile import apply_profile
+
+        model = apply_profile(model, symbolic_profile(cfg))
+    return model
+
+
+def run_profile(cfg: RunConfig, outdir: Path) -> None:
+    """mode=profile: symbolic profile -> profile.json; with policy=capture also CAPTURE's
+    profiling runs (resumable: each finished run is appended to capture_runs.jsonl in outdir, and a
+    rerun with the same hydra.run.dir skips the runs recorded there)."""
+    import time
+
+    from specs import profile_io
+
+    t0 = time.perf_counter()
+    prof = symbolic_profile(cfg)
+    closed = build_model(cfg.model, cfg.training.act_dtype_bytes)
+    print(f"[profile] {cfg.model.name}: {len(prof.layers)} layers, {prof.distinct_layers} traced (identical "
+          f"layers reuse their representative), microbatch {prof.microbatch}, {prof.dtype}, "
+          f"{time.perf_counter() - t0:.1f} s")
+    print(f"[profile] total_params {prof.total_params:,} (closed form {closed.total_params:,}: "
+          f"{'equal' if prof.total_params == closed.total_params else 'DIFFERENT'})")
+    if cfg.policy.kind == "capture":
+        prof = prof.model_copy(update={"capture": _capture(cfg, outdir)})
+    path = profile_io.write_profile(outdir / "profile.json", prof)
+    print(f"wrote {path}")
+
+
+def _capture(cfg: RunConfig, outdir: Path):
+    import hashlib
+    import json
+
+    from planners.capture_profile import profile_capture
+    from specs import profile_io
+    from specs.plan import validate_plan
+
+    pol, hw = cfg.policy, cfg.hardware
+    backend_name = pol.backend
+    if backend_name == "auto":
+        backend_name = "executor" if hw.name == "local_cpu" and cfg.model.family != "custom" else "simulator"
+    if backend_name == "executor":
+        from executor import execute
+
+        act = 4  # the executor trains in fp32 on CPU (executor.execute)
+
+        def backend(plan, model, hardware):
+            return execute(plan, cfg.model, hardware, iterations=1, warmup=1, timeout_s=300)
+    else:
+        from simulator import simulate
+
+        act = cfg.training.act_dtype_bytes
+
+        def backend(plan, model, hardware):
+            return simulate(validate_plan(plan, model, hardware), model, hardware).result
+    model = build_model(cfg.model, act) if cfg.model_costs == "closed_form" else model_spec(cfg)
+    ident = {"model": cfg.model.model_dump(mode="json"), "hardware": hw.model_dump(mode="json"),
+             "training": cfg.training.model_dump(mode="json"), "schedule": cfg.schedule.model_dump(mode="json"),
+             "policy": pol.model_dump(mode="json"), "backend": backend_name, "costs": cfg.model_costs}
+    fingerprint = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    log = outdir / "capture_runs.jsonl"
+    done = {r["key"]: r["peaks"] for r in profile_io.read_records(log) if r.get("fingerprint") == fingerprint}
+    if done:
+        print(f"[capture] resuming: {len(done)} runs already recorded in {log}")
+    print(f"[capture] backend {backend_name}; scenarios {', '.join(pol.scenarios)}", flush=True)
+
+    def on_run(run, peaks, i, n):
+        profile_io.append_record(log, {"fingerprint": fingerprint, "key": run.key, "peaks": peaks})
+        top = max(peaks.values()) / 2**20
+        print(f"[capture {i}/{n}] {run.key}: max stage peak {top:.2f} MiB", flush=True)
+
+    try:
+        cap = profile_capture(model, hw, cfg.training, cfg.schedule, backend, backend_name,
+                              scenarios=list(pol.scenarios), batch_sizes=pol.batch_sizes,
+                              num_microbatches=pol.num_microbatches, done=done, on_run=on_run)
+    except PlanningError as exc:
+        raise UsageError(f"CAPTURE profiling: {exc}") from None
+    print(f"[capture] {cap.runs} profiling runs ({cap.runs - len(done)} this time) for {model.num_layers} layers; "
+          f"the paper's count is 10(L-1) = {cap.paper_runs}; M_i/M_a for {len(cap.scenarios)} scenario x batch sets")
+    return cap
+
+
+def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
+    """mode=calibrate: measure this machine (executor.calibrate) and write
+    ``<outdir>/hardware/<name>_calibrated.yaml``, selectable next run with
+    ``+hardware=<name>_calibrated hydra.searchpath=[file://<outdir>]``."""
+    import yaml
+
+    from executor.calibrate import calibrate, hardware_yaml
+    from specs import profile_io
+
+    hw = cfg.hardware
+    world = max(2, min(hw.devices_per_node, 8))
+    m = calibrate(world, quick=True, progress=lambda line: print(line, flush=True))
+    name = f"{hw.name}_calibrated"
+    text = hardware_yaml(hw.model_dump(mode="json"), m, name)
+    HardwareSpec.model_validate(yaml.safe_load(text))  # what we write must load
+    path = profile_io.write_text(outdir / "hardware" / f"{name}.yaml", text)
+    r = m["ranks"]
+    print(f"[calibrate] per rank: fp32 {r['matmul_fp32_1024_flops_per_s'] / 1e9:.1f} GFLOP/s, bf16 "
+          f"{r['matmul_bf16_1024_flops_per_s'] / 1e9:.1f}, fp16 {r['matmul_fp16_256_flops_per_s'] / 1e9:.2f}; copy "
+          f"{r['copy_gbps']:.2f} GB/s; p2p alpha {r['p2p_alpha_s'] * 1e6:.0f} us beta {r['p2p_beta'] / 1e9:.2f} GB/s; "
+          f"all-reduce busbw {r['ar_busbw_gbps']:.2f} GB/s ({m['elapsed_s']:.0f} s)")
+    print(f"wrote {path}\nuse it: python -m run +hardware={name} hydra.searchpath=[file://{outdir.resolve()}] "
+          f"+model={cfg.model.name}")
+
+
 def not_yet(cfg: RunConfig, outdir: Path) -> Result:
     raise UsageError(f"mode={cfg.mode} is not available yet ({NOT_YET[cfg.mode]}); available: "
                      + ", ".join(m for m in MODE_RUNNERS if MODE_RUNNERS[m] is not not_yet))
@@ -108,8 +242,8 @@ MODE_RUNNERS = {
     "simulate": run_simulate,
     "execute": not_yet,
     "compare": not_yet,
-    "profile": not_yet,
-    "calibrate": not_yet,
+    "profile": run_profile,
+    "calibrate": run_calibrate,
 }
 
 
@@ -117,14 +251,37 @@ def run(cfg: RunConfig, outdir: Path) -> Result:
     return MODE_RUNNERS[cfg.mode](cfg, outdir)
 
 
+class SweepSummary(Callback):
+    """Registered in conf/config.yaml (hydra.callbacks). After a multirun it writes summary.csv
+    and summary.png at the sweep root, one row per job. It reads each job's
+    .hydra/overrides.yaml and results.json from disk, so it works whichever launcher ran the jobs
+    (joblib and submitit run them in other processes, where this object's state is not shared)."""
+
+    def __init__(self) -> None:
+        self.sweep_dir: Path | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        # resolve ${now:...} once, before the sweeper does, so start and end agree on the path
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = self.sweep_dir or Path(config.hydra.sweep.dir)
+        jobs = [(name, [str(o) for o in OmegaConf.load(f)], f.parent.parent) for name, f in find_jobs(sweep_dir)]
+        if jobs:
+            written = write_sweep_summary(sweep_dir, jobs)
+            print(f"memwall: {len(jobs)} jobs; wrote {', '.join(str(p) for p in written)}")
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float:
+    """Returns the largest per-device peak in GiB, so a sweeper (Optuna) can minimise it."""
     outdir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        run(validate_config(cfg), outdir)
+        result = run(validate_config(cfg), outdir)
     except UsageError as exc:
         print(f"memwall: {exc}", file=sys.stderr)
         sys.exit(2)
+    return result.max_peak_bytes / GIB if result is not None else float("nan")
 
 
 if __name__ == "__main__":

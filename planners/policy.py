@@ -39,7 +39,21 @@ class ManualPolicy(_Uniform):
     layers_per_stage: list[int] | None = None
 
 
-PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy], Field(discriminator="kind")]
+class CapturePolicy(Spec):
+    """CAPTURE (memory-centric partitioning). ``mode=profile policy=capture`` runs its profiler
+    (§III-A); the planner itself (§III-B/C) is issue #6. ``batch_sizes``: profiling global
+    batches (null: half and quarter of training.global_batch, §III-A2); ``num_microbatches``:
+    microbatches per profiling run (null: the most that leave every microbatch divisible by 4,
+    so 2- and 4-way data parallelism split it); ``backend``: what runs the profiling plans."""
+
+    kind: Literal["capture"] = "capture"
+    batch_sizes: list[int] | None = None
+    num_microbatches: int | None = Field(None, ge=1)
+    scenarios: list[Literal["pp", "dp2", "dp4", "tp2", "tp4"]] = ["pp", "dp2", "dp4", "tp2", "tp4"]
+    backend: Literal["auto", "simulator", "executor"] = "auto"
+
+
+PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy, CapturePolicy], Field(discriminator="kind")]
 _adapter: TypeAdapter = TypeAdapter(PolicyConfig)
 
 

@@ -1,15 +1,23 @@
-"""The one module that writes files: plan.json, results.json, trace.json, and the console table.
+"""The one module that writes files: plan.json, results.json, trace.json, the figures
+(memory.png, timeline.png, compare.png, summary.png; drawn by specs.figures), a sweep's
+summary.csv, and the console table.
 
 Plans and results are plain JSON (pydantic dumps), never pickle, so files are safe to load.
+matplotlib and rich are imported lazily, so importing this module needs neither.
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 
 from pydantic import BaseModel
 
+from specs import figures
 from specs.plan import Plan
 from specs.result import Result
 
@@ -27,12 +35,40 @@ def write_json(path: Path, obj: BaseModel | dict) -> Path:
     return path
 
 
-def write_run(outdir: Path, plan: Plan, result: Result, trace: dict | None = None) -> list[Path]:
-    """plan.json + results.json (+ trace.json when the simulator produced one)."""
+def save_figure(path: Path, fig) -> Path:
+    """Save a matplotlib Figure as PNG atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+    return path
+
+
+def write_figures(outdir: Path, result: Result, trace: dict | None = None) -> list[Path]:
+    """memory.png (+ timeline.png when there is a trace, i.e. estimator=simulator)."""
+    paths = [save_figure(Path(outdir) / "memory.png", figures.memory_figure(result))]
+    if trace is not None:
+        paths.append(save_figure(Path(outdir) / "timeline.png", figures.timeline_figure(trace, result)))
+    return paths
+
+
+def write_run(outdir: Path, plan: Plan, result: Result, trace: dict | None = None, *,
+              draw: bool = True) -> list[Path]:
+    """plan.json + results.json (+ trace.json when the simulator produced one), then the figures
+    (memory.png, timeline.png) unless ``draw`` is False."""
     paths = [write_json(outdir / "plan.json", plan), write_json(outdir / "results.json", result)]
     if trace is not None:
         paths.append(write_json(outdir / "trace.json", trace))
+    if draw:
+        paths += write_figures(outdir, result, trace)
     return paths
+
+
+def write_compare_figure(path: Path, simulated: Result, measured: Result) -> Path:
+    """compare.png: predicted vs measured peak per rank (y = x, error statistics), error per rank
+    and iteration time side by side. Devices are matched by device id."""
+    return save_figure(path, figures.compare_figure(simulated, measured))
 
 
 def load_plan(path: Path) -> Plan:
@@ -43,17 +79,13 @@ def load_result(path: Path) -> Result:
     return Result.model_validate_json(Path(path).read_text())
 
 
-def _ranges(devices: list[int]) -> str:
-    parts, start = [], devices[0]
-    for prev, cur in zip(devices, devices[1:] + [None]):
-        if cur != prev + 1 if cur is not None else True:
-            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = cur
-    return ",".join(parts)
+_ranges = figures.device_ranges
+TABLE_HEADER = ("device", "stage", "layers", "peak GiB", "cap GiB", "use %", "OOM")
 
 
-def device_table(plan: Plan, result: Result) -> str:
-    """Per-device table; devices with identical stages and peak are folded into one row."""
+def table_rows(result: Result) -> list[tuple[bool, tuple[str, ...]]]:
+    """(oom, cells) per row of the device table; consecutive devices with identical stages, peak
+    and OOM are folded into one row."""
     rows: list[tuple[list[int], object]] = []
     for d in result.devices:
         key = (tuple(d.stages), d.peak_bytes, d.oom)
@@ -62,24 +94,160 @@ def device_table(plan: Plan, result: Result) -> str:
         else:
             rows.append(([d.device], key))
     by_device = {d.device: d for d in result.devices}
-    lines = [f"{'device':>10}  {'stage':>6}  {'layers':>12}  {'peak GiB':>9}  {'cap GiB':>8}  {'use %':>6}  OOM"]
+    out = []
     for devices, _ in rows:
         d = by_device[devices[0]]
         stages = ",".join(str(s) for s in d.stages)
         layers = ",".join(f"{a}-{b - 1}" for a, b in d.layers)
         use = 100.0 * d.peak_bytes / d.capacity_bytes if d.capacity_bytes else 0.0
         oom = f"OOM +{d.oom_over_bytes / GIB:.1f} GiB" if d.oom else ""
-        lines.append(f"{_ranges(devices):>10}  {stages:>6}  {layers:>12}  {d.peak_bytes / GIB:9.2f}  "
-                     f"{d.capacity_bytes / GIB:8.1f}  {use:6.1f}  {oom}")
+        out.append((d.oom, (_ranges(devices), stages, layers, f"{d.peak_bytes / GIB:.2f}",
+                            f"{d.capacity_bytes / GIB:.1f}", f"{use:.1f}", oom)))
+    return out
+
+
+def device_table(plan: Plan, result: Result) -> str:
+    """Per-device table as plain text; devices with identical stages and peak are folded into one row."""
+    widths = (10, 6, 12, 9, 8, 6)
+    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(TABLE_HEADER, widths)) + "  OOM"]
+    for _, cells in table_rows(result):
+        lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)) + f"  {cells[-1]}")
     return "\n".join(lines)
 
 
-def summary(plan: Plan, result: Result, written: list[Path]) -> str:
+def _heading(plan: Plan, result: Result) -> tuple[str, str]:
     ooms = result.oom_devices
     head = (f"memwall [{result.source}] plan {plan.id} ({plan.planner}, {plan.schedule.kind.value}, "
             f"{len(plan.stages)} stages) model={plan.model} hardware={plan.hardware} ({plan.num_devices} devices)")
     tail = (f"iteration {result.iteration_time_s:.4g} s | {result.samples_per_s:.4g} samples/s | "
             f"{result.tflops_per_device:.4g} TFLOP/s per device | "
-            f"{'OOM on ' + str(len(ooms)) + ' device(s)' if ooms else 'fits'}\n"
-            f"wrote {', '.join(str(p) for p in written)}")
-    return "\n".join([head, device_table(plan, result), tail])
+            f"{'OOM on ' + str(len(ooms)) + ' device(s)' if ooms else 'fits'}")
+    return head, tail
+
+
+def rich_table(plan: Plan, result: Result):
+    """The device table as a rich Table: use % coloured (red past 100, amber past 90), OOM rows red."""
+    from rich.table import Table
+
+    table = Table(show_edge=False, header_style="bold", pad_edge=False)
+    for h in TABLE_HEADER:
+        table.add_column(h, justify="left" if h == "OOM" else "right", no_wrap=True)
+    for oom, cells in table_rows(result):
+        use = float(cells[5])
+        colour = "red" if oom or use > 100 else "yellow" if use > 90 else "green"
+        table.add_row(*cells[:5], f"[{colour}]{cells[5]}[/]", f"[bold red]{cells[6]}[/]" if oom else "",
+                      style="red" if oom else None)
+    return table
+
+
+def summary(plan: Plan, result: Result, written: list[Path]) -> str:
+    """Heading, device table (rich; coloured on a terminal, plain text otherwise), timing line and
+    the files written, as one string to print."""
+    head, tail = _heading(plan, result)
+    try:
+        from rich.console import Console
+    except ImportError:  # rich is a dependency, but the plain table says the same
+        return "\n".join([head, device_table(plan, result), tail, f"wrote {', '.join(str(p) for p in written)}"])
+    tty = sys.stdout.isatty()
+    console = Console(file=io.StringIO(), force_terminal=tty, no_color=not tty, highlight=False,
+                      width=shutil.get_terminal_size((120, 24)).columns if tty else 160, soft_wrap=True)
+    console.print(head, style="bold", markup=False)
+    console.print(rich_table(plan, result))
+    console.print(tail, markup=False)
+    console.print(f"wrote {', '.join(str(p) for p in written)}", markup=False, style="dim")
+    return console.file.getvalue().rstrip("\n")
+
+
+# ---------------------------------------------------------------- sweeps
+
+SWEEP_COLUMNS = ("job", "status", "overrides")
+RESULT_COLUMNS = ("model_name", "hardware_name", "plan_id", "devices", "max_peak_gib", "min_peak_gib",
+                  "capacity_gib", "oom_devices", "iteration_time_s", "samples_per_s", "tflops_per_device")
+MEASURED_COLUMNS = ("measured_max_peak_gib", "measured_min_peak_gib", "measured_oom_devices",
+                    "measured_iteration_time_s", "measured_samples_per_s", "peak_error_pct", "time_error_pct")
+
+
+def override_key(override: str) -> tuple[str, str]:
+    """'+hardware=dgx1' -> ('hardware', 'dgx1'); 'policy.pp=4' -> ('policy.pp', '4')."""
+    key, _, value = override.partition("=")
+    return key.lstrip("+~"), value
+
+
+def _result_columns(r: Result, prefix: str = "") -> dict:
+    peaks = [d.peak_bytes for d in r.devices] or [0]
+    cols = {"max_peak_gib": round(max(peaks) / GIB, 6), "min_peak_gib": round(min(peaks) / GIB, 6),
+            "oom_devices": len(r.oom_devices), "iteration_time_s": r.iteration_time_s,
+            "samples_per_s": r.samples_per_s}
+    if not prefix:
+        cols.update(model_name=r.model, hardware_name=r.hardware, plan_id=r.plan_id, devices=len(r.devices),
+                    capacity_gib=round(max((d.capacity_bytes for d in r.devices), default=0) / GIB, 6),
+                    tflops_per_device=r.tflops_per_device)
+    return {prefix + k: v for k, v in cols.items()}
+
+
+def _pct(a, b) -> float | str:
+    return round(100.0 * (a - b) / b, 3) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
+
+
+def sweep_row(job: str, overrides: list[str], job_dir: Path) -> dict:
+    """One summary.csv row: the job's overrides (joined, and one column per key), its results.json
+    (peak over devices, OOM count, time), and measured.json / compare.json when the job has them."""
+    job_dir = Path(job_dir)
+    row: dict = {"job": job, "overrides": " ".join(overrides)}
+    row.update(override_key(o) for o in overrides)
+    if (job_dir / "results.json").exists():
+        row.update(status="ok", **_result_columns(load_result(job_dir / "results.json")))
+    else:
+        row["status"] = "failed"
+    if (job_dir / "measured.json").exists():
+        row.update(_result_columns(load_result(job_dir / "measured.json"), "measured_"))
+        row["peak_error_pct"] = _pct(row.get("max_peak_gib"), row["measured_max_peak_gib"])
+        row["time_error_pct"] = _pct(row.get("iteration_time_s"), row["measured_iteration_time_s"])
+    if (job_dir / "compare.json").exists():
+        data = json.loads((job_dir / "compare.json").read_text())
+        if isinstance(data, dict):
+            row.update({f"compare_{k}": v for k, v in data.items() if isinstance(v, (int, float, str, bool))})
+    return row
+
+
+def _job_order(job: str) -> tuple:
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in job.split("/"))
+
+
+def write_sweep_summary(sweep_dir: Path, jobs: list[tuple[str, list[str], Path]]) -> list[Path]:
+    """summary.csv (one row per job, in job order) and summary.png (the swept keys: those whose
+    value differs between jobs) at ``sweep_dir``. ``jobs``: (job name, override strings, job dir)."""
+    sweep_dir = Path(sweep_dir)
+    rows = [sweep_row(*j) for j in sorted(jobs, key=lambda j: _job_order(j[0]))]
+    keys = list(dict.fromkeys(k for r in rows for k, _ in map(override_key, r["overrides"].split())))
+    swept = [k for k in keys if len({r.get(k) for r in rows}) > 1]
+    extra = sorted({k for r in rows for k in r if k.startswith("compare_")})
+    columns = list(SWEEP_COLUMNS) + keys + list(RESULT_COLUMNS)
+    if any("measured_max_peak_gib" in r for r in rows):
+        columns += list(MEASURED_COLUMNS)
+    columns += extra
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    path = sweep_dir / "summary.csv"
+    tmp = path.with_name(path.name + ".tmp")
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    tmp.write_text(buf.getvalue())
+    os.replace(tmp, path)
+    paths = [path]
+    if rows:
+        paths.append(save_figure(sweep_dir / "summary.png", figures.summary_figure(rows, swept)))
+    return paths
+
+
+def find_jobs(sweep_dir: Path) -> list[tuple[str, Path]]:
+    """(job name, overrides.yaml) for every job under a multirun directory (Hydra writes
+    <job>/.hydra/overrides.yaml whichever launcher ran it)."""
+    sweep_dir = Path(sweep_dir)
+    found = []
+    for f in sweep_dir.glob("**/.hydra/overrides.yaml"):
+        job_dir = f.parent.parent
+        if job_dir != sweep_dir:
+            found.append((job_dir.relative_to(sweep_dir).as_posix(), f))
+    return sorted(found, key=lambda j: _job_order(j[0]))

@@ -1,0 +1,411 @@
+"""The figure half of the writer: matplotlib figures built from Results, traces and sweep rows.
+
+Each ``*_figure`` function takes data and returns a matplotlib ``Figure`` (no file I/O, no global
+pyplot state); ``specs.outputs`` saves them. matplotlib is imported lazily inside the functions,
+with the Agg canvas attached explicitly, so ``import specs`` never needs matplotlib and no GUI
+backend is ever chosen. The small helpers that shape the data (folding identical devices, lanes
+of a trace, error statistics) are plain Python and tested on their own.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from specs.result import CATEGORIES, DeviceResult, Result
+
+GIB = float(1 << 30)
+
+#: colour and legend label per memory category (Result.devices[*].breakdown)
+CATEGORY_STYLE = {
+    "parameters_bytes": ("#4c72b0", "parameters"),
+    "gradients_bytes": ("#55a868", "gradients"),
+    "optimizer_bytes": ("#8172b3", "optimizer state"),
+    "activations_bytes": ("#dd8452", "activations"),
+    "buffers_bytes": ("#937860", "buffers"),
+    "swapped_in_bytes": ("#da8bc3", "swapped in / peer copies"),
+    "stashed_weights_bytes": ("#ccb974", "stashed weights"),
+}
+OTHER_STYLE = ("#bbbbbb", "unattributed")
+OOM_COLOUR = "#c0392b"
+
+#: colour per trace slice category ("cat" of the simulator's X events); unknown ones cycle GREYS
+SLICE_STYLE = {
+    "forward": ("#4c72b0", "forward"),
+    "backward": ("#dd8452", "backward"),
+    "recompute": ("#8172b3", "recompute"),
+    "optimizer_step": ("#7f7f7f", "optimizer step"),
+    "p2p": ("#55a868", "p2p send (activations / grads)"),
+    "allreduce_grads": ("#17becf", "gradient all-reduce"),
+    "swap": ("#c44e52", "swap (d2h / h2d / peer)"),
+}
+GREYS = ("#aaaaaa", "#666666", "#cccccc")
+LANES = ("compute", "comm", "swap")
+
+
+def _new_figure(width_in: float, height_in: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: specs imports without matplotlib
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width_in, height_in), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def device_ranges(devices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    parts, start = [], devices[0]
+    for prev, cur in zip(devices, devices[1:] + [None]):
+        if cur is None or cur != prev + 1:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(parts)
+
+
+# ---------------------------------------------------------------- memory.png
+
+@dataclass
+class DeviceGroup:
+    """Devices with identical stages, breakdown, capacity and OOM: drawn as one bar."""
+
+    devices: list[int]
+    first: DeviceResult
+
+    @property
+    def label(self) -> str:
+        text = device_ranges(self.devices)
+        return text if len(text) <= 12 else f"{len(self.devices)} devices"
+
+
+def fold_devices(result: Result) -> list[DeviceGroup]:
+    """Fold identical devices (same stages, peak, breakdown, capacity, OOM) into one group each,
+    in order of first appearance, so a 1,024-device run draws a bar per distinct device."""
+    groups: dict[tuple, DeviceGroup] = {}
+    for d in result.devices:
+        key = (tuple(d.stages), d.peak_bytes, d.capacity_bytes, d.oom,
+               tuple(getattr(d.breakdown, c) for c in CATEGORIES))
+        if key in groups:
+            groups[key].devices.append(d.device)
+        else:
+            groups[key] = DeviceGroup([d.device], d)
+    return list(groups.values())
+
+
+def _segments(d: DeviceResult) -> list[tuple[str, float]]:
+    """(category, GiB) stacked bottom-up; peak bytes not covered by the breakdown (a measured
+    result that only knows its peak) become an 'unattributed' segment."""
+    segs = [(c, getattr(d.breakdown, c) / GIB) for c in CATEGORIES]
+    rest = d.peak_bytes - d.breakdown.total_bytes
+    if rest > 0:
+        segs.append(("other", rest / GIB))
+    return segs
+
+
+def memory_figure(result: Result):
+    """Stacked bars of bytes per category at each device's peak, the capacity line, OOM marked."""
+    groups = fold_devices(result)
+    n = len(groups)
+    fig = _new_figure(min(16.0, max(7.0, 2.5 + 0.5 * n)), 5.0)
+    ax = fig.add_subplot()
+    xs = list(range(n))
+    bottoms = [0.0] * n
+    used: dict[str, None] = {}
+    for cat in list(CATEGORIES) + ["other"]:
+        heights = [dict(_segments(g.first)).get(cat, 0.0) for g in groups]
+        if not any(h > 0 for h in heights):
+            continue
+        colour, label = CATEGORY_STYLE.get(cat, OTHER_STYLE)
+        ax.bar(xs, heights, 0.8, bottom=bottoms, color=colour, label=label, edgecolor="white", linewidth=0.3)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+        used[cat] = None
+    caps = [g.first.capacity_bytes / GIB for g in groups]
+    if len(set(caps)) == 1:
+        ax.axhline(caps[0], color="black", linestyle="--", linewidth=1.2, label=f"capacity {caps[0]:.0f} GiB")
+    else:
+        ax.hlines(caps, [x - 0.45 for x in xs], [x + 0.45 for x in xs], colors="black", linestyles="--",
+                  linewidth=1.2, label="capacity")
+    peaks = [g.first.peak_bytes / GIB for g in groups]
+    top = max(peaks + caps + [1e-9])
+    for x, g, peak in zip(xs, groups, peaks):
+        if g.first.oom:
+            ax.bar([x], [peak], 0.8, fill=False, edgecolor=OOM_COLOUR, linewidth=2.0, hatch="//")
+            ax.text(x, peak + 0.02 * top, f"OOM\n+{g.first.oom_over_bytes / GIB:.1f}", ha="center", va="bottom",
+                    color=OOM_COLOUR, fontsize=8 if n <= 24 else 6, fontweight="bold")
+        elif n <= 24:
+            ax.text(x, peak + 0.01 * top, f"{peak:.1f}", ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, top * 1.2)
+    ax.set_xlim(-0.6, n - 0.4)
+    step = max(1, math.ceil(n / 40))
+    ax.set_xticks(xs[::step])
+    many = n > 16
+    labels = [f"{g.label}" + ("" if many else "\nstage " + ",".join(map(str, g.first.stages)))
+              for g in groups[::step]]
+    ax.set_xticklabels(labels, rotation=90 if many else 0, fontsize=7 if many else 8)
+    for tick, g in zip(ax.get_xticklabels(), groups[::step]):
+        if g.first.oom:
+            tick.set_color(OOM_COLOUR)
+    folded = sum(len(g.devices) for g in groups) > n
+    ax.set_xlabel("device" + (" (identical devices folded into one bar)" if folded else ""))
+    ax.set_ylabel("GiB at the device's peak")
+    ooms = len(result.oom_devices)
+    ax.set_title(f"{result.model} on {result.hardware} ({len(result.devices)} devices, {result.source}): "
+                 f"peak {max(peaks, default=0):.1f} GiB, "
+                 + (f"OOM on {ooms} device(s)" if ooms else "fits"), fontsize=10)
+    handles, labels_ = ax.get_legend_handles_labels()
+    if ooms:
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(fill=False, edgecolor=OOM_COLOUR, hatch="//", linewidth=2.0))
+        labels_.append("out of memory")
+    ax.legend(handles, labels_, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+# ---------------------------------------------------------------- timeline.png
+
+@dataclass
+class Lane:
+    """One row of the Gantt chart: one device's compute, communication or swap work."""
+
+    pid: int
+    lane: str
+    slices: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # cat -> [(start_s, dur_s)]
+
+
+_PROC = re.compile(r"device (\d+) \(position (\d+), stages \[([^\]]*)\], for (\d+) devices\)")
+
+
+def device_label(process_name: str, pid: int) -> str:
+    """'device 64 (position 1, stages [1], for 64 devices)' -> 'dev 64 · stage 1 · ×64'."""
+    m = _PROC.fullmatch(process_name)
+    if not m:
+        return process_name[:28] if process_name else f"pid {pid}"
+    dev, _, stages, n = m.groups()
+    return f"dev {dev} · stage {stages.replace(' ', '')}" + (f" · ×{n}" if int(n) > 1 else "")
+
+
+def lane_of(cat: str, tid: int) -> str:
+    if cat == "swap":
+        return "swap"
+    return "compute" if tid == 0 else "comm"
+
+
+def trace_lanes(trace: dict) -> tuple[list[Lane], dict[int, str]]:
+    """Chrome trace -> lanes (sorted by pid, then compute/comm/swap) and pid -> process name.
+    Timestamps in the trace are microseconds; lanes hold seconds."""
+    names: dict[int, str] = {}
+    lanes: dict[tuple[int, str], Lane] = {}
+    for e in trace.get("traceEvents", []):
+        ph = e.get("ph")
+        if ph == "M" and e.get("name") == "process_name":
+            names[e["pid"]] = e.get("args", {}).get("name", "")
+        elif ph == "X":
+            key = (e["pid"], lane_of(e.get("cat", ""), e.get("tid", 0)))
+            lane = lanes.get(key) or lanes.setdefault(key, Lane(*key))
+            lane.slices.setdefault(e.get("cat", "other"), []).append((e["ts"] / 1e6, e["dur"] / 1e6))
+    ordered = sorted(lanes.values(), key=lambda ln: (ln.pid, LANES.index(ln.lane)))
+    return ordered, names
+
+
+def timeline_figure(trace: dict, result: Result | None = None):
+    """Gantt chart: one row per (device, lane), one colour per slice category, legend on top."""
+    lanes, names = trace_lanes(trace)
+    rows = max(1, len(lanes))
+    fig = _new_figure(13.0, min(16.0, max(3.2, 1.4 + 0.32 * rows)))
+    ax = fig.add_subplot()
+    cats: dict[str, tuple[str, str]] = {}
+    end = max((s + d for ln in lanes for spans in ln.slices.values() for s, d in spans), default=0.0)
+    # a p2p send or swap can last 1e-4 of the iteration: widen every slice to ~1 pixel so it shows
+    min_w = end / 1200
+    for y, lane in enumerate(lanes):
+        # white seams between back-to-back passes; not on thin transfers or dense rows (they wash out)
+        seams = lane.lane == "compute" and sum(map(len, lane.slices.values())) <= 1200
+        for cat, spans in lane.slices.items():
+            if cat not in cats:
+                colour, label = SLICE_STYLE.get(cat, (GREYS[len(cats) % len(GREYS)], cat))
+                cats[cat] = (colour, label)
+            ax.broken_barh([(s, max(d, min_w)) for s, d in spans], (y - 0.4, 0.8), facecolors=cats[cat][0],
+                           edgecolor="white" if seams else "none", linewidth=0.8 if seams else 0)
+    labels, prev = [], None
+    for y, lane in enumerate(lanes):
+        if lane.pid != prev:
+            labels.append(f"{device_label(names.get(lane.pid, ''), lane.pid)}  {lane.lane}")
+            if y:
+                ax.axhline(y - 0.5, color="black", linewidth=0.5)
+        else:
+            labels.append(lane.lane)
+        prev = lane.pid
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels(labels, fontsize=7 if rows > 24 else 8)
+    ax.set_ylim(len(lanes) - 0.5, -0.5)
+    ax.set_xlim(0, end * 1.01 if end else 1.0)
+    ax.set_xlabel("time in the iteration (s)")
+    ax.grid(axis="x", alpha=0.3)
+    from matplotlib.patches import Patch
+
+    order = [c for c in SLICE_STYLE if c in cats] + [c for c in cats if c not in SLICE_STYLE]
+    ax.legend([Patch(color=cats[c][0]) for c in order], [cats[c][1] for c in order], loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), ncol=min(4, max(1, len(order))), fontsize=8, frameon=False)
+    head = "simulated timeline of one iteration"
+    if result is not None:
+        head = (f"{result.model} on {result.hardware}: {head}, {result.iteration_time_s:.3g} s "
+                f"({len({ln.pid for ln in lanes})} representative devices; identical peers not drawn)")
+    fig.suptitle(head, fontsize=10)
+    return fig
+
+
+# ---------------------------------------------------------------- compare.png
+
+@dataclass(frozen=True)
+class PeakPair:
+    device: int
+    rank: int | None
+    predicted_bytes: int
+    measured_bytes: int
+
+    @property
+    def error_pct(self) -> float:
+        return 100.0 * (self.predicted_bytes - self.measured_bytes) / self.measured_bytes if self.measured_bytes else 0.0
+
+
+def peak_pairs(predicted: Result, measured: Result) -> list[PeakPair]:
+    """Devices present in both results, matched by device id, in device order."""
+    pred = {d.device: d for d in predicted.devices}
+    return [PeakPair(m.device, m.rank, pred[m.device].peak_bytes, m.peak_bytes)
+            for m in sorted(measured.devices, key=lambda d: d.device) if m.device in pred]
+
+
+def error_stats(pairs: list[PeakPair]) -> dict[str, float]:
+    """Mean absolute % error, max |%| error, mean signed % error (bias; + = over-predicted),
+    RMSE in GiB, over the matched devices."""
+    if not pairs:
+        return {"n": 0, "mape_pct": 0.0, "max_abs_pct": 0.0, "bias_pct": 0.0, "rmse_gib": 0.0}
+    errs = [p.error_pct for p in pairs]
+    sq = [((p.predicted_bytes - p.measured_bytes) / GIB) ** 2 for p in pairs]
+    return {"n": len(pairs), "mape_pct": sum(map(abs, errs)) / len(errs), "max_abs_pct": max(map(abs, errs)),
+            "bias_pct": sum(errs) / len(errs), "rmse_gib": math.sqrt(sum(sq) / len(sq))}
+
+
+def compare_figure(predicted: Result, measured: Result):
+    """Three panels: predicted vs measured peak per rank (y = x, ±10 % band), error per rank
+    (a histogram past 64 ranks), iteration time side by side."""
+    pairs = peak_pairs(predicted, measured)
+    st = error_stats(pairs)
+    fig = _new_figure(15.0, 4.8)
+    ax1, ax2, ax3 = fig.subplots(1, 3, width_ratios=[1.1, 1.3, 0.7])
+    xs = [p.measured_bytes / GIB for p in pairs]
+    ys = [p.predicted_bytes / GIB for p in pairs]
+    hi = max(xs + ys + [1e-9]) * 1.1
+    ax1.fill_between([0, hi], [0, 0.9 * hi], [0, 1.1 * hi], color="#dddddd", label="±10 %")
+    ax1.plot([0, hi], [0, hi], color="black", linestyle="--", linewidth=1, label="y = x")
+    oom = {d.device for d in measured.devices if d.oom}
+    ax1.scatter(xs, ys, s=28, zorder=3, c=[OOM_COLOUR if p.device in oom else "#4c72b0" for p in pairs],
+                label="rank")
+    if len(pairs) <= 16:
+        for p, x, y in zip(pairs, xs, ys):
+            ax1.annotate(str(p.rank if p.rank is not None else p.device), (x, y), textcoords="offset points",
+                         xytext=(4, -10), fontsize=7)
+    ax1.set_xlim(0, hi)
+    ax1.set_ylim(0, hi)
+    ax1.set_xlabel(f"{measured.source} peak (GiB)")
+    ax1.set_ylabel(f"{predicted.source} peak (GiB)")
+    ax1.set_title(f"peak per rank: mean |err| {st['mape_pct']:.1f} %, max {st['max_abs_pct']:.1f} %\n"
+                  f"bias {st['bias_pct']:+.1f} %, RMSE {st['rmse_gib']:.2f} GiB, {st['n']} ranks", fontsize=9)
+    ax1.legend(fontsize=7, loc="upper left")
+    errs = [p.error_pct for p in pairs]
+    if len(pairs) <= 64:
+        ax2.bar(range(len(pairs)), errs, color=["#4c72b0" if e >= 0 else "#dd8452" for e in errs])
+        ax2.set_xticks(range(len(pairs)))
+        ax2.set_xticklabels([str(p.rank if p.rank is not None else p.device) for p in pairs],
+                            fontsize=7, rotation=90 if len(pairs) > 16 else 0)
+        ax2.set_xlabel("rank" if any(p.rank is not None for p in pairs) else "device")
+        ax2.set_ylabel(f"peak error (%), + = {predicted.source} higher")
+    else:
+        ax2.hist(errs, bins=30, color="#4c72b0")
+        ax2.set_xlabel(f"peak error (%), + = {predicted.source} higher")
+        ax2.set_ylabel("ranks")
+    ax2.axhline(0, color="black", linewidth=0.8)
+    ax2.set_title("prediction error per rank", fontsize=9)
+    ax2.grid(axis="y", alpha=0.3)
+    t_pred, t_meas = predicted.iteration_time_s, measured.iteration_time_s
+    t_err = 100.0 * (t_pred - t_meas) / t_meas if t_meas else 0.0
+    bars = ax3.bar([0, 1], [t_pred, t_meas], color=["#4c72b0", "#55a868"])
+    for b, t in zip(bars, (t_pred, t_meas)):
+        ax3.text(b.get_x() + b.get_width() / 2, t, f"{t:.3g} s", ha="center", va="bottom", fontsize=8)
+    ax3.set_xticks([0, 1])
+    ax3.set_xticklabels([predicted.source, measured.source], fontsize=8)
+    ax3.set_ylabel("iteration time (s)")
+    ax3.set_ylim(0, max(t_pred, t_meas, 1e-9) * 1.2)
+    ax3.set_title(f"iteration time: error {t_err:+.1f} %", fontsize=9)
+    fig.suptitle(f"{predicted.model} on {predicted.hardware}: {predicted.source} vs {measured.source} "
+                 f"(plan {predicted.plan_id})", fontsize=10)
+    return fig
+
+
+# ---------------------------------------------------------------- summary.png
+
+def summary_figure(rows: list[dict], swept: list[str]):
+    """Sweep overview: max peak GiB per job (whisker down to the min device, capacity tick, OOM
+    hatched) and samples/s. Two swept keys give grouped bars (first key on x, second as colour);
+    otherwise one bar per job labelled by its swept values."""
+    fig = _new_figure(min(16.0, max(7.0, 3.0 + 0.7 * len(rows))), 6.5)
+    ax1, ax2 = fig.subplots(2, 1, sharex=True)
+    if len(swept) == 2:
+        xkey, hkey = swept
+        xvals = list(dict.fromkeys(r.get(xkey, "") for r in rows))
+        hvals = list(dict.fromkeys(r.get(hkey, "") for r in rows))
+        width = 0.8 / len(hvals)
+        pos = [xvals.index(r.get(xkey, "")) - 0.4 + width * (hvals.index(r.get(hkey, "")) + 0.5) for r in rows]
+        colours = [f"C{hvals.index(r.get(hkey, ''))}" for r in rows]
+        ticks, ticklabels = list(range(len(xvals))), [f"{xkey}={v}" for v in xvals]
+        from matplotlib.patches import Patch
+
+        handles = [Patch(color=f"C{i}", label=f"{hkey}={v}") for i, v in enumerate(hvals)]
+    else:
+        width = 0.8
+        pos = list(range(len(rows)))
+        colours = ["C0"] * len(rows)
+        ticks = pos
+        ticklabels = ["\n".join(f"{k}={r.get(k, '')}" for k in swept) if swept else str(r.get("job", i))
+                      for i, r in enumerate(rows)]
+        handles = []
+
+    def num(r: dict, key: str) -> float:
+        v = r.get(key)
+        return float(v) if v not in (None, "") else math.nan
+
+    peak = [num(r, "max_peak_gib") for r in rows]
+    low = [num(r, "min_peak_gib") for r in rows]
+    ax1.bar(pos, [0 if math.isnan(p) else p for p in peak], width * 0.95, color=colours)
+    ax1.vlines(pos, low, peak, colors="black", linewidth=1)
+    ax1.scatter(pos, low, marker="_", color="black", s=60, zorder=3, label="min over devices")
+    caps = [num(r, "capacity_gib") for r in rows]
+    ax1.hlines(caps, [p - width / 2 for p in pos], [p + width / 2 for p in pos], colors="black",
+               linestyles="--", linewidth=1.2, label="capacity")
+    measured = [num(r, "measured_max_peak_gib") for r in rows]
+    if any(not math.isnan(m) for m in measured):
+        ax1.scatter(pos, measured, marker="D", color="black", zorder=4, label="measured max peak")
+    top = max([x for x in peak + caps + measured if not math.isnan(x)] + [1e-9])
+    for p, r, pk in zip(pos, rows, peak):
+        if r.get("status") != "ok":
+            ax1.text(p, 0.02 * top, "failed", rotation=90, ha="center", va="bottom", fontsize=8, color=OOM_COLOUR)
+        elif int(r.get("oom_devices") or 0):
+            ax1.bar([p], [pk], width * 0.95, fill=False, edgecolor=OOM_COLOUR, hatch="//", linewidth=1.5)
+            ax1.text(p, pk + 0.02 * top, f"OOM×{r['oom_devices']}", ha="center", va="bottom", fontsize=7,
+                     color=OOM_COLOUR, fontweight="bold")
+        elif len(rows) <= 24:
+            ax1.text(p, pk + 0.01 * top, f"{pk:.3g}", ha="center", va="bottom", fontsize=7)
+    ax1.set_ylim(0, top * 1.2)
+    ax1.set_ylabel("max peak per device (GiB)")
+    ax1.legend(handles=handles + ax1.get_legend_handles_labels()[0], fontsize=7, loc="upper left",
+               bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax1.grid(axis="y", alpha=0.3)
+    ax2.bar(pos, [0 if math.isnan(x) else x for x in (num(r, "samples_per_s") for r in rows)], width * 0.95,
+            color=colours)
+    ax2.set_ylabel("samples/s (predicted)")
+    ax2.grid(axis="y", alpha=0.3)
+    ax2.set_xticks(ticks)
+    ax2.set_xticklabels(ticklabels, fontsize=8, rotation=90 if len(ticks) > 12 else 0)
+    fig.suptitle(f"sweep over {', '.join(swept) if swept else 'jobs'}: {len(rows)} jobs", fontsize=10)
+    return fig

@@ -1,0 +1,106 @@
+"""profile.json: what the profilers measured, and how a model spec takes its costs from it.
+
+Two sections, either may be absent:
+
+* ``layers`` — the symbolic profile (MAP §4.1): per layer, measured on the real torch module under
+  FakeTensorMode at microbatch ``microbatch`` and activation dtype ``dtype``: parameters, forward
+  and backward FLOPs, bytes saved for backward, boundary output bytes and the transient peak
+  inside the layer. Byte and FLOP counts are for the whole microbatch; ``per_sample`` divides.
+* ``capture`` — CAPTURE's profile (§III-A): M_i(l) (peak of a device holding layer l alone) and
+  M_a(l) (change of the peak when l joins its neighbours) per scenario (pp, dp2, dp4, tp2, tp4)
+  and profiling batch size, and how many runs it took (the paper's count is 10(L−1)).
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import Field
+
+from specs._base import Spec
+from specs.model import ModelSpec
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+SCENARIOS = ("pp", "dp2", "dp4", "tp2", "tp4")
+
+
+class LayerProfile(Spec):
+    """One layer at the profile's microbatch (totals, not per sample)."""
+
+    index: int = Field(ge=0)
+    name: str
+    module: str = Field(description="torch class of the layer")
+    representative: int = Field(ge=0, description="index of the identical layer actually traced")
+    params: int = Field(ge=0)
+    fwd_flops: float = Field(ge=0)
+    bwd_flops: float = Field(ge=0)
+    saved_bytes: int = Field(ge=0, description="unique storages saved for backward, parameters excluded")
+    output_bytes: int = Field(ge=0, description="the boundary tensor handed to the next layer")
+    temp_peak_bytes: int = Field(ge=0, description="largest transient above the live bytes, fwd or bwd")
+
+
+class CaptureStat(Spec):
+    layer: int = Field(ge=0)
+    name: str
+    M_i_bytes: int = Field(description="peak of a device (sub-mesh) holding this layer alone")
+    M_a_bytes: int = Field(description="peak increase when this layer is added to its neighbours")
+
+
+class CaptureScenario(Spec):
+    scenario: Literal["pp", "dp2", "dp4", "tp2", "tp4"]
+    batch_size: int = Field(ge=1, description="profiling global batch")
+    microbatch_size: int = Field(ge=1)
+    runs: int = Field(ge=0)
+    layers: list[CaptureStat]
+
+
+class CaptureProfile(Spec):
+    backend: str = Field(description="simulator | executor: what ran the profiling plans")
+    target_batch: int = Field(ge=1)
+    batch_sizes: list[int]
+    profiling_devices: int = Field(ge=1, description="devices of the mesh the runs used")
+    runs: int = Field(ge=0, description="profiling runs in total (this job plus resumed ones)")
+    paper_runs: int = Field(description="CAPTURE §III-A2's count for this model: 10(L-1)")
+    scenarios: list[CaptureScenario]
+
+
+class Profile(Spec):
+    schema_version: int = 1
+    model: str
+    family: str
+    microbatch: int = Field(ge=1)
+    dtype: Literal["fp32", "bf16", "fp16"]
+    attention: Literal["default", "math"] = "default"
+    total_params: int = Field(ge=0)
+    distinct_layers: int = Field(0, ge=0, description="layers actually traced (identical ones reused)")
+    profile_time_s: float = Field(0.0, ge=0)
+    layers: list[LayerProfile] = Field(default_factory=list)
+    capture: CaptureProfile | None = None
+
+    def per_sample(self, total: float) -> int:
+        return math.ceil(total / self.microbatch)
+
+
+def apply_profile(model: ModelSpec, profile: Profile) -> ModelSpec:
+    """``model`` with params, FLOPs, saved/output/workspace bytes taken from a symbolic profile
+    (per sample: the profile's microbatch totals divided by its microbatch, rounded up).
+
+    Tensor-parallel fractions and limits stay as the closed forms give them. Raises ValueError
+    when the layers do not line up by name or the profile's dtype differs from the model's."""
+    if len(profile.layers) != model.num_layers:
+        raise ValueError(f"profile of {profile.model!r} has {len(profile.layers)} layers, model "
+                         f"{model.name!r} has {model.num_layers}")
+    if DTYPE_BYTES[profile.dtype] != model.act_dtype_bytes:
+        raise ValueError(f"profile dtype {profile.dtype} is not {model.act_dtype_bytes}-byte activations")
+    layers = []
+    for spec, prof in zip(model.layers, profile.layers):
+        if spec.name != prof.name:
+            raise ValueError(f"layer {prof.index}: profile has {prof.name!r}, model has {spec.name!r}")
+        layers.append(spec.model_copy(update={
+            "params": prof.params,
+            "fwd_flops_per_sample": prof.fwd_flops / profile.microbatch,
+            "saved_bytes_per_sample": profile.per_sample(prof.saved_bytes),
+            "output_bytes_per_sample": profile.per_sample(prof.output_bytes),
+            "workspace_bytes_per_sample": profile.per_sample(prof.temp_peak_bytes),
+        }))
+    return model.model_copy(update={"layers": layers})

@@ -1,0 +1,76 @@
+"""Files of the profilers: profile.json, the symbolic-profile cache, the CAPTURE run log (JSONL)
+and calibrated hardware YAMLs. Every write is atomic (temp file + rename) or a single appended
+line, so an interrupted job leaves whole records behind and can resume from them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from specs.profile import Profile
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (parents created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def write_profile(path: Path, profile: Profile) -> Path:
+    return write_text(path, profile.model_dump_json(indent=2) + "\n")
+
+
+def load_profile(path: Path) -> Profile:
+    return Profile.model_validate_json(Path(path).read_text())
+
+
+def cache_key(model_cfg: dict, microbatch: int, dtype: str, attention: str, version: str) -> str:
+    """Content hash of what a symbolic profile depends on: the model config (as plain data),
+    the microbatch, the dtype, the attention path and the torch version."""
+    body = json.dumps({"model": model_cfg, "microbatch": microbatch, "dtype": dtype,
+                       "attention": attention, "torch": version}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def cached_profile(cache_dir: Path, key: str) -> Profile | None:
+    path = Path(cache_dir) / f"{key}.json"
+    if not path.exists():
+        return None
+    try:
+        return load_profile(path)
+    except ValueError:  # a file from an older schema: profile again
+        return None
+
+
+def store_profile(cache_dir: Path, key: str, profile: Profile) -> Path:
+    return write_profile(Path(cache_dir) / f"{key}.json", profile)
+
+
+def append_record(path: Path, record: dict) -> None:
+    """Append one JSON line and flush it to disk: the run log survives a kill after any line."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(path: Path) -> list[dict]:
+    """Records of a JSONL log; a torn last line (killed mid-write) is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

@@ -1,0 +1,118 @@
+"""Public entry points: ``run_plan`` (raw per-rank reports) and ``execute`` (a measured Result)."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from executor.launch import RunOutput, launch
+from executor.memtrack import CATEGORY_FIELDS
+from specs.costs import model_flops_per_iteration
+from specs.families import build_model, parse_model_config
+from specs.hardware import HardwareSpec
+from specs.plan import Plan
+from specs.result import DeviceResult, MemoryBreakdown, Result
+
+
+class UnsupportedPlan(ValueError):
+    """The plan asks for something the executor cannot run yet; the message names the field."""
+
+
+def unsupported(plan: Plan) -> list[str]:
+    """Plan features the executor would silently drop, as 'field: why' (empty: runnable).
+    Swaps are accepted: on CPU activations already live in host memory (a no-op), on CUDA every
+    swap kind runs as a synchronous cpu_swap (``save_on_cpu``)."""
+    out = []
+    if plan.zero_stage:
+        out.append(f"zero_stage: {plan.zero_stage} (ZeRO sharding is not implemented; use 0)")
+    for i, st in enumerate(plan.stages):
+        if st.offload.window_layers is not None or st.offload.optimizer_on_cpu or st.offload.nvme:
+            out.append(f"stages[{i}].offload: STRONGHOLD offloading is not implemented")
+        if st.sharding:
+            out.append(f"stages[{i}].sharding: per-layer MAP strategies are not implemented")
+    return out
+
+
+def _config(model_cfg):
+    return parse_model_config(model_cfg) if isinstance(model_cfg, dict) else model_cfg
+
+
+def _device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def run_plan(plan: Plan, model_cfg, *, iterations: int, timeout_s: float = 120.0, collect: bool = False,
+             memory_iteration: int | None = None, fault: dict | None = None, seed: int = 0,
+             device: str = "cpu", threads: int = 1, capacity_bytes: int | None = None) -> RunOutput:
+    """Train ``iterations`` steps of ``plan`` on one local process per plan device.
+
+    ``collect``: reports carry replica 0's full parameters after the last step and that step's
+    gradients (numpy, by ``layer.param``). ``memory_iteration``: the iteration whose peak live
+    bytes are tracked. ``fault`` (debug): ``{"rank": r, "kind": "raise"|"kill"|"hang", "iteration": i}``
+    makes rank r raise (SIGKILL itself, sleep forever) at its first backward of iteration i.
+    ``capacity_bytes`` (CPU): the tracked iteration fails on a rank whose live bytes exceed it."""
+    problems = unsupported(plan)
+    if problems:
+        raise UnsupportedPlan("the executor cannot run this plan:\n  " + "\n  ".join(problems))
+    opts = {"iterations": iterations, "collect": collect, "memory_iteration": memory_iteration,
+            "track_memory": memory_iteration is not None, "fault": fault, "seed": seed,
+            "device": _device(device), "threads": threads, "capacity_bytes": capacity_bytes}
+    return launch(plan, _config(model_cfg), opts, timeout_s)
+
+
+def execute(plan: Plan, model_cfg, hardware: HardwareSpec, iterations: int = 5, warmup: int = 1,
+            timeout_s: float = 300.0, fault: dict | None = None, device: str = "auto") -> Result:
+    """Run ``plan`` and measure it: a Result with ``source="measured"``.
+
+    Runs ``warmup`` iterations, then one iteration under the memory tracker (peak live-tensor
+    bytes per rank by category on CPU; ``torch.cuda.max_memory_allocated`` on CUDA), then
+    ``iterations`` timed iterations. ``iteration_time_s`` is the median of the timed iterations
+    (each the slowest rank's time); samples/s = global batch / that; TFLOP/s per device = model
+    FLOPs (3x forward, no recompute) / time / devices. The model runs in fp32 whatever
+    ``plan.training.precision`` says (CPU), so compare against a simulation built for 4-byte
+    activations. On failure (exception, killed rank, timeout after ``timeout_s``) the Result has
+    ``failure`` naming the rank and the error, zero times and zero peaks (on CPU, going over
+    ``hardware.device.memory_bytes`` in the tracked iteration is such a failure: the OOM); a plan with features the
+    executor does not implement (:func:`unsupported`) fails the same way without starting ranks.
+    Launch errors (bad ``model_cfg``) raise."""
+    cfg = _config(model_cfg)
+    problems = unsupported(plan)
+    if problems:
+        return result_from_run(plan, cfg, hardware, RunOutput(failure="the executor cannot run this plan: "
+                                                                      + "; ".join(problems)), warmup)
+    out = run_plan(plan, cfg, iterations=warmup + 1 + iterations, timeout_s=timeout_s,
+                   memory_iteration=warmup, fault=fault, device=device,
+                   capacity_bytes=hardware.device.memory_bytes)
+    return result_from_run(plan, cfg, hardware, out, warmup)
+
+
+def result_from_run(plan: Plan, cfg, hardware: HardwareSpec, out: RunOutput, warmup: int) -> Result:
+    """Per-rank reports of a run (warm-up iterations, one tracked, then timed ones) -> Result."""
+    spec = build_model(cfg, plan.training.act_dtype_bytes)
+    cap = hardware.device.memory_bytes
+    devices = []
+    for d in plan.used_devices():
+        stages = plan.stages_on(d)
+        rep = next((r for r in out.reports.values() if r["device"] == d), None)
+        peak = rep["peak_bytes"] if rep and not out.failure else 0
+        breakdown = MemoryBreakdown(**{CATEGORY_FIELDS[c]: max(0, v) for c, v in rep["breakdown"].items()}) \
+            if rep and not out.failure else MemoryBreakdown()
+        devices.append(DeviceResult(
+            device=d, rank=plan.used_devices().index(d), stages=stages,
+            layers=[(plan.stages[s].layer_start, plan.stages[s].layer_stop) for s in stages],
+            capacity_bytes=cap, peak_bytes=peak, breakdown=breakdown,
+            oom=peak > cap, oom_over_bytes=max(0, peak - cap)))
+    if out.failure:
+        t = 0.0
+    else:
+        t = statistics.median(out.iteration_times_s()[warmup + 1:])
+    flops = model_flops_per_iteration(spec, plan)
+    return Result(
+        source="measured", plan_id=plan.id, model=plan.model, hardware=plan.hardware, devices=devices,
+        iteration_time_s=t,
+        samples_per_s=plan.training.global_batch / t if t else 0.0,
+        tflops_per_device=flops / t / len(devices) / 1e12 if t else 0.0,
+        failure=out.failure,
+    )

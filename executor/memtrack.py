@@ -1,0 +1,140 @@
+"""Peak live-tensor bytes on CPU, by the simulator's categories, from a dispatch-level tracker.
+
+Why not ``torch.distributed._tools.mem_tracker.MemTracker``: it raises NotImplementedError when a
+module runs forward twice in one iteration ("does not support memory tracking for multiple
+iterative calls", torch 2.13), and a pipeline stage runs every layer once per microbatch. Here a
+``TorchDispatchMode`` sees every op output, counts each storage once (views share it) and learns
+of its release through a weakref finalizer on the storage (torch keeps one Python object per
+storage, so the finalizer fires when the memory is freed). Categories come from the phase the
+tensor was born in (forward/backward: activations, recv/send: buffers, optimizer step: optimizer)
+and are corrected by :meth:`tag` for parameters, gradients and optimizer state.
+DTensor outputs are counted through their local shard (what the rank really holds).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from contextlib import contextmanager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+CATEGORY_FIELDS = {
+    "parameters": "parameters_bytes", "gradients": "gradients_bytes", "optimizer": "optimizer_bytes",
+    "activations": "activations_bytes", "buffers": "buffers_bytes",
+}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    inner = getattr(t, "_local_tensor", None)  # DTensor
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+class MemoryBudgetExceeded(RuntimeError):
+    """A CPU rank went over its device's ``memory_bytes``: the CPU analogue of a CUDA OOM."""
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """``with tracker:`` counts storages created inside; ``tag`` registers or re-categorises
+    tensors made outside (parameters) or mis-filed (gradients). ``peak_bytes`` and
+    ``peak_breakdown`` (category -> bytes at the moment of the peak) are the result. With
+    ``capacity_bytes`` an allocation past it raises :class:`MemoryBudgetExceeded` (a CPU process
+    has no OOM wall; this makes the hardware spec's budget one)."""
+
+    def __init__(self, capacity_bytes: int | None = None):
+        super().__init__()
+        self.capacity_bytes = capacity_bytes
+        self._keys = WeakIdKeyDictionary()  # storage -> key
+        self._live: dict[int, list] = {}  # key -> [nbytes, category]
+        self._ids = itertools.count()
+        self.totals = {c: 0 for c in CATEGORY_FIELDS}
+        self.total_bytes = 0
+        self.peak_bytes = 0
+        self.peak_breakdown = dict(self.totals)
+        self.category = "activations"
+        self._lock = threading.RLock()
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _free(self, key: int) -> None:
+        with self._lock:  # finalizers also run on the send-reaper thread (executor.stage)
+            nbytes, cat = self._live.pop(key, (0, None))
+            if cat is not None:
+                self.totals[cat] -= nbytes
+                self.total_bytes -= nbytes
+
+    def tag(self, t: torch.Tensor | None, category: str, retag: bool = True) -> None:
+        if t is None:
+            return
+        t = _local(t)
+        if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
+            return
+        st = t.untyped_storage()
+        with self._lock:
+            self._tag_storage(st, category, retag)
+
+    def _tag_storage(self, st, category: str, retag: bool) -> None:
+        key = self._keys.get(st)
+        if key is None:
+            key = next(self._ids)
+            nbytes = st.nbytes()
+            self._keys[st] = key
+            self._live[key] = [nbytes, category]
+            weakref.finalize(st, self._free, key)
+            self.totals[category] += nbytes
+            self.total_bytes += nbytes
+            if self.total_bytes > self.peak_bytes:
+                self.peak_bytes = self.total_bytes
+                self.peak_breakdown = dict(self.totals)
+            if self.capacity_bytes is not None and self.total_bytes > self.capacity_bytes:
+                raise MemoryBudgetExceeded(
+                    f"live tensors {self.total_bytes} B exceed the device's memory_bytes {self.capacity_bytes} B "
+                    f"({', '.join(f'{c} {b}' for c, b in self.totals.items() if b)})")
+        elif retag:
+            entry = self._live[key]
+            if entry[1] != category:
+                self.totals[entry[1]] -= entry[0]
+                self.totals[category] += entry[0]
+                entry[1] = category
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.total_bytes
+        self.peak_breakdown = dict(self.totals)
+
+    @contextmanager
+    def phase(self, category: str):
+        """Tensors born inside belong to ``category`` (e.g. "buffers" around a recv)."""
+        before, self.category = self.category, category
+        try:
+            yield
+        finally:
+            self.category = before
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.tag(t, self.category, retag=False)
+        return out
+
+
+class NullTracker:
+    """Stand-in when memory is not tracked (timed iterations, GPU runs)."""
+
+    peak_bytes = 0
+    peak_breakdown: dict = {}
+
+    def tag(self, *a, **k) -> None:
+        pass
+
+    @contextmanager
+    def phase(self, category: str):
+        yield
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

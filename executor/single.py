@@ -1,0 +1,96 @@
+"""One stage of a plan on one device in this process, with the plan's schedule bookkeeping.
+
+``run_stage_alone`` walks the stage's entries of its position's action list (the simulator's list,
+so 1F1B keeps min(p - i, m) microbatches in flight here too) but replaces every boundary receive
+by a seeded random tensor of the right shape and every send by nothing: the device sees the
+memory and compute of that stage without the rest of the pipeline. This is how a single GPU
+checks a stage of a plan made for many (and a quick in-process check on CPU).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from executor.memtrack import LiveTensorTracker
+from executor.models import make_batch, output_shapes
+from executor.stage import StageRuntime
+from specs.plan import Plan
+from specs.schedule import ActionKind, build_schedule
+
+
+class _LocalStage(StageRuntime):
+    """A StageRuntime whose boundary traffic is synthetic (one replica, no process group)."""
+
+    def send(self, kind, k, tensor):
+        pass
+
+    def recv(self, kind, k, peer, tail):
+        gen = torch.Generator().manual_seed(1000 * k + (kind == "grad"))
+        rows = self.rows[1] - self.rows[0]
+        with self.tracker.phase("buffers"):
+            return torch.randn((rows, *tail), generator=gen).to(self.torch_device)
+
+    def allreduce_grads(self):
+        pass  # one replica: nothing to reduce
+
+
+def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2,
+                    device: str = "cpu", seed: int = 0) -> dict:
+    """Train ``iterations`` steps of stage ``stage_index`` (its replica 0, TP rank 0; needs
+    tp == 1) on ``device``; the last iteration is measured. Returns ``{"peak_bytes",
+    "breakdown", "iteration_time_s"}``: peak = ``torch.cuda.max_memory_allocated`` on CUDA
+    (breakdown from the live-tensor tracker), the tracker's peak on CPU."""
+    stage = plan.stages[stage_index]
+    if stage.tp != 1:
+        raise ValueError(f"stages[{stage_index}].tp: {stage.tp}; a stage alone runs without TP (tp must be 1)")
+    dev = torch.device(device)
+    tracker = LiveTensorTracker()
+    st = _LocalStage(plan, model_cfg, stage_index, stage.devices[0], {}, {}, dev, seed, tracker)
+    position = plan.device_group_of(stage_index)
+    actions = [a for a in build_schedule(plan)[position] if a.stage == stage_index]
+    shapes = output_shapes(model_cfg)
+    tail = {s: shapes[plan.stages[s].layer_stop - 1] for s in range(len(plan.stages))}
+    cuda = dev.type == "cuda"
+    elapsed = 0.0
+    for it in range(iterations):
+        batch = make_batch(model_cfg, plan.training.global_batch, it, seed)
+        st.zero_grad()
+        last = it == iterations - 1
+        if last:
+            for p in st.params:
+                tracker.tag(p, "parameters")
+                tracker.tag(p.grad, "gradients")
+            for state in st.optimizer.state.values():
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        tracker.tag(v, "optimizer")
+            tracker.reset_peak()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with tracker if last else _nothing():
+            for a in actions:
+                k = a.microbatch
+                if a.kind is ActionKind.forward:
+                    x = st.recv("act", k, a.stage - 1, tail[a.stage - 1]) if not st.first else None
+                    st.forward(k, x, batch)
+                elif a.kind is ActionKind.backward:
+                    g = st.recv("grad", k, a.stage + 1, tail[a.stage]) if not st.last else None
+                    st.backward(k, g)
+                elif a.kind is ActionKind.optimizer_step:
+                    st.step()
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
+    peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else tracker.peak_bytes
+    return {"peak_bytes": peak, "breakdown": dict(tracker.peak_breakdown), "iteration_time_s": elapsed}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

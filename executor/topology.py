@@ -1,0 +1,83 @@
+"""Pure bookkeeping of a plan at run time: ranks, per-stage coordinates and boundary routes.
+
+Rank r runs plan device ``plan.used_devices()[r]``. A stage's devices are ordered tensor-parallel
+fastest (``devices[replica * tp + tp_rank]``); replica ``r`` of a stage with data-parallel degree
+``d`` takes rows ``[r·b/d, (r+1)·b/d)`` of each pipeline microbatch of ``b`` samples.
+
+Why not ``torch.distributed.pipelining``: its ``PipelineStage`` assumes one rank per stage in a
+pipeline group and the same data-parallel/tensor-parallel layout on every stage (the DP and TP
+meshes are the same shape for all stages). CAPTURE/Alpa plans give each stage its own (dp, tp), so
+a boundary tensor must be re-split along the batch dim between two differently shaped meshes; the
+routes below do that, and the executor walks ``specs.schedule`` lists (the simulator's) instead of
+torch's schedule IR so that both sides run the same action order.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from specs.plan import Plan, StagePlan
+
+
+class Route(NamedTuple):
+    """One point-to-point piece of a boundary tensor: rows [start, stop) of the microbatch."""
+
+    src_device: int
+    dst_device: int
+    start: int
+    stop: int
+
+
+def rank_of_device(plan: Plan) -> dict[int, int]:
+    return {d: r for r, d in enumerate(plan.used_devices())}
+
+
+def coords(stage: StagePlan, device: int) -> tuple[int, int]:
+    """(replica, tp_rank) of ``device`` within ``stage``."""
+    i = stage.devices.index(device)
+    return divmod(i, stage.tp)
+
+
+def replica_rows(plan: Plan, stage: StagePlan, replica: int) -> tuple[int, int]:
+    """Rows of the pipeline microbatch that ``replica`` of ``stage`` processes."""
+    per = plan.training.samples_per_microbatch // stage.dp
+    return replica * per, (replica + 1) * per
+
+
+def routes(plan: Plan, src: int, dst: int) -> list[Route]:
+    """Pieces that carry a boundary tensor from stage ``src`` to stage ``dst`` (activations go
+    s -> s+1, gradients s+1 -> s). Every device of ``dst`` needs its replica's rows (all TP ranks
+    of a replica hold the whole, replicated, boundary tensor); it gets them from each ``src``
+    replica whose rows overlap, from that replica's TP rank ``dst_tp % src.tp`` (spreads the
+    sends over the sender's TP ranks). Both ends compute the same ordered list."""
+    a, b = plan.stages[src], plan.stages[dst]
+    out = []
+    for dst_index, dst_device in enumerate(b.devices):
+        r_dst, t_dst = divmod(dst_index, b.tp)
+        lo, hi = replica_rows(plan, b, r_dst)
+        for r_src in range(a.dp):
+            s_lo, s_hi = replica_rows(plan, a, r_src)
+            start, stop = max(lo, s_lo), min(hi, s_hi)
+            if start < stop:
+                out.append(Route(a.devices[r_src * a.tp + t_dst % a.tp], dst_device, start, stop))
+    return out
+
+
+def process_groups(plan: Plan) -> list[tuple[str, int, int, list[int]]]:
+    """Every sub-group the run needs, in one fixed order (``new_group`` is collective: all ranks
+    create all groups in the same order): ("tp", stage, replica, ranks) per replica with tp > 1,
+    ("dp", stage, tp_rank, ranks) per TP rank with dp > 1."""
+    rank = rank_of_device(plan)
+    out = []
+    for s, st in enumerate(plan.stages):
+        if st.tp > 1:
+            for r in range(st.dp):
+                out.append(("tp", s, r, [rank[d] for d in st.devices[r * st.tp:(r + 1) * st.tp]]))
+        if st.dp > 1:
+            for t in range(st.tp):
+                out.append(("dp", s, t, [rank[st.devices[r * st.tp + t]] for r in range(st.dp)]))
+    return out
+
+
+def message_tag(kind: str, stage: int, microbatch: int, microbatches: int) -> int:
+    """gloo tag of a boundary message: unique per (act|grad, sending stage, microbatch)."""
+    return (stage * 2 + (kind == "grad")) * microbatches + microbatch

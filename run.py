@@ -24,19 +24,25 @@ from specs._base import Spec
 from specs.families import ModelConfig, build_model
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.outputs import GIB, find_jobs, summary, write_run, write_sweep_summary
+from specs.outputs import GIB, find_jobs, summary, write_compare_figure, write_json, write_run, write_sweep_summary
 from specs.plan import Plan, PlanError, ScheduleSpec
 from specs.result import Result
-from specs.training import TrainingSpec
+from specs.training import Precision, TrainingSpec
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
-NOT_YET = {"execute": "issue #4 (executor)", "compare": "issue #4 (executor and compare)",
-           "profile": "issue #5 (profiling)", "calibrate": "issue #5 (calibration)"}
 
 
 class ExperimentInfo(Spec):
     name: str
     description: str = ""
+
+
+class ExecuteOptions(Spec):
+    """How mode=execute / mode=compare run the plan on this machine."""
+
+    iterations: int = Field(5, ge=1, description="timed iterations (median reported)")
+    warmup: int = Field(1, ge=0)
+    timeout_s: float = Field(300.0, gt=0, description="the whole run is torn down after this")
 
 
 class RunConfig(Spec):
@@ -50,6 +56,7 @@ class RunConfig(Spec):
     policy: PolicyConfig
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     experiment: ExperimentInfo | None = None
+    execute: ExecuteOptions = Field(default_factory=ExecuteOptions)
     model_costs: Literal["closed_form", "symbolic"] = "closed_form"  # symbolic: from the torch modules (issue #5)
     profile_cache: str | None = None  # symbolic-profile cache dir; None: ~/.cache/memwall/profiles
 
@@ -232,16 +239,72 @@ def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
           f"+model={cfg.model.name}")
 
 
-def not_yet(cfg: RunConfig, outdir: Path) -> Result:
-    raise UsageError(f"mode={cfg.mode} is not available yet ({NOT_YET[cfg.mode]}); available: "
-                     + ", ".join(m for m in MODE_RUNNERS if MODE_RUNNERS[m] is not not_yet))
+def executable(cfg: RunConfig) -> RunConfig:
+    """The config the executor can honour on this machine: CPU ranks (local_cpu) or enough GPUs.
+    The executor trains in fp32, so the prediction it is compared with is made for fp32 too."""
+    import torch
+
+    hw = cfg.hardware
+    on_cpu = hw.device.model.startswith("cpu")
+    if not on_cpu and torch.cuda.device_count() < hw.num_devices:
+        raise UsageError(
+            f"mode={cfg.mode} runs the plan on this machine: hardware {hw.name!r} needs {hw.num_devices} "
+            f"GPUs, this machine has {torch.cuda.device_count()}. Use +hardware=local_cpu here, or run the "
+            "plan on the cluster with torchrun (python -m executor.torchrun, see executor/README.md)")
+    if cfg.training.precision.value != "fp32":
+        print(f"note: the executor trains in fp32; predicting for fp32 too (training.precision was "
+              f"{cfg.training.precision.value})")
+        cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"precision": Precision.fp32})})
+    return cfg
+
+
+def measure(cfg: RunConfig, plan: Plan, outdir: Path) -> Result:
+    from executor import execute
+
+    opts = cfg.execute
+    print(f"executing plan {plan.id} on {len(plan.used_devices())} ranks "
+          f"({opts.warmup} warm-up + 1 tracked + {opts.iterations} timed iterations)...", flush=True)
+    measured = execute(plan, cfg.model, cfg.hardware, iterations=opts.iterations, warmup=opts.warmup,
+                       timeout_s=opts.timeout_s)
+    write_json(outdir / "measured.json", measured)
+    if measured.failure:
+        raise UsageError(f"the run failed: {measured.failure} (recorded in {outdir / 'measured.json'})")
+    return measured
+
+
+def run_execute(cfg: RunConfig, outdir: Path) -> Result:
+    """mode=execute: run the plan with torch.distributed and write plan.json + measured.json."""
+    cfg = executable(cfg)
+    model, plan = plan_for(cfg)
+    write_json(outdir / "plan.json", plan)
+    measured = measure(cfg, plan, outdir)
+    print(summary(plan, measured, [outdir / "plan.json", outdir / "measured.json"]))
+    return measured
+
+
+def run_compare(cfg: RunConfig, outdir: Path) -> Result:
+    """mode=compare: simulate and execute the same plan; compare.json + compare.png per rank."""
+    from simulator import simulate
+    from specs.compare import compare, comparison_table
+
+    cfg = executable(cfg)
+    model, plan = plan_for(cfg)
+    sim = simulate(plan, model, cfg.hardware)
+    written = write_run(outdir, plan, sim.result, sim.trace)
+    measured = measure(cfg, plan, outdir)
+    comparison = compare(sim.result, measured)
+    written += [outdir / "measured.json", write_json(outdir / "compare.json", comparison),
+                write_compare_figure(outdir / "compare.png", sim.result, measured)]
+    print(comparison_table(comparison))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return measured
 
 
 #: one function per mode; each takes the validated config and the output directory
 MODE_RUNNERS = {
     "simulate": run_simulate,
-    "execute": not_yet,
-    "compare": not_yet,
+    "execute": run_execute,
+    "compare": run_compare,
     "profile": run_profile,
     "calibrate": run_calibrate,
 }

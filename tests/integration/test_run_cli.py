@@ -58,10 +58,24 @@ def test_unplannable_request_says_why(tmp_path):
     assert proc.returncode == 2 and "policy.pp (3)" in proc.stderr
 
 
-def test_later_modes_say_not_available_yet(tmp_path):
-    proc = run_cli(tmp_path, "+hardware=local_cpu", "+model=gpt_tiny", "mode=execute",
-                   f"hydra.run.dir={tmp_path / 'o'}")
-    assert proc.returncode == 2 and "not available yet" in proc.stderr
+def test_execute_refuses_hardware_this_machine_lacks(tmp_path):
+    proc = run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", "mode=execute", f"hydra.run.dir={tmp_path / 'o'}")
+    assert proc.returncode == 2 and "needs 8 GPUs" in proc.stderr and "local_cpu" in proc.stderr
+
+
+def test_compare_on_local_cpu_within_10_percent(tmp_path):
+    out = tmp_path / "cmp"
+    proc = run_cli(tmp_path, "+hardware=local_cpu", "+model=gpt_tiny", "mode=compare", "execute.iterations=2",
+                   f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    cmp = json.loads((out / "compare.json").read_text())
+    assert [r["rank"] for r in cmp["ranks"]] == [0, 1, 2, 3]
+    for r in cmp["ranks"]:
+        assert {"rank", "simulated_peak_bytes", "measured_peak_bytes", "error_pct"} <= set(r)
+        assert r["measured_peak_bytes"] > 0 and abs(r["error_pct"]) <= 10.0, r
+    assert cmp["measured_iteration_time_s"] > 0 and "time_error_pct" in cmp
+    assert Result.model_validate_json((out / "measured.json").read_text()).source == "measured"
+    assert (out / "compare.png").stat().st_size > 10_000
 
 
 def test_multirun_2x2_gives_4_result_files(tmp_path):

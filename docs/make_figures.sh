@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates the README's figures with memwall's own commands (about 15 s on 2 cores):
+# Regenerates the README's figures with memwall's own commands (about 30 s on 2 cores):
 #   bash docs/make_figures.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,13 +10,9 @@ py=${PYTHON:-python}
 $py -m run +hardware=dgx1 +model=gpt schedule=gpipe hydra.run.dir="$tmp/gpipe" >/dev/null
 # timeline.png: the main job (GPT-3 2.6B on a DGX-1, balanced policy, 1F1B)
 $py -m run +hardware=dgx1 +model=gpt hydra.run.dir="$tmp/main" >/dev/null
-# compare.png: until the executor's measured runs land, two predictions of one plan
-# (discrete-event simulator vs closed-form estimate, interleaved 1F1B, where they differ)
-$py -m run +hardware=dgx1 +model=gpt schedule=interleaved_1f1b hydra.run.dir="$tmp/sim" >/dev/null
-$py -m run +hardware=dgx1 +model=gpt schedule=interleaved_1f1b estimator=analytic hydra.run.dir="$tmp/ana" >/dev/null
-$py -c "import sys; from specs.outputs import load_result, write_compare_figure as w
-w(sys.argv[1], load_result(sys.argv[2]), load_result(sys.argv[3]))" \
-    docs/compare.png "$tmp/sim/results.json" "$tmp/ana/results.json"
+# compare.png: the simulator against a real 4-rank gloo run of the same plan on this machine
+$py -m run +hardware=local_cpu +model=gpt_tiny mode=compare hydra.run.dir="$tmp/cmp" >/dev/null
+cp "$tmp/cmp/compare.png" docs/compare.png
 # summary.png: a 2 x 3 sweep over the schedule and the microbatch size
 $py -m run -m +hardware=dgx1 +model=gpt schedule=gpipe,1f1b training.microbatch_size=1,2,4 \
     hydra.sweep.dir="$tmp/sweep" >/dev/null

@@ -83,18 +83,20 @@ def validate_config(cfg: DictConfig) -> RunConfig:
         raise UsageError("invalid config:\n" + "\n".join(lines)) from None
 
 
-def plan_for(cfg: RunConfig) -> tuple[ModelSpec, Plan]:
-    """Model spec and validated plan for the composed config (any planner error -> UsageError)."""
+def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
+    """Model spec and validated plan for the composed config (any planner error -> UsageError).
+    policy=capture first loads its profile from the cache, or profiles now (see capture_profile_for)."""
     model = model_spec(cfg)
+    profile = capture_profile_for(cfg, outdir) if cfg.policy.kind == "capture" else None
     try:
-        return model, make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
+        return model, make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile)
     except (PlanningError, PlanError) as exc:
         raise UsageError(f"policy {cfg.policy.kind!r} cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
 
 
 def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
     """Plan, simulate (or estimate), write plan.json + results.json (+ trace.json) into outdir."""
-    model, plan = plan_for(cfg)
+    model, plan = plan_for(cfg, outdir)
     trace = None
     if cfg.estimator == "simulator":
         from simulator import simulate  # imported lazily: the analytic path needs no simpy
@@ -105,7 +107,78 @@ def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
         result = estimate(plan, model, cfg.hardware)
     written = write_run(outdir, plan, result, trace)
     print(summary(plan, result, written))
+    if cfg.policy.kind == "capture" and cfg.policy.compare_throughput:
+        planner_report(cfg, model, plan, result, outdir)
     return result
+
+
+def predict(cfg: RunConfig, plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Result:
+    if cfg.estimator == "analytic":
+        return estimate(plan, model, hardware)
+    from simulator import simulate
+
+    return simulate(plan, model, hardware).result
+
+
+def planner_report(cfg: RunConfig, model: ModelSpec, plan: Plan, result: Result, outdir: Path) -> dict:
+    """CAPTURE's plan against the throughput-centric baseline on one footing (CAPTURE Fig. 6/8):
+    peaks, the peak reduction and the throughput loss; with policy.smallest_hardware also the
+    fewest nodes on which each planner's plan still fits (Fig. 9). Writes planners.json."""
+    from planners.capture import predict_devices, stats_from_profile
+    from planners.policy import ThroughputPolicy
+
+    pol = cfg.policy
+    baseline = ThroughputPolicy(recompute=pol.recompute, pipeline_only=pol.pipeline_only)
+    try:
+        tplan = make_plan(baseline, model, cfg.hardware, cfg.training, cfg.schedule)
+    except (PlanningError, PlanError) as exc:
+        raise UsageError(f"the throughput baseline cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
+    tres = predict(cfg, tplan, model, cfg.hardware)
+    stats = stats_from_profile(capture_profile_for(cfg, outdir).capture)
+    entry = lambda p, r, extra: {"plan_id": p.id, "stages": [[s.layer_start, s.layer_stop, s.dp, s.tp] for s in p.stages],  # noqa: E731
+                                 "peak_bytes": r.max_peak_bytes, "min_peak_bytes": min(d.peak_bytes for d in r.devices),
+                                 "oom_devices": len(r.oom_devices), "iteration_time_s": r.iteration_time_s,
+                                 "samples_per_s": r.samples_per_s, **extra}
+    report = {
+        "model": model.name, "hardware": cfg.hardware.name, "schedule": cfg.schedule.kind.value,
+        "source": result.source, "pipeline_only": pol.pipeline_only,
+        "capture": entry(plan, result, {"predicted_peak_bytes": max(predict_devices(plan, stats).values())}),
+        "throughput": entry(tplan, tres, {}),
+        "peak_reduction_pct": 100.0 * (tres.max_peak_bytes - result.max_peak_bytes) / tres.max_peak_bytes,
+        "throughput_loss_pct": 100.0 * (tres.samples_per_s - result.samples_per_s) / tres.samples_per_s,
+    }
+    if pol.smallest_hardware:
+        report["smallest_fit"] = smallest_fit(cfg, model, stats, baseline, outdir)
+    write_json(outdir / "planners.json", report)
+    gib = lambda b: b / 2**30  # noqa: E731
+    print(f"CAPTURE    peak {gib(result.max_peak_bytes):6.2f} GiB (predicted {gib(report['capture']['predicted_peak_bytes']):.2f}), "
+          f"{result.samples_per_s:.4g} samples/s, {len(plan.stages)} stages")
+    print(f"throughput peak {gib(tres.max_peak_bytes):6.2f} GiB, {tres.samples_per_s:.4g} samples/s, {len(tplan.stages)} stages")
+    print(f"peak reduction {report['peak_reduction_pct']:+.1f} %, throughput loss {report['throughput_loss_pct']:+.1f} %"
+          f" ({result.source}); wrote {outdir / 'planners.json'}")
+    for name, fit in report.get("smallest_fit", {}).items():
+        print(f"smallest hardware that fits under {name}: {fit}")
+    return report
+
+
+def smallest_fit(cfg: RunConfig, model: ModelSpec, stats, baseline, outdir: Path) -> dict:
+    """Fewest nodes (of cfg.hardware's kind) on which each planner's plan fits (CAPTURE Fig. 9).
+    CAPTURE's per-device statistics do not depend on the node count, so one profile serves all."""
+    found: dict[str, dict | None] = {"capture": None, "throughput": None}
+    for nodes in range(1, cfg.hardware.nodes + 1):
+        hw = cfg.hardware.model_copy(update={"nodes": nodes, "inter_node": cfg.hardware.inter_node})
+        for name, policy in (("capture", cfg.policy), ("throughput", baseline)):
+            if found[name] is not None:
+                continue
+            try:
+                plan = make_plan(policy, model, hw, cfg.training, cfg.schedule, capture_profile_for(cfg, outdir))
+            except (PlanningError, PlanError):
+                continue
+            res = predict(cfg, plan, model, hw)
+            if not res.oom_devices:
+                found[name] = {"nodes": nodes, "devices": hw.num_devices, "peak_bytes": res.max_peak_bytes,
+                               "samples_per_s": res.samples_per_s}
+    return found
 
 
 def symbolic_profile(cfg: RunConfig, attention: str = "default"):
@@ -161,18 +234,61 @@ def run_profile(cfg: RunConfig, outdir: Path) -> None:
     print(f"wrote {path}")
 
 
-def _capture(cfg: RunConfig, outdir: Path):
+def capture_backend_name(cfg: RunConfig) -> str:
+    """The profiling backend: the executor for hardware that is here (local_cpu), else the simulator."""
+    if cfg.policy.backend != "auto":
+        return cfg.policy.backend
+    return "executor" if cfg.hardware.name == "local_cpu" and cfg.model.family != "custom" else "simulator"
+
+
+def capture_fingerprint(cfg: RunConfig) -> str:
+    """Everything that decides a CAPTURE profile (not the planner knobs)."""
     import hashlib
     import json
 
+    ident = {"model": cfg.model.model_dump(mode="json"), "hardware": cfg.hardware.model_dump(mode="json", exclude={"nodes"}),
+             "training": cfg.training.model_dump(mode="json"), "schedule": cfg.schedule.model_dump(mode="json"),
+             "policy": cfg.policy.profile_fields(), "backend": capture_backend_name(cfg), "costs": cfg.model_costs}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_PROFILES: dict[str, object] = {}  # this process's CAPTURE profiles by fingerprint (one run asks several times)
+
+
+def capture_profile_for(cfg: RunConfig, outdir: Path):
+    """The CAPTURE profile for cfg: this process's copy, the on-disk cache
+    (``<profile_cache>/capture_<fingerprint>.json``), or — profiling first — a new one (§III-A),
+    cached for the next run."""
+    from specs import profile_io
+    from specs.profile import Profile
+
+    fp = capture_fingerprint(cfg)
+    if fp in _PROFILES:
+        return _PROFILES[fp]
+    path = Path(cfg.profile_cache or Path.home() / ".cache" / "memwall" / "profiles") / f"capture_{fp}.json"
+    if path.exists():
+        prof = Profile.model_validate_json(path.read_text())
+        print(f"[capture] using the cached profile {path}")
+    else:
+        print(f"[capture] no cached profile for this model/hardware/batch: profiling first "
+              f"({capture_backend_name(cfg)} backend)", flush=True)
+        closed = build_model(cfg.model, cfg.training.act_dtype_bytes)
+        prof = Profile(model=closed.name, family=cfg.model.family, microbatch=cfg.training.samples_per_microbatch,
+                       dtype=cfg.training.precision.value, total_params=closed.total_params,
+                       capture=_capture(cfg, outdir))
+        profile_io.write_profile(path, prof)
+        print(f"[capture] cached the profile at {path}")
+    _PROFILES[fp] = prof
+    return prof
+
+
+def _capture(cfg: RunConfig, outdir: Path):
     from planners.capture_profile import profile_capture
     from specs import profile_io
     from specs.plan import validate_plan
 
     pol, hw = cfg.policy, cfg.hardware
-    backend_name = pol.backend
-    if backend_name == "auto":
-        backend_name = "executor" if hw.name == "local_cpu" and cfg.model.family != "custom" else "simulator"
+    backend_name = capture_backend_name(cfg)
     if backend_name == "executor":
         from executor import execute
 
@@ -188,27 +304,29 @@ def _capture(cfg: RunConfig, outdir: Path):
         def backend(plan, model, hardware):
             return simulate(validate_plan(plan, model, hardware), model, hardware).result
     model = build_model(cfg.model, act) if cfg.model_costs == "closed_form" else model_spec(cfg)
-    ident = {"model": cfg.model.model_dump(mode="json"), "hardware": hw.model_dump(mode="json"),
-             "training": cfg.training.model_dump(mode="json"), "schedule": cfg.schedule.model_dump(mode="json"),
-             "policy": pol.model_dump(mode="json"), "backend": backend_name, "costs": cfg.model_costs}
-    fingerprint = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    fingerprint = capture_fingerprint(cfg)
     log = outdir / "capture_runs.jsonl"
     done = {r["key"]: r["peaks"] for r in profile_io.read_records(log) if r.get("fingerprint") == fingerprint}
     if done:
         print(f"[capture] resuming: {len(done)} runs already recorded in {log}")
     print(f"[capture] backend {backend_name}; scenarios {', '.join(pol.scenarios)}", flush=True)
 
-    def on_run(run, peaks, i, n):
-        profile_io.append_record(log, {"fingerprint": fingerprint, "key": run.key, "peaks": peaks})
-        top = max(peaks.values()) / 2**20
-        print(f"[capture {i}/{n}] {run.key}: max stage peak {top:.2f} MiB", flush=True)
+    from specs.progress import interactive, task
 
-    try:
-        cap = profile_capture(model, hw, cfg.training, cfg.schedule, backend, backend_name,
-                              scenarios=list(pol.scenarios), batch_sizes=pol.batch_sizes,
-                              num_microbatches=pol.num_microbatches, done=done, on_run=on_run)
-    except PlanningError as exc:
-        raise UsageError(f"CAPTURE profiling: {exc}") from None
+    with task(f"CAPTURE profiling ({backend_name})") as advance:
+        def on_run(run, peaks, i, n):
+            profile_io.append_record(log, {"fingerprint": fingerprint, "key": run.key, "peaks": peaks})
+            advance()
+            if not interactive() and (i == n or i % max(1, n // 10) == 0):  # a line per ~10 % in logs
+                print(f"[capture {i}/{n}] {run.key}: max stage peak {max(peaks.values()) / 2**20:.2f} MiB", flush=True)
+
+        try:
+            cap = profile_capture(model, hw, cfg.training, cfg.schedule, backend, backend_name,
+                                  scenarios=list(pol.scenarios), batch_sizes=pol.batch_sizes,
+                                  num_microbatches=pol.num_microbatches, done=done, on_run=on_run,
+                                  recompute=pol.recompute)
+        except PlanningError as exc:
+            raise UsageError(f"CAPTURE profiling: {exc}") from None
     print(f"[capture] {cap.runs} profiling runs ({cap.runs - len(done)} this time) for {model.num_layers} layers; "
           f"the paper's count is 10(L-1) = {cap.paper_runs}; M_i/M_a for {len(cap.scenarios)} scenario x batch sets")
     return cap
@@ -275,7 +393,7 @@ def measure(cfg: RunConfig, plan: Plan, outdir: Path) -> Result:
 def run_execute(cfg: RunConfig, outdir: Path) -> Result:
     """mode=execute: run the plan with torch.distributed and write plan.json + measured.json."""
     cfg = executable(cfg)
-    model, plan = plan_for(cfg)
+    model, plan = plan_for(cfg, outdir)
     write_json(outdir / "plan.json", plan)
     measured = measure(cfg, plan, outdir)
     print(summary(plan, measured, [outdir / "plan.json", outdir / "measured.json"]))
@@ -288,7 +406,7 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
     from specs.compare import compare, comparison_table
 
     cfg = executable(cfg)
-    model, plan = plan_for(cfg)
+    model, plan = plan_for(cfg, outdir)
     sim = simulate(plan, model, cfg.hardware)
     written = write_run(outdir, plan, sim.result, sim.trace)
     measured = measure(cfg, plan, outdir)

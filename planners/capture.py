@@ -208,3 +208,89 @@ def recommend(predict: Predictor, num_layers: int, nodes: int, gpus_per_node: in
     if result is None:
         raise ValueError(f"no plan places {num_layers} layers on {nodes} x {gpus_per_node} GPUs")
     return _finish(list(result[1]))
+
+
+# ---- from profile.json to plans ------------------------------------------------------------------
+
+def stats_from_profile(capture) -> CaptureStats:
+    """CaptureStats from a ``specs.profile.CaptureProfile`` (profile.json's ``capture`` section)."""
+    m_i, m_a = {}, {}
+    for sc in capture.scenarios:
+        ordered = sorted(sc.layers, key=lambda s: s.layer)
+        m_i[sc.scenario, sc.batch_size] = tuple(float(s.M_i_bytes) for s in ordered)
+        m_a[sc.scenario, sc.batch_size] = tuple(float(s.M_a_bytes) for s in ordered)
+    return CaptureStats(m_i=m_i, m_a=m_a)
+
+
+def merged_stats(stats: CaptureStats, target_layers: int) -> tuple[CaptureStats, list[tuple[int, int]]]:
+    """Layer merger (§III-A3) decided on the pipeline-only statistics at the larger batch, then
+    applied with the same spans to every scenario: M_i(span) = M_i(first) + Σ M_a(rest),
+    M_a(span) = Σ M_a."""
+    _, hi = stats.batches
+    _, _, spans = merge_layers(list(stats.m_i["pp", hi]), list(stats.m_a["pp", hi]), target_layers)
+    m_i = {k: tuple(stage_prediction(v, stats.m_a[k], a, b) for a, b in spans) for k, v in stats.m_i.items()}
+    m_a = {k: tuple(sum(v[a:b]) for a, b in spans) for k, v in stats.m_a.items()}
+    return CaptureStats(m_i=m_i, m_a=m_a), spans
+
+
+def stage_kind(dp: int, tp: int) -> tuple[str, int]:
+    """A stage's (parallelism, degree) in CAPTURE's space: pure dp, pure tp, or neither."""
+    if dp > 1 and tp > 1:
+        raise ValueError(f"CAPTURE stage configs are data- or tensor-parallel, not both (dp={dp}, tp={tp})")
+    return ("dp", dp) if dp > 1 else ("tp", tp) if tp > 1 else ("pp", 1)
+
+
+def predict_devices(plan, stats: CaptureStats) -> dict[int, float]:
+    """CAPTURE's per-device peak prediction for any plan in its space (Fig. 7's predictor)."""
+    predict = stats.predictor(plan.training.global_batch)
+    out: dict[int, float] = {}
+    for stage in plan.stages:
+        par, degree = stage_kind(stage.dp, stage.tp)
+        value = predict(stage.layer_start, stage.layer_stop, par, degree)
+        for d in stage.devices:
+            out[d] = out.get(d, 0.0) + value
+    return out
+
+
+def plan_capture(policy, model, hardware, training, schedule, profile) -> "Plan":
+    """policy=capture: the recommender's plan (lowest predicted peak, paper's tie-break) from the
+    CAPTURE statistics in ``profile`` (a specs.profile.Profile with its ``capture`` section)."""
+    from planners.layout import PlanningError, recompute_actions
+    from specs.plan import Plan, StagePlan
+
+    if profile is None or profile.capture is None:
+        raise PlanningError("policy=capture needs a CAPTURE profile (python -m run mode=profile policy=capture ...); "
+                            "run.py profiles first when it has none")
+    if schedule.virtual_stages > 1:
+        raise PlanningError("CAPTURE plans non-interleaved schedules; use schedule=1f1b or gpipe")
+    stats = stats_from_profile(profile.capture)
+    if stats.num_layers != model.num_layers:
+        raise PlanningError(f"the CAPTURE profile has {stats.num_layers} layers, model {model.name!r} {model.num_layers}")
+    spans = [(i, i + 1) for i in range(model.num_layers)]
+    if policy.merge_layers is not None and policy.merge_layers < model.num_layers:
+        stats, spans = merged_stats(stats, policy.merge_layers)
+    base = stats.predictor(training.global_batch)
+    per_mb = training.samples_per_microbatch
+
+    def predict(start: int, stop: int, par: str, degree: int) -> float:
+        layers = model.layers[spans[start][0]:spans[stop - 1][1]]
+        if degree > 1 and (policy.pipeline_only
+                           or (par == "dp" and per_mb % degree)
+                           or (par == "tp" and any(l.max_tp is not None and degree > l.max_tp for l in layers))):
+            return math.inf  # outside the plan space for this model and batch
+        return base(start, stop, par, degree)
+
+    search = recommend if policy.search == "exact" else recommend_exhaustive
+    rec = search(predict, len(spans), hardware.nodes, hardware.devices_per_node)
+    if math.isinf(rec.peak_bytes):
+        raise PlanningError(f"no CAPTURE plan for {model.name} on {hardware.name}: every placement needs a stage "
+                            "config outside the space (raise training.microbatch_size or allow hybrid parallelism)")
+    stages, gpu = [], 0
+    for cfg in rec.stages:
+        a, b = spans[cfg.layer_start][0], spans[cfg.layer_stop - 1][1]
+        dp, tp = (cfg.degree, 1) if cfg.parallelism == "dp" else (1, cfg.degree)
+        stages.append(StagePlan(layer_start=a, layer_stop=b, devices=list(range(gpu, gpu + cfg.degree)), dp=dp, tp=tp,
+                                memory=recompute_actions(model, a, b, policy.recompute)))
+        gpu += cfg.degree
+    return Plan(planner="capture", model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
+                training=training, schedule=schedule, stages=stages)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from planners.layout import PlanningError, even_split
+from planners.layout import PlanningError, even_split, recompute_actions
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, ScheduleSpec, StagePlan
@@ -128,11 +128,13 @@ def profiling_batches(batch_sizes: list[int] | None, num_microbatches: int | Non
 
 
 def run_plan(run: ProfilingRun, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
-             schedule: ScheduleSpec, microbatches: int) -> Plan:
-    """The plan of one profiling run on ``hardware`` (already widened)."""
+             schedule: ScheduleSpec, microbatches: int, recompute: str = "none") -> Plan:
+    """The plan of one profiling run on ``hardware`` (already widened); ``recompute`` as the
+    target will run, since it changes every layer's memory."""
     parallelism, k = SCENARIO_DEGREES[run.scenario]
     dp, tp = (k, 1) if parallelism == "dp" else (1, k) if parallelism == "tp" else (1, 1)
-    stages = [StagePlan(layer_start=a, layer_stop=b, devices=list(range(i * k, (i + 1) * k)), dp=dp, tp=tp)
+    stages = [StagePlan(layer_start=a, layer_stop=b, devices=list(range(i * k, (i + 1) * k)), dp=dp, tp=tp,
+                        memory=recompute_actions(model, a, b, recompute))
               for i, (a, b) in enumerate(run.groups())]
     train = training.model_copy(update={"global_batch": run.batch_size, "microbatch_size": None,
                                         "num_microbatches": microbatches})
@@ -192,7 +194,7 @@ def profile_capture(model: ModelSpec, hardware: HardwareSpec, training: Training
                     batch_sizes: list[int] | None = None, num_microbatches: int | None = None,
                     done: dict[str, dict[str, int]] | None = None,
                     on_run: Callable[[ProfilingRun, dict[str, int], int, int], None] | None = None,
-                    ) -> CaptureProfile:
+                    recompute: str = "none") -> CaptureProfile:
     """Run every profiling plan not already in ``done`` (run key -> stage peaks), then M_i/M_a.
 
     ``on_run(run, peaks, i, n)`` is called after each new run (to log it and show progress)."""
@@ -204,7 +206,7 @@ def profile_capture(model: ModelSpec, hardware: HardwareSpec, training: Training
         if run.key in done:
             continue
         hw = profiling_hardware(hardware, SCENARIO_DEGREES[run.scenario][1])
-        plan = run_plan(run, model, hw, training, schedule, m)
+        plan = run_plan(run, model, hw, training, schedule, m, recompute)
         result = backend(plan, model, hw)
         if result.failure:
             raise PlanningError(f"profiling run {run.key} failed: {result.failure}")

@@ -51,9 +51,31 @@ class CapturePolicy(Spec):
     num_microbatches: int | None = Field(None, ge=1)
     scenarios: list[Literal["pp", "dp2", "dp4", "tp2", "tp4"]] = ["pp", "dp2", "dp4", "tp2", "tp4"]
     backend: Literal["auto", "simulator", "executor"] = "auto"
+    recompute: Literal["none", "full"] = "none"
+    # planner knobs (§III-C); they do not change the profile
+    pipeline_only: bool = Field(False, description="degree 1 everywhere (Fig. 6g-l) instead of hybrid")
+    merge_layers: int | None = Field(None, ge=1, description="layer merger target L_m (§III-A3); null: off")
+    search: Literal["exact", "exhaustive"] = Field("exact", description="DP, or Algorithm 4 as published")
+    compare_throughput: bool = Field(True, description="also plan policy=throughput and report both")
+    smallest_hardware: bool = Field(False, description="also search the fewest nodes that fit (Fig. 9)")
+
+    def profile_fields(self) -> dict:
+        """The fields that decide the profile (its cache key)."""
+        return self.model_dump(mode="json", include={"batch_sizes", "num_microbatches", "scenarios", "backend",
+                                                     "recompute"})
 
 
-PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy, CapturePolicy], Field(discriminator="kind")]
+class ThroughputPolicy(Spec):
+    """Alpa-like autostage baseline: the fastest plan (analytic iteration time) in CAPTURE's
+    space that fits device memory."""
+
+    kind: Literal["throughput"] = "throughput"
+    recompute: Literal["none", "full"] = "none"
+    pipeline_only: bool = False
+
+
+PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy, CapturePolicy, ThroughputPolicy],
+                         Field(discriminator="kind")]
 _adapter: TypeAdapter = TypeAdapter(PolicyConfig)
 
 

@@ -31,11 +31,12 @@ def _prune(front: list[tuple]) -> list[tuple]:
     return kept
 
 
-def candidates(table: StageTable, capacity_bytes: float = float("inf")) -> list[list[Placed]]:
+def candidates(table: StageTable, capacity_bytes: float = float("inf"), max_degree: int | None = None) -> list[list[Placed]]:
     """Plans on the Pareto front of (Σ stage work + p2p, max stage work, max sync) whose every
     stage fits in ``capacity_bytes``."""
     L, k = table.model.num_layers, table.hardware.devices_per_node
     total = table.hardware.num_devices
+    degrees = [d for d in _degrees(k) if max_degree is None or d <= max_degree]
 
     @lru_cache(maxsize=None)
     def front(layer: int, gpu: int) -> tuple:
@@ -43,7 +44,7 @@ def candidates(table: StageTable, capacity_bytes: float = float("inf")) -> list[
             return ((0.0, 0.0, 0.0, ()),) if layer == L and gpu == total else ()
         out = []
         for stop in range(layer + 1, L + 1):
-            for degree in _degrees(k):
+            for degree in degrees:
                 if degree > k - gpu % k:
                     break
                 for par in ("pp",) if degree == 1 else ("dp", "tp"):
@@ -66,11 +67,26 @@ def candidates(table: StageTable, capacity_bytes: float = float("inf")) -> list[
     return plans
 
 
-def best_throughput(table: StageTable) -> tuple[list[Placed], float, list[int]]:
+def best_throughput(table: StageTable, max_degree: int | None = None) -> tuple[list[Placed], float, list[int]]:
     """(stages, iteration time s, per-stage peak bytes) of the fastest plan that fits, else fastest."""
-    plans = candidates(table, table.hardware.device.memory_bytes) or candidates(table)
+    plans = (candidates(table, table.hardware.device.memory_bytes, max_degree)
+             or candidates(table, max_degree=max_degree))
     if not plans:
         raise ValueError("no plan in the search space")
     scored = [(*table.evaluate(stages), stages) for stages in plans]
     t, peaks, stages = min(scored, key=lambda e: (e[0], max(e[1])))
     return stages, t, peaks
+
+
+def plan_throughput(policy, model, hardware, training, schedule) -> "Plan":
+    """policy=throughput: the fastest fitting plan, as a validated-shape Plan."""
+    from planners.layout import PlanningError
+
+    if schedule.virtual_stages > 1:
+        raise PlanningError("policy=throughput plans non-interleaved schedules; use schedule=1f1b or gpipe")
+    table = StageTable(model, hardware, training, schedule, recompute=policy.recompute)
+    try:
+        stages, _, _ = best_throughput(table, 1 if policy.pipeline_only else None)
+    except ValueError as exc:
+        raise PlanningError(f"policy=throughput: {exc}") from None
+    return table.to_plan(stages, "throughput")

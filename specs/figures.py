@@ -409,3 +409,38 @@ def summary_figure(rows: list[dict], swept: list[str]):
     ax2.set_xticklabels(ticklabels, fontsize=8, rotation=90 if len(ticks) > 12 else 0)
     fig.suptitle(f"sweep over {', '.join(swept) if swept else 'jobs'}: {len(rows)} jobs", fontsize=10)
     return fig
+
+
+# ---------------------------------------------------------------- prediction_error.png
+
+def prediction_error_figure(errors: dict[str, tuple[list[float], list[float]]],
+                            margins: tuple[float, ...] = (0.02, 0.05, 0.11), title: str = ""):
+    """CAPTURE Fig. 7 analogue: histograms of relative peak-memory error per device (left) and
+    per plan (right), one colour per predictor. ``errors``: predictor -> (per-device errors,
+    per-plan errors), each ``(predicted − measured) / measured``. Dashed lines at ± each margin;
+    the legend gives each predictor's share within the margins."""
+    fig = _new_figure(12.0, 4.2)
+    axes = fig.subplots(1, 2)
+    colours = ("#4c72b0", "#55a868", "#dd8452", "#8172b3")
+    every = [100 * e for pair in errors.values() for level in pair for e in level]
+    lo, hi = math.floor(min(every + [-12.0])) - 0.5, math.ceil(max(every + [12.0])) + 0.5
+    step = 1.0 if hi - lo <= 60 else (hi - lo) / 60  # 1 % bins centred on whole percents
+    bins = [lo + i * step for i in range(int((hi - lo) / step) + 2)]
+    for ax, level, name in zip(axes, (0, 1), ("per device", "per plan (peak across devices)")):
+        for colour, (pred, pair) in zip(colours * 4, errors.items()):
+            errs = [100 * e for e in pair[level]]
+            within = " / ".join(f"{100 * sum(abs(e) <= 100 * m + 1e-9 for e in errs) / max(len(errs), 1):.0f}"
+                                for m in margins)
+            ax.hist(errs, bins=bins, color=colour, alpha=0.55, label=f"{pred} (n={len(errs)}): {within} %")
+        for m in margins:
+            for sign in (-1, 1):
+                ax.axvline(sign * 100 * m, color="black", linestyle="--", linewidth=0.7, alpha=0.5)
+        ax.set_xlabel("prediction error (predicted − measured) / measured, %")
+        ax.set_ylabel("count")
+        ax.set_title(f"{name}; legend: share within " + " / ".join(f"{100 * m:g}" for m in margins) + " %",
+                     fontsize=9)
+        ax.legend(fontsize=8, frameon=False)
+        ax.grid(axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    return fig

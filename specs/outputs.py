@@ -251,3 +251,14 @@ def find_jobs(sweep_dir: Path) -> list[tuple[str, Path]]:
         if job_dir != sweep_dir:
             found.append((job_dir.relative_to(sweep_dir).as_posix(), f))
     return sorted(found, key=lambda j: _job_order(j[0]))
+
+
+def write_prediction_error(outdir: Path, report: BaseModel) -> list[Path]:
+    """prediction_error.json (the report, a planners.prediction_error.PredictionErrorReport) and
+    prediction_error.png (Fig. 7-style histograms, specs.figures.prediction_error_figure)."""
+    outdir = Path(outdir)
+    errors = {name: (e.per_device_errors, e.per_plan_errors) for name, e in report.predictors.items()}
+    title = (f"{report.model} on {report.hardware} ({report.schedule}): {len(report.plans)} random plans measured "
+             f"by the {report.measured_by}; CAPTURE profiled with the {report.profile_backend}")
+    return [write_json(outdir / "prediction_error.json", report),
+            save_figure(outdir / "prediction_error.png", figures.prediction_error_figure(errors, title=title))]

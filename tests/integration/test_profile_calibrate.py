@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ def test_capture_profile_of_gpt_tiny_resumes_from_its_log(tmp_path):
     assert cap is not None and cap.paper_runs == 10 * (6 - 1)
     assert {(s.scenario, s.batch_size) for s in cap.scenarios} == {(s, b) for s in ("pp", "tp2") for b in (32, 16)}
     assert all(len(s.layers) == 6 and all(x.M_i_bytes > 0 for x in s.layers) for s in cap.scenarios)
-    assert "[capture 1/" in first.stdout
+    assert re.search(r"\[capture \d+/\d+\]", first.stdout)  # progress is visible in logs
     log = (out / "capture_runs.jsonl").read_text().splitlines()
     assert len(log) == cap.runs
     # drop the last 3 records as if killed there: the rerun does exactly those 3 runs
@@ -37,11 +38,6 @@ def test_capture_profile_of_gpt_tiny_resumes_from_its_log(tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"resuming: {cap.runs - 3} runs" in again.stdout and "(3 this time)" in again.stdout
     assert Profile.model_validate_json((out / "profile.json").read_text()).capture.scenarios == cap.scenarios
-
-
-def test_capture_planner_is_not_available_yet(tmp_path):
-    proc = run_cli(tmp_path, "policy=capture", "+hardware=local_cpu", "+model=gpt_tiny", f"hydra.run.dir={tmp_path / 'o'}")
-    assert proc.returncode == 2 and "not available yet" in proc.stderr
 
 
 def test_calibrate_writes_a_hardware_config_the_next_run_uses(tmp_path):

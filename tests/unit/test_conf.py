@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 import run
 from planners import PlanningError, make_plan, parse_policy
+from planners.policy import ThroughputPolicy
 from specs import ScheduleSpec, TrainingSpec
 from specs.families import build_model
 
@@ -36,9 +37,14 @@ def test_schedule_yaml_validates(name):
 
 @pytest.mark.parametrize("name", names("experiment"))
 def test_experiment_composes_and_plans(name):
+    """Every preset validates and plans; CAPTURE presets plan their throughput baseline here
+    (CAPTURE itself needs a profile: tests/integration/test_capture_planner.py)."""
     cfg = composed(f"experiment={name}")
     model = build_model(cfg.model, cfg.training.act_dtype_bytes)
-    make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
+    policy = cfg.policy
+    if policy.kind == "capture":
+        policy = ThroughputPolicy(recompute=policy.recompute, pipeline_only=policy.pipeline_only)
+    make_plan(policy, model, cfg.hardware, cfg.training, cfg.schedule)
 
 
 @pytest.fixture(scope="module")

@@ -96,3 +96,8 @@ def test_unknown_policy_kind_lists_allowed():
     with pytest.raises(Exception) as err:
         parse_policy({"kind": "greedy"})
     assert all(k in str(err.value) for k in ("even", "balanced", "manual"))
+
+
+def test_capture_without_a_profile_says_how_to_get_one(model, hardware, training):
+    with pytest.raises(PlanningError, match="mode=profile policy=capture"):
+        make_plan(parse_policy({"kind": "capture"}), model, hardware, training, ScheduleSpec())

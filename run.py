@@ -203,7 +203,18 @@ def symbolic_profile(cfg: RunConfig, attention: str = "default"):
 
 def model_spec(cfg: RunConfig) -> ModelSpec:
     """Closed-form model spec, or (model_costs=symbolic) the same layers with costs measured by the
-    symbolic profiler (specs.profile.apply_profile)."""
+    symbolic profiler (specs.profile.apply_profile). Bad model input -> UsageError."""
+    try:
+        return _model_spec(cfg)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _model_spec(cfg: RunConfig) -> ModelSpec:
+    if cfg.model.family == "torch_module":  # a user's module has no closed forms: always profiled
+        from specs.profile import model_from_profile
+
+        return model_from_profile(symbolic_profile(cfg))
     model = build_model(cfg.model, cfg.training.act_dtype_bytes)
     if cfg.model_costs == "symbolic":
         from specs.profile import apply_profile
@@ -222,7 +233,7 @@ def run_profile(cfg: RunConfig, outdir: Path) -> None:
 
     t0 = time.perf_counter()
     prof = symbolic_profile(cfg)
-    closed = build_model(cfg.model, cfg.training.act_dtype_bytes)
+    closed = model_spec(cfg) if cfg.model.family == "torch_module" else build_model(cfg.model, cfg.training.act_dtype_bytes)
     print(f"[profile] {cfg.model.name}: {len(prof.layers)} layers, {prof.distinct_layers} traced (identical "
           f"layers reuse their representative), microbatch {prof.microbatch}, {prof.dtype}, "
           f"{time.perf_counter() - t0:.1f} s")
@@ -272,7 +283,7 @@ def capture_profile_for(cfg: RunConfig, outdir: Path):
     else:
         print(f"[capture] no cached profile for this model/hardware/batch: profiling first "
               f"({capture_backend_name(cfg)} backend)", flush=True)
-        closed = build_model(cfg.model, cfg.training.act_dtype_bytes)
+        closed = model_spec(cfg)
         prof = Profile(model=closed.name, family=cfg.model.family, microbatch=cfg.training.samples_per_microbatch,
                        dtype=cfg.training.precision.value, total_params=closed.total_params,
                        capture=_capture(cfg, outdir))
@@ -303,7 +314,8 @@ def _capture(cfg: RunConfig, outdir: Path):
 
         def backend(plan, model, hardware):
             return simulate(validate_plan(plan, model, hardware), model, hardware).result
-    model = build_model(cfg.model, act) if cfg.model_costs == "closed_form" else model_spec(cfg)
+    closed_form = cfg.model_costs == "closed_form" and cfg.model.family != "torch_module"
+    model = build_model(cfg.model, act) if closed_form else model_spec(cfg)
     fingerprint = capture_fingerprint(cfg)
     log = outdir / "capture_runs.jsonl"
     done = {r["key"]: r["peaks"] for r in profile_io.read_records(log) if r.get("fingerprint") == fingerprint}
@@ -376,14 +388,14 @@ def executable(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def measure(cfg: RunConfig, plan: Plan, outdir: Path) -> Result:
+def measure(cfg: RunConfig, plan: Plan, outdir: Path, model: ModelSpec) -> Result:
     from executor import execute
 
     opts = cfg.execute
     print(f"executing plan {plan.id} on {len(plan.used_devices())} ranks "
           f"({opts.warmup} warm-up + 1 tracked + {opts.iterations} timed iterations)...", flush=True)
     measured = execute(plan, cfg.model, cfg.hardware, iterations=opts.iterations, warmup=opts.warmup,
-                       timeout_s=opts.timeout_s)
+                       timeout_s=opts.timeout_s, model_spec=model)
     write_json(outdir / "measured.json", measured)
     if measured.failure:
         raise UsageError(f"the run failed: {measured.failure} (recorded in {outdir / 'measured.json'})")
@@ -395,7 +407,7 @@ def run_execute(cfg: RunConfig, outdir: Path) -> Result:
     cfg = executable(cfg)
     model, plan = plan_for(cfg, outdir)
     write_json(outdir / "plan.json", plan)
-    measured = measure(cfg, plan, outdir)
+    measured = measure(cfg, plan, outdir, model)
     print(summary(plan, measured, [outdir / "plan.json", outdir / "measured.json"]))
     return measured
 
@@ -409,7 +421,7 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
     model, plan = plan_for(cfg, outdir)
     sim = simulate(plan, model, cfg.hardware)
     written = write_run(outdir, plan, sim.result, sim.trace)
-    measured = measure(cfg, plan, outdir)
+    measured = measure(cfg, plan, outdir, model)
     comparison = compare(sim.result, measured)
     written += [outdir / "measured.json", write_json(outdir / "compare.json", comparison),
                 write_compare_figure(outdir / "compare.png", sim.result, measured)]

@@ -63,7 +63,8 @@ def run_plan(plan: Plan, model_cfg, *, iterations: int, timeout_s: float = 120.0
 
 
 def execute(plan: Plan, model_cfg, hardware: HardwareSpec, iterations: int = 5, warmup: int = 1,
-            timeout_s: float = 300.0, fault: dict | None = None, device: str = "auto") -> Result:
+            timeout_s: float = 300.0, fault: dict | None = None, device: str = "auto",
+            model_spec=None) -> Result:
     """Run ``plan`` and measure it: a Result with ``source="measured"``.
 
     Runs ``warmup`` iterations, then one iteration under the memory tracker (peak live-tensor
@@ -85,12 +86,13 @@ def execute(plan: Plan, model_cfg, hardware: HardwareSpec, iterations: int = 5, 
     out = run_plan(plan, cfg, iterations=warmup + 1 + iterations, timeout_s=timeout_s,
                    memory_iteration=warmup, fault=fault, device=device,
                    capacity_bytes=hardware.device.memory_bytes)
-    return result_from_run(plan, cfg, hardware, out, warmup)
+    return result_from_run(plan, cfg, hardware, out, warmup, model_spec)
 
 
-def result_from_run(plan: Plan, cfg, hardware: HardwareSpec, out: RunOutput, warmup: int) -> Result:
-    """Per-rank reports of a run (warm-up iterations, one tracked, then timed ones) -> Result."""
-    spec = build_model(cfg, plan.training.act_dtype_bytes)
+def result_from_run(plan: Plan, cfg, hardware: HardwareSpec, out: RunOutput, warmup: int, spec=None) -> Result:
+    """Per-rank reports of a run (warm-up iterations, one tracked, then timed ones) -> Result.
+    ``spec``: the ModelSpec for the FLOP count (default: the family's closed forms)."""
+    spec = spec if spec is not None else build_model(cfg, plan.training.act_dtype_bytes)
     cap = hardware.device.memory_bytes
     devices = []
     for d in plan.used_devices():

@@ -244,7 +244,25 @@ def _layers(cfg) -> list[tuple[str, nn.Module]]:
         return _moe_layers(cfg)
     if cfg.family == "wresnet":
         return _wresnet_layers(cfg)
+    if cfg.family == "torch_module":
+        return list(user_model(cfg)[0])
     raise ValueError(f"family {cfg.family!r} has no torch modules (custom models cannot be executed)")
+
+
+def user_model(cfg):
+    """(layers, make_batch) from a torch_module config's factory: imports and CALLS user code
+    (see specs.families.TorchModuleConfig); errors name the config field."""
+    import importlib
+
+    module_name, attr = cfg.factory.split(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"model.factory: cannot import {cfg.factory!r} ({exc}); is its package on PYTHONPATH?") from None
+    made = factory(**cfg.kwargs)
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[1])):
+        raise ValueError(f"model.factory: {cfg.factory!r} must return (layers, make_batch), got {type(made).__name__}")
+    return made
 
 
 def init_layer(layer: nn.Module, seed: int, index: int) -> nn.Module:
@@ -297,6 +315,8 @@ def make_batch(cfg, samples: int, step: int, seed: int = 0) -> dict[str, torch.T
     """The synthetic global batch of iteration ``step``: same on every rank (seeded), so each
     rank slices its own microbatch/replica rows without any data loading."""
     gen = torch.Generator().manual_seed(seed * 7919 + step + 1)
+    if cfg.family == "torch_module":
+        return user_model(cfg)[1](samples, gen)
     if cfg.family == "wresnet":
         size = cfg.image_size
         return {"images": torch.randn(samples, 3, size, size, generator=gen),

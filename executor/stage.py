@@ -132,6 +132,8 @@ class StageRuntime:
             need |= {"ids", "token_types", "images"}
         if self.last:
             need.add("targets")
+        # keys of a user's own model (family torch_module) may be read by any layer: every stage gets them
+        need |= {key for key in batch if key not in ("ids", "token_types", "images", "targets")}
         # clone: a loader hands each rank its own rows, not a view of the global batch
         return {key: v[lo:hi].clone().to(self.torch_device) for key, v in batch.items() if key in need}
 

@@ -7,7 +7,8 @@ from specs.plan import LayerMemory, MemoryAction, Plan, ScheduleSpec, StagePlan
 from specs.training import TrainingSpec
 
 #: layers that full recompute checkpoints (Megatron recomputes whole transformer layers)
-RECOMPUTED_KINDS = frozenset({LayerKind.transformer_block, LayerKind.moe_block, LayerKind.residual_block})
+RECOMPUTED_KINDS = frozenset({LayerKind.transformer_block, LayerKind.moe_block, LayerKind.residual_block,
+                              LayerKind.generic})
 
 
 class PlanningError(ValueError):

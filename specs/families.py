@@ -7,7 +7,7 @@ live per family: ``family_transformer`` (gpt, bert), ``family_moe``, ``family_wr
 """
 from __future__ import annotations
 
-from typing import Annotated, Callable, Literal, NamedTuple, Union
+from typing import Annotated, Any, Callable, Literal, NamedTuple, Union
 
 from pydantic import ConfigDict, Field, TypeAdapter
 
@@ -47,8 +47,31 @@ def build_custom(cfg: CustomConfig, act: int) -> ModelSpec:
     return ModelSpec(name=cfg.name, family=cfg.family, layers=layers, act_dtype_bytes=act)
 
 
+class TorchModuleConfig(Spec):
+    """A user's own torch model, named by a Python import path ``package.module:factory``.
+
+    Unlike everything else in memwall's configs and plans, this RUNS CODE: the factory is imported
+    and called (``factory(**kwargs)``) by the symbolic profiler and the executor. Only name modules
+    you trust. The factory returns ``(layers, make_batch)``: ``layers`` a list of (name, nn.Module)
+    whose ``forward(x, batch)`` takes the previous layer's output (None for the first) and the
+    batch dict, the last one returning the scalar loss; ``make_batch(samples, generator)`` a dict
+    of tensors. Layer costs come from the symbolic profiler (run.py profiles it; build_model
+    cannot, as specs/ never imports torch). Such layers are not tensor-parallel (max_tp 1)."""
+
+    family: Literal["torch_module"]
+    name: str = Field(min_length=1)
+    factory: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="package.module:callable")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+def build_torch_module(cfg: TorchModuleConfig, act: int) -> ModelSpec:
+    raise ValueError(f"model {cfg.name!r} (family torch_module) takes its layer costs from the symbolic "
+                     "profiler: run it through `python -m run` (which profiles it), or build its spec with "
+                     "specs.profile.model_from_profile(executor.profile_symbolic.profile_model(cfg, ...))")
+
+
 ModelConfig = Annotated[
-    Union[GPTConfig, BertConfig, MoEConfig, WResNetConfig, CustomConfig],
+    Union[GPTConfig, BertConfig, MoEConfig, WResNetConfig, CustomConfig, TorchModuleConfig],
     Field(discriminator="family"),
 ]
 
@@ -64,6 +87,7 @@ FAMILIES: dict[str, Family] = {
     "moe": Family(build_moe, _moe_tied),
     "wresnet": Family(build_wresnet, lambda cfg: 0),
     "custom": Family(build_custom, lambda cfg: 0),
+    "torch_module": Family(build_torch_module, lambda cfg: 0),
 }
 
 _ADAPTER: TypeAdapter = TypeAdapter(ModelConfig, config=ConfigDict(title="model"))

@@ -18,6 +18,7 @@ class LayerKind(str, Enum):
     moe_block = "moe_block"
     residual_block = "residual_block"
     head = "head"
+    generic = "generic"  # a layer of a user's own torch module (family torch_module)
 
 
 class LayerSpec(Spec):

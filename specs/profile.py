@@ -104,3 +104,19 @@ def apply_profile(model: ModelSpec, profile: Profile) -> ModelSpec:
             "workspace_bytes_per_sample": profile.per_sample(prof.temp_peak_bytes),
         }))
     return model.model_copy(update={"layers": layers})
+
+
+def model_from_profile(profile: Profile) -> ModelSpec:
+    """A ModelSpec built from a symbolic profile alone (family torch_module: no closed forms).
+    Layers are ``generic`` (recomputable) and not tensor-parallel (max_tp 1, nothing sharded)."""
+    from specs.model import LayerKind, LayerSpec
+
+    layers = [LayerSpec(name=p.name, kind=LayerKind.generic, params=p.params,
+                        fwd_flops_per_sample=p.fwd_flops / profile.microbatch,
+                        saved_bytes_per_sample=profile.per_sample(p.saved_bytes),
+                        output_bytes_per_sample=profile.per_sample(p.output_bytes),
+                        workspace_bytes_per_sample=profile.per_sample(p.temp_peak_bytes),
+                        tp_sharded_param_fraction=0.0, tp_sharded_saved_fraction=0.0, max_tp=1)
+              for p in profile.layers]
+    return ModelSpec(name=profile.model, family=profile.family, layers=layers,
+                     act_dtype_bytes=DTYPE_BYTES[profile.dtype])

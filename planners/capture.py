@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+from specs.plan import Plan
+
 #: (layer_start, layer_stop, parallelism "pp" | "dp" | "tp", degree) -> predicted per-GPU bytes
 Predictor = Callable[[int, int, str, int], float]
 
@@ -252,7 +254,7 @@ def predict_devices(plan, stats: CaptureStats) -> dict[int, float]:
     return out
 
 
-def plan_capture(policy, model, hardware, training, schedule, profile) -> "Plan":
+def plan_capture(policy, model, hardware, training, schedule, profile) -> Plan:
     """policy=capture: the recommender's plan (lowest predicted peak, paper's tie-break) from the
     CAPTURE statistics in ``profile`` (a specs.profile.Profile with its ``capture`` section)."""
     from planners.layout import PlanningError, recompute_actions

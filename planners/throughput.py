@@ -14,6 +14,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from planners.stagetable import Placed, StageTable
+from specs.plan import Plan
 
 
 def _degrees(k: int) -> list[int]:
@@ -78,7 +79,7 @@ def best_throughput(table: StageTable, max_degree: int | None = None) -> tuple[l
     return stages, t, peaks
 
 
-def plan_throughput(policy, model, hardware, training, schedule) -> "Plan":
+def plan_throughput(policy, model, hardware, training, schedule) -> Plan:
     """policy=throughput: the fastest fitting plan, as a validated-shape Plan."""
     from planners.layout import PlanningError
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from simulator.engine import Engine
 from simulator.memory import Summary, Timeline, counter_series, merged, summarize
-from simulator.trace import TraceBuilder
 from specs import costs
 from specs.model import ModelSpec
 from specs.plan import ScheduleKind

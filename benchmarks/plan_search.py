@@ -10,26 +10,16 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_conf.py, wherever this runs from
+from _conf import load  # noqa: E402
 from planners.stagetable import Placed, StageTable
-from planners.throughput import best_throughput
+from planners.throughput import best_throughput  # noqa: E402
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec
 from specs.families import build_model, parse_model_config
-
-CONF = Path(__file__).resolve().parent.parent / "conf"
-
-
-def load(group: str, name: str) -> dict:
-    data = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))
-    for parent in data.pop("defaults", []):  # bare family names point at a sized config
-        if parent != "_self_":
-            data = {**load(group, parent), **data}
-    return data
-
 
 def random_plan(rng: random.Random, layers: int, nodes: int, k: int) -> list[Placed]:
     """A uniformly-drawn walk through the plan space (retries until all GPUs and layers are used)."""

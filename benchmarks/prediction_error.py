@@ -30,11 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_conf.py
+
+from _conf import load  # noqa: E402
 
 from planners.capture import predict_devices, stats_from_profile  # noqa: E402
 from planners.capture_profile import SCENARIO_DEGREES, profile_capture  # noqa: E402
@@ -49,16 +50,7 @@ from specs.outputs import write_prediction_error  # noqa: E402
 from specs.plan import PlanError, validate_plan  # noqa: E402
 from specs.profile import CaptureProfile  # noqa: E402
 
-CONF = ROOT / "conf"
 EXECUTOR_ACT_BYTES = 4  # the executor trains in fp32 (executor.execute)
-
-
-def load(group: str, name: str) -> dict:
-    data = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))
-    for parent in data.pop("defaults", []):  # bare family names point at a sized config
-        if parent != "_self_":
-            data = {**load(group, parent), **data}
-    return data
 
 
 def make_backend(name: str, model_cfg, timeout_s: float):

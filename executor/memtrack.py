@@ -138,3 +138,15 @@ class NullTracker:
 
     def __exit__(self, *exc):
         return False
+
+
+def tag_static(tracker, stages) -> None:
+    """File every stage's parameters, gradients and optimizer state under their categories."""
+    for st in stages:
+        for p in st.params:
+            tracker.tag(p, "parameters")
+            tracker.tag(p.grad, "gradients")
+        for state in st.optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    tracker.tag(v, "optimizer")

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from executor.memtrack import LiveTensorTracker
+from executor.memtrack import LiveTensorTracker, tag_static
 from executor.models import make_batch, output_shapes
 from executor.stage import StageRuntime
 from specs.plan import Plan
@@ -58,13 +58,7 @@ def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2
         st.zero_grad()
         last = it == iterations - 1
         if last:
-            for p in st.params:
-                tracker.tag(p, "parameters")
-                tracker.tag(p.grad, "gradients")
-            for state in st.optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        tracker.tag(v, "optimizer")
+            tag_static(tracker, [st])
             tracker.reset_peak()
             if cuda:
                 torch.cuda.synchronize()

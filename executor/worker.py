@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from executor.memtrack import LiveTensorTracker, NullTracker
+from executor.memtrack import LiveTensorTracker, NullTracker, tag_static
 from executor.models import make_batch, output_shapes
 from executor.stage import StageRuntime
 from executor.topology import process_groups, rank_of_device
@@ -94,7 +94,7 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict) -
             st.zero_grad()
         tracking = it == mem_iter
         if tracking:
-            _register_static(tracker, stages.values())
+            tag_static(tracker, stages.values())
             tracker.reset_peak()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -119,17 +119,6 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict) -
         report["params"], report["grads"] = _collect(stages.values())
     dist.barrier()
     return report
-
-
-def _register_static(tracker, stages) -> None:
-    for st in stages:
-        for p in st.params:
-            tracker.tag(p, "parameters")
-            tracker.tag(p.grad, "gradients")
-        for state in st.optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    tracker.tag(v, "optimizer")
 
 
 def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opts: dict, rank: int,

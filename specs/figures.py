@@ -294,8 +294,10 @@ def compare_figure(predicted: Result, measured: Result):
     st = error_stats(pairs)
     fig = _new_figure(15.0, 4.8)
     ax1, ax2, ax3 = fig.subplots(1, 3, width_ratios=[1.1, 1.3, 0.7])
-    xs = [p.measured_bytes / GIB for p in pairs]
-    ys = [p.predicted_bytes / GIB for p in pairs]
+    biggest = max([p.measured_bytes for p in pairs] + [p.predicted_bytes for p in pairs] + [0])
+    unit, scale = ("GiB", GIB) if biggest >= GIB / 2 else ("MiB", float(1 << 20))  # CPU runs are MiB-sized
+    xs = [p.measured_bytes / scale for p in pairs]
+    ys = [p.predicted_bytes / scale for p in pairs]
     hi = max(xs + ys + [1e-9]) * 1.1
     ax1.fill_between([0, hi], [0, 0.9 * hi], [0, 1.1 * hi], color="#dddddd", label="±10 %")
     ax1.plot([0, hi], [0, hi], color="black", linestyle="--", linewidth=1, label="y = x")
@@ -308,10 +310,10 @@ def compare_figure(predicted: Result, measured: Result):
                          xytext=(4, -10), fontsize=7)
     ax1.set_xlim(0, hi)
     ax1.set_ylim(0, hi)
-    ax1.set_xlabel(f"{measured.source} peak (GiB)")
-    ax1.set_ylabel(f"{predicted.source} peak (GiB)")
+    ax1.set_xlabel(f"{measured.source} peak ({unit})")
+    ax1.set_ylabel(f"{predicted.source} peak ({unit})")
     ax1.set_title(f"peak per rank: mean |err| {st['mape_pct']:.1f} %, max {st['max_abs_pct']:.1f} %\n"
-                  f"bias {st['bias_pct']:+.1f} %, RMSE {st['rmse_gib']:.2f} GiB, {st['n']} ranks", fontsize=9)
+                  f"bias {st['bias_pct']:+.1f} %, RMSE {st['rmse_gib'] * GIB / scale:.3g} {unit}, {st['n']} ranks", fontsize=9)
     ax1.legend(fontsize=7, loc="upper left")
     errs = [p.error_pct for p in pairs]
     if len(pairs) <= 64:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import signal
 import time
 import traceback
@@ -44,6 +45,8 @@ def main(rank: int, world: int, port: int, plan_json: str, cfg_json: str, opts_j
         report = _run(rank, world, f"tcp://127.0.0.1:{port}", Plan.model_validate_json(plan_json),
                       parse_model_config(json.loads(cfg_json)), json.loads(opts_json))
         queue.put(("ok", rank, report))
+        queue.close()
+        queue.join_thread()  # the report must leave before os._exit below
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         queue.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         queue.close()
@@ -53,6 +56,11 @@ def main(rank: int, world: int, port: int, plan_json: str, cfg_json: str, opts_j
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+    # Skip interpreter teardown: gloo/DTensor objects destructed in arbitrary order at exit can hit
+    # std::terminate, which would turn a finished rank's clean exit into a failure.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict) -> dict:

@@ -237,9 +237,12 @@ def capture_fingerprint(cfg: RunConfig) -> str:
     import hashlib
     import json
 
+    from planners.capture_profile import PROFILER_VERSION
+
     ident = {"model": cfg.model.model_dump(mode="json"), "hardware": cfg.hardware.model_dump(mode="json", exclude={"nodes"}),
              "training": cfg.training.model_dump(mode="json"), "schedule": cfg.schedule.model_dump(mode="json"),
-             "policy": cfg.policy.profile_fields(), "backend": capture_backend_name(cfg), "costs": cfg.model_costs}
+             "policy": cfg.policy.profile_fields(), "backend": capture_backend_name(cfg), "costs": cfg.model_costs,
+             "profiler_version": PROFILER_VERSION}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -59,7 +59,7 @@ def main() -> None:
     stats = stats_from_profile(profile.capture)
     lines, summary = [], {}
     for label, st in (("L=34", stats), ("L_m=16", merged_stats(stats, 16)[0])):
-        predict = st.predictor(profile.capture.target_batch)
+        predict = st.predictor(profile.microbatch)  # the target's pipeline microbatch
         fast, t_fast = timed(lambda: recommend(predict, st.num_layers, 4, 4), 600)
         slow, t_slow = timed(lambda: recommend_exhaustive(predict, st.num_layers, 4, 4), args.exhaustive_limit_s)
         equal = slow is not None and slow.leximax == fast.leximax

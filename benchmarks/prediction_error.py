@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_conf.py
 from _conf import load  # noqa: E402
 
 from planners.capture import predict_devices, stats_from_profile  # noqa: E402
-from planners.capture_profile import SCENARIO_DEGREES, profile_capture  # noqa: E402
+from planners.capture_profile import PROFILER_VERSION, SCENARIO_DEGREES, profile_capture  # noqa: E402
 from planners.prediction_error import (  # noqa: E402
     PlanMeasurement, build_report, count_plans, describe, sample_plans, shares_table,
 )
@@ -68,7 +68,7 @@ def capture_profile(args, model_cfg, model, hw, training, schedule) -> tuple[Cap
     """The cached CAPTURE profile, or profile now (resuming from the run log)."""
     ident = {"model": model_cfg.model_dump(mode="json"), "hardware": hw.model_dump(mode="json"),
              "training": training.model_dump(mode="json"), "schedule": schedule.model_dump(mode="json"),
-             "backend": args.profile_backend, "scenarios": list(SCENARIO_DEGREES)}
+             "backend": args.profile_backend, "scenarios": list(SCENARIO_DEGREES), "profiler": PROFILER_VERSION}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(args.profile_cache) / f"{model.name}-{hw.name}-{args.profile_backend}-{key}.json"
     log = path.with_suffix(".runs.jsonl")

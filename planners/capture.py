@@ -71,31 +71,38 @@ def log_at(d: tuple[int, int], y: tuple[float, float], degree: int) -> float:
 
 @dataclass(frozen=True)
 class CaptureStats:
-    """M_i and M_a per layer for each profiled (scenario, batch) — scenario "pp", "dp2", "dp4",
-    "tp2", "tp4" — as the CAPTURE profiler (§III-A) records them."""
+    """M_i and M_a per layer for each profiled (scenario, size) — scenario "pp", "dp2", "dp4",
+    "tp2", "tp4" — as the CAPTURE profiler (§III-A) records them. The size is the pipeline
+    microbatch (samples): activation memory scales with it, so fitting over it is the paper's
+    batch-size fit when the microbatch count is fixed (§III-A2) and stays right when the target
+    runs another microbatch count than the profiling runs did."""
 
     m_i: dict[tuple[str, int], tuple[float, ...]]
     m_a: dict[tuple[str, int], tuple[float, ...]]
 
-    @property
-    def batches(self) -> tuple[int, int]:
-        sizes = sorted({b for _, b in self.m_i})
-        if len(sizes) != 2:
-            raise ValueError(f"CAPTURE needs exactly two profiled batch sizes, got {sizes}")
-        return sizes[0], sizes[1]
+    def sizes(self, scenario: str) -> tuple[int, int] | None:
+        """The two profiled sizes of ``scenario`` (None if it was not profiled)."""
+        found = sorted({b for name, b in self.m_i if name == scenario})
+        if not found:
+            return None
+        if len(found) != 2:
+            raise ValueError(f"CAPTURE needs two profiled sizes per scenario; {scenario} has {found}")
+        return found[0], found[1]
 
     @property
     def num_layers(self) -> int:
         return len(next(iter(self.m_i.values())))
 
-    def predictor(self, target_batch: int) -> Predictor:
-        """The §III-B predictor at ``target_batch``: profiled scenarios directly (batch-scaled);
-        degrees above 4 by a log fit over the 2- and 4-way predictions."""
-        lo, hi = self.batches
-
+    def predictor(self, target_microbatch: int) -> Predictor:
+        """The §III-B predictor at the target's pipeline microbatch: profiled scenarios directly
+        (straight line over the two profiled sizes); degrees above 4 by a log fit over 2 and 4."""
         def scenario(name: str, start: int, stop: int) -> float:
+            sizes = self.sizes(name)
+            if sizes is None:
+                return math.inf  # not profiled (e.g. a dp degree that cannot split the microbatch)
+            lo, hi = sizes
             ys = tuple(stage_prediction(self.m_i[name, b], self.m_a[name, b], start, stop) for b in (lo, hi))
-            return line_at((lo, hi), ys, target_batch)
+            return line_at((lo, hi), ys, target_microbatch)
 
         def predict(start: int, stop: int, parallelism: str, degree: int) -> float:
             if degree == 1:
@@ -219,8 +226,8 @@ def stats_from_profile(capture) -> CaptureStats:
     m_i, m_a = {}, {}
     for sc in capture.scenarios:
         ordered = sorted(sc.layers, key=lambda s: s.layer)
-        m_i[sc.scenario, sc.batch_size] = tuple(float(s.M_i_bytes) for s in ordered)
-        m_a[sc.scenario, sc.batch_size] = tuple(float(s.M_a_bytes) for s in ordered)
+        m_i[sc.scenario, sc.microbatch_size] = tuple(float(s.M_i_bytes) for s in ordered)
+        m_a[sc.scenario, sc.microbatch_size] = tuple(float(s.M_a_bytes) for s in ordered)
     return CaptureStats(m_i=m_i, m_a=m_a)
 
 
@@ -228,7 +235,7 @@ def merged_stats(stats: CaptureStats, target_layers: int) -> tuple[CaptureStats,
     """Layer merger (§III-A3) decided on the pipeline-only statistics at the larger batch, then
     applied with the same spans to every scenario: M_i(span) = M_i(first) + Σ M_a(rest),
     M_a(span) = Σ M_a."""
-    _, hi = stats.batches
+    _, hi = stats.sizes("pp")
     _, _, spans = merge_layers(list(stats.m_i["pp", hi]), list(stats.m_a["pp", hi]), target_layers)
     m_i = {k: tuple(stage_prediction(v, stats.m_a[k], a, b) for a, b in spans) for k, v in stats.m_i.items()}
     m_a = {k: tuple(sum(v[a:b]) for a, b in spans) for k, v in stats.m_a.items()}
@@ -244,7 +251,7 @@ def stage_kind(dp: int, tp: int) -> tuple[str, int]:
 
 def predict_devices(plan, stats: CaptureStats) -> dict[int, float]:
     """CAPTURE's per-device peak prediction for any plan in its space (Fig. 7's predictor)."""
-    predict = stats.predictor(plan.training.global_batch)
+    predict = stats.predictor(plan.training.samples_per_microbatch)
     out: dict[int, float] = {}
     for stage in plan.stages:
         par, degree = stage_kind(stage.dp, stage.tp)
@@ -271,7 +278,7 @@ def plan_capture(policy, model, hardware, training, schedule, profile) -> Plan:
     spans = [(i, i + 1) for i in range(model.num_layers)]
     if policy.merge_layers is not None and policy.merge_layers < model.num_layers:
         stats, spans = merged_stats(stats, policy.merge_layers)
-    base = stats.predictor(training.global_batch)
+    base = stats.predictor(training.samples_per_microbatch)
     per_mb = training.samples_per_microbatch
 
     def predict(start: int, stop: int, par: str, degree: int) -> float:

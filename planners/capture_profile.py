@@ -33,6 +33,10 @@ from specs.result import Result
 from specs.training import TrainingSpec
 
 #: scenario -> (parallelism, degree)
+#: bump when the profiling runs change meaning, so cached profiles from older rules are not reused
+#: (2: runs keep the target's microbatch count; sizes are per scenario)
+PROFILER_VERSION = 2
+
 SCENARIO_DEGREES = {"pp": ("pp", 1), "dp2": ("dp", 2), "dp4": ("dp", 4), "tp2": ("tp", 2), "tp4": ("tp", 4)}
 MIN_SUBMESHES = 3  # before, measured group, after
 
@@ -104,27 +108,35 @@ def profiling_hardware(hardware: HardwareSpec, degree: int) -> HardwareSpec:
     return hardware.model_copy(update={"nodes": math.ceil(need / hardware.devices_per_node)})
 
 
-def profiling_batches(batch_sizes: list[int] | None, num_microbatches: int | None,
-                      training: TrainingSpec) -> tuple[list[int], int]:
-    """(global batches, microbatches per run). Default batches: half and quarter of the target
-    (§III-A2). Default microbatches: the target's count, lowered until every microbatch of the
-    smallest batch splits over 4 data-parallel replicas; the same count for both batches, so the
-    microbatch — what activation memory scales with — halves from one to the other."""
-    batches = sorted(set(batch_sizes or [training.global_batch // 2, training.global_batch // 4]), reverse=True)
-    low = batches[-1]
-    if low < 1:
-        raise PlanningError(f"training.global_batch ({training.global_batch}) is too small to profile at a quarter of it")
-    m = num_microbatches
-    if m is None:
-        m = next((n for n in range(min(training.microbatches, low), 0, -1)
-                  if low % n == 0 and (low // n) % 4 == 0), None)
-        if m is None:
-            raise PlanningError(f"profiling batch {low} cannot give microbatches divisible by 4 "
-                                "(dp4 splits them); set policy.batch_sizes / policy.num_microbatches")
-    for b in batches:
-        if b % m:
-            raise PlanningError(f"policy.num_microbatches ({m}) does not divide profiling batch {b}")
-    return batches, m
+def profiling_batches(batch_sizes: list[int] | None, num_microbatches: int | None, training: TrainingSpec,
+                      scenarios: list[str]) -> tuple[dict[str, list[int]], int]:
+    """({scenario: its two profiling global batches}, microbatches per run).
+
+    Default (§III-A2): the target's microbatch count, so 1F1B runs hold as many microbatches in
+    flight as the target will, and per scenario the microbatch sizes half and quarter of the
+    target's; where those are not whole, or a dp degree cannot split them, the nearest valid
+    sizes from (target, 2x, 4x). Given ``batch_sizes`` / ``num_microbatches`` apply to every
+    scenario as they are."""
+    if batch_sizes is not None or num_microbatches is not None:
+        batches = sorted(set(batch_sizes or [training.global_batch // 2, training.global_batch // 4]), reverse=True)
+        m = num_microbatches or training.microbatches
+        for b in batches:
+            if b < 1 or b % m:
+                raise PlanningError(f"policy.num_microbatches ({m}) does not divide profiling batch {b}")
+            for sc in scenarios:
+                d = SCENARIO_DEGREES[sc][1] if SCENARIO_DEGREES[sc][0] == "dp" else 1
+                if (b // m) % d:
+                    raise PlanningError(f"profiling batch {b} in {m} microbatches cannot be split over {d} "
+                                        f"replicas ({sc}); set policy.batch_sizes / policy.num_microbatches")
+        return {sc: list(batches) for sc in scenarios}, m
+    m, mb = training.microbatches, training.samples_per_microbatch
+    candidates = [mb // 4 if mb % 4 == 0 else 0, mb // 2 if mb % 2 == 0 else 0, mb, 2 * mb, 4 * mb]
+    out = {}
+    for sc in scenarios:
+        d = SCENARIO_DEGREES[sc][1] if SCENARIO_DEGREES[sc][0] == "dp" else 1
+        valid = [c for c in candidates if c >= 1 and c % d == 0]
+        out[sc] = sorted((c * m for c in valid[:2]), reverse=True)
+    return out, m
 
 
 def run_plan(run: ProfilingRun, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
@@ -176,13 +188,13 @@ def extract(num_layers: int, peaks: dict[tuple[int, int], int]) -> list[tuple[in
 
 
 def planned_runs(model: ModelSpec, hardware: HardwareSpec, scenarios: list[str],
-                 batches: list[int]) -> list[ProfilingRun]:
+                 batches: dict[str, list[int]]) -> list[ProfilingRun]:
     runs = []
     for scenario in scenarios:
         k = SCENARIO_DEGREES[scenario][1]
         submeshes = profiling_hardware(hardware, k).num_devices // k
         for counts in partitionings(model.num_layers, submeshes):
-            runs += [ProfilingRun(scenario, b, counts) for b in batches]
+            runs += [ProfilingRun(scenario, b, counts) for b in batches[scenario]]
     return runs
 
 
@@ -199,7 +211,7 @@ def profile_capture(model: ModelSpec, hardware: HardwareSpec, training: Training
 
     ``on_run(run, peaks, i, n)`` is called after each new run (to log it and show progress)."""
     scenarios = scenarios or list(SCENARIO_DEGREES)
-    batches, m = profiling_batches(batch_sizes, num_microbatches, training)
+    batches, m = profiling_batches(batch_sizes, num_microbatches, training, scenarios)
     runs = planned_runs(model, hardware, scenarios, batches)
     done = dict(done or {})
     for i, run in enumerate(runs):
@@ -215,7 +227,7 @@ def profile_capture(model: ModelSpec, hardware: HardwareSpec, training: Training
             on_run(run, done[run.key], i + 1, len(runs))
     out = []
     for scenario in scenarios:
-        for b in batches:
+        for b in batches[scenario]:
             mine = [r for r in runs if r.scenario == scenario and r.batch_size == b]
             peaks: dict[tuple[int, int], int] = {}
             for r in mine:
@@ -228,6 +240,7 @@ def profile_capture(model: ModelSpec, hardware: HardwareSpec, training: Training
                 layers=[CaptureStat(layer=l, name=model.layers[l].name, M_i_bytes=mi, M_a_bytes=ma)
                         for l, (mi, ma) in enumerate(stats)]))
     widest = max(profiling_hardware(hardware, SCENARIO_DEGREES[s][1]).num_devices for s in scenarios)
-    return CaptureProfile(backend=backend_name, target_batch=training.global_batch, batch_sizes=batches,
+    return CaptureProfile(backend=backend_name, target_batch=training.global_batch,
+                          batch_sizes=sorted({b for bs in batches.values() for b in bs}, reverse=True),
                           profiling_devices=widest, runs=len(runs),
                           paper_runs=10 * (model.num_layers - 1), scenarios=out)

@@ -27,7 +27,8 @@ def test_capture_profile_of_gpt_tiny_resumes_from_its_log(tmp_path):
     prof = Profile.model_validate_json((out / "profile.json").read_text())
     cap = prof.capture
     assert cap is not None and cap.paper_runs == 10 * (6 - 1)
-    assert {(s.scenario, s.batch_size) for s in cap.scenarios} == {(s, b) for s in ("pp", "tp2") for b in (32, 16)}
+    # default training: 32 microbatches of 2 -> microbatches 1 and 2 at the target's count (64, 32 samples)
+    assert {(s.scenario, s.batch_size) for s in cap.scenarios} == {(s, b) for s in ("pp", "tp2") for b in (64, 32)}
     assert all(len(s.layers) == 6 and all(x.M_i_bytes > 0 for x in s.layers) for s in cap.scenarios)
     assert re.search(r"\[capture \d+/\d+\]", first.stdout)  # progress is visible in logs
     log = (out / "capture_runs.jsonl").read_text().splitlines()

@@ -60,9 +60,12 @@ def test_profile_capture_all_scenarios_and_resume_after_interrupt():
     weights = [100 * (i + 1) for i in range(6)]
     calls: list = []
     full = profile_capture(model, hw, training, ScheduleSpec(), additive_backend(weights, calls), "fake")
-    assert full.runs == len(calls) and full.batch_sizes == [32, 16]
+    # the target's 32 microbatches of 2: pp/tp profile microbatches 1 and 2 (the half, then the
+    # target itself, as a quarter is not whole); dp2 needs even sizes (2, 4), dp4 multiples of 4
+    assert full.runs == len(calls) and full.batch_sizes == [256, 128, 64, 32]
     assert {(s.scenario, s.batch_size) for s in full.scenarios} == {
-        (s, b) for s in ("pp", "dp2", "dp4", "tp2", "tp4") for b in (32, 16)}
+        *((s, b) for s in ("pp", "tp2", "tp4") for b in (64, 32)), ("dp2", 128), ("dp2", 64), ("dp4", 256), ("dp4", 128)}
+    assert all(p.training.num_microbatches == 32 for p in calls)  # as many in flight as the target
     pp = next(s for s in full.scenarios if s.scenario == "pp" and s.batch_size == 32)
     mb = pp.microbatch_size
     assert [x.M_a_bytes for x in pp.layers] == [w * mb for w in weights]
@@ -88,3 +91,11 @@ def test_profile_capture_all_scenarios_and_resume_after_interrupt():
                               done=log)
     assert len(again) == full.runs - 7
     assert resumed.scenarios == full.scenarios
+
+
+def test_default_profiling_batches_are_the_papers_half_and_quarter_when_whole():
+    from planners.capture_profile import profiling_batches
+
+    table1 = TrainingSpec(global_batch=1024, num_microbatches=32)  # CAPTURE Table I, GPT-3 6.7B
+    batches, m = profiling_batches(None, None, table1, ["pp", "dp2", "dp4", "tp2", "tp4"])
+    assert m == 32 and all(b == [512, 256] for b in batches.values())

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch.multiprocessing as mp
 
+from specs.progress import task
 from specs.plan import Plan
 
 #: wait this long after the first failure for the messages of other ranks (to find the root cause)
@@ -77,6 +78,16 @@ def launch(plan: Plan, model_cfg, opts: dict, timeout_s: float) -> RunOutput:
     out = RunOutput()
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
+    with task(f"executing on {world} ranks", total=opts.get("iterations")) as advance:  # a bar on a terminal only
+        _collect(procs, q, out, errors, world, deadline, timeout_s, advance)
+    if errors:
+        out.failure = _describe(errors, plan)
+    return out
+
+
+def _collect(procs, q, out: RunOutput, errors: dict, world: int, deadline: float, timeout_s: float, advance) -> None:
+    """Poll reports, progress and exit codes until every rank reported, one failed (then a grace
+    period for the others' errors), or the deadline passed."""
     failed_at = None
     try:
         while len(out.reports) < world:
@@ -95,7 +106,9 @@ def launch(plan: Plan, model_cfg, opts: dict, timeout_s: float) -> RunOutput:
                         errors[rank] = f"process exited with code {p.exitcode} without a report"
                         failed_at = failed_at or time.monotonic()
                 continue
-            if status == "ok":
+            if status == "progress":
+                advance()
+            elif status == "ok":
                 out.reports[rank] = payload
             else:
                 errors[rank] = payload
@@ -110,9 +123,6 @@ def launch(plan: Plan, model_cfg, opts: dict, timeout_s: float) -> RunOutput:
                 p.kill()
                 p.join(timeout=5)
         q.close()
-    if errors:
-        out.failure = _describe(errors, plan)
-    return out
 
 
 def _describe(errors: dict[int, str], plan: Plan) -> str:

@@ -42,8 +42,9 @@ def _fault(opts: dict, rank: int, iteration: int) -> None:
 def main(rank: int, world: int, port: int, plan_json: str, cfg_json: str, opts_json: str, queue) -> None:
     """Process entry point (``torch.multiprocessing`` spawn target); never raises."""
     try:
+        progress = (lambda it: queue.put(("progress", rank, it))) if rank == 0 else None
         report = _run(rank, world, f"tcp://127.0.0.1:{port}", Plan.model_validate_json(plan_json),
-                      parse_model_config(json.loads(cfg_json)), json.loads(opts_json))
+                      parse_model_config(json.loads(cfg_json)), json.loads(opts_json), progress)
         queue.put(("ok", rank, report))
         queue.close()
         queue.join_thread()  # the report must leave before os._exit below
@@ -63,8 +64,9 @@ def main(rank: int, world: int, port: int, plan_json: str, cfg_json: str, opts_j
     os._exit(0)
 
 
-def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict) -> dict:
-    """Train and measure; returns the rank's report (process group left open for the caller)."""
+def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, progress=None) -> dict:
+    """Train and measure; returns the rank's report (process group left open for the caller).
+    ``progress(iteration)`` is called after each iteration when given (rank 0 feeds the bar)."""
     torch.set_num_threads(opts.get("threads", 1))
     cuda = opts.get("device") == "cuda"
     if cuda:
@@ -114,6 +116,8 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict) -
             torch.cuda.synchronize()
         iter_times.append(time.perf_counter() - t0)
         losses.append(sum(st.loss_sum for st in stages.values() if st.last and st.tp_rank == 0))
+        if progress is not None:
+            progress(it + 1)
     report = {
         "rank": rank, "device": device, "stages": my_stages,
         "layers": [(plan.stages[s].layer_start, plan.stages[s].layer_stop) for s in my_stages],

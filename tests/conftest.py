@@ -1,12 +1,16 @@
 """Small hand-built specs so unit tests do not depend on the shipped YAMLs."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from specs import (
     DeviceSpec, HardwareSpec, HostSpec, LayerKind, LayerSpec, LinkKind, LinkSpec, ModelSpec,
     NodeTopology, PairLink, TrainingSpec,
 )
+from specs.families import parse_model_config
 
 GIB = 1 << 30
 
@@ -47,3 +51,18 @@ def hardware() -> HardwareSpec:
 @pytest.fixture
 def training() -> TrainingSpec:
     return TrainingSpec(global_batch=16, microbatch_size=2)
+
+
+# ---- the shipped tiny setup the executor tests share: gpt_tiny on 4 local gloo ranks, fp32 ----
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def conf(group: str, name: str) -> dict:
+    """A shipped config file as a dict (no Hydra composition: no `defaults` lists followed)."""
+    return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+
+
+GPT_TINY = parse_model_config(conf("model", "gpt_tiny"))
+LOCAL_CPU = HardwareSpec.model_validate(conf("hardware", "local_cpu"))
+#: 4 microbatches of 2 samples: 1F1B on 4 stages reaches its steady state; dp=2 gives 1 sample each
+CPU_TRAINING = TrainingSpec(global_batch=8, microbatch_size=2, precision="fp32")

@@ -3,29 +3,21 @@ a rank killed by a signal, a rank that hangs. Never a hang, never a silent succe
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
-import yaml
 
 from executor import execute
 from planners import make_plan, parse_policy
-from specs.families import build_model, parse_model_config
-from specs.hardware import HardwareSpec
+from specs.families import build_model
+from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU
 from specs.plan import ScheduleSpec
-from specs.training import TrainingSpec
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 pytestmark = pytest.mark.slow
 
 
-def conf(group: str, name: str) -> dict:
-    return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
 
-
-CFG = parse_model_config(conf("model", "gpt_tiny"))
-HW = HardwareSpec.model_validate(conf("hardware", "local_cpu"))
-TRAINING = TrainingSpec(global_batch=8, microbatch_size=2, precision="fp32")
+CFG, HW = GPT_TINY, LOCAL_CPU
+TRAINING = CPU_TRAINING
 PLAN = make_plan(parse_policy({"kind": "even", "pp": 4}), build_model(CFG, 4), HW, TRAINING, ScheduleSpec(kind="1f1b"))
 
 

@@ -3,32 +3,25 @@ closed form (fp32 Adam: 4 B weights + 4 B grads + 8 B m, v per parameter) and wh
 follow the schedule (1F1B holds min(p - i, m) microbatches on stage i, GPipe all m)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-import yaml
 
 from executor import execute
 from executor.single import run_stage_alone
 from planners import make_plan, parse_policy
-from specs.families import build_model, parse_model_config
-from specs.hardware import HardwareSpec
+from specs.families import build_model
+from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU
 from specs.plan import ScheduleSpec
 from specs.result import Result
 from specs.training import TrainingSpec
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 pytestmark = pytest.mark.slow
 
 
-def conf(group: str, name: str) -> dict:
-    return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
 
-
-CFG = parse_model_config(conf("model", "gpt_tiny"))
-HW = HardwareSpec.model_validate(conf("hardware", "local_cpu"))
+CFG, HW = GPT_TINY, LOCAL_CPU
 SPEC = build_model(CFG, 4)
-TRAINING = TrainingSpec(global_batch=8, microbatch_size=2, precision="fp32")  # m = 4 microbatches
+TRAINING = CPU_TRAINING
 
 
 def measured(schedule: str) -> tuple:

@@ -7,34 +7,25 @@ tensor-parallel or resharding code — not noise. One spawn per plan (~5 s on 2 
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from executor import run_plan
 from executor.reference import train_reference
 from planners import make_plan, parse_policy
 from specs.families import build_model, parse_model_config
-from specs.hardware import HardwareSpec
+from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU, conf
 from specs.plan import LayerMemory, MemoryAction, Plan, ScheduleSpec, StagePlan, validate_plan
-from specs.training import TrainingSpec
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 STEPS = 2
 pytestmark = pytest.mark.slow
 
 
-def conf(group: str, name: str) -> dict:
-    return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
 
-
-CFG = parse_model_config(conf("model", "gpt_tiny"))
-HW = HardwareSpec.model_validate(conf("hardware", "local_cpu"))
+CFG, HW = GPT_TINY, LOCAL_CPU
 SPEC = build_model(CFG, 4)
-# 4 microbatches of 2 samples: 1F1B on 4 stages reaches its steady state; dp=2 gives 1 sample each
-TRAINING = TrainingSpec(global_batch=8, microbatch_size=2, precision="fp32", optimizer="adam")
+TRAINING = CPU_TRAINING
 
 
 def planned(schedule: str, **policy) -> Plan:

@@ -1,7 +1,7 @@
 """What each mode does, given a validated RunConfig and an output directory.
 
 run.py (the Hydra shell) composes and validates the config, then calls :func:`run`. Nothing here
-knows Hydra; files are written through specs.outputs / specs.profile_io.
+knows Hydra; files are written through reports.outputs / reports.profile_io.
 
     simulate   plan, then predict (simulator or analytic); policy=capture also reports the
                throughput baseline (planners.json)
@@ -23,7 +23,7 @@ from specs._base import Spec
 from specs.families import ModelConfig, build_model
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.outputs import summary, write_compare_figure, write_json, write_run
+from reports.outputs import summary, write_compare_figure, write_json, write_run
 from specs.plan import Plan, PlanError, ScheduleSpec
 from specs.result import Result
 from specs.training import Precision, TrainingSpec
@@ -167,7 +167,7 @@ def symbolic_profile(cfg: RunConfig, attention: str = "default"):
     import torch
 
     from executor.profile_symbolic import profile_model
-    from specs import profile_io
+    from reports import profile_io
 
     mb, dtype = cfg.training.samples_per_microbatch, cfg.training.precision.value
     cache = Path(cfg.profile_cache or Path.home() / ".cache" / "memwall" / "profiles")
@@ -209,7 +209,7 @@ def run_profile(cfg: RunConfig, outdir: Path) -> None:
     rerun with the same hydra.run.dir skips the runs recorded there)."""
     import time
 
-    from specs import profile_io
+    from reports import profile_io
 
     t0 = time.perf_counter()
     prof = symbolic_profile(cfg)
@@ -253,7 +253,7 @@ def capture_profile_for(cfg: RunConfig, outdir: Path):
     """The CAPTURE profile for cfg: this process's copy, the on-disk cache
     (``<profile_cache>/capture_<fingerprint>.json``), or — profiling first — a new one (§III-A),
     cached for the next run."""
-    from specs import profile_io
+    from reports import profile_io
     from specs.profile import Profile
 
     fp = capture_fingerprint(cfg)
@@ -278,7 +278,7 @@ def capture_profile_for(cfg: RunConfig, outdir: Path):
 
 def _capture(cfg: RunConfig, outdir: Path):
     from planners.capture_profile import profile_capture
-    from specs import profile_io
+    from reports import profile_io
     from specs.plan import validate_plan
 
     pol, hw = cfg.policy, cfg.hardware
@@ -306,7 +306,7 @@ def _capture(cfg: RunConfig, outdir: Path):
         print(f"[capture] resuming: {len(done)} runs already recorded in {log}")
     print(f"[capture] backend {backend_name}; scenarios {', '.join(pol.scenarios)}", flush=True)
 
-    from specs.progress import interactive, task
+    from reports.progress import interactive, task
 
     with task(f"CAPTURE profiling ({backend_name})") as advance:
         def on_run(run, peaks, i, n):
@@ -334,7 +334,7 @@ def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
     import yaml
 
     from executor.calibrate import calibrate, hardware_yaml
-    from specs import profile_io
+    from reports import profile_io
 
     hw = cfg.hardware
     world = max(2, min(hw.devices_per_node, 8))

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import ValidationError
 
 from modes import RunConfig, UsageError, run
-from specs.outputs import GIB, find_jobs, write_sweep_summary
+from reports.outputs import GIB, find_jobs, write_sweep_summary
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 

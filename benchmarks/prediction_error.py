@@ -44,9 +44,9 @@ from planners.prediction_error import (  # noqa: E402
 )
 from planners.stagetable import StageTable  # noqa: E402
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec  # noqa: E402
-from specs import profile_io  # noqa: E402
+from reports import profile_io  # noqa: E402
 from specs.families import build_model, parse_model_config  # noqa: E402
-from specs.outputs import write_prediction_error  # noqa: E402
+from reports.outputs import write_prediction_error  # noqa: E402
 from specs.plan import PlanError, validate_plan  # noqa: E402
 from specs.profile import CaptureProfile  # noqa: E402
 

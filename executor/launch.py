@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch.multiprocessing as mp
 
-from specs.progress import task
+from reports.progress import task
 from specs.plan import Plan
 
 #: wait this long after the first failure for the messages of other ranks (to find the root cause)

@@ -12,6 +12,8 @@ Two sections, either may be absent:
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Literal
 
@@ -120,3 +122,11 @@ def model_from_profile(profile: Profile) -> ModelSpec:
               for p in profile.layers]
     return ModelSpec(name=profile.model, family=profile.family, layers=layers,
                      act_dtype_bytes=DTYPE_BYTES[profile.dtype])
+
+
+def cache_key(model_cfg: dict, microbatch: int, dtype: str, attention: str, version: str) -> str:
+    """Content hash of what a symbolic profile depends on: the model config (as plain data),
+    the microbatch, the dtype, the attention path and the torch version."""
+    body = json.dumps({"model": model_cfg, "microbatch": microbatch, "dtype": dtype,
+                       "attention": attention, "torch": version}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]

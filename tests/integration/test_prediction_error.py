@@ -76,7 +76,7 @@ def load(group: str, name: str) -> dict:
 def test_fig7_report_for_executor_measured_plans(tmp_path):
     from executor import execute
     from simulator import simulate
-    from specs.outputs import write_prediction_error
+    from reports.outputs import write_prediction_error
 
     cfg = parse_model_config(load("model", "gpt_tiny"))
     model = build_model(cfg, 4)  # the executor trains in fp32

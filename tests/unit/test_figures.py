@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from specs import DeviceResult, MemoryBreakdown, Result
-from specs.figures import (
+from reports.figures import (
     compare_figure, error_stats, fold_devices, memory_figure, peak_pairs, timeline_figure, trace_lanes,
 )
-from specs.outputs import summary, write_compare_figure, write_figures, write_json, write_sweep_summary
-from specs.progress import task, track
+from reports.outputs import summary, write_compare_figure, write_figures, write_json, write_sweep_summary
+from reports.progress import task, track
 
 GIB = 1 << 30
 
@@ -190,7 +190,7 @@ def test_progress_yields_everything_with_and_without_a_bar():
 
 
 def test_importing_specs_needs_neither_matplotlib_nor_rich():
-    code = ("import sys, specs, specs.outputs, specs.figures, specs.progress; "
+    code = ("import sys, specs, reports.outputs, reports.figures, reports.progress; "
             "bad = [m for m in ('matplotlib', 'rich') if m in sys.modules]; assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

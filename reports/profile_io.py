@@ -4,22 +4,12 @@ line, so an interrupted job leaves whole records behind and can resume from them
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 
-from specs.profile import Profile
-
-
-def write_text(path: Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (parents created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+from reports.files import write_text
+from specs.profile import Profile, cache_key  # noqa: F401  (cache_key re-exported)
 
 
 def write_profile(path: Path, profile: Profile) -> Path:
@@ -28,14 +18,6 @@ def write_profile(path: Path, profile: Profile) -> Path:
 
 def load_profile(path: Path) -> Profile:
     return Profile.model_validate_json(Path(path).read_text())
-
-
-def cache_key(model_cfg: dict, microbatch: int, dtype: str, attention: str, version: str) -> str:
-    """Content hash of what a symbolic profile depends on: the model config (as plain data),
-    the microbatch, the dtype, the attention path and the torch version."""
-    body = json.dumps({"model": model_cfg, "microbatch": microbatch, "dtype": dtype,
-                       "attention": attention, "torch": version}, sort_keys=True)
-    return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 def cached_profile(cache_dir: Path, key: str) -> Profile | None:

@@ -1,7 +1,7 @@
 """The figure half of the writer: matplotlib figures built from Results, traces and sweep rows.
 
 Each ``*_figure`` function takes data and returns a matplotlib ``Figure`` (no file I/O, no global
-pyplot state); ``specs.outputs`` saves them. matplotlib is imported lazily inside the functions,
+pyplot state); ``reports.outputs`` saves them. matplotlib is imported lazily inside the functions,
 with the Agg canvas attached explicitly, so ``import specs`` never needs matplotlib and no GUI
 backend is ever chosen. The small helpers that shape the data (folding identical devices, lanes
 of a trace, error statistics) are plain Python and tested on their own.

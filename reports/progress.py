@@ -1,7 +1,7 @@
 """Progress bars for work that takes more than a few seconds (profiling, executor iterations,
 sweeps): a rich bar on a terminal, nothing at all otherwise (tests, CI, logs, pipes).
 
-    from specs.progress import track, task
+    from reports.progress import track, task
     for step in track(range(steps), "executor iterations"):
         ...
     with task("profiling layers", total=len(layers)) as advance:

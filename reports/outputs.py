@@ -1,5 +1,5 @@
 """The one module that writes files: plan.json, results.json, trace.json, the figures
-(memory.png, timeline.png, compare.png, summary.png; drawn by specs.figures), a sweep's
+(memory.png, timeline.png, compare.png, summary.png; drawn by reports.figures), a sweep's
 summary.csv, and the console table.
 
 Plans and results are plain JSON (pydantic dumps), never pickle, so files are safe to load.
@@ -10,14 +10,14 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from specs import figures
+from reports import figures
+from reports.files import atomic_write, write_text
 from specs.plan import Plan
 from specs.result import Result
 
@@ -27,22 +27,12 @@ GIB = float(1 << 30)
 def write_json(path: Path, obj: BaseModel | dict) -> Path:
     """Write atomically (temp file + rename) so a crash never leaves half a file behind."""
     text = obj.model_dump_json(indent=2) if isinstance(obj, BaseModel) else json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text(path, text + "\n")
 
 
 def save_figure(path: Path, fig) -> Path:
     """Save a matplotlib Figure as PNG atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
 
 
 def write_figures(outdir: Path, result: Result, trace: dict | None = None) -> list[Path]:
@@ -231,10 +221,7 @@ def write_sweep_summary(sweep_dir: Path, jobs: list[tuple[str, list[str], Path]]
     writer.writeheader()
     writer.writerows(rows)
     path = sweep_dir / "summary.csv"
-    tmp = path.with_name(path.name + ".tmp")
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(buf.getvalue())
-    os.replace(tmp, path)
+    write_text(path, buf.getvalue())
     paths = [path]
     if rows:
         paths.append(save_figure(sweep_dir / "summary.png", figures.summary_figure(rows, swept)))
@@ -255,7 +242,7 @@ def find_jobs(sweep_dir: Path) -> list[tuple[str, Path]]:
 
 def write_prediction_error(outdir: Path, report: BaseModel) -> list[Path]:
     """prediction_error.json (the report, a planners.prediction_error.PredictionErrorReport) and
-    prediction_error.png (Fig. 7-style histograms, specs.figures.prediction_error_figure)."""
+    prediction_error.png (Fig. 7-style histograms, reports.figures.prediction_error_figure)."""
     outdir = Path(outdir)
     errors = {name: (e.per_device_errors, e.per_plan_errors) for name, e in report.predictors.items()}
     title = (f"{report.model} on {report.hardware} ({report.schedule}): {len(report.plans)} random plans measured "

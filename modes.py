@@ -1,7 +1,8 @@
 """What each mode does, given a validated RunConfig and an output directory.
 
 run.py (the Hydra shell) composes and validates the config, then calls :func:`run`. Nothing here
-knows Hydra; files are written through reports.outputs / reports.profile_io.
+knows Hydra; files are written through reports.outputs / reports.profile_io, and a config's model
+spec and profiles come from model_costs.
 
     simulate   plan, then predict (simulator or analytic); policy=capture also reports the
                throughput baseline (planners.json)
@@ -17,13 +18,19 @@ from typing import Literal
 
 from pydantic import Field
 
-from planners import PlanningError, PolicyConfig, make_plan
+from model_costs import (
+    CostsError, capture_profile_for, capture_profiling_runs, closed_form_spec, model_spec, symbolic_profile,
+)
+from planners import PlanningError, PolicyConfig, make_plan, verdict
+from planners.capture import capture_space_check
 from planners.analytic import estimate
+from reports.figures import human_bytes
+from reports.progress import after
+from reports.outputs import summary, write_compare_figure, write_json, write_run
 from specs._base import Spec
-from specs.families import ModelConfig, build_model
+from specs.families import ModelConfig
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from reports.outputs import summary, write_compare_figure, write_json, write_run
 from specs.plan import Plan, PlanError, ScheduleSpec
 from specs.result import Result
 from specs.training import Precision, TrainingSpec
@@ -40,6 +47,7 @@ class ExecuteOptions(Spec):
     iterations: int = Field(5, ge=1, description="timed iterations (median reported)")
     warmup: int = Field(1, ge=0)
     timeout_s: float = Field(300.0, gt=0, description="the whole run is torn down after this")
+    force: bool = Field(False, description="run even when the pre-flight check (executor.preflight) refuses")
 
 
 class RunConfig(Spec):
@@ -67,11 +75,23 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
     """Model spec and validated plan for the composed config (any planner error -> UsageError).
     policy=capture first loads its profile from the cache, or profiles now (see capture_profile_for)."""
     model = model_spec(cfg)
-    profile = capture_profile_for(cfg, outdir) if cfg.policy.kind == "capture" else None
     try:
-        return model, make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile)
+        if cfg.policy.kind == "capture":  # refuse a space with no plan before minutes of profiling
+            capture_space_check(model, cfg.hardware)
+        profile = capture_profile_for(cfg, outdir) if cfg.policy.kind == "capture" else None
+        with after("planning") as progress:  # a bar only if the search runs past ~2 s
+            plan = make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile, progress)
     except (PlanningError, PlanError) as exc:
         raise UsageError(f"policy {cfg.policy.kind!r} cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
+    if cfg.estimator == "simulator":
+        from simulator import size_problem
+
+        if (problem := size_problem(plan)) is not None:
+            raise UsageError(problem)
+    fit = verdict(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, plan)
+    if not fit.fits:  # the planner returned its closest plan: say plainly that nothing fits, and what would
+        print(fit.text(), flush=True)
+    return model, plan
 
 
 def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
@@ -117,7 +137,9 @@ def planner_report(cfg: RunConfig, model: ModelSpec, plan: Plan, result: Result,
     stats = stats_from_profile(capture_profile_for(cfg, outdir).capture)
     entry = lambda p, r, extra: {"plan_id": p.id, "stages": [[s.layer_start, s.layer_stop, s.dp, s.tp] for s in p.stages],  # noqa: E731
                                  "peak_bytes": r.max_peak_bytes, "min_peak_bytes": min(d.peak_bytes for d in r.devices),
-                                 "oom_devices": len(r.oom_devices), "iteration_time_s": r.iteration_time_s,
+                                 "oom_devices": len(r.oom_devices),
+                                 "over_bytes": max((d.oom_over_bytes for d in r.devices), default=0),
+                                 "iteration_time_s": r.iteration_time_s,
                                  "samples_per_s": r.samples_per_s, **extra}
     report = {
         "model": model.name, "hardware": cfg.hardware.name, "schedule": cfg.schedule.kind.value,
@@ -130,15 +152,39 @@ def planner_report(cfg: RunConfig, model: ModelSpec, plan: Plan, result: Result,
     if pol.smallest_hardware:
         report["smallest_fit"] = smallest_fit(cfg, model, stats, baseline, outdir)
     write_json(outdir / "planners.json", report)
-    gib = lambda b: b / 2**30  # noqa: E731
-    print(f"CAPTURE    peak {gib(result.max_peak_bytes):6.2f} GiB (predicted {gib(report['capture']['predicted_peak_bytes']):.2f}), "
-          f"{result.samples_per_s:.4g} samples/s, {len(plan.stages)} stages")
-    print(f"throughput peak {gib(tres.max_peak_bytes):6.2f} GiB, {tres.samples_per_s:.4g} samples/s, {len(tplan.stages)} stages")
-    print(f"peak reduction {report['peak_reduction_pct']:+.1f} %, throughput loss {report['throughput_loss_pct']:+.1f} %"
-          f" ({result.source}); wrote {outdir / 'planners.json'}")
-    for name, fit in report.get("smallest_fit", {}).items():
-        print(f"smallest hardware that fits under {name}: {fit}")
+    print(planner_lines(report, cfg.hardware, outdir / "planners.json"))
     return report
+
+
+def planner_lines(report: dict, hardware: HardwareSpec, path: Path) -> str:
+    """planners.json for a person: a line per planner, the reduction and loss, and what they
+    mean when a plan does not fit (a peak reduction between plans that OOM is no saving)."""
+    cap, thr = report["capture"], report["throughput"]
+
+    def line(name: str, e: dict, extra: str = "") -> str:
+        oom = (f", OOM on {e['oom_devices']} device(s)" if e["oom_devices"] else ", fits")
+        return (f"{name:<10} peak {human_bytes(e['peak_bytes'], 2)}{extra}, {e['samples_per_s']:.4g} samples/s, "
+                f"{len(e['stages'])} stages{oom}")
+
+    lines = [line("CAPTURE", cap, f" (predicted {human_bytes(cap['predicted_peak_bytes'], 2)})"),
+             line("throughput", thr),
+             (f"peak reduction {report['peak_reduction_pct']:+.1f} %, throughput loss "
+              f"{report['throughput_loss_pct']:+.1f} % ({report['source']}); wrote {path}")]
+    ooms = [(n, e) for n, e in (("CAPTURE", cap), ("throughput", thr)) if e["oom_devices"]]
+    if ooms:
+        over = ", ".join(f"{n} over by {human_bytes(e['over_bytes'])} on {e['oom_devices']} device(s)"
+                         for n, e in ooms)
+        who = "both plans run" if len(ooms) == 2 else f"the {ooms[0][0]} plan runs"
+        lines.append(f"note: {who} out of memory ({over}): the peak reduction is between plans "
+                     + ("that do not fit" if len(ooms) == 2 else "of which one does not fit"))
+    for name, fit in report.get("smallest_fit", {}).items():
+        label = "CAPTURE" if name == "capture" else name
+        if fit is None:
+            lines.append(f"smallest hardware under {label}: no node count up to {hardware.nodes} fits")
+        else:
+            lines.append(f"smallest hardware under {label}: {fit['nodes']} node(s) = {fit['devices']} devices, "
+                         f"peak {human_bytes(fit['peak_bytes'], 2)}, {fit['samples_per_s']:.4g} samples/s")
+    return "\n".join(lines)
 
 
 def smallest_fit(cfg: RunConfig, model: ModelSpec, stats, baseline, outdir: Path) -> dict:
@@ -161,48 +207,6 @@ def smallest_fit(cfg: RunConfig, model: ModelSpec, stats, baseline, outdir: Path
     return found
 
 
-def symbolic_profile(cfg: RunConfig, attention: str = "default"):
-    """The symbolic profile of cfg.model at the run's microbatch and precision, from the cache
-    (keyed by model config, microbatch, dtype, attention path and torch version) or traced now."""
-    import torch
-
-    from executor.profile_symbolic import profile_model
-    from reports import profile_io
-
-    mb, dtype = cfg.training.samples_per_microbatch, cfg.training.precision.value
-    cache = Path(cfg.profile_cache or Path.home() / ".cache" / "memwall" / "profiles")
-    key = profile_io.cache_key(cfg.model.model_dump(mode="json"), mb, dtype, attention, torch.__version__)
-    prof = profile_io.cached_profile(cache, key)
-    if prof is None:
-        prof = profile_model(cfg.model, microbatch=mb, dtype=dtype, attention=attention,
-                             progress=lambda k, i, name: print(f"[profile] tracing layer {i} ({name}), distinct #{k}",
-                                                                flush=True))
-        profile_io.store_profile(cache, key, prof)
-    return prof
-
-
-def model_spec(cfg: RunConfig) -> ModelSpec:
-    """Closed-form model spec, or (model_costs=symbolic) the same layers with costs measured by the
-    symbolic profiler (specs.profile.apply_profile). Bad model input -> UsageError."""
-    try:
-        return _model_spec(cfg)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-
-
-def _model_spec(cfg: RunConfig) -> ModelSpec:
-    if cfg.model.family == "torch_module":  # a user's module has no closed forms: always profiled
-        from specs.profile import model_from_profile
-
-        return model_from_profile(symbolic_profile(cfg))
-    model = build_model(cfg.model, cfg.training.act_dtype_bytes)
-    if cfg.model_costs == "symbolic":
-        from specs.profile import apply_profile
-
-        model = apply_profile(model, symbolic_profile(cfg))
-    return model
-
-
 def run_profile(cfg: RunConfig, outdir: Path) -> None:
     """mode=profile: symbolic profile -> profile.json; with policy=capture also CAPTURE's
     profiling runs (resumable: each finished run is appended to capture_runs.jsonl in outdir, and a
@@ -213,118 +217,25 @@ def run_profile(cfg: RunConfig, outdir: Path) -> None:
 
     t0 = time.perf_counter()
     prof = symbolic_profile(cfg)
-    closed = model_spec(cfg) if cfg.model.family == "torch_module" else build_model(cfg.model, cfg.training.act_dtype_bytes)
+    closed = model_spec(cfg) if cfg.model.family == "torch_module" else closed_form_spec(cfg)
     print(f"[profile] {cfg.model.name}: {len(prof.layers)} layers, {prof.distinct_layers} traced (identical "
           f"layers reuse their representative), microbatch {prof.microbatch}, {prof.dtype}, "
           f"{time.perf_counter() - t0:.1f} s")
     print(f"[profile] total_params {prof.total_params:,} (closed form {closed.total_params:,}: "
           f"{'equal' if prof.total_params == closed.total_params else 'DIFFERENT'})")
+    reps: dict[int, list] = {}
+    for layer in prof.layers:  # one line per traced layer; identical ones share its numbers
+        reps.setdefault(layer.representative, []).append(layer)
+    for same in reps.values():
+        r = same[0]
+        print(f"[profile]   {r.name} ({r.module}{f', x{len(same)}' if len(same) > 1 else ''}): {r.params:,} params, "
+              f"fwd {r.fwd_flops:.3g} / bwd {r.bwd_flops:.3g} FLOPs, saved {human_bytes(r.saved_bytes)}, "
+              f"output {human_bytes(r.output_bytes)}, transient {human_bytes(r.temp_peak_bytes)} "
+              f"per microbatch of {prof.microbatch}")
     if cfg.policy.kind == "capture":
-        prof = prof.model_copy(update={"capture": _capture(cfg, outdir)})
+        prof = prof.model_copy(update={"capture": capture_profiling_runs(cfg, outdir)})
     path = profile_io.write_profile(outdir / "profile.json", prof)
     print(f"wrote {path}")
-
-
-def capture_backend_name(cfg: RunConfig) -> str:
-    """The profiling backend: the executor for hardware that is here (local_cpu), else the simulator."""
-    if cfg.policy.backend != "auto":
-        return cfg.policy.backend
-    return "executor" if cfg.hardware.name == "local_cpu" and cfg.model.family != "custom" else "simulator"
-
-
-def capture_fingerprint(cfg: RunConfig) -> str:
-    """Everything that decides a CAPTURE profile (not the planner knobs)."""
-    import hashlib
-    import json
-
-    from planners.capture_profile import PROFILER_VERSION
-
-    ident = {"model": cfg.model.model_dump(mode="json"), "hardware": cfg.hardware.model_dump(mode="json", exclude={"nodes"}),
-             "training": cfg.training.model_dump(mode="json"), "schedule": cfg.schedule.model_dump(mode="json"),
-             "policy": cfg.policy.profile_fields(), "backend": capture_backend_name(cfg), "costs": cfg.model_costs,
-             "profiler_version": PROFILER_VERSION}
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-
-
-_PROFILES: dict[str, object] = {}  # this process's CAPTURE profiles by fingerprint (one run asks several times)
-
-
-def capture_profile_for(cfg: RunConfig, outdir: Path):
-    """The CAPTURE profile for cfg: this process's copy, the on-disk cache
-    (``<profile_cache>/capture_<fingerprint>.json``), or — profiling first — a new one (§III-A),
-    cached for the next run."""
-    from reports import profile_io
-    from specs.profile import Profile
-
-    fp = capture_fingerprint(cfg)
-    if fp in _PROFILES:
-        return _PROFILES[fp]
-    path = Path(cfg.profile_cache or Path.home() / ".cache" / "memwall" / "profiles") / f"capture_{fp}.json"
-    if path.exists():
-        prof = Profile.model_validate_json(path.read_text())
-        print(f"[capture] using the cached profile {path}")
-    else:
-        print(f"[capture] no cached profile for this model/hardware/batch: profiling first "
-              f"({capture_backend_name(cfg)} backend)", flush=True)
-        closed = model_spec(cfg)
-        prof = Profile(model=closed.name, family=cfg.model.family, microbatch=cfg.training.samples_per_microbatch,
-                       dtype=cfg.training.precision.value, total_params=closed.total_params,
-                       capture=_capture(cfg, outdir))
-        profile_io.write_profile(path, prof)
-        print(f"[capture] cached the profile at {path}")
-    _PROFILES[fp] = prof
-    return prof
-
-
-def _capture(cfg: RunConfig, outdir: Path):
-    from planners.capture_profile import profile_capture
-    from reports import profile_io
-    from specs.plan import validate_plan
-
-    pol, hw = cfg.policy, cfg.hardware
-    backend_name = capture_backend_name(cfg)
-    if backend_name == "executor":
-        from executor import execute
-
-        act = 4  # the executor trains in fp32 on CPU (executor.execute)
-
-        def backend(plan, model, hardware):
-            return execute(plan, cfg.model, hardware, iterations=1, warmup=1, timeout_s=300)
-    else:
-        from simulator import simulate
-
-        act = cfg.training.act_dtype_bytes
-
-        def backend(plan, model, hardware):
-            return simulate(validate_plan(plan, model, hardware), model, hardware).result
-    closed_form = cfg.model_costs == "closed_form" and cfg.model.family != "torch_module"
-    model = build_model(cfg.model, act) if closed_form else model_spec(cfg)
-    fingerprint = capture_fingerprint(cfg)
-    log = outdir / "capture_runs.jsonl"
-    done = {r["key"]: r["peaks"] for r in profile_io.read_records(log) if r.get("fingerprint") == fingerprint}
-    if done:
-        print(f"[capture] resuming: {len(done)} runs already recorded in {log}")
-    print(f"[capture] backend {backend_name}; scenarios {', '.join(pol.scenarios)}", flush=True)
-
-    from reports.progress import interactive, task
-
-    with task(f"CAPTURE profiling ({backend_name})") as advance:
-        def on_run(run, peaks, i, n):
-            profile_io.append_record(log, {"fingerprint": fingerprint, "key": run.key, "peaks": peaks})
-            advance()
-            if not interactive() and (i == n or i % max(1, n // 10) == 0):  # a line per ~10 % in logs
-                print(f"[capture {i}/{n}] {run.key}: max stage peak {max(peaks.values()) / 2**20:.2f} MiB", flush=True)
-
-        try:
-            cap = profile_capture(model, hw, cfg.training, cfg.schedule, backend, backend_name,
-                                  scenarios=list(pol.scenarios), batch_sizes=pol.batch_sizes,
-                                  num_microbatches=pol.num_microbatches, done=done, on_run=on_run,
-                                  recompute=pol.recompute)
-        except PlanningError as exc:
-            raise UsageError(f"CAPTURE profiling: {exc}") from None
-    print(f"[capture] {cap.runs} profiling runs ({cap.runs - len(done)} this time) for {model.num_layers} layers; "
-          f"the paper's count is 10(L-1) = {cap.paper_runs}; M_i/M_a for {len(cap.scenarios)} scenario x batch sets")
-    return cap
 
 
 def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
@@ -385,13 +296,40 @@ def measure(cfg: RunConfig, plan: Plan, outdir: Path, model: ModelSpec) -> Resul
     return measured
 
 
+def preflight(cfg: RunConfig, plan: Plan, sim: Result) -> None:
+    """Refuse (UsageError with the numbers) a run the simulation says will not fit this machine's
+    budgets or finish within execute.timeout_s, unless execute.force=true."""
+    from executor.preflight import check, host_available_bytes
+
+    opts = cfg.execute
+    problems = check(sim, cfg.hardware, iterations=opts.iterations, warmup=opts.warmup,
+                     timeout_s=opts.timeout_s, host_available_bytes=host_available_bytes())
+    if not problems:
+        return
+    lines = "; ".join(problems)
+    if opts.force:
+        print(f"warning: execute.force=true: running plan {plan.id} although the simulation says: {lines}")
+        return
+    raise UsageError(f"mode={cfg.mode}: not starting plan {plan.id} on this machine, the simulation says: {lines} "
+                     "(execute.force=true runs it anyway)")
+
+
+def write_executor_inputs(cfg: RunConfig, outdir: Path) -> list[Path]:
+    """model.json and hardware.json: with plan.json, what ``python -m executor.torchrun <outdir>`` reads."""
+    return [write_json(outdir / "model.json", cfg.model), write_json(outdir / "hardware.json", cfg.hardware)]
+
+
 def run_execute(cfg: RunConfig, outdir: Path) -> Result:
-    """mode=execute: run the plan with torch.distributed and write plan.json + measured.json."""
+    """mode=execute: simulate the plan first (pre-flight: memory, host RAM, time), run it with
+    torch.distributed and write plan.json, model.json, hardware.json + measured.json."""
+    from simulator import simulate
+
     cfg = executable(cfg)
     model, plan = plan_for(cfg, outdir)
-    write_json(outdir / "plan.json", plan)
+    written = [write_json(outdir / "plan.json", plan), *write_executor_inputs(cfg, outdir)]
+    preflight(cfg, plan, simulate(plan, model, cfg.hardware).result)
     measured = measure(cfg, plan, outdir, model)
-    print(summary(plan, measured, [outdir / "plan.json", outdir / "measured.json"]))
+    print(summary(plan, measured, written + [outdir / "measured.json"]))
     return measured
 
 
@@ -403,7 +341,8 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
     cfg = executable(cfg)
     model, plan = plan_for(cfg, outdir)
     sim = simulate(plan, model, cfg.hardware)
-    written = write_run(outdir, plan, sim.result, sim.trace)
+    written = write_run(outdir, plan, sim.result, sim.trace) + write_executor_inputs(cfg, outdir)
+    preflight(cfg, plan, sim.result)
     measured = measure(cfg, plan, outdir, model)
     comparison = compare(sim.result, measured)
     written += [outdir / "measured.json", write_json(outdir / "compare.json", comparison),
@@ -424,5 +363,9 @@ MODE_RUNNERS = {
 
 
 def run(cfg: RunConfig, outdir: Path) -> Result:
-    return MODE_RUNNERS[cfg.mode](cfg, outdir)
+    """Run cfg.mode; a model that cannot be costed (model_costs.CostsError) is a UsageError."""
+    try:
+        return MODE_RUNNERS[cfg.mode](cfg, outdir)
+    except CostsError as exc:
+        raise UsageError(str(exc)) from None
 

@@ -19,7 +19,6 @@ the benchmark share one implementation. torch.distributed stays inside executor/
 """
 from __future__ import annotations
 
-
 import json
 import os
 import socket
@@ -31,6 +30,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from executor.liveness import die_with
+from reports.files import write_text
 
 GIB = 1 << 30
 #: message sizes for the alpha-beta fits: 4 KiB .. 16 MiB, roughly log-spaced
@@ -146,6 +148,7 @@ def _allreduce_s(nbytes: int, reps: int) -> float:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, quick: bool, compute: bool) -> None:
+    die_with(os.getppid())  # a killed `mode=calibrate` takes its ranks along
     torch.set_num_threads(1)  # one intra-op thread per rank, as executor ranks will run
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res: dict = {}
@@ -167,8 +170,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, quick: bool, compute
                 dist.barrier()
     res["allreduce_s"] = [_allreduce_s(b, _reps_for(b, quick)) for b in MESSAGE_BYTES]
     dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    write_text(os.path.join(out_dir, f"rank{rank}.json"), json.dumps(res))  # atomic: never half a file
 
 
 def run_ranks(world: int, quick: bool = False, compute: bool = True) -> list[dict]:
@@ -212,7 +214,7 @@ def host_tier_bytes(total_bytes: int, ranks: int, budget_bytes: int) -> int:
 
 def yaml_snippet(big: dict, ranks: int, adam: float, host_bytes: int, budget_bytes: int) -> str:
     """The measured part of local_cpu.yaml (peak = measured GEMM rate, efficiency 1.0)."""
-    tf = lambda x: float(f"{x / 1e12:.3g}")  # noqa: E731
+    tf = lambda x: float(f"{x / 1e12:.3g}")
     return f"""devices_per_node: {ranks}
 device:
   model: cpu-gloo-rank
@@ -312,7 +314,7 @@ def hardware_yaml(base: dict, m: dict, name: str) -> str:
     hw = copy.deepcopy(base)
     hw["name"] = name
     dev, host = hw["device"], hw["host"]
-    tf = lambda x: float(f"{x / 1e12:.4g}")  # noqa: E731
+    tf = lambda x: float(f"{x / 1e12:.4g}")
     if m.get("gpu"):
         g = m["gpu"]
         dev["peak_tflops"] = {k: tf(g[f"matmul_{k}_flops_per_s"]) for k in DTYPES}

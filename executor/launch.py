@@ -4,18 +4,23 @@ failure — an exception, a killed rank, a hang — into a recorded failure with
 The parent never joins a rank blindly: it polls the report queue and the processes' exit codes
 until every rank has reported, one has failed, or the deadline passes, then terminates whatever is
 still running (peers of a failed rank sit in a recv or all-reduce that would otherwise wait for
-gloo's own timeout).
+gloo's own timeout). Ranks die with this process and beat into shared slots, so a timeout names
+the rank that stopped making progress and where (:mod:`executor.liveness`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue as queue_mod
+import signal
 import socket
 import time
 from dataclasses import dataclass, field
 
 import torch.multiprocessing as mp
 
+from executor import liveness
 from reports.progress import task
 from specs.plan import Plan
 
@@ -72,22 +77,41 @@ def launch(plan: Plan, model_cfg, opts: dict, timeout_s: float) -> RunOutput:
             json.dumps(opts), q)
     from executor import worker
 
-    procs = [ctx.Process(target=worker.main, args=(rank, *args), daemon=True) for rank in range(world)]
+    # ranks beat into shared slots (hang report) and die with this process (executor.liveness)
+    beats = ctx.Array("d", liveness.SLOTS * world, lock=False)
+    procs = [ctx.Process(target=worker.main, args=(rank, *args, beats, os.getpid()), daemon=True)
+             for rank in range(world)]
     for p in procs:
         p.start()
     out = RunOutput()
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
+
+    def on_timeout() -> str:
+        stopped = {r for r, p in enumerate(procs) if _state(p.pid) == "T"}
+        return liveness.hang_report(plan, liveness.snapshot(beats, world), time.monotonic(), timeout_s,
+                                    stopped, set(out.reports) | set(errors))
+
     with task(f"executing on {world} ranks", total=opts.get("iterations")) as advance:  # a bar on a terminal only
-        _collect(procs, q, out, errors, world, deadline, timeout_s, advance)
+        _collect(procs, q, out, errors, world, deadline, on_timeout, advance)
     if errors:
         out.failure = _describe(errors, plan)
     return out
 
 
-def _collect(procs, q, out: RunOutput, errors: dict, world: int, deadline: float, timeout_s: float, advance) -> None:
+def _state(pid: int | None) -> str | None:
+    """Linux process state letter (R, S, T stopped, Z, ...) or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (OSError, TypeError):
+        return None
+    return stat[stat.rindex(")") + 2:].split()[0]
+
+
+def _collect(procs, q, out: RunOutput, errors: dict, world: int, deadline: float, on_timeout, advance) -> None:
     """Poll reports, progress and exit codes until every rank reported, one failed (then a grace
-    period for the others' errors), or the deadline passed."""
+    period for the others' errors), or the deadline passed (``on_timeout()`` says why)."""
     failed_at = None
     try:
         while len(out.reports) < world:
@@ -95,8 +119,7 @@ def _collect(procs, q, out: RunOutput, errors: dict, world: int, deadline: float
             if failed_at is not None and now - failed_at > GRACE_S:
                 break
             if now > deadline:
-                missing = sorted(set(range(world)) - set(out.reports) - set(errors))
-                errors.setdefault(-1, f"timeout after {timeout_s:.0f} s; ranks still running: {missing}")
+                errors.setdefault(-1, on_timeout())
                 break
             try:
                 status, rank, payload = q.get(timeout=0.1)
@@ -117,6 +140,8 @@ def _collect(procs, q, out: RunOutput, errors: dict, world: int, deadline: float
         for p in procs:
             if p.is_alive():
                 p.terminate()
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once continued
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():

@@ -50,8 +50,9 @@ def run_plan(plan: Plan, model_cfg, *, iterations: int, timeout_s: float = 120.0
 
     ``collect``: reports carry replica 0's full parameters after the last step and that step's
     gradients (numpy, by ``layer.param``). ``memory_iteration``: the iteration whose peak live
-    bytes are tracked. ``fault`` (debug): ``{"rank": r, "kind": "raise"|"kill"|"hang", "iteration": i}``
-    makes rank r raise (SIGKILL itself, sleep forever) at its first backward of iteration i.
+    bytes are tracked. ``fault`` (debug): ``{"rank": r, "kind": "raise"|"kill"|"hang"|"stop", "iteration": i}``
+    makes rank r raise (SIGKILL itself, sleep forever, SIGSTOP itself) at its first backward of
+    iteration i. A timeout names the rank that stopped making progress (executor.liveness).
     ``capacity_bytes`` (CPU): the tracked iteration fails on a rank whose live bytes exceed it."""
     problems = unsupported(plan)
     if problems:

@@ -103,7 +103,8 @@ class LMHead(nn.Module):
             x = F.gelu(self.dense(x))
         if self.ln is not None:
             x = self.ln(x)
-        logits = self.decoder(x).float()
+        logits = self.decoder(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp16/bf16 -> fp32 loss; fp64 stays
         if not self.vocab_parallel:
             return F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
         from torch.distributed.tensor.parallel import loss_parallel
@@ -197,7 +198,8 @@ class ClassifierHead(nn.Module):
         self.fc = nn.Linear(c, classes)
 
     def forward(self, x, batch):
-        return F.cross_entropy(self.fc(x.mean(dim=(2, 3))).float(), batch["targets"])
+        logits = self.fc(x.mean(dim=(2, 3)))
+        return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), batch["targets"])
 
 
 # ---- builders ----------------------------------------------------------------------------------
@@ -288,11 +290,13 @@ def init_layer(layer: nn.Module, seed: int, index: int) -> nn.Module:
 
 
 def build_layers(cfg, owned: range | None = None, device: torch.device | str = "cpu",
-                 seed: int = 0) -> list[tuple[int, str, nn.Module]]:
+                 seed: int = 0, dtype: torch.dtype = torch.float32) -> list[tuple[int, str, nn.Module]]:
     """``[(global index, name, module)]`` for the layers in ``owned`` (all if None).
 
     Every layer is first built on the meta device; only owned ones are materialised on
-    ``device`` and initialised (:func:`init_layer`), so a stage never allocates others' weights."""
+    ``device`` and initialised (:func:`init_layer`), so a stage never allocates others' weights.
+    ``dtype``: floating parameters and buffers are cast to it after the (fp32) init, so a float64
+    model starts from exactly the float32 model's weights (the numerics tests run in float64)."""
     with torch.device("meta"):
         named = _layers(cfg)
     owned = range(len(named)) if owned is None else owned
@@ -300,7 +304,8 @@ def build_layers(cfg, owned: range | None = None, device: torch.device | str = "
     for i in owned:
         name, mod = named[i]
         mod = mod.to_empty(device=device)
-        out.append((i, name, init_layer(mod, seed, i)))
+        mod = init_layer(mod, seed, i)
+        out.append((i, name, mod if dtype == torch.float32 else mod.to(dtype)))
     return out
 
 
@@ -311,9 +316,18 @@ def layer_names_and_params(cfg) -> list[tuple[str, int]]:
     return [(n, sum(p.numel() for p in m.parameters())) for n, m in named]
 
 
-def make_batch(cfg, samples: int, step: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_batch(cfg, samples: int, step: int, seed: int = 0,
+               dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The synthetic global batch of iteration ``step``: same on every rank (seeded), so each
-    rank slices its own microbatch/replica rows without any data loading."""
+    rank slices its own microbatch/replica rows without any data loading. Floating inputs are
+    drawn in float32 and cast to ``dtype`` (the same values at any dtype)."""
+    batch = _make_batch(cfg, samples, step, seed)
+    if dtype == torch.float32:
+        return batch
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+
+
+def _make_batch(cfg, samples: int, step: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed * 7919 + step + 1)
     if cfg.family == "torch_module":
         return user_model(cfg)[1](samples, gen)

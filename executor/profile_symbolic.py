@@ -171,7 +171,10 @@ def profile_model(cfg, microbatch: int = 1, dtype: str = "bf16", attention: str 
     torch_dtype = DTYPES[dtype]
     with torch.device("meta"):
         named = _layers(cfg)
-    real_batch = make_batch(cfg, microbatch, 0)
+    # float inputs (images, a user's features) in the profiled dtype, as mixed-precision training
+    # feeds them: the first conv/linear refuses fp32 input against fp16/bf16 weights
+    real_batch = {k: v.to(torch_dtype) if v.is_floating_point() else v
+                  for k, v in make_batch(cfg, microbatch, 0).items()}
     cache: dict[tuple, tuple[int, dict, tuple, torch.dtype]] = {}
     layers: list[LayerProfile] = []
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:

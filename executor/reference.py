@@ -9,11 +9,12 @@ from executor.stage import LR
 from specs.training import Optimizer, TrainingSpec
 
 
-def train_reference(cfg, training: TrainingSpec, iterations: int, seed: int = 0) -> dict:
-    """Train ``iterations`` steps; returns {"losses": [global mean loss per step],
+def train_reference(cfg, training: TrainingSpec, iterations: int, seed: int = 0,
+                    dtype: torch.dtype = torch.float32) -> dict:
+    """Train ``iterations`` steps in ``dtype``; returns {"losses": [global mean loss per step],
     "params": {layer.param: ndarray after the last step}, "grads": {...: last step's gradient}}."""
     torch.manual_seed(seed)
-    layers = build_layers(cfg, seed=seed)
+    layers = build_layers(cfg, seed=seed, dtype=dtype)
     params = [p for _, _, mod in layers for p in mod.parameters()]
     if training.optimizer is Optimizer.adam:
         opt = torch.optim.Adam(params, lr=LR[training.optimizer])
@@ -23,7 +24,7 @@ def train_reference(cfg, training: TrainingSpec, iterations: int, seed: int = 0)
     losses = []
     for it in range(iterations):
         opt.zero_grad(set_to_none=False)
-        batch = make_batch(cfg, training.global_batch, it, seed)
+        batch = make_batch(cfg, training.global_batch, it, seed, dtype)
         total = 0.0
         for k in range(m):
             mb = {key: v[k * b:(k + 1) * b] for key, v in batch.items()}

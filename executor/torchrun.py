@@ -2,15 +2,20 @@
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, e.g. Hydra's submitit launcher running one task
 per GPU)::
 
-    python -m run +hardware=... +model=... mode=simulate         # writes plan.json (compose once)
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 \\
-        -m executor.torchrun --plan plan.json --model model.json --hardware hardware.json --out DIR
+    python -m run +hardware=... +model=... mode=execute       # or mode=compare: writes plan.json,
+                                                             # model.json, hardware.json into DIR
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m executor.torchrun DIR
 
-``model.json`` / ``hardware.json`` are the validated configs as JSON (``cfg.model.model_dump_json()``).
+``DIR`` stands for ``--plan DIR/plan.json --model DIR/model.json --hardware DIR/hardware.json
+--out DIR``; each flag can also be given on its own (``model.json`` / ``hardware.json`` are the
+validated configs as JSON, ``cfg.model.model_dump_json()``). Before any process group is joined,
+every rank checks the plan against the model and hardware (``specs.plan.validate_plan``), the
+executor's supported features and WORLD_SIZE, and exits with status 2 and a one-line error.
 Rank r runs plan device ``plan.used_devices()[r]`` (place ranks so that this matches the
 hardware's device numbering: node n, local rank l -> device n·devices_per_node + l). Rank 0 gathers
-every rank's report and writes ``DIR/measured.json``. On failure a rank raises and torchrun tears
-the job down (its ``--max-restarts 0`` default); the failed rank's traceback is in torchrun's log.
+every rank's report and writes ``DIR/measured.json`` (atomically). On failure a rank raises and
+torchrun tears the job down (its ``--max-restarts 0`` default); the failed rank's traceback is in
+torchrun's log.
 """
 from __future__ import annotations
 
@@ -20,42 +25,122 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+from pydantic import ValidationError
 
-from executor.launch import RunOutput
-from executor.measure import result_from_run
-from executor.worker import _run
-from specs.families import parse_model_config
+from specs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
-from specs.plan import Plan
+from specs.plan import Plan, PlanError, validate_plan
 
 
-def main(argv: list[str] | None = None) -> None:
+class InputError(Exception):
+    """Inputs that cannot run: one line, exit status 2."""
+
+
+def _load(path: Path, what: str, parse):
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InputError(f"cannot read the {what} {path}: {exc.strerror} (mode=execute and mode=compare "
+                         "write plan.json, model.json and hardware.json into their output directory)") from None
+    try:
+        return parse(text)
+    except (ValidationError, ValueError) as exc:
+        first = str(exc).replace("\n", " ")
+        raise InputError(f"{path} is not a valid {what}: {first[:300]}") from None
+
+
+def load_inputs(plan_path: Path, model_path: Path, hardware_path: Path):
+    """(plan, model config, hardware) from their JSON files, or InputError naming the file."""
+    plan = _load(plan_path, "plan", Plan.model_validate_json)
+    cfg = _load(model_path, "model config", lambda t: parse_model_config(json.loads(t)))
+    hardware = _load(hardware_path, "hardware spec", HardwareSpec.model_validate_json)
+    return plan, cfg, hardware
+
+
+def check_inputs(plan: Plan, cfg, hardware: HardwareSpec, world: int) -> list[str]:
+    """What stops ``plan`` from running as ``world`` ranks, as 'field: why' lines (empty: runnable):
+    the plan against the model and hardware (as ``python -m run`` validates it), features the
+    executor does not implement, and the world size."""
+    from executor.measure import unsupported
+
+    problems = []
+    try:
+        model = build_model(cfg, plan.training.act_dtype_bytes)
+    except (ValueError, KeyError, ImportError):  # e.g. a torch_module model: no closed-form spec
+        model = None
+    if model is not None:
+        try:
+            validate_plan(plan, model, hardware)
+        except PlanError as exc:
+            problems += [f"{loc}: {msg}" for loc, msg in exc.errors]
+    else:
+        problems += [f"stages[{i}].devices[{j}]: device {d} is not in hardware {hardware.name!r} (0..{hardware.num_devices - 1})"
+                     for i, s in enumerate(plan.stages) for j, d in enumerate(s.devices) if not hardware.has_device(d)]
+    problems += unsupported(plan)
+    used = plan.used_devices()
+    if world != len(used):
+        problems.append(f"WORLD_SIZE: {world} ranks, the plan uses {len(used)} devices {used} "
+                        f"(start torchrun with {len(used)} processes in all)")
+    return problems
+
+
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--plan", required=True)
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--hardware", required=True)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("rundir", nargs="?", type=Path,
+                    help="a mode=execute/compare output directory (plan.json, model.json, hardware.json)")
+    ap.add_argument("--plan", type=Path)
+    ap.add_argument("--model", type=Path)
+    ap.add_argument("--hardware", type=Path)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout-s", type=float, default=600.0)
     args = ap.parse_args(argv)
-    plan = Plan.model_validate_json(Path(args.plan).read_text())
-    cfg = parse_model_config(json.loads(Path(args.model).read_text()))
-    hardware = HardwareSpec.model_validate_json(Path(args.hardware).read_text())
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for name in ("plan", "model", "hardware"):
+        if getattr(args, name) is None:
+            if args.rundir is None:
+                ap.error(f"give a run directory or --{name}")
+            setattr(args, name, args.rundir / f"{name}.json")
+    if args.out is None:
+        if args.rundir is None:
+            ap.error("give a run directory or --out")
+        args.out = args.rundir
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _args(argv)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        plan, cfg, hardware = load_inputs(args.plan, args.model, args.hardware)
+        problems = check_inputs(plan, cfg, hardware, world)
+        if problems:
+            raise InputError(f"cannot run plan {plan.id} ({plan.model} on {plan.hardware}): " + "; ".join(problems))
+    except InputError as exc:
+        if rank == 0:  # every rank found the same; one line is enough
+            print(f"executor.torchrun: {exc}", file=sys.stderr)
+        sys.exit(2)
+    _run_rank(args, plan, cfg, hardware, rank, world)
+
+
+def _run_rank(args, plan: Plan, cfg, hardware: HardwareSpec, rank: int, world: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from executor.launch import RunOutput
+    from executor.measure import result_from_run
+    from executor.worker import _run
+    from reports.files import write_text
+
     opts = {"iterations": args.warmup + 1 + args.iterations, "memory_iteration": args.warmup,
-            "track_memory": True, "timeout_s": args.timeout_s, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "track_memory": True, "timeout_s": args.timeout_s, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
             "device": "cuda" if torch.cuda.is_available() else "cpu"}
     report = _run(rank, world, "env://", plan, cfg, opts)
     reports: list = [None] * world
     dist.all_gather_object(reports, report)
     if rank == 0:
         result = result_from_run(plan, cfg, hardware, RunOutput(reports=dict(enumerate(reports))), args.warmup)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "measured.json").write_text(result.model_dump_json(indent=2))
+        write_text(Path(args.out) / "measured.json", result.model_dump_json(indent=2) + "\n")
     dist.barrier()  # nobody tears down while a peer still talks to it
     dist.destroy_process_group()
     # Skip interpreter teardown: gloo/DTensor objects destructed in arbitrary order at exit can hit

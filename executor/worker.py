@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from executor.liveness import Heartbeat, NoHeartbeat, die_with
 from executor.memtrack import LiveTensorTracker, NullTracker, tag_static
 from executor.models import make_batch, output_shapes
 from executor.stage import StageRuntime
@@ -36,15 +37,21 @@ def _fault(opts: dict, rank: int, iteration: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)  # as if the OOM killer or a node failure took it
     if kind == "hang":
         time.sleep(1e6)  # a deadlocked rank: only the parent's timeout can end the run
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen (as under a debugger or SIGSTOP): no progress, no error
     raise InjectedFault(f"injected fault on rank {rank} at iteration {iteration}")
 
 
-def main(rank: int, world: int, port: int, plan_json: str, cfg_json: str, opts_json: str, queue) -> None:
-    """Process entry point (``torch.multiprocessing`` spawn target); never raises."""
+def main(rank: int, world: int, port: int, plan_json: str, cfg_json: str, opts_json: str, queue,
+         heartbeats=None, launcher_pid: int | None = None) -> None:
+    """Process entry point (``torch.multiprocessing`` spawn target); never raises. The rank dies
+    with ``launcher_pid`` and beats into ``heartbeats`` (see :mod:`executor.liveness`)."""
+    die_with(launcher_pid)
     try:
         progress = (lambda it: queue.put(("progress", rank, it))) if rank == 0 else None
+        heartbeat = Heartbeat(heartbeats, rank) if heartbeats is not None else None
         report = _run(rank, world, f"tcp://127.0.0.1:{port}", Plan.model_validate_json(plan_json),
-                      parse_model_config(json.loads(cfg_json)), json.loads(opts_json), progress)
+                      parse_model_config(json.loads(cfg_json)), json.loads(opts_json), progress, heartbeat)
         queue.put(("ok", rank, report))
         queue.close()
         queue.join_thread()  # the report must leave before os._exit below
@@ -64,9 +71,13 @@ def main(rank: int, world: int, port: int, plan_json: str, cfg_json: str, opts_j
     os._exit(0)
 
 
-def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, progress=None) -> dict:
+def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, progress=None,
+         heartbeat: Heartbeat | None = None) -> dict:
     """Train and measure; returns the rank's report (process group left open for the caller).
-    ``progress(iteration)`` is called after each iteration when given (rank 0 feeds the bar)."""
+    ``progress(iteration)`` is called after each iteration when given (rank 0 feeds the bar);
+    ``heartbeat`` records where the rank is (the launcher's hang report)."""
+    hb = heartbeat or NoHeartbeat()
+    hb.beat(0, -1)
     torch.set_num_threads(opts.get("threads", 1))
     cuda = opts.get("device") == "cuda"
     if cuda:
@@ -84,34 +95,46 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         if rank in ranks:
             groups[(kind, stage, index)] = group
 
+    hb.beat(0, -2)
     tracker = LiveTensorTracker(None if cuda else opts.get("capacity_bytes")) if opts.get("track_memory") \
         else NullTracker()
     seed = opts.get("seed", 0)
     my_stages = plan.stages_on(device)
-    stages = {s: StageRuntime(plan, cfg, s, device, rank_of, groups, torch_device, seed, tracker)
+    dtype = getattr(torch, opts.get("dtype", "float32"))  # float64: the numerics tests
+    stages = {s: StageRuntime(plan, cfg, s, device, rank_of, groups, torch_device, seed, tracker, dtype)
               for s in my_stages}
     position = plan.device_group_of(my_stages[0])
     actions = build_schedule(plan)[position]
     shapes = output_shapes(cfg)
     tail = {s: shapes[plan.stages[s].layer_stop - 1] for s in range(len(plan.stages))}
+    # gloo: in timed iterations post each receive as soon as the previous one is consumed (see
+    # StageRuntime.post_recv), at most one boundary buffer ahead. NCCL queues an irecv on its stream
+    # ahead of later sends, and the tracked iteration measures the schedule as the simulator models
+    # it, so there a receive is posted at its point of use. opts["early_recv"] = False: never (A/B).
+    recvs = _recv_positions(actions)
+    early_recv = not cuda and opts.get("early_recv", True)
+    untracked = NullTracker()
 
     mem_iter = opts.get("memory_iteration")
     iter_times, losses = [], []
     total = opts["iterations"]
     for it in range(total):
-        batch = make_batch(cfg, plan.training.global_batch, it, seed)
+        batch = make_batch(cfg, plan.training.global_batch, it, seed, dtype)
         for st in stages.values():
             st.zero_grad()
         tracking = it == mem_iter
+        for st in stages.values():  # the tracker's per-tensor bookkeeping costs time: tracked iteration only
+            st.tracker = tracker if tracking else untracked
         if tracking:
             tag_static(tracker, stages.values())
             tracker.reset_peak()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+        hb.beat(it, -3)
         dist.barrier()
         t0 = time.perf_counter()
         with (tracker if tracking else NullTracker()):
-            _walk(actions, stages, batch, tail, opts, rank, it)
+            _walk(hb.track(actions, it), stages, batch, tail, opts, rank, it, recvs, early_recv and not tracking)
         if cuda:
             torch.cuda.synchronize()
         iter_times.append(time.perf_counter() - t0)
@@ -129,28 +152,53 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     }
     if opts.get("collect"):
         report["params"], report["grads"] = _collect(stages.values())
+    hb.beat(total, -4)
     dist.barrier()
+    hb.beat(total, -5)
     return report
 
 
+def _recv_positions(actions) -> list[tuple[int, object]]:
+    """(index, action) of the receive actions in a position's list, in order."""
+    return [(i, a) for i, a in enumerate(actions) if a.kind in (ActionKind.recv_act, ActionKind.recv_grad)]
+
+
+def _post(st: StageRuntime, a, tail: dict) -> list:
+    if a.kind is ActionKind.recv_act:
+        return st.post_recv("act", a.microbatch, a.peer_stage, tail[a.peer_stage])
+    return st.post_recv("grad", a.microbatch, a.peer_stage, tail[a.stage])
+
+
 def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opts: dict, rank: int,
-          iteration: int) -> None:
+          iteration: int, recvs: list | None = None, early: bool = False) -> None:
     """Run one iteration's actions in order. recompute and swap entries are carried out inside
-    forward/backward (checkpoint re-runs the forward during backward; save_on_cpu on CUDA)."""
+    forward/backward (checkpoint re-runs the forward during backward; save_on_cpu on CUDA).
+    ``recvs`` (the receive actions, :func:`_recv_positions` of the same list): with
+    ``early`` the next receive is posted as soon as none is outstanding, so at most one boundary
+    buffer is held ahead of its use; otherwise each is posted where it is consumed."""
     acts: dict[tuple[int, int], torch.Tensor] = {}
     grads: dict[tuple[int, int], torch.Tensor] = {}
     faulted = False
-    for a in actions:
+    if recvs is None:  # ``actions`` may be a one-pass iterator: list it before looking ahead
+        actions = list(actions)
+        recvs = _recv_positions(actions)
+    posted: dict[int, list] = {}  # action index -> handles of its posted receive
+    nxt = 0  # next entry of ``recvs`` to post
+    for i, a in enumerate(actions):
+        if nxt < len(recvs) and (recvs[nxt][0] == i or (early and not posted)):
+            j, r = recvs[nxt]
+            posted[j] = _post(stages[r.stage], r, tail)
+            nxt += 1
         st, k = stages[a.stage], a.microbatch
         kind = a.kind
         if kind is ActionKind.recv_act:
-            acts[(a.stage, k)] = st.recv("act", k, a.peer_stage, tail[a.peer_stage])
+            acts[(a.stage, k)] = st.wait_recv(posted.pop(i))
         elif kind is ActionKind.forward:
             st.forward(k, acts.pop((a.stage, k), None), batch)
         elif kind is ActionKind.send_act:
             st.send("act", k, st.outputs[k])
         elif kind is ActionKind.recv_grad:
-            grads[(a.stage, k)] = st.recv("grad", k, a.peer_stage, tail[a.stage])
+            grads[(a.stage, k)] = st.wait_recv(posted.pop(i))
         elif kind is ActionKind.backward:
             if not faulted:
                 _fault(opts, rank, iteration)

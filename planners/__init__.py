@@ -7,6 +7,7 @@ from __future__ import annotations
 from planners.baselines import plan_balanced, plan_even, plan_manual
 from planners.capture import plan_capture
 from planners.throughput import plan_throughput
+from planners.verdict import Verdict, fit_verdict
 from planners.layout import PlanningError
 from planners.policy import PolicyConfig, parse_policy
 from specs.hardware import HardwareSpec
@@ -21,14 +22,28 @@ PLANNERS = {"even": plan_even, "balanced": plan_balanced, "manual": plan_manual,
 
 
 def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
-              schedule: ScheduleSpec, profile=None) -> Plan:
+              schedule: ScheduleSpec, profile=None, progress=None) -> Plan:
     """Run the planner ``policy.kind`` and validate its plan against the model and hardware.
-    ``profile`` (a specs.profile.Profile) feeds profile-driven planners (CAPTURE)."""
+    ``profile`` (a specs.profile.Profile) feeds profile-driven planners (CAPTURE). ``progress``
+    (done, total) is called by searches that can take seconds (the shell may draw a bar).
+    When no plan fits, the planner returns its closest one; :func:`verdict` says so."""
     if policy.kind == "capture":
         plan = plan_capture(policy, model, hardware, training, schedule, profile)
+    elif policy.kind == "throughput":
+        plan = plan_throughput(policy, model, hardware, training, schedule, progress)
     else:
         plan = PLANNERS[policy.kind](policy, model, hardware, training, schedule)
     return validate_plan(plan, model, hardware)
 
 
-__all__ = ["PLANNERS", "PlanningError", "PolicyConfig", "make_plan", "parse_policy"]
+def verdict(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
+            schedule: ScheduleSpec, plan: Plan) -> Verdict:
+    """Whether ``plan`` fits device memory and, if not, the knobs that would help (priced by
+    re-evaluating the plan, and by re-planning on more nodes for planners that pick their degrees)."""
+    chooses = policy.kind == "throughput" or (policy.kind in ("even", "balanced") and policy.pp is None)
+    replan = (lambda pol, hw: make_plan(pol, model, hw, training, schedule)) if chooses else None
+    return fit_verdict(policy, model, hardware, training, schedule, plan, replan,
+                       searched=policy.kind in ("throughput", "capture"))
+
+
+__all__ = ["PLANNERS", "PlanningError", "PolicyConfig", "Verdict", "make_plan", "parse_policy", "verdict"]

@@ -5,6 +5,8 @@ the schedule's real timing (swap overlap, link contention, per-step memory). Bot
 """
 from __future__ import annotations
 
+import math
+
 from specs import costs
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -113,6 +115,11 @@ def estimate(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Result:
             oom=peak > capacity, oom_over_bytes=max(0, peak - capacity),
         ))
     t = iteration_time_s(plan, model, hardware)
+    if not (math.isfinite(t) and t > 0):
+        # bounded specs (finite rates >= 1e-6, counts <= 2**40) keep t finite and positive; a
+        # model with no FLOPs and nothing to move would give 0 -- say so rather than divide by it
+        raise ValueError(f"analytic estimate: iteration time {t!r} s for plan {plan.id} of {model.name} on "
+                         f"{hardware.name} is not a positive finite number (a model without FLOPs?)")
     flops = costs.model_flops_per_iteration(model, plan)
     return Result(
         source="predicted-by-analytic", plan_id=plan.id, model=plan.model, hardware=plan.hardware,

@@ -14,8 +14,20 @@ from specs.training import TrainingSpec
 
 
 def balanced_split(costs: list[float], parts: int) -> list[int]:
-    """Contiguous partition of ``costs`` into ``parts`` non-empty runs minimising the largest run
-    (the linear-partition DP, as PipeDream's planner does per stage, §3.1). O(parts · L²)."""
+    """Contiguous partition of ``costs`` (≥ 0) into ``parts`` non-empty runs minimising the largest
+    run (the linear-partition problem PipeDream's planner solves per stage, §3.1).
+
+    Small inputs: the O(parts · L²) DP. Large ones (1,000 layers into hundreds of stages would be
+    10⁹ steps): bisection on the bottleneck B with a greedy feasibility test (take the longest
+    runs ≤ B; feasible iff it needs ≤ parts runs), O(L · 100); the answer is the largest run of the
+    plan at the smallest feasible B, which equals the DP's optimum up to float rounding."""
+    n = len(costs)
+    if parts * n * n <= 2_000_000:
+        return _balanced_split_dp(costs, parts)
+    return _balanced_split_bisect(costs, parts)
+
+
+def _balanced_split_dp(costs: list[float], parts: int) -> list[int]:
     n = len(costs)
     prefix = [0.0, *itertools.accumulate(costs)]
     inf = float("inf")
@@ -35,6 +47,43 @@ def balanced_split(costs: list[float], parts: int) -> list[int]:
         counts.append(i - j)
         i = j
     return counts[::-1]
+
+
+def _greedy_runs(costs: list[float], cap: float) -> list[int] | None:
+    """Run lengths taking, from the last layer backwards, the longest runs whose cost ≤ cap (later
+    stages, which hold fewer 1F1B microbatches, get the longer runs, as the DP's tie-break does)."""
+    runs, total, length = [], 0.0, 0
+    for c in reversed(costs):
+        if c > cap:
+            return None
+        if total + c > cap:
+            runs.append(length)
+            total, length = 0.0, 0
+        total += c
+        length += 1
+    runs.append(length)
+    return runs[::-1]
+
+
+def _balanced_split_bisect(costs: list[float], parts: int) -> list[int]:
+    lo, hi = max(costs), sum(costs) * (1 + 1e-9)  # hi: one run, feasible despite float rounding
+    first = _greedy_runs(costs, lo)
+    if first is not None and len(first) <= parts:
+        hi = lo
+    for _ in range(200):
+        if hi - lo <= 1e-12 * hi:
+            break
+        mid = (lo + hi) / 2
+        runs = _greedy_runs(costs, mid)
+        if runs is not None and len(runs) <= parts:
+            hi = mid
+        else:
+            lo = mid
+    runs = _greedy_runs(costs, hi)
+    while len(runs) < parts:  # split the longest run: sub-runs never cost more
+        i = max(range(len(runs)), key=lambda r: runs[r])
+        runs[i:i + 1] = [runs[i] // 2, runs[i] - runs[i] // 2]
+    return runs
 
 
 def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,

@@ -15,9 +15,10 @@ Two searches over the same space, which must agree (tests compare them):
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Callable
+from functools import cache
 
 from specs.plan import Plan
 
@@ -179,9 +180,24 @@ def recommend_exhaustive(predict: Predictor, num_layers: int, nodes: int, gpus_p
     return best[0]
 
 
+#: stage configs the exact DP may try before plan_capture merges layers first (~3 s on one core)
+DP_TRANSITIONS = 250_000
+
+
+def dp_transitions(num_layers: int, nodes: int, gpus_per_node: int) -> int:
+    """Stage configs the exact DP tries: Σ over layers of (L − layer) · N · configs."""
+    configs = sum(1 if d == 1 else 2 for d in _degrees(gpus_per_node))
+    return num_layers * (num_layers + 1) // 2 * nodes * gpus_per_node * configs
+
+
 def recommend(predict: Predictor, num_layers: int, nodes: int, gpus_per_node: int) -> Recommendation:
-    """Exact DP over (next layer, next GPU) for the same objective as Algorithm 4 (leximax)."""
+    """Exact DP over (next layer, next GPU) for the same objective as Algorithm 4 (leximax).
+    O(L² · N · configs · N): plan_capture merges layers first when that is too many (DP_TRANSITIONS)."""
     k, total = gpus_per_node, nodes * gpus_per_node
+    if num_layers < nodes:
+        raise ValueError(f"no plan places {num_layers} layers on {nodes} x {gpus_per_node} GPUs: every stage lies "
+                         f"within one node and holds at least one layer, so {num_layers} layers occupy at most "
+                         f"{num_layers} nodes")
     table: dict[tuple[int, int, int], float] = {}
 
     def pred(start: int, stop: int, par: str, degree: int) -> float:
@@ -190,24 +206,30 @@ def recommend(predict: Predictor, num_layers: int, nodes: int, gpus_per_node: in
             table[key] = predict(start, stop, par, degree)
         return table[key]
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(layer: int, gpu: int) -> tuple[tuple[float, ...], tuple[StageConfig, ...]] | None:
         if layer == num_layers or gpu == total:
             return ((), ()) if layer == num_layers and gpu == total else None
+        if num_layers - layer < (total - gpu + k - 1) // k:
+            return None  # fewer layers left than the stages the GPUs left need
         found = None
         free = k - gpu % k
-        for stop in range(layer + 1, num_layers + 1):
-            for degree in _degrees(k):
-                if degree > free:
-                    break
+        for degree in _degrees(k):
+            if degree > free:
+                break
+            # the GPUs after this stage need at least ⌈left / k⌉ more stages of ≥ 1 layer each
+            last = num_layers - (total - gpu - degree + k - 1) // k
+            for stop in range(layer + 1, last + 1):
+                rest = best(stop, gpu + degree)
+                if rest is None:
+                    continue
                 for par in ("pp",) if degree == 1 else ("dp", "tp"):
-                    rest = best(stop, gpu + degree)
-                    if rest is None:
-                        continue
                     value = pred(layer, stop, par, degree)
                     if found is not None and value > found[0][0]:
                         continue  # cannot beat the incumbent's peak
-                    vec = tuple(sorted(rest[0] + (value,) * degree, reverse=True))
+                    tail = rest[0]
+                    at = bisect_left([-v for v in tail], -value) if tail else 0  # tail is sorted high to low
+                    vec = tail[:at] + (value,) * degree + tail[at:]
                     if found is None or vec < found[0]:
                         found = (vec, (StageConfig(layer, stop, par, degree, value),) + rest[1])
         return found
@@ -261,23 +283,44 @@ def predict_devices(plan, stats: CaptureStats) -> dict[int, float]:
     return out
 
 
-def plan_capture(policy, model, hardware, training, schedule, profile) -> Plan:
-    """policy=capture: the recommender's plan (lowest predicted peak, paper's tie-break) from the
-    CAPTURE statistics in ``profile`` (a specs.profile.Profile with its ``capture`` section)."""
-    from planners.layout import PlanningError, recompute_actions
-    from specs.plan import Plan, StagePlan
+def capture_space_check(model, hardware) -> None:
+    """PlanningError when CAPTURE's space has no plan at all — every stage lies within one node and
+    holds ≥ 1 layer, so L layers occupy at most L nodes (GPT-3 175B's 98 layers on 128 nodes) — or
+    when even the fewest layers that can fill the nodes are too many for the exact DP. Cheap:
+    run.py calls it before profiling."""
+    from planners.layout import PlanningError
 
-    if profile is None or profile.capture is None:
-        raise PlanningError("policy=capture needs a CAPTURE profile (python -m run mode=profile policy=capture ...); "
-                            "run.py profiles first when it has none")
-    if schedule.virtual_stages > 1:
-        raise PlanningError("CAPTURE plans non-interleaved schedules; use schedule=1f1b or gpipe")
-    stats = stats_from_profile(profile.capture)
-    if stats.num_layers != model.num_layers:
-        raise PlanningError(f"the CAPTURE profile has {stats.num_layers} layers, model {model.name!r} {model.num_layers}")
+    if model.num_layers < hardware.nodes:
+        raise PlanningError(
+            f"CAPTURE's plan space puts every stage within one node with at least one layer, so model "
+            f"{model.name!r} ({model.num_layers} layers) cannot occupy the {hardware.nodes} nodes of "
+            f"{hardware.name!r}; use fewer nodes (hardware.nodes) or policy=throughput, whose stages may span "
+            "whole nodes")
+    k, nodes = hardware.devices_per_node, hardware.nodes
+    if dp_transitions(nodes, nodes, k) > DP_TRANSITIONS:
+        raise PlanningError(
+            f"CAPTURE's exact search over {hardware.num_devices} GPUs needs at least {nodes} (merged) layers, "
+            f"{dp_transitions(nodes, nodes, k):,} stage configs to try — too many to search in seconds; use fewer "
+            "nodes (hardware.nodes) or policy=throughput")
+
+
+def recommend_for(stats: CaptureStats, policy, model, hardware, training) -> tuple[Recommendation, list[tuple[int, int]]]:
+    """The recommender on ``stats`` for this model, hardware and batch: (recommendation over merged
+    layers, each merged layer's original [start, stop)). Merges layers (§III-A3) to policy.merge_layers,
+    or — when the exact DP would try more than DP_TRANSITIONS stage configs — to the most layers it
+    may (exact on the merged layers; the search space is then coarser, not the search)."""
+    from planners.layout import PlanningError
+
     spans = [(i, i + 1) for i in range(model.num_layers)]
-    if policy.merge_layers is not None and policy.merge_layers < model.num_layers:
-        stats, spans = merged_stats(stats, policy.merge_layers)
+    target = policy.merge_layers
+    k, nodes = hardware.devices_per_node, hardware.nodes
+    capture_space_check(model, hardware)
+    if dp_transitions(min(target or model.num_layers, model.num_layers), nodes, k) > DP_TRANSITIONS:
+        # At scale the exact DP (O(L² · N)) is too slow: merge layers first with CAPTURE's own layer
+        # merger (§III-A3) to the most layers the search budget allows. Exact on the merged layers only.
+        target = max(n for n in range(1, model.num_layers + 1) if n == 1 or dp_transitions(n, nodes, k) <= DP_TRANSITIONS)
+    if target is not None and target < model.num_layers:
+        stats, spans = merged_stats(stats, target)
     base = stats.predictor(training.samples_per_microbatch)
     per_mb = training.samples_per_microbatch
 
@@ -294,6 +337,24 @@ def plan_capture(policy, model, hardware, training, schedule, profile) -> Plan:
     if math.isinf(rec.peak_bytes):
         raise PlanningError(f"no CAPTURE plan for {model.name} on {hardware.name}: every placement needs a stage "
                             "config outside the space (raise training.microbatch_size or allow hybrid parallelism)")
+    return rec, spans
+
+
+def plan_capture(policy, model, hardware, training, schedule, profile) -> Plan:
+    """policy=capture: the recommender's plan (lowest predicted peak, paper's tie-break) from the
+    CAPTURE statistics in ``profile`` (a specs.profile.Profile with its ``capture`` section)."""
+    from planners.layout import PlanningError, recompute_actions
+    from specs.plan import Plan, StagePlan
+
+    if profile is None or profile.capture is None:
+        raise PlanningError("policy=capture needs a CAPTURE profile (python -m run mode=profile policy=capture ...); "
+                            "run.py profiles first when it has none")
+    if schedule.virtual_stages > 1:
+        raise PlanningError("CAPTURE plans non-interleaved schedules; use schedule=1f1b or gpipe")
+    stats = stats_from_profile(profile.capture)
+    if stats.num_layers != model.num_layers:
+        raise PlanningError(f"the CAPTURE profile has {stats.num_layers} layers, model {model.name!r} {model.num_layers}")
+    rec, spans = recommend_for(stats, policy, model, hardware, training)
     stages, gpu = [], 0
     for cfg in rec.stages:
         a, b = spans[cfg.layer_start][0], spans[cfg.layer_stop - 1][1]

@@ -1,16 +1,23 @@
 """Per-stage-config cost table and a fast plan evaluator for searches over the CAPTURE/Alpa space.
 
 A search evaluates thousands of plans; building pydantic plans and calling analytic.estimate for
-each would cost ~1 ms. Instead every stage config (layers, dp-or-tp, degree, the link its group
-rides on) is costed once with the same specs.costs functions the analytic estimate uses, and a
-plan is evaluated from the table in O(stages). tests/unit/test_stagetable.py checks that the
-evaluation equals analytic.estimate on whole plans.
+each would cost ~1 ms. Instead every stage config (layers, dp and tp degrees, the links its groups
+ride on) is costed with the same specs.costs functions the analytic estimate uses, and a plan is
+evaluated from the table in O(stages). tests/unit/test_stagetable.py checks that the evaluation
+equals analytic.estimate on whole plans.
+
+Scale: each layer is costed once per (dp, tp, links) on a one-layer stage — once per distinct
+layer, since identical layers (GPT blocks) share a signature — and kept as prefix sums, so the
+cost of any layer range is O(1) (a sparse table gives the recompute transient, a max). Building
+the table for 1,000 layers is milliseconds; before, each (start, stop) range was costed afresh in
+O(stop − start) with a pydantic stage plan (L² / 2 of them).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from planners.layout import recompute_actions
+from planners.layout import RECOMPUTED_KINDS, recompute_actions
 from specs import costs
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -22,13 +29,29 @@ INF = float("inf")
 
 @dataclass(frozen=True)
 class Placed:
-    """One stage of a candidate plan: layers [start, stop) on GPUs [gpu, gpu + degree)."""
+    """One stage of a candidate plan: layers [start, stop) on GPUs [gpu, gpu + degree).
+
+    ``parallelism`` "pp" (degree 1), "dp", "tp", or "hybrid": dp = degree / tp replicas of a
+    ``tp``-way tensor-parallel group (TP ranks adjacent, Megatron's order), as Alpa's (n, k)
+    sub-meshes of whole nodes need at scale. ``tp`` is read only for "hybrid"."""
 
     start: int
     stop: int
-    parallelism: str  # "pp" | "dp" | "tp"
+    parallelism: str  # "pp" | "dp" | "tp" | "hybrid"
     degree: int
     gpu: int
+    tp: int = 1
+
+    @property
+    def degrees(self) -> tuple[int, int]:
+        """(dp, tp) of the stage."""
+        if self.parallelism == "dp":
+            return self.degree, 1
+        if self.parallelism == "tp":
+            return 1, self.degree
+        if self.parallelism == "hybrid":
+            return self.degree // self.tp, self.tp
+        return 1, 1
 
 
 @dataclass(frozen=True)
@@ -44,9 +67,71 @@ class StageCost:
 
 
 def stage_plan(p: Placed, model: ModelSpec, recompute: str = "none") -> StagePlan:
-    dp, tp = (p.degree, 1) if p.parallelism == "dp" else (1, p.degree)
+    dp, tp = p.degrees
     return StagePlan(layer_start=p.start, layer_stop=p.stop, devices=list(range(p.gpu, p.gpu + p.degree)),
                      dp=dp, tp=tp, memory=recompute_actions(model, p.start, p.stop, recompute))
+
+
+class _RangeMax:
+    """Sparse table: max of a list over [a, b) in O(1) after O(n log n) setup."""
+
+    def __init__(self, values: list[int]):
+        self.rows = [list(values)]
+        width = 1
+        while 2 * width <= len(values):
+            prev = self.rows[-1]
+            self.rows.append([max(prev[i], prev[i + width]) for i in range(len(prev) - width)])
+            width *= 2
+
+    def __call__(self, a: int, b: int) -> int:
+        level = (b - a).bit_length() - 1
+        row = self.rows[level]
+        return max(row[a], row[b - (1 << level)])
+
+
+class _Layers:
+    """Per-layer costs of one stage config (dp, tp, links) as prefix sums, so that the cost of any
+    layer range is O(1): every term of specs.costs is a sum over the stage's layers, except the
+    recompute transient (a max: sparse table) and the boundary buffers (first/last layer only).
+    Each layer is costed once with the specs.costs functions on a one-layer stage."""
+
+    def __init__(self, table: StageTable, p: Placed):
+        m, plan, hw = table.model, table.proto, table.hardware
+        fwd, bwd, params, act, transient = [0.0], [0.0], [0], [0], []
+        seen: dict[tuple, tuple] = {}  # identical layers (GPT blocks) are costed once
+        for i in range(m.num_layers):
+            sig = table.signature[i]
+            if sig not in seen:
+                st = stage_plan(Placed(i, i + 1, p.parallelism, p.degree, p.gpu, p.tp), m, table.recompute)
+                seen[sig] = (*costs.stage_pass_times_s(m, plan, hw, st),
+                             costs.layer_params_on_device(m.layers[i], st.tp),
+                             costs.stage_activation_bytes(m, plan, st),
+                             sum(costs.backward_transient_bytes(m, plan, st)))
+            f, b, n, a, t = seen[sig]
+            fwd.append(fwd[-1] + f)
+            bwd.append(bwd[-1] + b)
+            params.append(params[-1] + n)
+            act.append(act[-1] + a)
+            transient.append(t)
+        self.fwd, self.bwd, self.params, self.act = fwd, bwd, params, act
+        self.transient = _RangeMax(transient)
+        self.dp, self.tp = p.degrees
+        self.samples = table.training.samples_per_microbatch // self.dp
+        devices = list(range(p.gpu, p.gpu + p.degree))
+        self.dp_link = costs.group_link(hw, devices[:: self.tp]) if self.dp > 1 else None
+
+
+def _layer_signature(model: ModelSpec, i: int, recompute: str) -> tuple:
+    """What a layer's one-layer stage costs depend on: its fields but the name, the previous layer's
+    output (its input), and whether full recompute checkpoints it."""
+    layer = model.layers[i]
+    fields = tuple(v for k, v in layer.__dict__.items() if k != "name")
+    prev = model.layers[i - 1].output_bytes_per_sample if i > 0 else None
+    return fields, prev, recompute != "none" and layer.kind in RECOMPUTED_KINDS
+
+
+def _link_key(link) -> tuple | None:
+    return None if link is None else (link.kind, link.count, link.bw_gbps, link.latency_s)
 
 
 class StageTable:
@@ -62,41 +147,121 @@ class StageTable:
         self._cache: dict[tuple, StageCost | None] = {}   # by (layers, parallelism, degree, link)
         self._placed: dict[Placed, StageCost | None] = {}  # the same costs, by placement (hot path)
         self._p2p: dict[tuple[int, int, int], float] = {}
+        self._layers: dict[tuple, _Layers] = {}          # per-layer prefix sums by (dp, tp, links)
+        self._group_links: dict[tuple, tuple] = {}
+        self._tp_bad: dict[int, list[int]] = {}
+        self._m, self._kind = training.microbatches, schedule.kind
+        self._bytes_per_param = training.bytes_per_param()
+        self._out_bytes = [layer.output_bytes_per_sample for layer in model.layers]
+        self.signature = [_layer_signature(model, i, recompute) for i in range(model.num_layers)]
 
-    def allowed(self, parallelism: str, degree: int, start: int, stop: int) -> bool:
+    def allowed(self, parallelism: str, degree: int, start: int, stop: int, tp: int = 1) -> bool:
         """dp must split the microbatch; tp may not exceed any layer's max (heads)."""
-        if parallelism == "dp":
-            return self.training.samples_per_microbatch % degree == 0
-        if parallelism == "tp":
-            return all(l.max_tp is None or degree <= l.max_tp for l in self.model.layers[start:stop])
+        dp, tp = Placed(start, stop, parallelism, degree, 0, tp).degrees
+        if self.training.samples_per_microbatch % dp:
+            return False
+        if tp > 1:
+            if tp not in self._tp_bad:  # prefix count of layers whose max_tp is below tp
+                bad = [0]
+                for layer in self.model.layers:
+                    bad.append(bad[-1] + (layer.max_tp is not None and tp > layer.max_tp))
+                self._tp_bad[tp] = bad
+            bad = self._tp_bad[tp]
+            return bad[stop] == bad[start]
         return True
+
+    def _links(self, p: Placed) -> tuple:
+        """The links a stage's collectives ride on (its cost depends on nothing else of its place)."""
+        key = (p.gpu, p.degree, p.parallelism, p.tp)
+        if key not in self._group_links:
+            dp, tp = p.degrees
+            devices = list(range(p.gpu, p.gpu + p.degree))
+            self._group_links[key] = (_link_key(costs.group_link(self.hardware, devices[:tp])) if tp > 1 else None,
+                                      _link_key(costs.group_link(self.hardware, devices[::tp])) if dp > 1 else None)
+        return self._group_links[key]
 
     def cost(self, p: Placed) -> StageCost | None:
         try:
             return self._placed[p]
         except KeyError:
             pass
-        link = costs.group_link(self.hardware, list(range(p.gpu, p.gpu + p.degree))) if p.degree > 1 else None
-        key = (p.start, p.stop, p.parallelism, p.degree, link)
+        dp, tp = p.degrees
+        links = self._links(p)
+        key = (p.start, p.stop, dp, tp, links)
         if key not in self._cache:
-            self._cache[key] = self._compute(p) if self.allowed(p.parallelism, p.degree, p.start, p.stop) else None
+            self._cache[key] = (self._compute(p, (dp, tp, links))
+                                if self.allowed(p.parallelism, p.degree, p.start, p.stop, p.tp) else None)
         self._placed[p] = self._cache[key]
         return self._cache[key]
 
-    def _compute(self, p: Placed) -> StageCost:
-        m, plan, hw, st = self.model, self.proto, self.hardware, stage_plan(p, self.model, self.recompute)
-        fwd, bwd = costs.stage_pass_times_s(m, plan, hw, st)
-        static, _ = costs.stage_static(m, plan, st)
-        recompute, swap = costs.backward_transient_bytes(m, plan, st)
+    def stage_fn(self, parallelism: str, degree: int, gpu: int, tp: int = 1):
+        """(work(start, stop) -> s or None, peak(start, stop, stages_after) -> bytes) of stages at this
+        place: the numbers cost() and peak_bytes() give, uncached and with no objects built (the
+        uniform search calls them ~10⁵ times). work is None where the config is not allowed."""
+        here = Placed(0, 1, parallelism, degree, gpu, tp)
+        dp, tp_deg = here.degrees
+        config = (dp, tp_deg, self._links(here))
+        if self.training.samples_per_microbatch % dp:
+            return (lambda start, stop: None), None
+        self.allowed(parallelism, degree, 0, 1, tp)  # fills the max_tp prefix counts
+        bad = self._tp_bad.get(tp_deg)
+        lay = self._layer_table(here, config)
+        fwd, bwd, params, act, transient = lay.fwd, lay.bwd, lay.params, lay.act, lay.transient
+        L, out_bytes = self.model.num_layers, self._out_bytes
+        static_per_param, weight_per_param = self._static_factors(dp)
+        stash = self._kind is ScheduleKind.pipedream_async
+
+        def work(start: int, stop: int) -> float | None:
+            if bad is not None and bad[stop] != bad[start]:
+                return None
+            return (fwd[stop] - fwd[start]) + (bwd[stop] - bwd[start])
+
+        def peak(start: int, stop: int, after: int) -> int:
+            n = params[stop] - params[start]
+            static = static_per_param(n)
+            out = lay.samples * out_bytes[stop - 1]
+            buffer = (lay.samples * out_bytes[start - 1] if start > 0 else 0) + (out if stop < L else 0)
+            return (static + self.in_flight(0, after + 1) * (act[stop] - act[start]) + transient(start, stop)
+                    + buffer + (after * weight_per_param(n) if stash else 0))
+
+        return work, peak
+
+    def _static_factors(self, dp: int):
+        """(static bytes, weight bytes) of a stage as functions of its parameter count on one device:
+        specs.costs.stage_static with ZeRO stage k sharding over dp (no offload in this space)."""
+        w_b, g_b, o_b = self._bytes_per_param
+        z = self.proto.zero_stage
+        shard = lambda n, level: math.ceil(n / dp) if z >= level else n
+        return ((lambda n: shard(n * w_b, 3) + shard(n * g_b, 2) + shard(n * o_b, 1)),
+                (lambda n: shard(n * w_b, 3)))
+
+    def _layer_table(self, p: Placed, config: tuple) -> _Layers:
+        lay = self._layers.get(config)
+        if lay is None:
+            lay = self._layers[config] = _Layers(self, p)
+        return lay
+
+    def _compute(self, p: Placed, config: tuple) -> StageCost:
+        lay = self._layer_table(p, config)
+        a, b, m, hw = p.start, p.stop, self.model, self.hardware
+        w_b, g_b, o_b = self._bytes_per_param
+        params, dp, z = lay.params[b] - lay.params[a], lay.dp, self.proto.zero_stage
+        # specs.costs.stage_static / dp_allreduce_s / optimizer_step_s on the summed parameters
+        shard = lambda n, level: math.ceil(n / dp) if z >= level else n
+        weights, grads, optim = shard(params * w_b, 3), shard(params * g_b, 2), shard(params * o_b, 1)
+        sync = costs.ring_allreduce_s(g_b * params, dp, lay.dp_link) if dp > 1 else 0.0
+        step_params = math.ceil(params / dp) if z >= 1 else params
+        sync += step_params * (2 * w_b + g_b + 2 * o_b) / (hw.device.hbm_gbps * 1e9)
+        out = lay.samples * m.layers[b - 1].output_bytes_per_sample
         return StageCost(
-            work_s=fwd + bwd,
-            sync_s=costs.dp_allreduce_s(m, plan, hw, st) + costs.optimizer_step_s(m, plan, hw, st),
-            static_bytes=static.parameters_bytes + static.gradients_bytes + static.optimizer_bytes,
-            weights_bytes=static.parameters_bytes,
-            act_bytes=costs.stage_activation_bytes(m, plan, st),
-            transient_bytes=recompute + swap,
-            buffer_bytes=costs.comm_buffer_bytes(m, plan, st),
-            out_bytes=costs.samples_per_replica(plan, st) * m.layers[p.stop - 1].output_bytes_per_sample,
+            work_s=(lay.fwd[b] - lay.fwd[a]) + (lay.bwd[b] - lay.bwd[a]),
+            sync_s=sync,
+            static_bytes=weights + grads + optim,
+            weights_bytes=weights,
+            act_bytes=lay.act[b] - lay.act[a],
+            transient_bytes=lay.transient(a, b),
+            buffer_bytes=costs.layer_input_bytes(m, a, lay.samples) + (out if b < m.num_layers else 0),
+            out_bytes=out,
         )
 
     def p2p_s(self, a: Placed, b: Placed, out_bytes: int) -> float:
@@ -107,15 +272,15 @@ class StageTable:
         return self._p2p[key]
 
     def in_flight(self, i: int, p: int) -> int:
-        m, kind = self.training.microbatches, self.schedule.kind
-        return m if kind is ScheduleKind.gpipe else min(p - i, m)
+        m = self._m
+        return m if self._kind is ScheduleKind.gpipe else min(p - i, m)
 
     def peak_bytes(self, c: StageCost, stages_after: int) -> int:
         """Peak of a stage with ``stages_after`` stages behind it: in-flight microbatches
         min(p − i, m) = min(1 + stages_after, m) under 1F1B (m under GPipe), plus PipeDream's
         p − i − 1 stashed weight versions."""
         p = stages_after + 1
-        stash = stages_after if self.schedule.kind is ScheduleKind.pipedream_async else 0
+        stash = stages_after if self._kind is ScheduleKind.pipedream_async else 0
         return (c.static_bytes + self.in_flight(0, p) * c.act_bytes + c.transient_bytes + c.buffer_bytes
                 + stash * c.weights_bytes)
 

@@ -15,6 +15,27 @@ from dataclasses import dataclass, field
 from specs.result import CATEGORIES, DeviceResult, Result
 
 GIB = float(1 << 30)
+#: binary byte units, largest first (the shown unit is picked from the magnitude: byte_unit)
+BYTE_UNITS = (("GiB", GIB), ("MiB", float(1 << 20)), ("KiB", float(1 << 10)))
+
+
+def byte_unit(largest_bytes: float) -> tuple[str, float]:
+    """(name, bytes per unit) to show byte counts whose largest is ``largest_bytes``: GiB from
+    1 GiB up, MiB from 1 MiB, else KiB — so a CPU run's 5 MiB peak reads 5.00 MiB, not 0.00 GiB."""
+    for name, size in BYTE_UNITS:
+        if largest_bytes >= size:
+            return name, size
+    return BYTE_UNITS[-1]
+
+
+def human_bytes(n: float, digits: int | None = 1) -> str:
+    """One byte count in its own unit: 38_755_041_280 -> '36.1 GiB', 3_145_728 -> '3.0 MiB';
+    ``digits=None``: three significant digits (25_232_932_864 -> '23.5 GiB', 2**35 -> '32 GiB');
+    under 1 KiB, whole bytes ('4 B')."""
+    if abs(n) < BYTE_UNITS[-1][1]:
+        return f"{n:.0f} B"
+    name, size = byte_unit(abs(n))
+    return f"{n / size:.3g} {name}" if digits is None else f"{n / size:.{digits}f} {name}"
 
 #: colour and legend label per memory category (Result.devices[*].breakdown)
 CATEGORY_STYLE = {
@@ -91,48 +112,66 @@ def fold_devices(result: Result) -> list[DeviceGroup]:
     return list(groups.values())
 
 
-def _segments(d: DeviceResult) -> list[tuple[str, float]]:
-    """(category, GiB) stacked bottom-up; peak bytes not covered by the breakdown (a measured
-    result that only knows its peak) become an 'unattributed' segment."""
-    segs = [(c, getattr(d.breakdown, c) / GIB) for c in CATEGORIES]
+def _segments(d: DeviceResult, scale: float = GIB) -> list[tuple[str, float]]:
+    """(category, bytes / scale) stacked bottom-up; peak bytes not covered by the breakdown (a
+    measured result that only knows its peak) become an 'unattributed' segment."""
+    segs = [(c, getattr(d.breakdown, c) / scale) for c in CATEGORIES]
     rest = d.peak_bytes - d.breakdown.total_bytes
     if rest > 0:
-        segs.append(("other", rest / GIB))
+        segs.append(("other", rest / scale))
     return segs
 
 
+#: below this share of the capacity the bars would be a few pixels: scale to the peaks instead
+CAPACITY_OFF_SCALE = 0.05
+
+
 def memory_figure(result: Result):
-    """Stacked bars of bytes per category at each device's peak, the capacity line, OOM marked."""
+    """Stacked bars of bytes per category at each device's peak, the capacity line, OOM marked.
+    The unit (GiB/MiB/KiB) follows the largest value drawn; when every peak is under 5 % of the
+    capacity (a tiny CPU model) the axis follows the peaks and the capacity is named, not drawn."""
     groups = fold_devices(result)
     n = len(groups)
+    peak_bytes = max((g.first.peak_bytes for g in groups), default=0)
+    cap_bytes = max((g.first.capacity_bytes for g in groups), default=0)
+    cap_shown = not cap_bytes or peak_bytes >= CAPACITY_OFF_SCALE * cap_bytes
+    unit, scale = byte_unit(max(peak_bytes, cap_bytes) if cap_shown else peak_bytes)
     fig = _new_figure(min(16.0, max(7.0, 2.5 + 0.5 * n)), 5.0)
     ax = fig.add_subplot()
     xs = list(range(n))
     bottoms = [0.0] * n
     used: dict[str, None] = {}
     for cat in list(CATEGORIES) + ["other"]:
-        heights = [dict(_segments(g.first)).get(cat, 0.0) for g in groups]
+        heights = [dict(_segments(g.first, scale)).get(cat, 0.0) for g in groups]
         if not any(h > 0 for h in heights):
             continue
         colour, label = CATEGORY_STYLE.get(cat, OTHER_STYLE)
         ax.bar(xs, heights, 0.8, bottom=bottoms, color=colour, label=label, edgecolor="white", linewidth=0.3)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
         used[cat] = None
-    caps = [g.first.capacity_bytes / GIB for g in groups]
-    if len(set(caps)) == 1:
-        ax.axhline(caps[0], color="black", linestyle="--", linewidth=1.2, label=f"capacity {caps[0]:.0f} GiB")
+    caps = [g.first.capacity_bytes / scale for g in groups]
+    if not cap_shown:
+        ax.plot([], [], " ", label=f"capacity {human_bytes(cap_bytes, None)}\n(off the scale: peaks use "
+                                   f"{100 * peak_bytes / cap_bytes:.2g} % of it)")
+        caps = []
+    elif len(set(caps)) == 1:
+        ax.axhline(caps[0], color="black", linestyle="--", linewidth=1.2,
+                   label=f"capacity {human_bytes(cap_bytes, None)}")
     else:
         ax.hlines(caps, [x - 0.45 for x in xs], [x + 0.45 for x in xs], colors="black", linestyles="--",
                   linewidth=1.2, label="capacity")
-    peaks = [g.first.peak_bytes / GIB for g in groups]
+    peaks = [g.first.peak_bytes / scale for g in groups]
     top = max(peaks + caps + [1e-9])
+    digits = 1 if top >= 10 else 2
     for x, g, peak in zip(xs, groups, peaks):
         if g.first.oom:
             ax.bar([x], [peak], 0.8, fill=False, edgecolor=OOM_COLOUR, linewidth=2.0, hatch="//")
-            ax.text(x, peak + 0.02 * top, f"OOM\n+{g.first.oom_over_bytes / GIB:.1f}", ha="center", va="bottom",
-                    color=OOM_COLOUR, fontsize=8 if n <= 24 else 6, fontweight="bold")
+            over = g.first.oom_over_bytes  # in the axis unit when it reads well there, else its own
+            over_text = f"{over / scale:.1f}" if byte_unit(over)[0] == unit else human_bytes(over)
+            ax.text(x, peak + 0.02 * top, f"OOM\n+{over_text}", ha="center",
+                    va="bottom", color=OOM_COLOUR, fontsize=8 if n <= 24 else 6, fontweight="bold")
         elif n <= 24:
-            ax.text(x, peak + 0.01 * top, f"{peak:.1f}", ha="center", va="bottom", fontsize=7)
+            ax.text(x, peak + 0.01 * top, f"{peak:.{digits}f}", ha="center", va="bottom", fontsize=7)
     ax.set_ylim(0, top * 1.2)
     ax.set_xlim(-0.6, n - 0.4)
     step = max(1, math.ceil(n / 40))
@@ -146,10 +185,10 @@ def memory_figure(result: Result):
             tick.set_color(OOM_COLOUR)
     folded = sum(len(g.devices) for g in groups) > n
     ax.set_xlabel("device" + (" (identical devices folded into one bar)" if folded else ""))
-    ax.set_ylabel("GiB at the device's peak")
+    ax.set_ylabel(f"{unit} at the device's peak")
     ooms = len(result.oom_devices)
     ax.set_title(f"{result.model} on {result.hardware} ({len(result.devices)} devices, {result.source}): "
-                 f"peak {max(peaks, default=0):.1f} GiB, "
+                 f"peak {human_bytes(peak_bytes, digits)}, "
                  + (f"OOM on {ooms} device(s)" if ooms else "fits"), fontsize=10)
     handles, labels_ = ax.get_legend_handles_labels()
     if ooms:
@@ -295,7 +334,7 @@ def compare_figure(predicted: Result, measured: Result):
     fig = _new_figure(15.0, 4.8)
     ax1, ax2, ax3 = fig.subplots(1, 3, width_ratios=[1.1, 1.3, 0.7])
     biggest = max([p.measured_bytes for p in pairs] + [p.predicted_bytes for p in pairs] + [0])
-    unit, scale = ("GiB", GIB) if biggest >= GIB / 2 else ("MiB", float(1 << 20))  # CPU runs are MiB-sized
+    unit, scale = byte_unit(biggest)  # CPU runs are MiB-sized
     xs = [p.measured_bytes / scale for p in pairs]
     ys = [p.predicted_bytes / scale for p in pairs]
     hi = max(xs + ys + [1e-9]) * 1.1
@@ -377,15 +416,26 @@ def summary_figure(rows: list[dict], swept: list[str]):
         v = r.get(key)
         return float(v) if v not in (None, "") else math.nan
 
-    peak = [num(r, "max_peak_gib") for r in rows]
-    low = [num(r, "min_peak_gib") for r in rows]
+    # rows carry GiB (summary.csv); draw in the unit the largest peak reads best in, and leave the
+    # capacity out when every peak is under 5 % of it (tiny CPU models), as memory_figure does
+    biggest = max([x for x in (num(r, k) for r in rows for k in ("max_peak_gib", "measured_max_peak_gib"))
+                   if not math.isnan(x)] + [0.0])
+    cap_max = max([x for x in (num(r, "capacity_gib") for r in rows) if not math.isnan(x)] + [0.0])
+    cap_shown = not cap_max or biggest >= CAPACITY_OFF_SCALE * cap_max
+    unit, scale = byte_unit((max(biggest, cap_max) if cap_shown else biggest) * GIB)
+    to_unit = GIB / scale
+    peak = [num(r, "max_peak_gib") * to_unit for r in rows]
+    low = [num(r, "min_peak_gib") * to_unit for r in rows]
     ax1.bar(pos, [0 if math.isnan(p) else p for p in peak], width * 0.95, color=colours)
     ax1.vlines(pos, low, peak, colors="black", linewidth=1)
     ax1.scatter(pos, low, marker="_", color="black", s=60, zorder=3, label="min over devices")
-    caps = [num(r, "capacity_gib") for r in rows]
-    ax1.hlines(caps, [p - width / 2 for p in pos], [p + width / 2 for p in pos], colors="black",
-               linestyles="--", linewidth=1.2, label="capacity")
-    measured = [num(r, "measured_max_peak_gib") for r in rows]
+    caps = [num(r, "capacity_gib") * to_unit for r in rows] if cap_shown else []
+    if cap_shown:
+        ax1.hlines(caps, [p - width / 2 for p in pos], [p + width / 2 for p in pos], colors="black",
+                   linestyles="--", linewidth=1.2, label="capacity")
+    else:
+        ax1.plot([], [], " ", label=f"capacity {human_bytes(cap_max * GIB, None)} (off the scale)")
+    measured = [num(r, "measured_max_peak_gib") * to_unit for r in rows]
     if any(not math.isnan(m) for m in measured):
         ax1.scatter(pos, measured, marker="D", color="black", zorder=4, label="measured max peak")
     top = max([x for x in peak + caps + measured if not math.isnan(x)] + [1e-9])
@@ -399,7 +449,7 @@ def summary_figure(rows: list[dict], swept: list[str]):
         elif len(rows) <= 24:
             ax1.text(p, pk + 0.01 * top, f"{pk:.3g}", ha="center", va="bottom", fontsize=7)
     ax1.set_ylim(0, top * 1.2)
-    ax1.set_ylabel("max peak per device (GiB)")
+    ax1.set_ylabel(f"max peak per device ({unit})")
     ax1.legend(handles=handles + ax1.get_legend_handles_labels()[0], fontsize=7, loc="upper left",
                bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax1.grid(axis="y", alpha=0.3)

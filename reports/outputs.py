@@ -61,21 +61,63 @@ def write_compare_figure(path: Path, simulated: Result, measured: Result) -> Pat
     return save_figure(path, figures.compare_figure(simulated, measured))
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    dup = sorted({k for k in keys if keys.count(k) > 1})
+    if dup:
+        raise ValueError(f"key {dup[0]!r} appears twice in one JSON object (which one is meant?)")
+    return dict(pairs)
+
+
+def read_json_strict(path: Path) -> object:
+    """JSON from ``path``; a key repeated in one object is an error (json keeps the last one
+    silently), and so are NaN/Infinity, which are not JSON. Raises ValueError naming the file."""
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        return json.loads(Path(path).read_text(), object_pairs_hook=_no_duplicate_keys, parse_constant=no_constant)
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: {exc}") from None
+
+
 def load_plan(path: Path) -> Plan:
-    return Plan.model_validate_json(Path(path).read_text())
+    """A plan.json as a Plan (pydantic ValidationError for a bad field, ValueError for bad JSON)."""
+    return Plan.model_validate(read_json_strict(path))
 
 
 def load_result(path: Path) -> Result:
-    return Result.model_validate_json(Path(path).read_text())
+    """A results.json / measured.json as a Result (errors as for :func:`load_plan`)."""
+    return Result.model_validate(read_json_strict(path))
 
 
 _ranges = figures.device_ranges
 TABLE_HEADER = ("device", "stage", "layers", "peak GiB", "cap GiB", "use %", "OOM")
 
 
+def table_units(result: Result) -> tuple[tuple[str, float], tuple[str, float]]:
+    """(unit, bytes per unit) for the peak column and for the capacity column, each picked from the
+    column's largest value (figures.byte_unit): a CPU run reads 'peak MiB', a DGX run 'peak GiB'."""
+    peak = max((d.peak_bytes for d in result.devices), default=0)
+    cap = max((d.capacity_bytes for d in result.devices), default=0)
+    return figures.byte_unit(peak), figures.byte_unit(cap)
+
+
+def table_header(result: Result) -> tuple[str, ...]:
+    """TABLE_HEADER with the units table_units picks for ``result``."""
+    (peak_unit, _), (cap_unit, _) = table_units(result)
+    return ("device", "stage", "layers", f"peak {peak_unit}", f"cap {cap_unit}", "use %", "OOM")
+
+
+def _use_pct(use: float) -> str:
+    return f"{use:.2g}" if 0 < use < 0.1 else f"{use:.1f}"  # 0.034, not 0.0, for a tiny model
+
+
 def table_rows(result: Result) -> list[tuple[bool, tuple[str, ...]]]:
     """(oom, cells) per row of the device table; consecutive devices with identical stages, peak
-    and OOM are folded into one row."""
+    and OOM are folded into one row. Peak and capacity are in table_header's units; the OOM
+    cell names its own unit ('OOM +36.1 GiB')."""
+    (_, peak_scale), (_, cap_scale) = table_units(result)
     rows: list[tuple[list[int], object]] = []
     for d in result.devices:
         key = (tuple(d.stages), d.peak_bytes, d.oom)
@@ -90,16 +132,16 @@ def table_rows(result: Result) -> list[tuple[bool, tuple[str, ...]]]:
         stages = ",".join(str(s) for s in d.stages)
         layers = ",".join(f"{a}-{b - 1}" for a, b in d.layers)
         use = 100.0 * d.peak_bytes / d.capacity_bytes if d.capacity_bytes else 0.0
-        oom = f"OOM +{d.oom_over_bytes / GIB:.1f} GiB" if d.oom else ""
-        out.append((d.oom, (_ranges(devices), stages, layers, f"{d.peak_bytes / GIB:.2f}",
-                            f"{d.capacity_bytes / GIB:.1f}", f"{use:.1f}", oom)))
+        oom = f"OOM +{figures.human_bytes(d.oom_over_bytes)}" if d.oom else ""
+        out.append((d.oom, (_ranges(devices), stages, layers, f"{d.peak_bytes / peak_scale:.2f}",
+                            f"{d.capacity_bytes / cap_scale:.1f}", _use_pct(use), oom)))
     return out
 
 
 def device_table(plan: Plan, result: Result) -> str:
     """Per-device table as plain text; devices with identical stages and peak are folded into one row."""
     widths = (10, 6, 12, 9, 8, 6)
-    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(TABLE_HEADER, widths)) + "  OOM"]
+    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(table_header(result), widths)) + "  OOM"]
     for _, cells in table_rows(result):
         lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)) + f"  {cells[-1]}")
     return "\n".join(lines)
@@ -120,7 +162,7 @@ def rich_table(plan: Plan, result: Result):
     from rich.table import Table
 
     table = Table(show_edge=False, header_style="bold", pad_edge=False)
-    for h in TABLE_HEADER:
+    for h in table_header(result):
         table.add_column(h, justify="left" if h == "OOM" else "right", no_wrap=True)
     for oom, cells in table_rows(result):
         use = float(cells[5])

@@ -17,7 +17,11 @@ def write_profile(path: Path, profile: Profile) -> Path:
 
 
 def load_profile(path: Path) -> Profile:
-    return Profile.model_validate_json(Path(path).read_text())
+    """A profile.json as a Profile: strict JSON (no duplicate keys, no NaN), every field bounded.
+    Raises ValueError (pydantic's ValidationError is one) naming what is wrong."""
+    from reports.outputs import read_json_strict
+
+    return Profile.model_validate(read_json_strict(path))
 
 
 def cached_profile(cache_dir: Path, key: str) -> Profile | None:
@@ -26,8 +30,14 @@ def cached_profile(cache_dir: Path, key: str) -> Profile | None:
         return None
     try:
         return load_profile(path)
-    except ValueError:  # a file from an older schema: profile again
+    except ValueError as exc:  # an older schema, or a damaged/edited file: say so and profile again
+        print(f"note: ignoring the cached profile {path} ({one_line(exc)}); profiling again", flush=True)
         return None
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def store_profile(cache_dir: Path, key: str, profile: Profile) -> Path:

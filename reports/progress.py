@@ -66,3 +66,31 @@ def task(description: str, total: int | None = None, *, enabled: bool | None = N
     with bar:
         tid = bar.add_task(description, total=total)
         yield lambda n=1: bar.advance(tid, n)
+
+
+@contextmanager
+def after(description: str, delay_s: float = 2.0, *, enabled: bool | None = None) -> Iterator[Callable[[int, int], None]]:
+    """Context manager yielding ``progress(done, total)`` for a pure search that reports its own
+    progress (planners take it as an argument and know no clocks): a bar appears only once the
+    work has run ``delay_s`` seconds, and only on a terminal."""
+    import time
+
+    start, state = time.monotonic(), {"bar": None, "tid": None}
+    if not (interactive() if enabled is None else enabled):
+        yield lambda done, total: None
+        return
+
+    def progress(done: int, total: int) -> None:
+        if state["bar"] is None:
+            if time.monotonic() - start < delay_s:
+                return
+            state["bar"] = _bar(True)
+            state["bar"].start()
+            state["tid"] = state["bar"].add_task(description, total=total)
+        state["bar"].update(state["tid"], completed=done, total=total)
+
+    try:
+        yield progress
+    finally:
+        if state["bar"] is not None:
+            state["bar"].stop()

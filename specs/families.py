@@ -17,7 +17,7 @@ from specs.family_moe import tied_params as _moe_tied
 from specs.family_transformer import BertConfig, GPTConfig, build_bert, build_gpt
 from specs.family_transformer import tied_params as _transformer_tied
 from specs.family_wresnet import WResNetConfig, build_wresnet
-from specs.model import LayerSpec, ModelSpec
+from specs.model import MAX_LAYERS, LayerSpec, ModelSpec
 
 ACT_DTYPE_BYTES = (2, 4)  # fp16/bf16, fp32
 
@@ -27,7 +27,7 @@ class CustomConfig(Spec):
 
     family: Literal["custom"]
     name: str = Field(min_length=1)
-    layers: list[LayerSpec] = Field(min_length=1)
+    layers: list[LayerSpec] = Field(min_length=1, max_length=MAX_LAYERS)
     act_dtype_bytes: int = Field(2, description="activation dtype the byte counts were written for")
 
 

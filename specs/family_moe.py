@@ -19,23 +19,23 @@ from pydantic import Field, model_validator
 
 from specs._base import Spec
 from specs.family_transformer import attention_costs, block_layer, embedding_layer, head_layer
-from specs.model import LayerKind, LayerSpec, ModelSpec
+from specs.model import MAX_LAYERS, LayerKind, LayerSpec, ModelSpec
 
 
 class MoEConfig(Spec):
     family: Literal["moe"]
     name: str = Field(min_length=1)
-    num_layers: int = Field(gt=0, description="blocks, dense and MoE together")
-    hidden: int = Field(gt=0)
-    heads: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
-    vocab: int = Field(gt=0)
-    num_experts: int = Field(gt=0)
-    top_k: int = Field(2, gt=0)
-    expert_every: int = Field(2, gt=0, description="1: every block is MoE; 2: every other (GShard, Alpa)")
-    capacity_factor: float = Field(1.0, gt=0)
-    ffn_mult: int = Field(8, gt=0, description="FFN width of dense blocks and experts (Alpa: 8)")
-    expert_group_size: int = Field(2048, gt=0, description="tokens per gating group (Alpa's S_)")
+    num_layers: int = Field(gt=0, le=MAX_LAYERS - 2, description="blocks, dense and MoE together")
+    hidden: int = Field(gt=0, le=1 << 20)
+    heads: int = Field(gt=0, le=1 << 14)
+    seq_len: int = Field(gt=0, le=1 << 24)
+    vocab: int = Field(gt=0, le=1 << 24)
+    num_experts: int = Field(gt=0, le=1 << 16)
+    top_k: int = Field(2, gt=0, le=1 << 16)
+    expert_every: int = Field(2, gt=0, le=MAX_LAYERS, description="1: every block is MoE; 2: every other (GShard, Alpa)")
+    capacity_factor: float = Field(1.0, gt=0, le=1024, allow_inf_nan=False)
+    ffn_mult: int = Field(8, gt=0, le=256, description="FFN width of dense blocks and experts (Alpa: 8)")
+    expert_group_size: int = Field(2048, gt=0, le=1 << 30, description="tokens per gating group (Alpa's S_)")
 
     @model_validator(mode="after")
     def _shapes(self) -> MoEConfig:

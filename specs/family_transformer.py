@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from specs._base import Spec
-from specs.model import LayerKind, LayerSpec, ModelSpec
+from specs.model import MAX_LAYERS, LayerKind, LayerSpec, ModelSpec
 
 TOKEN_ID_BYTES = 8  # int64 token ids, as torch.nn.Embedding takes them
 LOSS_BYTES = 4  # one fp32 loss per sample leaves the head
@@ -26,12 +26,12 @@ LOGIT_BYTES = 4  # cross-entropy runs on fp32 logits (Korthikanti et al. 2022 §
 
 class _TransformerConfig(Spec):
     name: str = Field(min_length=1)
-    num_layers: int = Field(gt=0, description="transformer blocks")
-    hidden: int = Field(gt=0)
-    heads: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
-    vocab: int = Field(gt=0)
-    ffn_mult: int = Field(4, gt=0, description="FFN width f = ffn_mult · hidden")
+    num_layers: int = Field(gt=0, le=MAX_LAYERS - 2, description="transformer blocks")
+    hidden: int = Field(gt=0, le=1 << 20)
+    heads: int = Field(gt=0, le=1 << 14)
+    seq_len: int = Field(gt=0, le=1 << 24)
+    vocab: int = Field(gt=0, le=1 << 24)
+    ffn_mult: int = Field(4, gt=0, le=256, description="FFN width f = ffn_mult · hidden")
 
     @model_validator(mode="after")
     def _heads_divide_hidden(self):

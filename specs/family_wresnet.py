@@ -18,12 +18,12 @@ final ReLU's saved output is that same tensor), so stacking layers never counts 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from specs._base import Spec
-from specs.model import LayerKind, LayerSpec, ModelSpec
+from specs.model import MAX_LAYERS, LayerKind, LayerSpec, ModelSpec
 
 IMAGE_CHANNELS = 3
 LOSS_BYTES = 4
@@ -33,11 +33,11 @@ LOGIT_BYTES = 4  # softmax cross-entropy on fp32 logits, as in the transformer h
 class WResNetConfig(Spec):
     family: Literal["wresnet"]
     name: str = Field(min_length=1)
-    image_size: int = Field(224, gt=0)
-    base_channels: int = Field(gt=0, description="F of the first stage (Alpa's C)")
-    width_factor: int = Field(2, gt=0, description="multiplies the 3x3 conv width (Alpa's W)")
-    blocks_per_stage: list[int] = Field(min_length=1)
-    num_classes: int = Field(1024, gt=0)
+    image_size: int = Field(224, gt=0, le=1 << 16)
+    base_channels: int = Field(gt=0, le=1 << 20, description="F of the first stage (Alpa's C)")
+    width_factor: int = Field(2, gt=0, le=1024, description="multiplies the 3x3 conv width (Alpa's W)")
+    blocks_per_stage: list[Annotated[int, Field(gt=0, le=MAX_LAYERS)]] = Field(min_length=1, max_length=64)
+    num_classes: int = Field(1024, gt=0, le=1 << 24)
 
     @model_validator(mode="after")
     def _shapes(self) -> WResNetConfig:

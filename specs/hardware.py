@@ -8,12 +8,32 @@ fabric. Bandwidths are GB/s (1e9 bytes/s) per direction per link; latencies in s
 from __future__ import annotations
 
 from enum import Enum
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from specs._base import Spec
+from specs._base import Spec, finite_in
 
 GIB = 1 << 30
+
+# Physical bounds (issue #10): generous enough for any machine that exists or is announced, tight
+# enough that NaN, infinities, zero rates and 1e300 never reach the planners and the simulator.
+#: device memory per device: up to 4 TiB (the largest GPU today has 192 GB)
+MAX_DEVICE_BYTES = 1 << 42
+#: host DRAM per node: up to 1 PiB; NVMe per node up to 16 PiB
+MAX_HOST_BYTES = 1 << 50
+MAX_NVME_BYTES = 1 << 54
+#: devices in one hardware spec (nodes x devices_per_node): a 64 Ki-GPU cluster
+MAX_DEVICES = 1 << 16
+#: a link or memory bandwidth in GB/s: 1 kB/s .. 1e15 GB/s (tests idealise "infinite" links as 1e12)
+Bandwidth = Annotated[float, finite_in(1e-6, 1e15, lo_open=False)]
+#: a latency in seconds: 0 .. 1 s
+Latency = Annotated[float, finite_in(0.0, 1.0, lo_open=False)]
+#: a dense peak in TFLOP/s: 1 MFLOP/s .. 10 PFLOP/s per device (an H100 has 989 dense fp16)
+Tflops = Annotated[float, finite_in(1e-6, 1e4, lo_open=False)]
+#: achieved / peak: at least 0.1 % (1e-300 would make every time astronomically large)
+Efficiency = Annotated[float, finite_in(1e-3, 1.0, lo_open=False)]
+DTYPES = ("fp32", "fp16", "bf16")
 
 
 class LinkKind(str, Enum):
@@ -33,9 +53,9 @@ SWITCHED_KINDS = frozenset({LinkKind.nvswitch, LinkKind.ib, LinkKind.ethernet, L
 
 class LinkSpec(Spec):
     kind: LinkKind
-    count: int = Field(1, ge=1, description="parallel links; bandwidths add up")
-    bw_gbps: float = Field(gt=0, description="GB/s per link per direction")
-    latency_s: float = Field(ge=0)
+    count: int = Field(1, ge=1, le=1024, description="parallel links; bandwidths add up")
+    bw_gbps: Bandwidth = Field(description="GB/s per link per direction")
+    latency_s: Latency
 
     @property
     def total_bw_gbps(self) -> float:
@@ -45,41 +65,60 @@ class LinkSpec(Spec):
 class PairLink(LinkSpec):
     """An explicit link between two devices of one node (local indices)."""
 
-    a: int = Field(ge=0)
-    b: int = Field(ge=0)
+    a: int = Field(ge=0, le=1 << 20)
+    b: int = Field(ge=0, le=1 << 20)
 
 
 class DeviceSpec(Spec):
     model: str
-    memory_bytes: int = Field(gt=0)
-    peak_tflops: dict[str, float] = Field(description="dense peak per dtype: fp32, fp16, bf16")
-    compute_efficiency: float = Field(0.5, gt=0, le=1, description="achieved / peak for GEMMs")
-    hbm_gbps: float = Field(gt=0, description="device memory bandwidth")
+    memory_bytes: int = Field(gt=0, le=MAX_DEVICE_BYTES)
+    peak_tflops: dict[str, Tflops] = Field(description="dense peak per dtype: fp32, fp16, bf16")
+    compute_efficiency: Efficiency = Field(0.5, description="achieved / peak for GEMMs")
+    hbm_gbps: Bandwidth = Field(description="device memory bandwidth")
 
     @model_validator(mode="after")
     def _dtypes(self) -> DeviceSpec:
-        bad = sorted(set(self.peak_tflops) - {"fp32", "fp16", "bf16"})
+        bad = sorted(set(self.peak_tflops) - set(DTYPES))
         if bad or "fp32" not in self.peak_tflops:
             raise ValueError(
                 f"peak_tflops: keys must be among fp32, fp16, bf16 and include fp32; got {bad or list(self.peak_tflops)}"
             )
         return self
 
+    def missing_dtype(self, dtype: str) -> str | None:
+        """None if the device has a rate for ``dtype``, else a one-line message naming the field,
+        the dtypes it has and what to do (a V100 has no bf16 units: its fp32 rate would be 8x off)."""
+        if dtype in self.peak_tflops:
+            return None
+        has = ", ".join(d for d in DTYPES if d in self.peak_tflops)
+        hint = "fp16" if "fp16" in self.peak_tflops else "fp32"
+        return (f"hardware.device.peak_tflops: {self.model} has no {dtype} rate (it has {has}); use "
+                f"training.precision={hint}, or add peak_tflops.{dtype} to the hardware spec")
+
     def flops_per_s(self, dtype: str) -> float:
-        """Achievable FLOP/s for ``dtype`` (peak x efficiency); falls back to fp32 if absent."""
-        tflops = self.peak_tflops.get(dtype, self.peak_tflops["fp32"])
-        return tflops * 1e12 * self.compute_efficiency
+        """Achievable FLOP/s for ``dtype`` (peak x efficiency). A dtype the device lacks is an
+        error (ValueError), never a silent fall-back to another rate."""
+        msg = self.missing_dtype(dtype)
+        if msg is not None:
+            raise ValueError(msg)
+        return self.peak_tflops[dtype] * 1e12 * self.compute_efficiency
 
 
 class HostSpec(Spec):
-    memory_bytes: int = Field(gt=0, description="host DRAM per node")
-    pcie_gbps: float = Field(gt=0, description="host<->device copy bandwidth per device (pinned)")
-    pcie_latency_s: float = Field(5e-6, ge=0)
-    cpu_adam_params_per_s: float = Field(
-        1e9, gt=0, description="CPU optimizer throughput (STRONGHOLD/ZeRO-Offload CPU Adam)"
+    memory_bytes: int = Field(gt=0, le=MAX_HOST_BYTES, description="host DRAM per node")
+    pcie_gbps: Bandwidth = Field(description="host<->device copy bandwidth per device (pinned)")
+    pcie_latency_s: Latency = 5e-6
+    cpu_adam_params_per_s: Annotated[float, finite_in(1.0, 1e15, lo_open=False)] = Field(
+        1e9, description="CPU optimizer throughput (STRONGHOLD/ZeRO-Offload CPU Adam)"
     )
-    nvme_bytes: int = Field(0, ge=0)
-    nvme_gbps: float = Field(0.0, ge=0)
+    nvme_bytes: int = Field(0, ge=0, le=MAX_NVME_BYTES)
+    nvme_gbps: Annotated[float, finite_in(0.0, 1e15, lo_open=False)] = 0.0
+
+    @model_validator(mode="after")
+    def _nvme(self) -> HostSpec:
+        if self.nvme_gbps != 0 and self.nvme_gbps < 1e-6:  # 0: no NVMe rate given (PCIe is used)
+            raise ValueError(f"nvme_gbps: must be 0 or a finite number in [1e-06, 1e+15], got {self.nvme_gbps}")
+        return self
 
 
 class NodeTopology(Spec):
@@ -92,8 +131,8 @@ class NodeTopology(Spec):
 
 class HardwareSpec(Spec):
     name: str
-    nodes: int = Field(1, ge=1)
-    devices_per_node: int = Field(ge=1)
+    nodes: int = Field(1, ge=1, le=1 << 16)
+    devices_per_node: int = Field(ge=1, le=1024)
     device: DeviceSpec
     host: HostSpec
     intra_node: NodeTopology
@@ -116,6 +155,9 @@ class HardwareSpec(Spec):
             if pair in seen:
                 raise ValueError(f"{where}: pair {pair} is listed twice")
             seen.add(pair)
+        if self.nodes * self.devices_per_node > MAX_DEVICES:
+            raise ValueError(f"nodes: {self.nodes} nodes x {self.devices_per_node} devices = "
+                             f"{self.nodes * self.devices_per_node} devices; at most {MAX_DEVICES} are supported")
         if self.nodes > 1 and self.inter_node is None:
             raise ValueError(f"inter_node: required when nodes > 1 (nodes={self.nodes})")
         return self

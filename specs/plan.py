@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import hashlib
 from enum import Enum
+from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from specs._base import Spec
-from specs.hardware import HardwareSpec
+from specs._base import MAX_COUNT, Spec, finite_in
+from specs.hardware import MAX_DEVICES, HardwareSpec
 from specs.model import ModelSpec
 from specs.training import TrainingSpec
+
+#: the plan.json format this memwall reads and writes
+PLAN_SCHEMA_VERSION = 1
 
 
 class ScheduleKind(str, Enum):
@@ -43,7 +47,7 @@ class MemoryAction(str, Enum):
 
 class ScheduleSpec(Spec):
     kind: ScheduleKind = ScheduleKind.one_f_one_b
-    virtual_stages: int = Field(1, ge=1, description="model chunks per device (interleaved_1f1b)")
+    virtual_stages: int = Field(1, ge=1, le=1024, description="model chunks per device (interleaved_1f1b)")
 
     @model_validator(mode="after")
     def _virtual(self) -> ScheduleSpec:
@@ -58,14 +62,15 @@ class D2DTarget(Spec):
     """A peer device that holds part of a swapped tensor; bytes are striped by ``weight``
     (MPress §IV-C: stripes proportional to the NVLink bandwidth to each peer)."""
 
-    device: int = Field(ge=0)
-    weight: float = Field(gt=0)
+    device: int = Field(ge=0, lt=MAX_DEVICES)
+    # a stripe share relative to the other targets' (bandwidth ratios): 1e-6..1e6 keeps the sums exact
+    weight: Annotated[float, finite_in(1e-6, 1e6, lo_open=False)]
 
 
 class LayerMemory(Spec):
-    layer: int = Field(ge=0, description="global layer index")
+    layer: int = Field(ge=0, lt=MAX_COUNT, description="global layer index")
     action: MemoryAction
-    targets: list[D2DTarget] = Field(default_factory=list)
+    targets: list[D2DTarget] = Field(default_factory=list, max_length=1024)
 
     @model_validator(mode="after")
     def _targets(self) -> LayerMemory:
@@ -73,6 +78,9 @@ class LayerMemory(Spec):
             raise ValueError(f"targets: d2d_swap of layer {self.layer} needs at least one target device")
         if self.action is not MemoryAction.d2d_swap and self.targets:
             raise ValueError(f"targets: only d2d_swap takes targets (layer {self.layer} is {self.action.value})")
+        devices = [t.device for t in self.targets]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"targets: a device is listed twice for layer {self.layer}: {devices}")
         return self
 
 
@@ -80,22 +88,22 @@ class OffloadPolicy(Spec):
     """STRONGHOLD §3: only ``window_layers`` layers' parameters (and gradients) live on the GPU,
     the rest on host (or NVMe); ``optimizer_on_cpu`` runs the update on the CPU, overlapped."""
 
-    window_layers: int | None = Field(None, ge=1)
+    window_layers: int | None = Field(None, ge=1, lt=MAX_COUNT)
     optimizer_on_cpu: bool = False
     nvme: bool = False
 
 
 class LayerSharding(Spec):
-    layer: int = Field(ge=0)
+    layer: int = Field(ge=0, lt=MAX_COUNT)
     strategy: str = Field(min_length=1, description="MAP sharding strategy name, e.g. 'S0R x RS1'")
 
 
 class StagePlan(Spec):
-    layer_start: int = Field(ge=0, description="first layer (inclusive)")
-    layer_stop: int = Field(ge=1, description="one past the last layer")
-    devices: list[int] = Field(min_length=1)
-    dp: int = Field(1, ge=1)
-    tp: int = Field(1, ge=1)
+    layer_start: int = Field(ge=0, lt=MAX_COUNT, description="first layer (inclusive)")
+    layer_stop: int = Field(ge=1, le=MAX_COUNT, description="one past the last layer")
+    devices: list[Annotated[int, Field(ge=0, lt=MAX_DEVICES)]] = Field(min_length=1, max_length=MAX_DEVICES)
+    dp: int = Field(1, ge=1, le=MAX_DEVICES)
+    tp: int = Field(1, ge=1, le=MAX_DEVICES)
     memory: list[LayerMemory] = Field(default_factory=list, description="layers not listed: keep")
     offload: OffloadPolicy = Field(default_factory=OffloadPolicy)
     sharding: list[LayerSharding] = Field(default_factory=list)
@@ -137,22 +145,56 @@ class StagePlan(Spec):
         return range(self.layer_start, self.layer_stop)
 
     def action_of(self, layer: int) -> LayerMemory:
-        for item in self.memory:
-            if item.layer == layer:
-                return item
-        return LayerMemory(layer=layer, action=MemoryAction.keep)
+        # an index over ``memory`` (kept outside the model, so equality and dumps are untouched):
+        # a stage of L recomputed layers then costs O(L), not O(L²), per pass over its layers
+        if len(self.memory) < 8:
+            for item in self.memory:
+                if item.layer == layer:
+                    return item
+            return _keep(layer)
+        cached = _ACTION_INDEX.get(id(self.memory))
+        if cached is None or cached[0] is not self.memory or cached[2] != len(self.memory):
+            if len(_ACTION_INDEX) > 4096:
+                _ACTION_INDEX.clear()
+            index: dict[int, LayerMemory] = {}
+            for item in self.memory:
+                index.setdefault(item.layer, item)
+            cached = _ACTION_INDEX[id(self.memory)] = (self.memory, index, len(self.memory))  # the ref pins the id
+        found = cached[1].get(layer)
+        return found if found is not None else _keep(layer)
+
+
+def _keep(layer: int) -> LayerMemory:
+    """The (frozen, shared) default action of a layer: validating a new one per query cost ~7 µs."""
+    found = _KEEP.get(layer)
+    if found is None:
+        found = _KEEP[layer] = LayerMemory(layer=layer, action=MemoryAction.keep)
+    return found
+
+
+_KEEP: dict[int, LayerMemory] = {}
+
+#: id(StagePlan.memory) -> (that list, {layer: its LayerMemory}, its length); see StagePlan.action_of
+_ACTION_INDEX: dict[int, tuple[list, dict, int]] = {}
 
 
 class Plan(Spec):
-    schema_version: int = 1
+    schema_version: int = PLAN_SCHEMA_VERSION
     planner: str
     model: str
     hardware: str
-    num_devices: int = Field(ge=1, description="devices of the hardware the plan was made for")
+    num_devices: int = Field(ge=1, le=MAX_DEVICES, description="devices of the hardware the plan was made for")
     training: TrainingSpec
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     zero_stage: int = Field(0, ge=0, le=3)
-    stages: list[StagePlan] = Field(min_length=1)
+    stages: list[StagePlan] = Field(min_length=1, max_length=MAX_DEVICES)
+
+    @field_validator("schema_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        if v != PLAN_SCHEMA_VERSION:
+            raise ValueError(f"must be {PLAN_SCHEMA_VERSION} (the plan format this memwall reads), got {v}")
+        return v
 
     @property
     def id(self) -> str:
@@ -185,7 +227,11 @@ class PlanError(ValueError):
 
 
 def validate_plan(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Plan:
-    """Check ``plan`` against ``model`` and ``hardware``; return it, or raise :class:`PlanError`."""
+    """Check ``plan`` against ``model`` and ``hardware``; return it, or raise :class:`PlanError`.
+
+    Checks that later ones depend on come first, and a failed one stops those that would index
+    past it (layer ranges before per-layer lookups, device sets before links and batch splits), so
+    a malformed plan gives its error, never a ZeroDivisionError or an unbounded loop."""
     errors: list[tuple[str, str]] = []
     err = lambda loc, msg: errors.append((loc, msg))  # noqa: E731
 
@@ -194,24 +240,22 @@ def validate_plan(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Plan:
     if plan.hardware != hardware.name or plan.num_devices != hardware.num_devices:
         err("hardware", f"plan is for {plan.hardware!r} with {plan.num_devices} devices, given "
             f"{hardware.name!r} with {hardware.num_devices}")
-    _check_layers(plan, model, err)
-    _check_devices(plan, hardware, err)
-    _check_batch(plan, err)
+    if plan.training.precision.value != "fp32":
+        missing = hardware.device.missing_dtype(plan.training.precision.value)
+        if missing is not None:
+            err("training.precision", missing)
+    layers_ok = _check_layers(plan, model, err)
+    devices_ok = _check_devices(plan, hardware, err)
+    if devices_ok:
+        _check_batch(plan, err)
+        _check_targets(plan, hardware, err)
     for i, stage in enumerate(plan.stages):
-        for j, item in enumerate(stage.memory):
-            for k, target in enumerate(item.targets):
-                loc = f"stages[{i}].memory[{j}].targets[{k}].device"
-                if not hardware.has_device(target.device):
-                    err(loc, f"device {target.device} is not in hardware {hardware.name!r} (0..{hardware.num_devices - 1})")
-                elif target.device in stage.devices:
-                    err(loc, f"device {target.device} belongs to the stage itself; d2d swap targets a peer")
-                elif not any(hardware.is_peer(d, target.device) for d in stage.devices):
-                    err(loc, f"device {target.device} has no NVLink/NVSwitch link to the stage's devices {stage.devices}")
-        for layer in stage.layers:
-            cap = model.layers[layer].max_tp if layer < model.num_layers else None
-            if cap is not None and stage.tp > cap:
-                err(f"stages[{i}].tp", f"{stage.tp} exceeds layer {layer}'s max tensor-parallel degree {cap}")
-                break
+        if layers_ok:
+            for layer in stage.layers:
+                cap = model.layers[layer].max_tp
+                if cap is not None and stage.tp > cap:
+                    err(f"stages[{i}].tp", f"{stage.tp} exceeds layer {layer}'s max tensor-parallel degree {cap}")
+                    break
         if stage.offload.nvme and hardware.host.nvme_bytes == 0:
             err(f"stages[{i}].offload.nvme", f"hardware {hardware.name!r} has no NVMe")
     if errors:
@@ -219,24 +263,35 @@ def validate_plan(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Plan:
     return plan
 
 
-def _check_layers(plan: Plan, model: ModelSpec, err) -> None:
+def _check_layers(plan: Plan, model: ModelSpec, err) -> bool:
+    """Stages cover the model's layers 0..L in order; True if every range lies inside the model."""
+    ok = True
     expected = 0
     for i, stage in enumerate(plan.stages):
+        if stage.layer_stop > model.num_layers:
+            err(f"stages[{i}].layer_stop", f"{stage.layer_stop} is past the model's last layer: "
+                f"model {model.name!r} has {model.num_layers} layers (layer_stop <= {model.num_layers})")
+            return False
         if stage.layer_start != expected:
             what = "overlaps the previous stage" if stage.layer_start < expected else "leaves a gap"
             err(f"stages[{i}].layer_start", f"{stage.layer_start} {what}: expected {expected} "
                 "(stages cover layers in order without gaps or overlap)")
+            ok = False
         expected = stage.layer_stop
     if expected != model.num_layers:
         err(f"stages[{len(plan.stages) - 1}].layer_stop",
             f"stages end at layer {expected}, model {model.name!r} has {model.num_layers} layers")
+        ok = False
+    return ok
 
 
-def _check_devices(plan: Plan, hardware: HardwareSpec, err) -> None:
+def _check_devices(plan: Plan, hardware: HardwareSpec, err) -> bool:
+    """Every device exists, pipeline positions own disjoint devices; True if no error."""
     v = plan.schedule.virtual_stages
     if len(plan.stages) % v:
         err("stages", f"{len(plan.stages)} stages is not a multiple of schedule.virtual_stages ({v})")
-        return
+        return False
+    ok = True
     p = len(plan.stages) // v
     owner: dict[int, int] = {}
     for i, stage in enumerate(plan.stages):
@@ -244,16 +299,20 @@ def _check_devices(plan: Plan, hardware: HardwareSpec, err) -> None:
             if not hardware.has_device(device):
                 err(f"stages[{i}].devices[{j}]",
                     f"device {device} is not in hardware {hardware.name!r} (0..{hardware.num_devices - 1})")
+                ok = False
         if i >= p:  # interleaved chunk: must sit exactly on its device group (Megatron layout)
             if stage.devices != plan.stages[i % p].devices:
                 err(f"stages[{i}].devices", f"interleaved chunk {i} must use stage {i % p}'s devices "
                     f"{plan.stages[i % p].devices}, got {stage.devices}")
+                ok = False
             continue
         for device in stage.devices:
             if device in owner:
                 err(f"stages[{i}].devices", f"device {device} is already used by stage {owner[device]}"
                     " (only interleaved_1f1b chunks may share devices)")
+                ok = False
             owner[device] = i
+    return ok
 
 
 def _check_batch(plan: Plan, err) -> None:
@@ -265,3 +324,22 @@ def _check_batch(plan: Plan, err) -> None:
     if plan.schedule.kind is ScheduleKind.interleaved_1f1b and m % plan.pipeline_depth:
         err("training.num_microbatches",
             f"interleaved_1f1b needs microbatches ({m}) divisible by pipeline depth ({plan.pipeline_depth})")
+
+
+def _check_targets(plan: Plan, hardware: HardwareSpec, err) -> None:
+    """D2D swap targets are devices of the hardware, outside the stage, with a peer link
+    (NVLink/NVSwitch) to *every* device of the stage: each replica swaps its own activations
+    there (MPress §IV-C), so a target reachable from one replica only would be used over PCIe."""
+    for i, stage in enumerate(plan.stages):
+        for j, item in enumerate(stage.memory):
+            for k, target in enumerate(item.targets):
+                loc = f"stages[{i}].memory[{j}].targets[{k}].device"
+                if not hardware.has_device(target.device):
+                    err(loc, f"device {target.device} is not in hardware {hardware.name!r} (0..{hardware.num_devices - 1})")
+                elif target.device in stage.devices:
+                    err(loc, f"device {target.device} belongs to the stage itself; d2d swap targets a peer")
+                else:
+                    far = [d for d in stage.devices if not hardware.is_peer(d, target.device)]
+                    if far:
+                        err(loc, f"device {target.device} has no NVLink/NVSwitch link to the stage's devices {far} "
+                            f"(a target must be a peer of all of {stage.devices})")

@@ -15,12 +15,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from specs._base import Spec
-from specs.model import ModelSpec
+from specs._base import MAX_COUNT, Spec
+from specs.model import MAX_LAYER_BYTES, MAX_LAYERS, ModelSpec
+
+#: a profiled byte count beyond this (per microbatch) is not a measurement
+MAX_BYTES = MAX_LAYER_BYTES
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SCENARIOS = ("pp", "dp2", "dp4", "tp2", "tp4")
@@ -33,50 +36,50 @@ class LayerProfile(Spec):
     name: str
     module: str = Field(description="torch class of the layer")
     representative: int = Field(ge=0, description="index of the identical layer actually traced")
-    params: int = Field(ge=0)
-    fwd_flops: float = Field(ge=0)
-    bwd_flops: float = Field(ge=0)
-    saved_bytes: int = Field(ge=0, description="unique storages saved for backward, parameters excluded")
-    output_bytes: int = Field(ge=0, description="the boundary tensor handed to the next layer")
-    temp_peak_bytes: int = Field(ge=0, description="largest transient above the live bytes, fwd or bwd")
+    params: int = Field(ge=0, le=1 << 46)
+    fwd_flops: float = Field(ge=0, le=1e24, allow_inf_nan=False)
+    bwd_flops: float = Field(ge=0, le=1e24, allow_inf_nan=False)
+    saved_bytes: int = Field(ge=0, le=MAX_BYTES, description="unique storages saved for backward, parameters excluded")
+    output_bytes: int = Field(ge=0, le=MAX_BYTES, description="the boundary tensor handed to the next layer")
+    temp_peak_bytes: int = Field(ge=0, le=MAX_BYTES, description="largest transient above the live bytes, fwd or bwd")
 
 
 class CaptureStat(Spec):
     layer: int = Field(ge=0)
     name: str
-    M_i_bytes: int = Field(description="peak of a device (sub-mesh) holding this layer alone")
-    M_a_bytes: int = Field(description="peak increase when this layer is added to its neighbours")
+    M_i_bytes: int = Field(ge=-MAX_BYTES, le=MAX_BYTES, description="peak of a device (sub-mesh) holding this layer alone")
+    M_a_bytes: int = Field(ge=-MAX_BYTES, le=MAX_BYTES, description="peak increase when this layer is added to its neighbours")
 
 
 class CaptureScenario(Spec):
     scenario: Literal["pp", "dp2", "dp4", "tp2", "tp4"]
-    batch_size: int = Field(ge=1, description="profiling global batch")
-    microbatch_size: int = Field(ge=1)
-    runs: int = Field(ge=0)
-    layers: list[CaptureStat]
+    batch_size: int = Field(ge=1, le=MAX_COUNT, description="profiling global batch")
+    microbatch_size: int = Field(ge=1, le=MAX_COUNT)
+    runs: int = Field(ge=0, le=MAX_COUNT)
+    layers: list[CaptureStat] = Field(max_length=MAX_LAYERS)
 
 
 class CaptureProfile(Spec):
     backend: str = Field(description="simulator | executor: what ran the profiling plans")
-    target_batch: int = Field(ge=1)
-    batch_sizes: list[int]
-    profiling_devices: int = Field(ge=1, description="devices of the mesh the runs used")
-    runs: int = Field(ge=0, description="profiling runs in total (this job plus resumed ones)")
-    paper_runs: int = Field(description="CAPTURE §III-A2's count for this model: 10(L-1)")
-    scenarios: list[CaptureScenario]
+    target_batch: int = Field(ge=1, le=MAX_COUNT)
+    batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_COUNT)]] = Field(max_length=64)
+    profiling_devices: int = Field(ge=1, le=1 << 16, description="devices of the mesh the runs used")
+    runs: int = Field(ge=0, le=MAX_COUNT, description="profiling runs in total (this job plus resumed ones)")
+    paper_runs: int = Field(ge=0, le=MAX_COUNT, description="CAPTURE §III-A2's count for this model: 10(L-1)")
+    scenarios: list[CaptureScenario] = Field(max_length=64)
 
 
 class Profile(Spec):
-    schema_version: int = 1
+    schema_version: Literal[1] = 1
     model: str
     family: str
-    microbatch: int = Field(ge=1)
+    microbatch: int = Field(ge=1, le=MAX_COUNT)
     dtype: Literal["fp32", "bf16", "fp16"]
     attention: Literal["default", "math"] = "default"
-    total_params: int = Field(ge=0)
-    distinct_layers: int = Field(0, ge=0, description="layers actually traced (identical ones reused)")
-    profile_time_s: float = Field(0.0, ge=0)
-    layers: list[LayerProfile] = Field(default_factory=list)
+    total_params: int = Field(ge=0, le=1 << 56)
+    distinct_layers: int = Field(0, ge=0, le=MAX_LAYERS, description="layers actually traced (identical ones reused)")
+    profile_time_s: float = Field(0.0, ge=0, le=1e9, allow_inf_nan=False)
+    layers: list[LayerProfile] = Field(default_factory=list, max_length=MAX_LAYERS)
     capture: CaptureProfile | None = None
 
     def per_sample(self, total: float) -> int:

@@ -1,9 +1,9 @@
 """Result: one schema for simulated, measured and predicted runs, so any two can be compared."""
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
-from specs._base import Spec
+from specs._base import NonNegFloat, Spec
 
 #: simulated | measured | predicted-by-<method>  (e.g. predicted-by-analytic, predicted-by-capture)
 SOURCE_PATTERN = r"^(simulated|measured|predicted-by-[a-z0-9_\-]+)$"
@@ -42,12 +42,12 @@ class DeviceResult(Spec):
     layers: list[tuple[int, int]] = Field(default_factory=list, description="[start, stop) per stage")
     capacity_bytes: int = Field(ge=0)
     peak_bytes: int = Field(ge=0)
-    peak_time_s: float | None = None
+    peak_time_s: NonNegFloat | None = None
     breakdown: MemoryBreakdown = Field(default_factory=MemoryBreakdown)
     host_bytes: int = Field(0, description="bytes this device keeps in host memory / NVMe")
     oom: bool = False
     oom_over_bytes: int = Field(0, ge=0, description="peak minus capacity when oom")
-    oom_time_s: float | None = None
+    oom_time_s: NonNegFloat | None = None
 
 
 class Result(Spec):
@@ -57,10 +57,27 @@ class Result(Spec):
     model: str
     hardware: str
     devices: list[DeviceResult]
-    iteration_time_s: float = Field(ge=0)
-    samples_per_s: float = Field(ge=0)
-    tflops_per_device: float = Field(ge=0, description="model FLOPs (no recompute) / time / devices")
+    iteration_time_s: NonNegFloat
+    samples_per_s: NonNegFloat
+    tflops_per_device: NonNegFloat = Field(description="model FLOPs (no recompute) / time / devices")
     failure: str | None = Field(None, description="why a run did not complete (which rank, what)")
+
+    @field_validator("schema_version")
+    @classmethod
+    def _version(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"must be 1 (this memwall's result schema), got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _completed_run_has_times(self) -> Result:
+        """A run that completed (no ``failure``) took a positive, finite time; only a failed
+        measured run may record 0 (issue #10: no inf/0/NaN iteration times)."""
+        if self.failure is None:
+            for name in ("iteration_time_s", "samples_per_s"):
+                if not getattr(self, name) > 0:
+                    raise ValueError(f"{name}: must be > 0 for a completed run, got {getattr(self, name)!r}")
+        return self
 
     @property
     def max_peak_bytes(self) -> int:

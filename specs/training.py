@@ -5,7 +5,7 @@ from enum import Enum
 
 from pydantic import Field, model_validator
 
-from specs._base import Spec
+from specs._base import MAX_COUNT, Spec
 
 
 class Precision(str, Enum):
@@ -23,9 +23,10 @@ class TrainingSpec(Spec):
     """``microbatch_size`` is the pipeline microbatch: a stage with data-parallel degree d gives
     each replica microbatch_size / d samples (Alpa/CAPTURE convention, so stages may differ in d)."""
 
-    global_batch: int = Field(ge=1)
-    microbatch_size: int | None = Field(None, ge=1)
-    num_microbatches: int | None = Field(None, ge=1)
+    # bounded (2**40) so that a typo like 2**64 is an error here, not an overflow or a hang later
+    global_batch: int = Field(ge=1, le=MAX_COUNT)
+    microbatch_size: int | None = Field(None, ge=1, le=MAX_COUNT)
+    num_microbatches: int | None = Field(None, ge=1, le=MAX_COUNT)
     precision: Precision = Precision.fp16
     mixed_bytes_per_param: int = Field(
         16, description="16: fp16 weights+grads, fp32 master/m/v (ZeRO); 18: fp32 grads (Megatron)"

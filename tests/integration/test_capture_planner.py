@@ -19,6 +19,7 @@ def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_gpt3_6b7_capture_peak_at_least_15_percent_below_throughput(tmp_path):
     out = tmp_path / "gpt"
     proc = run_cli(tmp_path, "experiment=capture_gpt3_6b7", f"hydra.run.dir={out}")

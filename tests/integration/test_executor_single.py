@@ -24,6 +24,7 @@ CFG = parse_model_config({"family": "gpt", "name": "gpt_cpu_small", "num_layers"
 SPEC = build_model(CFG, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,stage", [("1f1b", 1), ("1f1b", 2), ("gpipe", 1)])
 def test_block_stage_peak_within_5_percent_of_closed_form(schedule, stage):
     training = TrainingSpec(global_batch=8, microbatch_size=2, precision="fp32")  # m = 4

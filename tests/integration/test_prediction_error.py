@@ -73,6 +73,7 @@ def load(group: str, name: str) -> dict:
     return OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))
 
 
+@pytest.mark.slow
 def test_fig7_report_for_executor_measured_plans(tmp_path):
     from executor import execute
     from simulator import simulate

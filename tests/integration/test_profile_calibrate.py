@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from specs.hardware import HardwareSpec
@@ -18,6 +19,7 @@ def run_cli(cwd: Path, *args: str, timeout: int = 300) -> subprocess.CompletedPr
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_capture_profile_of_gpt_tiny_resumes_from_its_log(tmp_path):
     out = tmp_path / "out"
     args = ("mode=profile", "policy=capture", "policy.backend=simulator", "policy.scenarios=[pp,tp2]",
@@ -41,6 +43,7 @@ def test_capture_profile_of_gpt_tiny_resumes_from_its_log(tmp_path):
     assert Profile.model_validate_json((out / "profile.json").read_text()).capture.scenarios == cap.scenarios
 
 
+@pytest.mark.slow
 def test_calibrate_writes_a_hardware_config_the_next_run_uses(tmp_path):
     out = tmp_path / "cal"
     proc = run_cli(tmp_path, "mode=calibrate", "+hardware=local_cpu", "+model=gpt_tiny", f"hydra.run.dir={out}")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from specs import Plan, Result
 
 
@@ -63,6 +65,7 @@ def test_execute_refuses_hardware_this_machine_lacks(tmp_path):
     assert proc.returncode == 2 and "needs 8 GPUs" in proc.stderr and "local_cpu" in proc.stderr
 
 
+@pytest.mark.slow
 def test_compare_on_local_cpu_within_10_percent(tmp_path):
     out = tmp_path / "cmp"
     proc = run_cli(tmp_path, "+hardware=local_cpu", "+model=gpt_tiny", "mode=compare", "execute.iterations=2",
@@ -78,6 +81,7 @@ def test_compare_on_local_cpu_within_10_percent(tmp_path):
     assert (out / "compare.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_multirun_2x2_gives_4_result_files(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_cli(tmp_path, "-m", "+hardware=dgx1,dgx2", "+model=gpt,bert", f"hydra.sweep.dir={sweep}")
@@ -96,12 +100,14 @@ def peaks(tmp_path: Path, name: str, *args: str) -> list[int]:
     return [d.peak_bytes for d in Result.model_validate_json((out / "results.json").read_text()).devices]
 
 
+@pytest.mark.slow
 def test_gpipe_first_stage_peaks_above_1f1b_and_1f1b_first_above_last(tmp_path):
     gpipe, one_f = peaks(tmp_path, "g", "schedule=gpipe"), peaks(tmp_path, "o", "schedule=1f1b")
     assert gpipe[0] > one_f[0]
     assert one_f[0] > one_f[-1]
 
 
+@pytest.mark.slow
 def test_simulator_is_default_writes_valid_trace_and_is_deterministic(tmp_path):
     outs = []
     for name in ("a", "b"):
@@ -120,3 +126,59 @@ def test_analytic_estimator_selectable(tmp_path):
     assert run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", "estimator=analytic", f"hydra.run.dir={out}").returncode == 0
     assert json.loads((out / "results.json").read_text())["source"] == "predicted-by-analytic"
     assert not (out / "trace.json").exists()
+
+
+def test_help_describes_memwall_its_modes_and_groups(tmp_path):
+    proc = run_cli(tmp_path, "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert text.startswith("memwall") and "Powered by Hydra" not in text
+    for word in ("+hardware=NAME +model=NAME", "simulate", "execute", "compare", "profile", "calibrate",
+                 "throughput, capture", "python -m run +hardware=dgx1 +model=gpt"):
+        assert word in text, word
+    groups = {line.split(":")[0]: line for line in text.splitlines() if ": " in line}
+    assert "dgx1" in groups["hardware"] and "gpt_tiny" in groups["model"] and "capture" in groups["policy"]
+
+
+def test_a_tiny_model_reads_in_mib_not_zero_gib(tmp_path):
+    out = tmp_path / "tiny"
+    proc = run_cli(tmp_path, "+hardware=local_cpu", "+model=gpt_tiny", "estimator=analytic", f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert "peak MiB" in proc.stdout and "cap GiB" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.strip().startswith(("0 ", "1 ", "2 ", "3 "))]
+    assert len(rows) == 4 and not any(" 0.00 " in r for r in rows), proc.stdout
+
+
+@pytest.mark.slow
+def test_wresnet_symbolic_costs_profile_in_the_run_dtype(tmp_path):
+    """The symbolic profiler feeds images in the run's dtype (fp16 by default): a conv whose
+    weights are fp16 used to refuse the fp32 images (issue #10)."""
+    out = tmp_path / "wr"
+    proc = run_cli(tmp_path, "+hardware=local_cpu", "+model=wresnet_tiny", "model_costs=symbolic", "estimator=analytic",
+                   f"profile_cache={tmp_path / 'cache'}", f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    assert "[profile] tracing layer" in proc.stdout and (out / "results.json").exists()
+
+
+def test_capture_report_says_when_the_plans_it_compares_run_out_of_memory():
+    from modes import planner_lines
+
+    def entry(peak_gib: float, oom: int) -> dict:
+        return {"plan_id": "x", "stages": [[0, 1, 1, 1]] * 4, "peak_bytes": int(peak_gib * 2**30),
+                "min_peak_bytes": 0, "oom_devices": oom, "over_bytes": int(max(0.0, peak_gib - 40) * 2**30),
+                "iteration_time_s": 1.0, "samples_per_s": 10.0}
+
+    class Hw:  # planner_lines reads the node count only
+        nodes = 4
+
+    report = {"capture": {**entry(45, 3), "predicted_peak_bytes": 45 * 2**30}, "throughput": entry(50, 2),
+              "peak_reduction_pct": 10.0, "throughput_loss_pct": 5.0, "source": "simulated",
+              "smallest_fit": {"capture": {"nodes": 2, "devices": 8, "peak_bytes": 30 * 2**30, "samples_per_s": 6.5},
+                               "throughput": None}}
+    text = planner_lines(report, Hw, Path("planners.json"))
+    assert "both plans run out of memory" in text and "CAPTURE over by 5.0 GiB on 3 device(s)" in text
+    assert "throughput over by 10.0 GiB on 2 device(s)" in text and "plans that do not fit" in text
+    assert "smallest hardware under CAPTURE: 2 node(s) = 8 devices" in text and "{" not in text
+    assert "no node count up to 4 fits" in text
+    report["capture"] = {**entry(30, 0), "predicted_peak_bytes": 30 * 2**30}
+    assert "the throughput plan runs out of memory" in planner_lines(report, Hw, Path("p"))

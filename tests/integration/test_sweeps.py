@@ -27,6 +27,7 @@ def summary_rows(root: Path) -> list[dict]:
     return list(csv.DictReader((root / "summary.csv").open()))
 
 
+@pytest.mark.slow
 def test_basic_sweep_2x2_writes_summary_with_4_rows(tmp_path):
     proc, root = sweep(tmp_path, "+hardware=dgx1,dgx2", "+model=gpt,bert")
     rows = summary_rows(root)
@@ -41,6 +42,7 @@ def test_basic_sweep_2x2_writes_summary_with_4_rows(tmp_path):
         assert (job / "memory.png").exists() and (job / "timeline.png").exists()
 
 
+@pytest.mark.slow
 def test_sweep_counts_oom_devices(tmp_path):
     _, root = sweep(tmp_path, "+hardware=dgx1", "+model=gpt", "schedule=gpipe,1f1b", "estimator=analytic")
     rows = {r["schedule"]: r for r in summary_rows(root)}
@@ -48,6 +50,7 @@ def test_sweep_counts_oom_devices(tmp_path):
     assert float(rows["gpipe"]["max_peak_gib"]) > float(rows["gpipe"]["capacity_gib"])
 
 
+@pytest.mark.slow
 def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
     _, root = sweep(tmp_path, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "+hardware=local_cpu,dgx1",
                     "+model=gpt_tiny")
@@ -56,6 +59,7 @@ def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
     assert all(r["status"] == "ok" for r in rows)
 
 
+@pytest.mark.slow
 def test_submitit_local_launcher_runs_the_slurm_code_path(tmp_path):
     _, root = sweep(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=3",
                     "hydra.launcher.cpus_per_task=1", "+hardware=local_cpu,dgx1", "+model=gpt_tiny", timeout=300)
@@ -73,3 +77,15 @@ def test_optuna_sweeper_minimises_the_returned_peak(tmp_path):
     best = (root / "optimization_results.yaml").read_text()
     value = float(best.split("best_value:")[1].split()[0])
     assert value == pytest.approx(min(float(r["max_peak_gib"]) for r in rows), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_job_with_bad_input_is_reported_and_the_sweep_goes_on(tmp_path):
+    """bf16 on a V100 is a usage error (no bf16 rate): that job fails with its one line, the other
+    jobs still run, and summary.csv marks the failed one."""
+    proc, root = sweep(tmp_path, "+hardware=dgx1", "+model=gpt_tiny", "training.precision=bf16,fp16",
+                       "estimator=analytic")
+    rows = {r["training.precision"]: r for r in summary_rows(root)}
+    assert rows["bf16"]["status"] == "failed" and rows["fp16"]["status"] == "ok"
+    assert "has no bf16 rate" in proc.stderr and "Traceback" not in proc.stderr
+    assert "1 failed" in proc.stdout

@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_symbolic_costs_predict_gpipe_memory_within_10_percent(tmp_path):
     out = tmp_path / "sym"
     proc = subprocess.run(

@@ -31,6 +31,7 @@ def test_factory_must_be_an_import_path():
         build_model(cfg)
 
 
+@pytest.mark.slow
 def test_user_module_profiles_and_simulates(tmp_path):
     out = tmp_path / "sim"
     proc = run_cli(tmp_path, "mode=profile", f"hydra.run.dir={out}")
@@ -46,6 +47,7 @@ def test_user_module_profiles_and_simulates(tmp_path):
     assert json.loads((tmp_path / "plan" / "results.json").read_text())["model"] == "user_mlp"
 
 
+@pytest.mark.slow
 def test_user_module_executes_and_compares(tmp_path):
     out = tmp_path / "cmp"
     proc = run_cli(tmp_path, "mode=compare", "execute.iterations=1", f"hydra.run.dir={out}")

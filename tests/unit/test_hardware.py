@@ -147,7 +147,9 @@ def test_bad_numbers_name_their_field(path, value, field):
         HardwareSpec.model_validate(d)
 
 
-def test_flops_per_s_applies_efficiency_and_falls_back_to_fp32():
+def test_flops_per_s_applies_efficiency_and_never_falls_back():
     hw = HardwareSpec.model_validate(spec_dict())
     assert hw.device.flops_per_s("fp16") == pytest.approx(100e12 * 0.5)
-    assert hw.device.flops_per_s("bf16") == pytest.approx(10e12 * 0.5)  # no bf16 units: fp32 rate
+    # no bf16 units: an error naming the field and the dtypes it has, not the fp32 rate (issue #10)
+    with pytest.raises(ValueError, match=r"peak_tflops.*no bf16.*fp32, fp16.*training.precision=fp16"):
+        hw.device.flops_per_s("bf16")

@@ -1,7 +1,6 @@
 """The fast stage-table evaluator equals analytic.estimate; the throughput search finds the optimum."""
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest

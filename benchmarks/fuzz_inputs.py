@@ -1,0 +1,436 @@
+"""Fuzz memwall's inputs (issue #10): random CLI override sets and mutated plan.json files.
+
+Every input must end in a Result or a one-line error (exit 2) naming the field; counted here:
+``traceback`` (an exception escaped, or an internal error was reported), ``slow`` (over
+--slow-s seconds), ``hang`` (killed at the deadline), ``multiline`` (an error message over several lines), ``nonsense`` (a result with a non-finite
+or non-positive time, or more TFLOP/s per device than the device's achievable peak) and, for
+plans, ``wrong_accepted`` (validate_plan passed a plan that breaks a rule checked independently).
+
+    python benchmarks/fuzz_inputs.py --cli 300 --plans 300            # in-process, fast
+    python benchmarks/fuzz_inputs.py --cli 40 --subprocess            # real `python -m run` runs
+
+The last line is ``tracebacks=N slow=N hangs=N nonsense=N wrong_accepted=N``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import math
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# ---- CLI override sets ---------------------------------------------------------------------
+HARDWARE = ["dgx1", "dgx2", "v100_single", "a10_cluster", "capture_cluster", "map_8xa100", "h100_node", "local_cpu"]
+MODELS = ["gpt", "bert", "gpt_tiny", "bert_tiny", "moe_tiny", "wresnet_tiny", "gpt3_2b6", "bert_0b64"]
+BAD_NUMBERS = ["0", "-1", "-5", "nan", "inf", "-inf", "1e-300", "1e300", str(2**64), "0.5", "abc", "null",
+               "'${nonexistent.key}'", "''", "[1,2]"]
+NUMBER_FIELDS = {
+    "hardware.device.peak_tflops.fp16": ["125", "1e-3", "1e4"],
+    "hardware.device.peak_tflops.fp32": ["15.7", "1e-6"],
+    "hardware.device.compute_efficiency": ["0.001", "1", "0.3"],
+    "hardware.device.memory_bytes": ["1", "1073741824", str(2**42)],
+    "hardware.device.hbm_gbps": ["900", "1e-6"],
+    "hardware.host.pcie_gbps": ["12", "1e-6", "1e15"],
+    "hardware.host.pcie_latency_s": ["0", "1"],
+    "hardware.host.memory_bytes": ["1", str(2**40)],
+    "hardware.host.cpu_adam_params_per_s": ["1", "1e9"],
+    "hardware.host.nvme_gbps": ["0", "3.2"],
+    "hardware.intra_node.fallback.latency_s": ["0", "1e-5", "1"],
+    "hardware.intra_node.fallback.bw_gbps": ["10", "1e-6"],
+    "hardware.nodes": ["1", "2", "4"],
+    "hardware.devices_per_node": ["1", "2", "8"],
+    "training.global_batch": ["1", "8", "64", "128"],
+    "training.microbatch_size": ["1", "2", "4", "8"],
+    "training.num_microbatches": ["1", "4", "8"],
+    "policy.tp": ["1", "2", "4", "8"],
+    "policy.dp": ["1", "2", "4"],
+    "policy.pp": ["1", "2", "4", "8"],
+    "schedule.virtual_stages": ["1", "2", "4"],
+}
+CHOICE_FIELDS = {
+    "training.precision": ["fp32", "fp16", "bf16", "fp8"],
+    "policy": ["even", "balanced", "manual"],
+    "schedule": ["gpipe", "1f1b", "pipedream_async", "interleaved_1f1b", "nope"],
+    "policy.recompute": ["none", "full", "half"],
+    "estimator": ["analytic", "simulator"],
+    "training.optimizer": ["adam", "sgd"],
+    "policy.zero_stage": ["0", "1", "3", "4"],
+}
+ODD_ARGS = ["+hardware=null", "+hardware=nope", "foo=[", "+foo=1", "hardware=null", "+model=null",
+            "training='${oops}'", "hardware.device=3", "mode=nope"]
+
+
+def draw_overrides(rng: random.Random) -> list[str]:
+    """One random override set: +hardware/+model, then 1..4 fields set to sane or absurd values."""
+    args = [f"+hardware={rng.choice(HARDWARE)}", f"+model={rng.choice(MODELS)}"]
+    order = {"policy": 0, "schedule": 0}  # a group choice must come before its fields
+    fields = rng.sample(sorted(NUMBER_FIELDS) + sorted(CHOICE_FIELDS), rng.randint(1, 4))
+    for key in sorted(fields, key=lambda k: order.get(k, 1)):
+        if key in CHOICE_FIELDS:
+            args.append(f"{key}={rng.choice(CHOICE_FIELDS[key])}")
+        else:
+            pool = NUMBER_FIELDS[key] + BAD_NUMBERS
+            args.append(f"{key}={rng.choice(pool)}")
+    if rng.random() < 0.05:
+        args.append(rng.choice(ODD_ARGS))
+    if not any(a.startswith("estimator=") for a in args):
+        args.append("estimator=analytic" if rng.random() < 0.5 else "estimator=simulator")
+    return args
+
+
+def result_problem(result, cfg_hardware, precision: str) -> str | None:
+    """Why a Result is nonsense, or None: finite positive time/throughput, TFLOP/s within the
+    device's achievable peak for the precision it ran in, peaks >= 0."""
+    for name in ("iteration_time_s", "samples_per_s", "tflops_per_device"):
+        v = getattr(result, name)
+        if not (isinstance(v, (int, float)) and math.isfinite(v)):
+            return f"{name}={v}"
+    if not (result.iteration_time_s > 0 and result.samples_per_s > 0):
+        return f"iteration_time_s={result.iteration_time_s} samples_per_s={result.samples_per_s}"
+    dev = cfg_hardware["device"] if isinstance(cfg_hardware, dict) else cfg_hardware.device.model_dump()
+    rate = dev["peak_tflops"].get(precision, dev["peak_tflops"]["fp32"]) * dev.get("compute_efficiency", 0.5)
+    if result.tflops_per_device > rate * 1.001:
+        return f"tflops_per_device={result.tflops_per_device:.4g} > achievable {rate:.4g}"
+    if not result.devices or any(d.peak_bytes < 0 for d in result.devices):
+        return "no devices or a negative peak"
+    return None
+
+
+def cli_case_subprocess(args: list[str], outdir: Path, slow_s: float, kill_s: float) -> tuple[str, str, float]:
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "run", *args, f"hydra.run.dir={outdir}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=kill_s)
+    except subprocess.TimeoutExpired:
+        return "hang", f"killed after {kill_s} s", kill_s
+    dt = time.perf_counter() - t0
+    err = proc.stderr.strip()
+    if "Traceback" in proc.stderr or "Traceback" in proc.stdout:
+        return "traceback", err.splitlines()[-1] if err else "", dt
+    if proc.returncode == 1 and "internal error" in err:
+        return "traceback", err, dt
+    if proc.returncode == 2:
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        if len(lines) != 1 or not lines[0].startswith("memwall: "):
+            return "multiline", f"usage error on {len(lines)} lines: {err[:200]}", dt
+        return ("slow" if dt > slow_s else "usage"), lines[0], dt
+    if proc.returncode != 0:
+        return "traceback", f"rc={proc.returncode}: {err[-200:]}", dt
+    from reports.outputs import load_result
+    from omegaconf import OmegaConf
+
+    try:
+        result = load_result(outdir / "results.json")
+    except Exception as exc:  # noqa: BLE001
+        return "nonsense", f"results.json does not load: {exc}", dt
+    cfg = OmegaConf.to_container(OmegaConf.load(outdir / ".hydra" / "config.yaml"), resolve=True)
+    bad = result_problem(result, cfg["hardware"], cfg["training"]["precision"])
+    if bad:
+        return "nonsense", bad, dt
+    return ("slow" if dt > slow_s else "ok"), "", dt
+
+
+class Deadline(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    def on_alarm(signum, frame):
+        raise Deadline(f"over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def cli_case_inprocess(args: list[str], outdir: Path, slow_s: float, kill_s: float) -> tuple[str, str, float]:
+    """The shell's behaviour without a new interpreter: compose with Hydra's Compose API, then the
+    same validate + run + error reporting as ``python -m run`` (run.report_errors)."""
+    from hydra import compose, initialize_config_dir
+
+    import run as shell
+
+    t0 = time.perf_counter()
+    problem = shell._null_group(args)
+    if problem:
+        return "usage", problem, 0.0
+    err, out = io.StringIO(), io.StringIO()
+    status, detail = "ok", ""
+    try:
+        with deadline(kill_s), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                with initialize_config_dir(config_dir=str(shell.CONF_DIR), version_base="1.3"):
+                    cfg = compose("config", overrides=args)
+            except Exception as exc:  # noqa: BLE001
+                status = "usage" if shell._from_hydra(exc) else "traceback"
+                detail = f"{type(exc).__name__}: {shell.one_line(str(exc))[:200]}"
+            else:
+                holder = {}
+
+                def body():
+                    rc = shell.validate_config(cfg)
+                    holder["cfg"] = rc
+                    return shell.run(rc, outdir)
+
+                try:
+                    result = shell.report_errors(body, outdir)
+                except SystemExit as exc:
+                    status = "usage" if exc.code == 2 else "traceback"
+                    detail = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f"exit {exc.code}"
+                else:
+                    rc = holder["cfg"]
+                    bad = result_problem(result, rc.hardware, rc.training.precision.value)
+                    if bad:
+                        status, detail = "nonsense", bad
+    except Deadline:
+        return "hang", f"over {kill_s} s", kill_s
+    dt = time.perf_counter() - t0
+    if status in ("ok", "usage") and dt > slow_s:
+        status = "slow"
+    return status, detail, dt
+
+
+# ---- plan mutations ----------------------------------------------------------------------------
+BAD_VALUES = [0, -1, 2**64, 2**40 + 1, float("inf"), float("nan"), 1e300, 1e-300, "x", None, True, [], {}]
+
+
+def base_plans():
+    """A few real plans (with their model and hardware) from the shipped configs."""
+    from hydra import compose, initialize_config_dir
+
+    import run as shell
+    from modes import model_spec, plan_for
+
+    sets = [["+hardware=dgx1", "+model=gpt_tiny", "policy=even", "policy.dp=2"],
+            ["+hardware=dgx2", "+model=bert_tiny", "schedule=interleaved_1f1b", "policy=even", "policy.pp=2", "policy.dp=4", "training.microbatch_size=4"],
+            ["+hardware=dgx1", "+model=gpt_tiny", "schedule=gpipe", "policy=manual", "policy.pp=4", "policy.dp=2"],
+            ["+hardware=capture_cluster", "+model=moe_tiny", "policy=balanced", "training.microbatch_size=8"]]
+    out = []
+    with initialize_config_dir(config_dir=str(shell.CONF_DIR), version_base="1.3"):
+        for args in sets:
+            rc = shell.validate_config(compose("config", overrides=args))
+            with contextlib.redirect_stdout(io.StringIO()):
+                model, plan = plan_for(rc, Path(tempfile.gettempdir()))
+            out.append((json.loads(plan.model_dump_json()), model_spec(rc), rc.hardware))
+    return out
+
+
+def _paths(node, prefix=()):
+    """Every (path, value) in a JSON tree."""
+    yield prefix, node
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _paths(v, prefix + (i,))
+
+
+def _set(tree, path, value):
+    for key in path[:-1]:
+        tree = tree[key]
+    tree[path[-1]] = value
+
+
+def _get(tree, path):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def mutate_plan(rng: random.Random, plan: dict, hardware) -> tuple[dict, str | None]:
+    """A mutated copy of ``plan`` and, for a textual mutation, the JSON text to load instead."""
+    p = copy.deepcopy(plan)
+    n = hardware.num_devices
+    for _ in range(rng.randint(1, 3)):
+        try:
+            _mutate_once(rng, p, n)
+        except Exception:  # noqa: BLE001
+            pass  # an earlier mutation broke the shape this one needs: the plan stays as it is
+    text = None
+    if rng.random() < 0.1:  # a key given twice: json.loads would keep the last one silently
+        body = json.dumps(p)
+        text = '{"planner": "dup", ' + body[1:]
+    return p, text
+
+
+def _mutate_once(rng: random.Random, p: dict, n: int) -> None:
+    """One random mutation of the plan dict ``p`` in place (n: the hardware's device count)."""
+    kind = rng.randrange(9)
+    leaves = [(path, v) for path, v in _paths(p) if path and not isinstance(v, (dict, list))]
+    lists = [(path, v) for path, v in _paths(p) if path and isinstance(v, list) and v]
+    if kind == 0 and leaves:  # a leaf to an absurd value
+        path, _ = rng.choice(leaves)
+        _set(p, path, rng.choice(BAD_VALUES))
+    elif kind == 1 and leaves:  # a number nudged
+        path, v = rng.choice(leaves)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            _set(p, path, v + rng.choice([-1, 1, 2, 10**6]))
+    elif kind == 2 and lists:  # drop or duplicate a list entry
+        path, v = rng.choice(lists)
+        i = rng.randrange(len(v))
+        if rng.random() < 0.5:
+            v.pop(i)
+        else:
+            v.insert(i, copy.deepcopy(v[i]))
+    elif kind == 3:  # a D2D swap with random targets and weights
+        s = rng.randrange(len(p["stages"]))
+        st = p["stages"][s]
+        layer = rng.randrange(st["layer_start"], max(st["layer_start"] + 1, st["layer_stop"]))
+        targets = [{"device": rng.randrange(n + 1), "weight": rng.choice([1.0, 0.5, float("inf"), 1e-300, 1e300])}
+                   for _ in range(rng.choice([1, 2, 3, 1000]))]
+        st["memory"] = [{"layer": layer, "action": "d2d_swap", "targets": targets}]
+    elif kind == 4:
+        p["schedule"] = {"kind": "interleaved_1f1b", "virtual_stages": rng.choice([2, 3, len(p["stages"]) + 1])}
+    elif kind == 5:
+        p["schema_version"] = rng.choice([0, 1, 2, 999])
+    elif kind == 6:
+        p["stages"][-1]["layer_stop"] = rng.choice([2**64, 2**40, 2**31, p["stages"][-1]["layer_stop"] + 1])
+    elif kind == 7:
+        p["training"]["global_batch"] = rng.choice([2**64, 2**40, 2**41, 0])
+    elif kind == 8:
+        st = p["stages"][rng.randrange(len(p["stages"]))]
+        st["offload"] = {"window_layers": rng.choice([1, 2, 2**64, 0]), "optimizer_on_cpu": True, "nvme": rng.random() < .5}
+
+
+def plan_violation(p: dict, text: str | None, model, hardware) -> str | None:
+    """A rule the plan breaks, checked independently of validate_plan (None: looks valid)."""
+    if text is not None and text.count('"planner"') > 1:
+        return "duplicate key"
+    if p.get("schema_version", 1) != 1:
+        return f"schema_version {p.get('schema_version')}"
+    gb = p.get("training", {}).get("global_batch")
+    if isinstance(gb, int) and gb > 2**40:
+        return f"global_batch {gb}"
+    expected = 0
+    for st in p["stages"]:
+        if st["layer_start"] != expected:
+            return "layer ranges"
+        expected = st["layer_stop"]
+        for item in st.get("memory", []):
+            devs = [t["device"] for t in item.get("targets", [])]
+            if len(set(devs)) != len(devs):
+                return "duplicate d2d target"
+            for t in item.get("targets", []):
+                w = t["weight"]
+                if not (isinstance(w, (int, float)) and math.isfinite(w) and 1e-6 <= w <= 1e6):
+                    return f"d2d weight {w}"
+                if not hardware.has_device(t["device"]) or not all(
+                        hardware.has_device(d) and hardware.is_peer(d, t["device"]) for d in st["devices"]):
+                    return f"d2d target {t['device']} not a peer of all of {st['devices']}"
+    if expected != model.num_layers:
+        return "layer coverage"
+    return None
+
+
+def plan_case(rng: random.Random, base, kill_s: float, simulate: bool) -> tuple[str, str]:
+    from pydantic import ValidationError
+
+    from planners.analytic import estimate
+    from reports.outputs import load_plan
+    from specs.plan import PlanError, validate_plan
+
+    plan0, model, hardware = base
+    p, text = mutate_plan(rng, plan0, hardware)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "plan.json"
+        try:
+            path.write_text(text if text is not None else json.dumps(p))
+        except ValueError:
+            return "rejected", "not serialisable"
+        try:
+            with deadline(kill_s):
+                try:
+                    plan = validate_plan(load_plan(path), model, hardware)
+                except (ValidationError, PlanError, ValueError) as exc:
+                    if type(exc) is ValueError and "JSON" not in str(exc) and "twice" not in str(exc):
+                        return "traceback", f"bare ValueError: {exc}"
+                    return "rejected", str(exc).splitlines()[0]
+                wrong = plan_violation(p, text, model, hardware)
+                if wrong:
+                    return "wrong_accepted", wrong
+                result = estimate(plan, model, hardware)
+                bad = result_problem(result, hardware, plan.training.precision.value)
+                if bad:
+                    return "nonsense", f"analytic: {bad}"
+                if simulate:
+                    from simulator import simulate as sim
+
+                    try:
+                        simulated = sim(plan, model, hardware).result
+                    except ValueError as exc:  # the simulator refuses a plan too large to simulate
+                        return "sim_refused", str(exc).splitlines()[0][:200]
+                    bad = result_problem(simulated, hardware, plan.training.precision.value)
+                    if bad:
+                        return "nonsense", f"simulator: {bad}"
+                return "ok", ""
+        except Deadline:
+            return "hang", f"over {kill_s} s"
+        except Exception as exc:  # noqa: BLE001
+            return "traceback", f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def main(argv: list[str] | None = None) -> Counter:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cli", type=int, default=200, help="CLI override sets")
+    ap.add_argument("--plans", type=int, default=200, help="plan mutations")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--subprocess", action="store_true", help="run `python -m run` per CLI case")
+    ap.add_argument("--simulate", action="store_true", help="also simulate accepted plans")
+    ap.add_argument("--slow-s", type=float, default=60.0)
+    ap.add_argument("--kill-s", type=float, default=120.0)
+    ap.add_argument("--root", type=Path, default=None,
+                    help="another memwall tree to fuzz (e.g. an old commit from `git archive`)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    a = ap.parse_args(argv)
+    global ROOT
+    if a.root is not None:
+        ROOT = a.root.resolve()
+        sys.path.insert(0, str(ROOT))
+    seed = a.seed if a.seed is not None else random.randrange(2**32)
+    rng = random.Random(seed)
+    print(f"seed {seed}")
+    counts: Counter = Counter()
+    bad_kinds = ("traceback", "slow", "hang", "nonsense", "wrong_accepted", "multiline")
+    case = cli_case_subprocess if a.subprocess else cli_case_inprocess
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(a.cli):
+            args = draw_overrides(rng)
+            status, detail, dt = case(args, Path(tmp) / f"c{i}", a.slow_s, a.kill_s)
+            counts[f"cli_{status}"] += 1
+            if status in bad_kinds or a.verbose:
+                print(f"[cli {status}] {dt:.1f}s {' '.join(args)} -> {detail}", flush=True)
+    if a.cli:
+        print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())), flush=True)
+    bases = base_plans() if a.plans else []
+    for i in range(a.plans):
+        status, detail = plan_case(rng, bases[i % len(bases)], min(a.kill_s, 30.0), a.simulate)
+        counts[f"plan_{status}"] += 1
+        if status in bad_kinds or a.verbose:
+            print(f"[plan {status}] {detail}", flush=True)
+    print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    total = lambda kind: counts[f"cli_{kind}"] + counts[f"plan_{kind}"]  # noqa: E731
+    print(" ".join(f"{name}={total(k)}" for k, name in zip(bad_kinds, ("tracebacks", "slow", "hangs", "nonsense",
+                                                                        "wrong_accepted", "multiline_errors"))))
+    return counts
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Pre-flight check before ``mode=execute`` / ``mode=compare`` start ranks: will the run fit and
+finish? A plan the simulator predicts at 6.7× the memory budget and 2e5 s per iteration must be
+refused with the numbers, not started (it can exhaust host RAM and only ends at the timeout).
+
+:func:`check` is pure: the simulated Result, the hardware, the execute options and the host RAM
+available go in; a list of problems (each a line with its numbers) comes out, empty when the run
+may start. ``execute.force=true`` overrides (the caller decides). :func:`host_available_bytes`
+reads the one input that needs the machine (``MemAvailable`` of /proc/meminfo).
+"""
+from __future__ import annotations
+
+from specs.hardware import HardwareSpec
+from specs.result import Result
+
+#: per-rank resident memory of torch + gloo before any model (ru_maxrss measured 224 MiB; local_cpu.yaml)
+RANK_RUNTIME_BYTES = 1 << 28
+#: starting the ranks (interpreter, torch import, process groups, building stages): seen 6-20 s on 2 loaded cores
+STARTUP_S = 20.0
+
+GIB = float(1 << 30)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _duration(s: float) -> str:
+    return f"{s:.3g} s" if s < 3600 else f"{s:.3g} s ({s / 3600:.3g} h)"
+
+
+def check(sim: Result, hardware: HardwareSpec, *, iterations: int, warmup: int, timeout_s: float,
+          host_available_bytes: int | None) -> list[str]:
+    """Problems that make running ``sim``'s plan here pointless or harmful, each with its numbers.
+
+    * memory: a device whose simulated peak exceeds ``hardware.device.memory_bytes`` (for CPU
+      ranks the per-rank budget the executor enforces; on GPUs the card);
+    * host RAM (CPU ranks only: their "device" memory is host memory): the sum of simulated peaks
+      plus ``RANK_RUNTIME_BYTES`` per rank against ``host_available_bytes`` (None: not checked);
+    * time: ``sim.iteration_time_s`` × (warmup + 1 tracked + iterations) + ``STARTUP_S`` against
+      ``timeout_s`` (the run would only end at the timeout).
+    """
+    out = []
+    cap = hardware.device.memory_bytes
+    ranks = len(sim.devices)
+    over = [d for d in sim.devices if d.peak_bytes > cap]
+    if over:
+        worst = max(over, key=lambda d: d.peak_bytes)
+        out.append(f"memory: simulated peak {_gib(worst.peak_bytes)} on device {worst.device} is "
+                   f"{worst.peak_bytes / cap:.1f}× the device budget {_gib(cap)} (hardware.device.memory_bytes), "
+                   f"and {len(over)} of {ranks} devices are over it")
+    if hardware.device.model.startswith("cpu") and host_available_bytes is not None:
+        need = sum(d.peak_bytes for d in sim.devices) + ranks * RANK_RUNTIME_BYTES
+        if need > host_available_bytes:
+            out.append(f"host RAM: {ranks} ranks need about {_gib(need)} (simulated peaks + "
+                       f"{_gib(RANK_RUNTIME_BYTES)} runtime each), {_gib(host_available_bytes)} is available "
+                       f"(MemAvailable)")
+    n = warmup + 1 + iterations
+    est = sim.iteration_time_s * n + STARTUP_S
+    if est > timeout_s:
+        out.append(f"time: simulated {_duration(sim.iteration_time_s)} per iteration × {n} iterations "
+                   f"({warmup} warm-up + 1 tracked + {iterations} timed) + ~{STARTUP_S:.0f} s start-up = "
+                   f"{_duration(est)} > execute.timeout_s {timeout_s:g} s")
+    return out
+
+
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` from /proc/meminfo in bytes, or None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -1,0 +1,198 @@
+"""A config's way to its costs, in one place: the ModelSpec a run plans with, and the profiles
+that feed it.
+
+    model_spec(cfg)                   closed forms (specs.families), or model_costs=symbolic / a
+                                      torch_module model: costs from the symbolic profile
+    symbolic_profile(cfg)             the symbolic (FakeTensor) profile, cached on disk by content
+    capture_profile_for(cfg, outdir)  CAPTURE's profile (M_i/M_a), cached by capture_fingerprint
+    capture_profiling_runs(cfg, outdir)  CAPTURE's profiling runs themselves (resumable)
+
+It sits at the shell level beside modes.py (which calls it): it reads and writes the profile
+cache through reports.profile_io, traces modules with executor.profile_symbolic and runs
+CAPTURE's profiling plans on the executor or the simulator. The pure halves stay below it:
+specs.families (closed forms) and specs.profile (the profile types, apply_profile,
+model_from_profile, cache_key). Bad model input raises CostsError (a ValueError), which
+modes.run reports as a usage error.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specs.families import build_model
+from specs.model import ModelSpec
+from specs.profile import Profile
+
+if TYPE_CHECKING:  # modes imports this module; the type is only named here
+    from modes import RunConfig
+
+
+class CostsError(ValueError):
+    """The config's model cannot be costed (bad model input, a profile that does not line up,
+    CAPTURE profiling that cannot plan): one clear message."""
+
+
+def profile_cache_dir(cfg: RunConfig) -> Path:
+    """``profile_cache`` from the config, else ~/.cache/memwall/profiles."""
+    return Path(cfg.profile_cache or Path.home() / ".cache" / "memwall" / "profiles")
+
+
+def symbolic_profile(cfg: RunConfig, attention: str = "default") -> Profile:
+    """The symbolic profile of cfg.model at the run's microbatch and precision, from the cache
+    (keyed by model config, microbatch, dtype, attention path and torch version) or traced now."""
+    import torch
+
+    from executor.profile_symbolic import profile_model
+    from reports import profile_io
+    from specs.profile import cache_key
+
+    mb, dtype = cfg.training.samples_per_microbatch, cfg.training.precision.value
+    cache = profile_cache_dir(cfg)
+    key = cache_key(cfg.model.model_dump(mode="json"), mb, dtype, attention, torch.__version__)
+    prof = profile_io.cached_profile(cache, key)
+    if prof is None:
+        prof = profile_model(cfg.model, microbatch=mb, dtype=dtype, attention=attention,
+                             progress=lambda k, i, name: print(f"[profile] tracing layer {i} ({name}), distinct #{k}",
+                                                                flush=True))
+        profile_io.store_profile(cache, key, prof)
+    return prof
+
+
+def closed_form_spec(cfg: RunConfig, act_dtype_bytes: int | None = None) -> ModelSpec:
+    """The closed-form model spec (specs.families) at the run's activation width, or at
+    ``act_dtype_bytes`` when given (the executor trains in fp32: 4)."""
+    return build_model(cfg.model, act_dtype_bytes or cfg.training.act_dtype_bytes)
+
+
+def model_spec(cfg: RunConfig) -> ModelSpec:
+    """The model spec a run plans with: closed forms, or (model_costs=symbolic) the same layers
+    with costs measured by the symbolic profiler (specs.profile.apply_profile); a torch_module
+    model has no closed forms and is always profiled. Bad model input -> CostsError."""
+    try:
+        if cfg.model.family == "torch_module":
+            from specs.profile import model_from_profile
+
+            return model_from_profile(symbolic_profile(cfg))
+        model = closed_form_spec(cfg)
+        if cfg.model_costs == "symbolic":
+            from specs.profile import apply_profile
+
+            model = apply_profile(model, symbolic_profile(cfg))
+        return model
+    except CostsError:
+        raise
+    except ValueError as exc:
+        raise CostsError(str(exc)) from None
+
+
+# ---------------------------------------------------------------- CAPTURE's profile (§III-A)
+
+def capture_backend_name(cfg: RunConfig) -> str:
+    """The profiling backend: the executor for hardware that is here (local_cpu), else the simulator."""
+    if cfg.policy.backend != "auto":
+        return cfg.policy.backend
+    return "executor" if cfg.hardware.name == "local_cpu" and cfg.model.family != "custom" else "simulator"
+
+
+def capture_fingerprint(cfg: RunConfig) -> str:
+    """Everything that decides a CAPTURE profile (not the planner knobs)."""
+    from planners.capture_profile import PROFILER_VERSION
+
+    ident = {"model": cfg.model.model_dump(mode="json"), "hardware": cfg.hardware.model_dump(mode="json", exclude={"nodes"}),
+             "training": cfg.training.model_dump(mode="json"), "schedule": cfg.schedule.model_dump(mode="json"),
+             "policy": cfg.policy.profile_fields(), "backend": capture_backend_name(cfg), "costs": cfg.model_costs,
+             "profiler_version": PROFILER_VERSION}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_PROFILES: dict[str, Profile] = {}  # this process's CAPTURE profiles by fingerprint (one run asks several times)
+
+
+def capture_profile_for(cfg: RunConfig, outdir: Path) -> Profile:
+    """The CAPTURE profile for cfg: this process's copy, the on-disk cache
+    (``<profile_cache>/capture_<fingerprint>.json``), or — profiling first — a new one (§III-A),
+    cached for the next run."""
+    from reports import profile_io
+
+    fp = capture_fingerprint(cfg)
+    if fp in _PROFILES:
+        return _PROFILES[fp]
+    path = profile_cache_dir(cfg) / f"capture_{fp}.json"
+    prof = profile_io.cached_profile(path.parent, path.stem)  # a damaged cache file is profiled again
+    if prof is not None and prof.capture is None:
+        print(f"note: ignoring the cached profile {path} (it has no CAPTURE section); profiling again")
+        prof = None
+    if prof is not None:
+        print(f"[capture] using the cached profile {path}")
+    else:
+        print(f"[capture] no cached profile for this model/hardware/batch: profiling first "
+              f"({capture_backend_name(cfg)} backend)", flush=True)
+        closed = model_spec(cfg)
+        prof = Profile(model=closed.name, family=cfg.model.family, microbatch=cfg.training.samples_per_microbatch,
+                       dtype=cfg.training.precision.value, total_params=closed.total_params,
+                       capture=capture_profiling_runs(cfg, outdir))
+        profile_io.write_profile(path, prof)
+        print(f"[capture] cached the profile at {path}")
+    _PROFILES[fp] = prof
+    return prof
+
+
+def capture_profiling_runs(cfg: RunConfig, outdir: Path):
+    """CAPTURE's profiling runs for cfg (planners.capture_profile.profile_capture) on the executor
+    or the simulator -> a specs.profile.CaptureProfile. Resumable: each finished run is appended
+    to ``<outdir>/capture_runs.jsonl`` and a rerun skips the runs recorded there."""
+    from planners import PlanningError
+    from planners.capture_profile import profile_capture
+    from reports import profile_io
+    from specs.plan import validate_plan
+
+    pol, hw = cfg.policy, cfg.hardware
+    backend_name = capture_backend_name(cfg)
+    if backend_name == "executor":
+        from executor import execute
+
+        act = 4  # the executor trains in fp32 on CPU (executor.execute)
+
+        def backend(plan, model, hardware):
+            return execute(plan, cfg.model, hardware, iterations=1, warmup=1, timeout_s=300)
+    else:
+        from simulator import simulate
+
+        act = cfg.training.act_dtype_bytes
+
+        def backend(plan, model, hardware):
+            return simulate(validate_plan(plan, model, hardware), model, hardware).result
+    closed_form = cfg.model_costs == "closed_form" and cfg.model.family != "torch_module"
+    model = closed_form_spec(cfg, act) if closed_form else model_spec(cfg)
+    fingerprint = capture_fingerprint(cfg)
+    log = outdir / "capture_runs.jsonl"
+    done = {r["key"]: r["peaks"] for r in profile_io.read_records(log) if r.get("fingerprint") == fingerprint}
+    if done:
+        print(f"[capture] resuming: {len(done)} runs already recorded in {log}")
+    print(f"[capture] backend {backend_name}; scenarios {', '.join(pol.scenarios)}", flush=True)
+
+    from reports.progress import interactive, task
+
+    with task(f"CAPTURE profiling ({backend_name})") as advance:
+        def on_run(run, peaks, i, n):
+            profile_io.append_record(log, {"fingerprint": fingerprint, "key": run.key, "peaks": peaks})
+            advance()
+            if not interactive() and (i == n or i % max(1, n // 10) == 0):  # a line per ~10 % in logs
+                print(f"[capture {i}/{n}] {run.key}: max stage peak {max(peaks.values()) / 2**20:.2f} MiB", flush=True)
+
+        try:
+            cap = profile_capture(model, hw, cfg.training, cfg.schedule, backend, backend_name,
+                                  scenarios=list(pol.scenarios), batch_sizes=pol.batch_sizes,
+                                  num_microbatches=pol.num_microbatches, done=done, on_run=on_run,
+                                  recompute=pol.recompute)
+        except PlanningError as exc:
+            raise CostsError(f"CAPTURE profiling: {exc}") from None
+    print(f"[capture] {cap.runs} profiling runs ({cap.runs - len(done)} this time) for {model.num_layers} layers; "
+          f"the paper's count is 10(L-1) = {cap.paper_runs}; M_i/M_a for {len(cap.scenarios)} scenario x batch sets")
+    return cap
+
+
+__all__ = ["CostsError", "capture_backend_name", "capture_fingerprint", "capture_profile_for",
+           "capture_profiling_runs", "closed_form_spec", "model_spec", "profile_cache_dir", "symbolic_profile"]

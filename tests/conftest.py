@@ -1,6 +1,8 @@
 """Small hand-built specs so unit tests do not depend on the shipped YAMLs."""
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -102,3 +104,19 @@ def reorder_rtol(terms: int, dtype=np.float64, amplification: float = 1e4) -> fl
     same formula in float32 gives 0.15, which is why these tests run in float64."""
     u = np.finfo(dtype).eps / 2
     return amplification * terms * u / (1 - terms * u)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str = "it"):
+    """Raise TimeoutError if the body runs over ``seconds`` (SIGALRM; main thread only). A hang
+    guard for fuzz tests (validate_plan once looped forever), not a speed goal."""
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"{what} took over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import math
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from hypothesis import strategies as st
 
 import run
 from modes import plan_for, predict
+from tests.conftest import deadline
 
 ROOT = Path(run.__file__).resolve().parent
 HARDWARE = ["dgx1", "dgx2", "v100_single", "a10_cluster", "capture_cluster", "h100_node", "local_cpu"]
@@ -56,19 +56,6 @@ FIELDS = {
 }
 GROUPS = {"policy": ["even", "balanced", "manual"], "schedule": ["gpipe", "1f1b", "pipedream_async", "interleaved_1f1b"]}
 
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"over {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 @st.composite

@@ -2,11 +2,9 @@
 ValidationError naming the field -- never another exception, never a hang (issue #10)."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
-import signal
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +16,7 @@ from planners.analytic import estimate
 from reports.outputs import load_plan
 from specs import ScheduleKind, ScheduleSpec, TrainingSpec
 from specs.plan import Plan, PlanError, validate_plan
-from tests.conftest import make_hardware, make_model
+from tests.conftest import deadline, make_hardware, make_model
 
 MODEL = make_model(num_layers=8)
 #: NVLink pairs 0-1, 2-3, 4-5, 6-7; PCIe otherwise (so D2D targets can be peers of one device only)
@@ -34,19 +32,6 @@ def base(kind: str = "1f1b", pp: int = 4, dp: int = 2, v: int = 1) -> dict:
 
 BASES = [base(), base("gpipe", 8, 1), base("interleaved_1f1b", 2, 4, v=2), base("pipedream_async", 2, 4)]
 
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"validation or estimate took over {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def check(plan: dict | str, tmp_path) -> Plan | None:

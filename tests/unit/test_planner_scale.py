@@ -7,8 +7,8 @@ import random
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
+from benchmarks._conf import load as load_conf  # follows a config's `defaults`, as Hydra does
 from planners import make_plan, parse_policy, verdict
 from planners.analytic import estimate
 from planners.baselines import (
@@ -28,20 +28,14 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 GPT3 = TrainingSpec(global_batch=512, microbatch_size=8)
 
 
-def _conf(group: str, name: str) -> dict:
-    data = OmegaConf.to_container(OmegaConf.load(CONF / group / f"{name}.yaml"))
-    for parent in data.pop("defaults", []):
-        if parent != "_self_":
-            data = {**_conf(group, parent), **data}
-    return data
 
 
 def selene(nodes: int) -> HardwareSpec:
-    return HardwareSpec.model_validate({**_conf("hardware", "selene"), "nodes": nodes})
+    return HardwareSpec.model_validate({**load_conf("hardware", "selene"), "nodes": nodes})
 
 
 def gpt3(name: str = "gpt3_175b", layers: int | None = None):
-    data = _conf("model", name)
+    data = load_conf("model", name)
     if layers is not None:
         data["num_layers"] = layers
     return build_model(parse_model_config(data))

@@ -75,6 +75,9 @@ class DeviceSpec(Spec):
     peak_tflops: dict[str, Tflops] = Field(description="dense peak per dtype: fp32, fp16, bf16")
     compute_efficiency: Efficiency = Field(0.5, description="achieved / peak for GEMMs")
     hbm_gbps: Bandwidth = Field(description="device memory bandwidth")
+    op_overhead_s: Latency = Field(
+        0.0, description="host-side cost per operator launched (framework dispatch / kernel launch) that the "
+                         "device does not hide; dominant for tiny layers on CPU (issue #11)")
 
     @model_validator(mode="after")
     def _dtypes(self) -> DeviceSpec:

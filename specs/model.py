@@ -6,7 +6,7 @@ microbatch; bytes assume the model's activation dtype (``act_dtype_bytes``).
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -26,6 +26,23 @@ class LayerKind(str, Enum):
     residual_block = "residual_block"
     head = "head"
     generic = "generic"  # a layer of a user's own torch module (family torch_module)
+
+
+class GemmSpec(Spec):
+    """One matmul of a layer's forward, per sample: ``batch`` independent (m x k) @ (k x n) products
+    (2·m·n·k·batch FLOPs). ``tp_split`` says which dimension tensor parallelism divides: n for a
+    column-parallel Linear, k for a row-parallel one, batch for per-head attention GEMMs (Megatron §3)."""
+
+    name: str = ""
+    m: int = Field(ge=1, le=1 << 40, description="rows per sample (tokens: s for a transformer)")
+    n: int = Field(ge=1, le=1 << 40)
+    k: int = Field(ge=1, le=1 << 40)
+    batch: int = Field(1, ge=1, le=1 << 40, description="independent products per sample (heads)")
+    tp_split: Literal["n", "k", "batch", "none"] = "none"
+
+    @property
+    def flops_per_sample(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.batch
 
 
 class LayerSpec(Spec):
@@ -49,6 +66,15 @@ class LayerSpec(Spec):
         0, ge=0, le=1024, description="all-reduces of the output per forward (and per backward) under TP"
     )
     max_tp: int | None = Field(None, ge=1, le=1 << 16, description="largest tensor-parallel degree (e.g. heads)")
+    # ---- time-model inputs (issue #11) ----
+    gemms: list[GemmSpec] = Field(
+        default_factory=list, max_length=4096,
+        description="the layer's matmuls in one forward, per sample; empty: all FLOPs at the dtype's "
+                    "largest-GEMM efficiency")
+    fwd_mem_bytes_per_sample: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES, description="bytes read+written by the non-GEMM (memory-bound) ops of one forward")
+    fwd_ops: int = Field(0, ge=0, le=1 << 20, description="operators (kernels) one forward launches, any batch")
+    bwd_ops: int = Field(0, ge=0, le=1 << 20, description="operators (kernels) one backward launches, any batch")
 
 
 class ModelSpec(Spec):

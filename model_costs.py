@@ -34,23 +34,48 @@ class CostsError(ValueError):
     CAPTURE profiling that cannot plan): one clear message."""
 
 
+_NOTED: list = []  # the torch_module notes are printed once per process
+
+
 def profile_cache_dir(cfg: RunConfig) -> Path:
     """``profile_cache`` from the config, else ~/.cache/memwall/profiles."""
     return Path(cfg.profile_cache or Path.home() / ".cache" / "memwall" / "profiles")
 
 
-def symbolic_profile(cfg: RunConfig, attention: str = "default") -> Profile:
-    """The symbolic profile of cfg.model at the run's microbatch and precision, from the cache
-    (keyed by model config, microbatch, dtype, attention path and torch version) or traced now."""
+def symbolic_cache_key(cfg: RunConfig, attention: str = "default") -> str:
+    """The profile cache's key for cfg (specs.profile.cache_key); a torch_module model's also
+    hashes its factory's source file (executor.user_model.source_hash)."""
     import torch
 
-    from executor.profile_symbolic import profile_model
-    from reports import profile_io
     from specs.profile import cache_key
 
+    from executor.profile_symbolic import PROFILE_REVISION
+
+    ident = cfg.model.model_dump(mode="json")
+    ident["profile_revision"] = PROFILE_REVISION  # what the profiler measures: older profiles lack fields
+    if cfg.model.family == "torch_module":
+        from executor.user_model import source_hash
+
+        ident["factory_source_sha256"] = source_hash(cfg.model)
+    return cache_key(ident, cfg.training.samples_per_microbatch, cfg.training.precision.value, attention,
+                     torch.__version__)
+
+
+def symbolic_profile(cfg: RunConfig, attention: str = "default") -> Profile:
+    """The symbolic profile of cfg.model at the run's microbatch and precision, from the cache
+    (keyed by model config, microbatch, dtype, attention path and torch version; for a
+    torch_module model also by a hash of the factory's source file, so an edited model is traced
+    again) or traced now."""
+    from executor.profile_symbolic import profile_model
+    from reports import profile_io
+
+    if cfg.model.family == "torch_module" and "runs_code" not in _NOTED:
+        _NOTED.append("runs_code")
+        print(f"note: family torch_module RUNS CODE: memwall imports and calls {cfg.model.factory!r} "
+              "(here and in every rank); name only modules you trust")
     mb, dtype = cfg.training.samples_per_microbatch, cfg.training.precision.value
     cache = profile_cache_dir(cfg)
-    key = cache_key(cfg.model.model_dump(mode="json"), mb, dtype, attention, torch.__version__)
+    key = symbolic_cache_key(cfg, attention)
     prof = profile_io.cached_profile(cache, key)
     if prof is None:
         prof = profile_model(cfg.model, microbatch=mb, dtype=dtype, attention=attention,
@@ -66,17 +91,35 @@ def closed_form_spec(cfg: RunConfig, act_dtype_bytes: int | None = None) -> Mode
     return build_model(cfg.model, act_dtype_bytes or cfg.training.act_dtype_bytes)
 
 
+def costs_source(cfg: RunConfig) -> str:
+    """``closed_form`` or ``symbolic``. ``model_costs=auto`` (the default) is symbolic when the run
+    executes the torch modules (mode=execute/compare): the prediction it is compared with is then
+    made from the modules that run. The closed forms model Megatron's layers (dropout masks,
+    unfused attention), which memwall's tiny CPU modules do not have; measured on local_cpu
+    (benchmarks/memory_fidelity.py) they over-count those modules' activations by up to ~20 %."""
+    if cfg.model.family == "torch_module":  # no closed forms: always traced (model_spec says so once)
+        return "symbolic"
+    if cfg.model_costs != "auto":
+        return cfg.model_costs
+    return "symbolic" if cfg.mode in ("execute", "compare") else "closed_form"
+
+
 def model_spec(cfg: RunConfig) -> ModelSpec:
     """The model spec a run plans with: closed forms, or (model_costs=symbolic) the same layers
     with costs measured by the symbolic profiler (specs.profile.apply_profile); a torch_module
-    model has no closed forms and is always profiled. Bad model input -> CostsError."""
+    model has no closed forms and is always profiled (model_costs=closed_form says so, once).
+    Bad model input -> CostsError."""
     try:
         if cfg.model.family == "torch_module":
             from specs.profile import model_from_profile
 
+            if cfg.model_costs == "closed_form" and "closed_form" not in _NOTED:
+                _NOTED.append("closed_form")
+                print(f"note: model_costs=closed_form: {cfg.model.name} is a torch_module model, which has no "
+                      "closed-form costs; using its traced (symbolic) costs")
             return model_from_profile(symbolic_profile(cfg))
         model = closed_form_spec(cfg)
-        if cfg.model_costs == "symbolic":
+        if costs_source(cfg) == "symbolic":
             from specs.profile import apply_profile
 
             model = apply_profile(model, symbolic_profile(cfg))
@@ -104,6 +147,10 @@ def capture_fingerprint(cfg: RunConfig) -> str:
              "training": cfg.training.model_dump(mode="json"), "schedule": cfg.schedule.model_dump(mode="json"),
              "policy": cfg.policy.profile_fields(), "backend": capture_backend_name(cfg), "costs": cfg.model_costs,
              "profiler_version": PROFILER_VERSION}
+    if cfg.model.family == "torch_module":  # the config names the factory, not its code
+        from executor.user_model import source_hash
+
+        ident["factory_source_sha256"] = source_hash(cfg.model)
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -164,7 +211,7 @@ def capture_profiling_runs(cfg: RunConfig, outdir: Path):
 
         def backend(plan, model, hardware):
             return simulate(validate_plan(plan, model, hardware), model, hardware).result
-    closed_form = cfg.model_costs == "closed_form" and cfg.model.family != "torch_module"
+    closed_form = costs_source(cfg) == "closed_form" and cfg.model.family != "torch_module"
     model = closed_form_spec(cfg, act) if closed_form else model_spec(cfg)
     fingerprint = capture_fingerprint(cfg)
     log = outdir / "capture_runs.jsonl"
@@ -195,4 +242,5 @@ def capture_profiling_runs(cfg: RunConfig, outdir: Path):
 
 
 __all__ = ["CostsError", "capture_backend_name", "capture_fingerprint", "capture_profile_for",
-           "capture_profiling_runs", "closed_form_spec", "model_spec", "profile_cache_dir", "symbolic_profile"]
+           "capture_profiling_runs", "closed_form_spec", "costs_source", "model_spec", "profile_cache_dir",
+           "symbolic_cache_key", "symbolic_profile"]

@@ -7,7 +7,8 @@ spec and profiles come from model_costs.
     simulate   plan, then predict (simulator or analytic); policy=capture also reports the
                throughput baseline (planners.json)
     execute    run the plan with torch.distributed on this machine (measured.json)
-    compare    simulate + execute the same plan (compare.json, compare.png)
+    compare    simulate + execute the same plan (compare.json with per-action time errors,
+               compare.png, trace_simulated.json / trace_measured.json / trace_compare.json)
     profile    symbolic per-layer profile (profile.json); policy=capture: CAPTURE's profiling runs
     calibrate  measure this machine -> hardware/<name>_calibrated.yaml
 """
@@ -62,7 +63,9 @@ class RunConfig(Spec):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     experiment: ExperimentInfo | None = None
     execute: ExecuteOptions = Field(default_factory=ExecuteOptions)
-    model_costs: Literal["closed_form", "symbolic"] = "closed_form"  # symbolic: from the torch modules (issue #5)
+    # symbolic: from the torch modules (issue #5); auto: symbolic when this run executes those
+    # modules (execute, compare), closed forms otherwise (model_costs.costs_source)
+    model_costs: Literal["auto", "closed_form", "symbolic"] = "auto"
     profile_cache: str | None = None  # symbolic-profile cache dir; None: ~/.cache/memwall/profiles
 
 
@@ -71,9 +74,27 @@ class UsageError(Exception):
 
 
 
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
+    """This host's CPU feature flags (x86 ``flags``, Arm ``Features``), None where unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return None
+
+
 def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
     """Model spec and validated plan for the composed config (any planner error -> UsageError).
     policy=capture first loads its profile from the cache, or profiles now (see capture_profile_for)."""
+    from specs.dtype_support import dtype_warning
+
+    if (warning := dtype_warning(cfg.hardware.device, cfg.training.precision.value, cpu_flags(),
+                                 cfg.hardware.name)) is not None:
+        print(warning, flush=True)  # a dtype the CPU cannot run fast: said, never silent (issue #11)
     model = model_spec(cfg)
     try:
         if cfg.policy.kind == "capture":  # refuse a space with no plan before minutes of profiling
@@ -217,12 +238,19 @@ def run_profile(cfg: RunConfig, outdir: Path) -> None:
 
     t0 = time.perf_counter()
     prof = symbolic_profile(cfg)
-    closed = model_spec(cfg) if cfg.model.family == "torch_module" else closed_form_spec(cfg)
     print(f"[profile] {cfg.model.name}: {len(prof.layers)} layers, {prof.distinct_layers} traced (identical "
           f"layers reuse their representative), microbatch {prof.microbatch}, {prof.dtype}, "
           f"{time.perf_counter() - t0:.1f} s")
-    print(f"[profile] total_params {prof.total_params:,} (closed form {closed.total_params:,}: "
-          f"{'equal' if prof.total_params == closed.total_params else 'DIFFERENT'})")
+    if cfg.model.family == "torch_module":  # no closed form: check against the module's own count
+        from executor.user_model import own_params
+
+        own = own_params(cfg.model)
+        print(f"[profile] total_params {prof.total_params:,} (the module's own parameters {own:,}: "
+              f"{'equal' if prof.total_params == own else 'DIFFERENT'}; no closed form for a torch_module)")
+    else:
+        closed = closed_form_spec(cfg)
+        print(f"[profile] total_params {prof.total_params:,} (closed form {closed.total_params:,}: "
+              f"{'equal' if prof.total_params == closed.total_params else 'DIFFERENT'})")
     reps: dict[int, list] = {}
     for layer in prof.layers:  # one line per traced layer; identical ones share its numbers
         reps.setdefault(layer.representative, []).append(layer)
@@ -258,7 +286,8 @@ def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
     print(f"[calibrate] per rank: fp32 {r['matmul_fp32_1024_flops_per_s'] / 1e9:.1f} GFLOP/s, bf16 "
           f"{r['matmul_bf16_1024_flops_per_s'] / 1e9:.1f}, fp16 {r['matmul_fp16_256_flops_per_s'] / 1e9:.2f}; copy "
           f"{r['copy_gbps']:.2f} GB/s; p2p alpha {r['p2p_alpha_s'] * 1e6:.0f} us beta {r['p2p_beta'] / 1e9:.2f} GB/s; "
-          f"all-reduce busbw {r['ar_busbw_gbps']:.2f} GB/s ({m['elapsed_s']:.0f} s)")
+          f"all-reduce busbw {r['ar_busbw_gbps']:.2f} GB/s, {r['ar_ring_latency_s'] * 1e6:.0f} us per ring step; "
+          f"per-operator overhead {r.get('op_overhead_s', 0) * 1e6:.1f} us ({m['elapsed_s']:.0f} s)")
     print(f"wrote {path}\nuse it: python -m run +hardware={name} hydra.searchpath=[file://{outdir.resolve()}] "
           f"+model={cfg.model.name}")
 
@@ -282,18 +311,29 @@ def executable(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def measure(cfg: RunConfig, plan: Plan, outdir: Path, model: ModelSpec) -> Result:
-    from executor import execute
+def measure(cfg: RunConfig, plan: Plan, outdir: Path, model: ModelSpec) -> tuple[Result, dict, list]:
+    """Run the plan; writes measured.json and trace_measured.json (the timed iteration of median
+    time, in the simulator's trace schema). Returns (result, measured trace, every timed
+    iteration's slices as (name, dur_ns) for per-action means)."""
+    from executor import execute_run, measured_timeline
+    from simulator.trace import TraceBuilder
 
     opts = cfg.execute
     print(f"executing plan {plan.id} on {len(plan.used_devices())} ranks "
           f"({opts.warmup} warm-up + 1 tracked + {opts.iterations} timed iterations)...", flush=True)
-    measured = execute(plan, cfg.model, cfg.hardware, iterations=opts.iterations, warmup=opts.warmup,
-                       timeout_s=opts.timeout_s, model_spec=model)
+    measured, out = execute_run(plan, cfg.model, cfg.hardware, iterations=opts.iterations, warmup=opts.warmup,
+                                timeout_s=opts.timeout_s, model_spec=model)
     write_json(outdir / "measured.json", measured)
     if measured.failure:
         raise UsageError(f"the run failed: {measured.failure} (recorded in {outdir / 'measured.json'})")
-    return measured
+    names, rep, every = measured_timeline(plan, out, opts.warmup)
+    builder = TraceBuilder()
+    for pid, rows in rep.items():
+        for stream, name, start, dur, cat in rows:
+            builder.slice(pid, stream, name, start, dur, cat)
+    trace = builder.build(names, {})
+    write_json(outdir / "trace_measured.json", trace)
+    return measured, trace, [(name, dur) for _, name, _, dur, _ in every]
 
 
 def preflight(cfg: RunConfig, plan: Plan, sim: Result) -> None:
@@ -328,25 +368,37 @@ def run_execute(cfg: RunConfig, outdir: Path) -> Result:
     model, plan = plan_for(cfg, outdir)
     written = [write_json(outdir / "plan.json", plan), *write_executor_inputs(cfg, outdir)]
     preflight(cfg, plan, simulate(plan, model, cfg.hardware).result)
-    measured = measure(cfg, plan, outdir, model)
-    print(summary(plan, measured, written + [outdir / "measured.json"]))
+    measured = measure(cfg, plan, outdir, model)[0]
+    print(summary(plan, measured, written + [outdir / "measured.json", outdir / "trace_measured.json"]))
     return measured
 
 
 def run_compare(cfg: RunConfig, outdir: Path) -> Result:
     """mode=compare: simulate and execute the same plan; compare.json + compare.png per rank."""
     from simulator import simulate
-    from specs.compare import compare, comparison_table
+    from simulator.trace import side_by_side, x_slices
+    from specs.compare import action_errors, action_table, compare, comparison_table
 
     cfg = executable(cfg)
+    from model_costs import costs_source
+
+    print(f"predicting with {costs_source(cfg).replace('_', ' ')} layer costs (model_costs={cfg.model_costs}"
+          + ("; the symbolic profile of the torch modules this run executes" if cfg.model_costs == "auto" else "")
+          + ")")
     model, plan = plan_for(cfg, outdir)
     sim = simulate(plan, model, cfg.hardware)
     written = write_run(outdir, plan, sim.result, sim.trace) + write_executor_inputs(cfg, outdir)
     preflight(cfg, plan, sim.result)
-    measured = measure(cfg, plan, outdir, model)
+    measured, measured_trace, measured_slices = measure(cfg, plan, outdir, model)
     comparison = compare(sim.result, measured)
-    written += [outdir / "measured.json", write_json(outdir / "compare.json", comparison),
+    comparison = comparison.model_copy(update={"actions": action_errors(
+        [(name, dur) for _, name, _, dur, _ in x_slices(sim.trace)], measured_slices)})
+    written += [outdir / "measured.json", outdir / "trace_measured.json",
+                write_json(outdir / "trace_simulated.json", sim.trace),
+                write_json(outdir / "trace_compare.json", side_by_side(sim.trace, measured_trace)),
+                write_json(outdir / "compare.json", comparison),
                 write_compare_figure(outdir / "compare.png", sim.result, measured)]
+    print(action_table(comparison.actions))
     print(comparison_table(comparison))
     print("wrote " + ", ".join(str(p) for p in written))
     return measured

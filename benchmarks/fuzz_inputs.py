@@ -100,7 +100,9 @@ def result_problem(result, cfg_hardware, precision: str) -> str | None:
     if not (result.iteration_time_s > 0 and result.samples_per_s > 0):
         return f"iteration_time_s={result.iteration_time_s} samples_per_s={result.samples_per_s}"
     dev = cfg_hardware["device"] if isinstance(cfg_hardware, dict) else cfg_hardware.device.model_dump()
-    rate = dev["peak_tflops"].get(precision, dev["peak_tflops"]["fp32"]) * dev.get("compute_efficiency", 0.5)
+    from specs.hardware import DeviceSpec  # best GEMM rate: peak x the curve's top x compute_efficiency
+    dtype = precision if precision in dev["peak_tflops"] else "fp32"
+    rate = DeviceSpec(**dev).flops_per_s(dtype) / 1e12
     if result.tflops_per_device > rate * 1.001:
         return f"tflops_per_device={result.tflops_per_device:.4g} > achievable {rate:.4g}"
     if not result.devices or any(d.peak_bytes < 0 for d in result.devices):

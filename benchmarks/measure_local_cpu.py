@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {key:34s} {s[key] / 1e9:8.2f} GFLOP/s per rank")
         if "copy_gbps" in s:
             print(f"  {'copy (read+write)':34s} {s['copy_gbps']:8.2f} GB/s per rank")
+        if "op_overhead_s" in s:
+            print(f"  {'per-operator overhead':34s} {s['op_overhead_s'] * 1e6:8.2f} us")
         print(f"  {'bytes':>10s} {'p2p one-way s':>14s} {'all-reduce s':>14s}")
         for b, p, a in zip(MESSAGE_BYTES, s["p2p_s"], s["allreduce_s"]):
             print(f"  {b:10d} {p:14.3e} {a:14.3e}")

@@ -4,7 +4,8 @@
         '+model={family: torch_module, name: user_mlp, factory: "user_model_example:build", kwargs: {width: 64, depth: 4}}'
 
 The factory returns (layers, make_batch): each layer's forward(x, batch) takes the previous
-layer's output (None for the first) and the batch dict; the last returns the scalar loss.
+layer's output (None for the first; any pytree of tensors) and the batch dict; the last returns
+the scalar loss. A whole nn.Module cut at module names works too: see docs/byom.md.
 """
 from __future__ import annotations
 

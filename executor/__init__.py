@@ -7,6 +7,6 @@ walks ``specs.schedule.build_schedule(plan)``, the action list the simulator wal
 the shared schema with ``source="measured"``; a failed run returns a Result whose ``failure``
 names the rank and the error. Imports of torch.distributed stay inside this package.
 """
-from executor.measure import UnsupportedPlan, execute, run_plan, unsupported
+from executor.measure import UnsupportedPlan, execute, execute_run, measured_timeline, run_plan, unsupported
 
-__all__ = ["UnsupportedPlan", "execute", "run_plan", "unsupported"]
+__all__ = ["UnsupportedPlan", "execute", "execute_run", "measured_timeline", "run_plan", "unsupported"]

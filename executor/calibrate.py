@@ -5,14 +5,20 @@
 
 Measured (torch, times from ``time.perf_counter``):
 
-* matmul FLOP/s per dtype per rank *while all ranks run at once* (1 intra-op thread each), so
-  the number includes the sharing of cores (CPU); on CUDA, one GPU's GEMM rate per dtype.
+* matmul FLOP/s per dtype per rank with every rank computing at once
+  (:func:`compute_ranks`; 1 intra-op thread each); a dtype without fast kernels (bf16 on a CPU
+  without avx512_bf16) at n = 256 only, and named in the YAML's comments; on CUDA, one GPU's
+  GEMM rate per dtype.
+* per-operator framework overhead: forward + backward of a tiny transformer block
+  (:func:`op_overhead_s`), the ``DeviceSpec.op_overhead_s`` that ``LayerSpec.fwd_ops/bwd_ops`` price;
 * memory bandwidth: ``dst.copy_(src)`` of a large tensor, counting read + write (STREAM copy);
 * host<->device copy bandwidth: pinned host memory to the GPU and back (CUDA); on CPU a rank's
   "host" copy is a memcpy in the same DRAM, i.e. the copy rate above;
-* gloo point-to-point (ping-pong, half the round trip) and all-reduce over message sizes,
-  fitted as ``t = alpha + bytes / beta`` by least squares, with relative residuals per size; the
-  all-reduce's bus bandwidth is algbw · 2(n−1)/n (MAP §4.2, NCCL-tests' busbw).
+* gloo point-to-point (one pair ping-pongs, half the round trip, while another rank computes) and
+  all-reduce (all ranks) over message sizes, fitted as ``t = alpha + bytes / beta`` by least
+  squares on relative error, with relative residuals per size; the all-reduce read through the
+  ring model gives the link's ``collective_efficiency`` and ``collective_latency_s`` (MAP §4.2,
+  NCCL-tests' busbw).
 
 Moved here from benchmarks/measure_local_cpu.py (now a thin wrapper) so ``mode=calibrate`` and
 the benchmark share one implementation. torch.distributed stays inside executor/.
@@ -31,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from executor import calibrate_gemm
 from executor.liveness import die_with
 from reports.files import write_text
 
@@ -50,8 +57,12 @@ def fit_alpha_beta(nbytes: list[float], times_s: list[float]) -> tuple[float, fl
     """
     x = np.asarray(nbytes, dtype=float)
     t = np.asarray(times_s, dtype=float)
-    a = np.stack([np.ones_like(x), x], axis=1)
-    (alpha, slope), *_ = np.linalg.lstsq(a, t, rcond=None)
+    # rows scaled by 1/t: least squares on relative error, so the 4 KiB message (where alpha is
+    # everything) weighs as much as the 16 MiB one (an unweighted fit let the large messages set
+    # alpha: relative residuals of -95 % and -163 % at 4 and 64 KiB on local_cpu)
+    w = 1.0 / np.maximum(t, 1e-12)
+    a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    (alpha, slope), *_ = np.linalg.lstsq(a, t * w, rcond=None)
     return max(float(alpha), 0.0), float(1.0 / slope)
 
 
@@ -109,14 +120,43 @@ def cpu_adam_params_per_s(params: int = 8 << 20, steps: int = 5) -> float:
     return params * steps / (time.perf_counter() - start)
 
 
+def op_overhead_s(seconds: float = 1.0) -> tuple[float, int]:
+    """Seconds per operator of forward + backward of a transformer block so small (h=16, 2 heads,
+    4 tokens) that FLOPs and bytes are negligible: what is left is the per-operator framework
+    cost (dispatch, autograd, allocator) that ``DeviceSpec.op_overhead_s`` prices. ``.grad`` is
+    pre-allocated as the executor does. Out: (seconds per operator, operators per fwd+bwd),
+    operators counted as ``specs.op_counts`` counts them (executor.profile_symbolic.OpCount)."""
+    from executor.models import Block
+    from executor.profile_symbolic import OpCount
+
+    block = Block(16, 2, 64, pre_ln=True, causal=True)
+    for p in block.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(1, 4, 16, requires_grad=True)
+
+    def once() -> None:
+        y = block(x, {})
+        y.backward(torch.ones_like(y))
+        x.grad = None
+
+    once()
+    with OpCount() as count:
+        once()
+    n, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds or n < 3:
+        once()
+        n += 1
+    return elapsed / n / count.ops, count.ops
+
+
 # ---- multi-process measurements -------------------------------------------------------------
 
-def _timed(fn, reps: int) -> float:
-    """Median seconds of ``fn()`` over ``reps`` calls after one warm-up, ranks barriered."""
+def _timed(fn, reps: int, group=None) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after one warm-up, ranks (of ``group``) barriered."""
     fn()
     out = []
     for _ in range(reps):
-        dist.barrier()
+        dist.barrier(group=group)
         start = time.perf_counter()
         fn()
         out.append(time.perf_counter() - start)
@@ -127,7 +167,7 @@ def _reps_for(nbytes: int, quick: bool) -> int:
     return (3 if quick else 5) if nbytes >= 4 << 20 else (5 if quick else 20)
 
 
-def _pingpong_s(rank: int, peer: int, nbytes: int, reps: int) -> float:
+def _pingpong_s(rank: int, peer: int, nbytes: int, reps: int, group=None) -> float:
     """One-way time from half a ping-pong between ``rank`` and ``peer`` (the lower rank pings)."""
     buf = torch.zeros(nbytes // 4, dtype=torch.float32)
 
@@ -139,12 +179,108 @@ def _pingpong_s(rank: int, peer: int, nbytes: int, reps: int) -> float:
             dist.recv(buf, peer)
             dist.send(buf, peer)
 
-    return _timed(once, reps) / 2
+    return _timed(once, reps, group) / 2
+
+
+def _ring_hop_s(rank: int, world: int, nbytes: int = 16 << 10, laps: int = 20, tokens: int = 2) -> tuple[float, float]:
+    """Per-message latency of a pipeline-like pattern: ``tokens`` messages of ``nbytes`` circle a
+    ring of ``world`` ranks, each rank computing (forward + backward of a gpt_tiny-sized block,
+    ~1 ms) between receiving a token and passing it on, so ``tokens`` ranks compute at once as in a
+    pipeline's steady state. Out: (seconds per hop beyond the compute, mean compute seconds).
+    A ping-pong between idle ranks measures gloo on free cores; a pipeline's message waits for
+    the scheduler to wake its receiver on busy ones (local_cpu: 0.16 ms ping-pong, ~0.4-1.4 ms
+    in the pp4 trace)."""
+    from executor.models import Block
+
+    block = Block(64, 4, 256, pre_ln=True, causal=True)
+    x = torch.randn(2, 32, 64)
+    buf = torch.zeros(nbytes // 4)
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    compute = []
+
+    def work() -> None:
+        t = time.perf_counter()
+        block(x, {}).sum().backward()
+        compute.append(time.perf_counter() - t)
+
+    work()  # warm-up
+    compute.clear()
+    dist.barrier()
+    start = time.perf_counter()
+    sends = []
+    if rank == 0:
+        for _ in range(tokens):
+            work()
+            sends.append(dist.isend(buf.clone(), nxt))
+    for i in range(laps * tokens - (tokens if rank == 0 else 0)):
+        dist.recv(buf, prev)
+        work()
+        sends.append(dist.isend(buf.clone(), nxt))
+    if rank != 0:
+        pass
+    else:
+        for _ in range(tokens):  # the last lap's tokens come home
+            dist.recv(buf, prev)
+    for w in sends:
+        w.wait()
+    elapsed = time.perf_counter() - start
+    c = statistics.fmean(compute)
+    # rank 0 saw laps x world hops per token, tokens in parallel: per hop = lap time / world - compute
+    return max(elapsed / laps / world - c, 0.0), c
 
 
 def _allreduce_s(nbytes: int, reps: int) -> float:
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     return _timed(lambda: dist.all_reduce(buf), reps)
+
+
+def compute_ranks(world: int) -> int:
+    """Ranks that measure compute rates at once: all of them, sharing the host's cores.
+
+    Measured on local_cpu (4 ranks, 2 cores, pp4 1F1B traces on a quiet host): passes run ~1.7x
+    slower than with one rank per core, since in a pipeline's steady state every rank computes
+    between its receives; rates taken with one rank per core predicted each pass ~1.7x too fast
+    and iterations ~55 % short over the cpu_time_fidelity plans. With every rank busy a pass is
+    ~2x slower: slightly pessimistic for pipelines, right for pure data parallelism."""
+    return max(1, world)
+
+
+def busy_ranks(world: int) -> int:
+    """Ranks that compute while the p2p latency is measured: one core's worth, what local_cpu's
+    pipeline traces show computing on average (0.7-1.2 of 4 ranks), at most the cores less one."""
+    return max(0, min(world - 2, (os.cpu_count() or 1) - 1, 1))
+
+
+def _busy_until(stop: torch.Tensor) -> int:
+    """Forward+backward of a small transformer block until rank 0 says stop (an irecv that
+    completes); returns the passes run."""
+    from executor.models import Block
+
+    block = Block(64, 4, 256, pre_ln=True, causal=True)
+    x = torch.randn(2, 32, 64)
+    work = dist.irecv(stop, 0)
+    n, deadline = 0, time.perf_counter() + 120  # the ping-pong takes seconds; never spin forever
+    # gloo's is_completed() stays False until wait() (see executor.stage.SendReaper): the received
+    # value says it instead
+    while stop.item() != 1.0 and time.perf_counter() < deadline:
+        block(x, {}).sum().backward()
+        n += 1
+    work.wait()
+    return n
+
+
+def _gemm_rates(secs: float) -> dict:
+    """FLOP/s per dtype at n = 256 and, where one n = 1024 GEMM takes under ~0.25 s, n = 1024
+    (bf16/fp16 without fast CPU kernels run at < 1 GFLOP/s: a 1024 GEMM would take seconds). The
+    ``_1024`` key then holds the n = 256 rate and ``matmul_<dtype>_n`` says which n it is."""
+    res = {}
+    for name in DTYPES:
+        r256 = matmul_flops_per_s(256, DTYPES[name], secs)
+        res[f"matmul_{name}_256_flops_per_s"] = r256
+        big = 2 * 1024**3 / r256 < 0.25
+        res[f"matmul_{name}_1024_flops_per_s"] = matmul_flops_per_s(1024, DTYPES[name], secs) if big else r256
+        res[f"matmul_{name}_n"] = 1024 if big else 256
+    return res
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str, quick: bool, compute: bool) -> None:
@@ -153,22 +289,44 @@ def _worker(rank: int, world: int, port: int, out_dir: str, quick: bool, compute
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res: dict = {}
     secs = 0.5 if quick else 1.5
-    if compute:  # all ranks compute at once: the per-rank rate includes core sharing
-        for name, sizes in (("fp32", (256, 1024)), ("bf16", (256, 1024)), ("fp16", (256,))):
-            for n in sizes:  # fp16 GEMMs have no fast CPU kernel here (~1 GFLOP/s): small n only
-                dist.barrier()
-                res[f"matmul_{name}_{n}_flops_per_s"] = matmul_flops_per_s(n, DTYPES[name], secs)
+    active = rank < compute_ranks(world)
+    if compute:  # compute_ranks(world) ranks at once (the others wait at the barrier)
         dist.barrier()
-        res["copy_gbps"] = copy_gbps(256 << 20, secs)
-    # point-to-point: pairs (0,1), (2,3), ... all ping-pong at once
-    peer = rank ^ 1
-    if peer < world:
-        res["p2p_s"] = [_pingpong_s(rank, peer, b, _reps_for(b, quick)) for b in MESSAGE_BYTES]
-    else:
-        for b in MESSAGE_BYTES:  # keep barrier counts equal for an odd rank out
-            for _ in range(_reps_for(b, quick)):
-                dist.barrier()
+        if active:
+            res.update(_gemm_rates(secs))
+        dist.barrier()
+        if active:
+            res["copy_gbps"] = copy_gbps(256 << 20, secs)
+        dist.barrier()
+        if active:  # median of 3 windows: the typical cost under this host's load, which the runs share
+            runs = sorted(op_overhead_s(secs / 2) for _ in range(3))
+            res["op_overhead_s"], res["ops_per_block_pass"] = runs[1]
+        dist.barrier()
+    # point-to-point: ranks 0 and 1 ping-pong (one message in flight, as at a pipeline boundary)
+    # while busy_ranks(world) others compute, as a pipeline's other ranks do while a message travels:
+    # gloo hands each message between threads on both sides (isend -> its I/O thread -> socket ->
+    # the peer's I/O thread -> its waiting main thread), so its latency is the host's scheduling
+    # delay when cores are busy (local_cpu pp4: ~0.2 ms with idle cores, 1-2 ms under load)
+    pair = dist.new_group([0, 1]) if world > 1 else None
+    busy = 2 <= rank < 2 + busy_ranks(world)
+    stop = torch.zeros(1)
+    if rank < 2 and world > 1:
+        res["p2p_s"] = [_pingpong_s(rank, rank ^ 1, b, _reps_for(b, quick), pair) for b in MESSAGE_BYTES]
+    elif busy:
+        res["busy_passes"] = _busy_until(stop)
+    if rank == 0:  # tell the busy ranks the ping-pong is over (they irecv this in _busy_until)
+        stop.fill_(1.0)
+        for r in range(2, 2 + busy_ranks(world)):
+            dist.send(stop, r)
+    dist.barrier()
+    res["p2p_busy_ranks"] = busy_ranks(world)
     res["allreduce_s"] = [_allreduce_s(b, _reps_for(b, quick)) for b in MESSAGE_BYTES]
+    if world > 1:
+        dist.barrier()
+        # median of 5 short rings: one ring's hop swung 0.13-3.5 ms with the host's load
+        tokens = max(1, min(world, os.cpu_count() or 1))  # one message per core in flight: no queueing
+        rings = sorted(_ring_hop_s(rank, world, laps=10 if quick else 30, tokens=tokens) for _ in range(5))
+        res["ring_hop_s"], res["ring_compute_s"] = rings[2]
     dist.destroy_process_group()
     write_text(os.path.join(out_dir, f"rank{rank}.json"), json.dumps(res))  # atomic: never half a file
 
@@ -188,14 +346,17 @@ def summarize(world: int, ranks: list[dict]) -> dict:
     """Per-rank medians and alpha-beta fits of one ``run_ranks`` result."""
     s: dict = {"world": world}
     for key in ranks[0]:
-        if key.endswith(("_flops_per_s", "_gbps")):
-            s[key] = statistics.median(r[key] for r in ranks)
+        if key.endswith(("_flops_per_s", "_gbps", "_n")) or key in ("op_overhead_s", "ops_per_block_pass"):
+            s[key] = statistics.median(r[key] for r in ranks if key in r)
     p2p = [max(r["p2p_s"][i] for r in ranks if "p2p_s" in r) for i in range(len(MESSAGE_BYTES))]
     ar = [max(r["allreduce_s"][i] for r in ranks) for i in range(len(MESSAGE_BYTES))]
     s["p2p_s"], s["allreduce_s"] = p2p, ar
     s["p2p_alpha_s"], s["p2p_beta"] = fit_alpha_beta(MESSAGE_BYTES, p2p)
     s["ar_alpha_s"], s["ar_beta"] = fit_alpha_beta(MESSAGE_BYTES, ar)
     s["ar_ring_bw_gbps"], s["ar_ring_latency_s"] = ring_link_from_allreduce(s["ar_alpha_s"], s["ar_beta"], world)
+    s["compute_ranks"] = compute_ranks(world)
+    if "ring_hop_s" in ranks[0]:  # rank 0 timed the laps
+        s["ring_hop_s"], s["ring_compute_s"] = ranks[0]["ring_hop_s"], ranks[0]["ring_compute_s"]
     return s
 
 
@@ -215,20 +376,25 @@ def host_tier_bytes(total_bytes: int, ranks: int, budget_bytes: int) -> int:
 def yaml_snippet(big: dict, ranks: int, adam: float, host_bytes: int, budget_bytes: int) -> str:
     """The measured part of local_cpu.yaml (peak = measured GEMM rate, efficiency 1.0)."""
     tf = lambda x: float(f"{x / 1e12:.3g}")
+    latency = big.get("ring_hop_s", big["p2p_alpha_s"])  # as hardware_yaml: the pipeline hop where measured
+    link = (f"kind: shm, bw_gbps: {big['p2p_beta'] / 1e9:.3f}, latency_s: {max(latency, 1e-7):.3g}, "
+            f"collective_efficiency: {min(1.0, max(1e-3, big['ar_ring_bw_gbps'] * 1e9 / big['p2p_beta'])):.3g}, "
+            f"collective_latency_s: {big['ar_ring_latency_s']:.3g}")
     return f"""devices_per_node: {ranks}
 device:
   model: cpu-gloo-rank
   memory_bytes: {budget_bytes}
   peak_tflops: {{fp32: {tf(big['matmul_fp32_1024_flops_per_s'])}, bf16: {tf(big['matmul_bf16_1024_flops_per_s'])}, fp16: {tf(big['matmul_fp16_256_flops_per_s'])}}}
   compute_efficiency: 1.0
+  op_overhead_s: {big.get('op_overhead_s', 0.0):.3g}
   hbm_gbps: {big['copy_gbps']:.2f}
 host:
   memory_bytes: {host_tier_bytes(host_bytes, ranks, budget_bytes)}
   pcie_gbps: {big['copy_gbps']:.2f}
   cpu_adam_params_per_s: {adam:.3g}
 intra_node:
-  all_to_all: {{kind: shm, bw_gbps: {big['p2p_beta'] / 1e9:.3f}, latency_s: {big['p2p_alpha_s']:.3g}}}
-  fallback: {{kind: shm, bw_gbps: {big['p2p_beta'] / 1e9:.3f}, latency_s: {big['p2p_alpha_s']:.3g}}}
+  all_to_all: {{{link}}}
+  fallback: {{{link}}}
 """
 
 
@@ -295,6 +461,13 @@ def _cuda_matmul(n: int, dtype: torch.dtype, reps: int = 10) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
+def slow_dtypes(peak_tflops: dict[str, float], factor: float = 8.0) -> list[str]:
+    """Dtypes whose rate is ``factor`` x or more below fp32's: no fast kernels on this device
+    (a CPU without avx512_bf16/amx_bf16 runs bf16 GEMMs at ~0.3 GFLOP/s against fp32's ~40)."""
+    fp32 = peak_tflops["fp32"]
+    return [k for k, v in peak_tflops.items() if k != "fp32" and v * factor <= fp32]
+
+
 def _fmt(values) -> str:
     return ", ".join(f"{v:+.1%}" for v in values)
 
@@ -320,22 +493,37 @@ def hardware_yaml(base: dict, m: dict, name: str) -> str:
         dev["peak_tflops"] = {k: tf(g[f"matmul_{k}_flops_per_s"]) for k in DTYPES}
         host["pcie_gbps"] = round(min(g["pinned_h2d_gbps"], g["pinned_d2h_gbps"]), 3)
     else:
-        rates = {"fp32": r["matmul_fp32_1024_flops_per_s"], "bf16": r["matmul_bf16_1024_flops_per_s"],
-                 "fp16": r["matmul_fp16_256_flops_per_s"]}
+        rates = {k: r[f"matmul_{k}_1024_flops_per_s"] if f"matmul_{k}_1024_flops_per_s" in r
+                 else r[f"matmul_{k}_256_flops_per_s"] for k in DTYPES}
         dev["peak_tflops"] = {k: tf(v) for k, v in rates.items()}
         dev["hbm_gbps"] = round(r["copy_gbps"], 3)
         host["pcie_gbps"] = round(r["copy_gbps"], 3)
     dev["compute_efficiency"] = 1.0
+    dev["gemm_efficiency"] = calibrate_gemm.curves_for(m, dev["peak_tflops"])  # shape fall-off (issue #11)
+    if "op_overhead_s" in r:  # per-operator framework cost, compute_ranks(world) ranks dispatching at once
+        dev["op_overhead_s"] = float(f"{r['op_overhead_s']:.3g}")
     host["cpu_adam_params_per_s"] = float(f"{m['cpu_adam_params_per_s']:.4g}")
-    link = {"bw_gbps": round(r["p2p_beta"] / 1e9, 4), "latency_s": float(f"{r['p2p_alpha_s']:.4g}")}
+    # latency: a pipeline message's (the ring of computing ranks, _ring_hop_s) where measured,
+    # else the ping-pong's alpha; bandwidth: the ping-pong fit's
+    latency = r.get("ring_hop_s", r["p2p_alpha_s"]) if not m.get("gpu") else r["p2p_alpha_s"]
+    link = {"bw_gbps": round(r["p2p_beta"] / 1e9, 4), "latency_s": float(f"{max(latency, 1e-7):.4g}")}
+    n = m["world"]
+    if not m.get("gpu") and n > 1:  # gloo collectives: the all-reduce fit read through the ring model
+        link["collective_efficiency"] = float(f"{min(1.0, max(1e-3, r['ar_ring_bw_gbps'] / link['bw_gbps'])):.3g}")
+        link["collective_latency_s"] = float(f"{r['ar_ring_latency_s']:.4g}")
     intra = hw["intra_node"]
     for key in ("all_to_all", "fallback"):
         if intra.get(key):
             intra[key].update(link)
+    slow = slow_dtypes(dev["peak_tflops"])
     head = [
         f"# {name}: measured by `python -m run mode=calibrate` (MAP §4.2 cluster detector)",
         f"# torch {m['torch']}, {m['world']} gloo ranks at once, load average {m['load_average']:.2f}, "
-        f"{m['elapsed_s']:.0f} s",
+        f"{m['elapsed_s']:.0f} s; compute rates with {r.get('compute_ranks', n)} ranks computing at once",
+        f"# GEMM n: " + ", ".join(f"{k} {int(r.get(f'matmul_{k}_n', 1024))}" for k in DTYPES)
+        + (f"; no fast kernels here for {', '.join(slow)} (>= 8x below fp32)" if slow else ""),
+        f"# per-operator overhead {r.get('op_overhead_s', 0) * 1e6:.1f} us "
+        f"(fwd+bwd of a tiny transformer block, {r.get('ops_per_block_pass', 0):.0f} operators, median of 3)",
         "# point-to-point fit t = alpha + bytes/beta over "
         + ", ".join(f"{b >> 10} KiB" for b in MESSAGE_BYTES),
         f"#   alpha {r['p2p_alpha_s'] * 1e6:.1f} us, beta {r['p2p_beta'] / 1e9:.3f} GB/s; "
@@ -343,8 +531,12 @@ def hardware_yaml(base: dict, m: dict, name: str) -> str:
         f"# all-reduce ({m['world']} ranks) fit: alpha {r['ar_alpha_s'] * 1e6:.1f} us, algbw "
         f"{r['ar_beta'] / 1e9:.3f} GB/s, busbw = algbw*2(n-1)/n = {r['ar_busbw_gbps']:.3f} GB/s; "
         f"relative residuals {_fmt(r['ar_residuals'])}",
+        f"# pipeline hop (a 16 KiB message around a ring of ranks computing ~"
+        f"{r.get('ring_compute_s', 0) * 1e3:.2f} ms between hops, {min(n, os.cpu_count() or 1)} in flight): "
+        f"{r.get('ring_hop_s', float('nan')) * 1e6:.0f} us per hop beyond the compute (the links' latency_s)",
         f"#   ring-model link from the all-reduce: bw {r['ar_ring_bw_gbps']:.3f} GB/s, latency "
-        f"{r['ar_ring_latency_s'] * 1e6:.1f} us (the links below use the p2p fit)",
+        f"{r['ar_ring_latency_s'] * 1e6:.1f} us (links: p2p fit; collective_efficiency and collective_latency_s "
+        "from this)",
         "# use it: python -m run +hardware=" + name + " hydra.searchpath=[file://<this run's output dir>] ...",
     ]
     return "\n".join(head) + "\n" + yaml.safe_dump(hw, sort_keys=False)

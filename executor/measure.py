@@ -5,6 +5,7 @@ import statistics
 
 import torch
 
+from executor import timeline
 from executor.launch import RunOutput, launch
 from executor.memtrack import CATEGORY_FIELDS
 from specs.costs import model_flops_per_iteration
@@ -79,15 +80,54 @@ def execute(plan: Plan, model_cfg, hardware: HardwareSpec, iterations: int = 5, 
     ``hardware.device.memory_bytes`` in the tracked iteration is such a failure: the OOM); a plan with features the
     executor does not implement (:func:`unsupported`) fails the same way without starting ranks.
     Launch errors (bad ``model_cfg``) raise."""
+    return execute_run(plan, model_cfg, hardware, iterations, warmup, timeout_s, fault, device, model_spec)[0]
+
+
+def execute_run(plan: Plan, model_cfg, hardware: HardwareSpec, iterations: int = 5, warmup: int = 1,
+                timeout_s: float = 300.0, fault: dict | None = None, device: str = "auto",
+                model_spec=None) -> tuple[Result, RunOutput]:
+    """:func:`execute`, also returning the raw per-rank reports (their ``timelines``: see
+    :func:`measured_timeline`)."""
     cfg = _config(model_cfg)
     problems = unsupported(plan)
     if problems:
-        return result_from_run(plan, cfg, hardware, RunOutput(failure="the executor cannot run this plan: "
-                                                                      + "; ".join(problems)), warmup)
+        out = RunOutput(failure="the executor cannot run this plan: " + "; ".join(problems))
+        return result_from_run(plan, cfg, hardware, out, warmup), out
     out = run_plan(plan, cfg, iterations=warmup + 1 + iterations, timeout_s=timeout_s,
                    memory_iteration=warmup, fault=fault, device=device,
                    capacity_bytes=hardware.device.memory_bytes)
-    return result_from_run(plan, cfg, hardware, out, warmup, model_spec)
+    return result_from_run(plan, cfg, hardware, out, warmup, model_spec), out
+
+
+def measured_timeline(plan: Plan, out: RunOutput, warmup: int) -> tuple[dict[int, str], dict[int, list], list]:
+    """The executor's action timeline in the simulator's trace terms (executor.timeline).
+
+    Out: ``(names, representative, all_timed)``: ``names`` pid (= device) -> process name;
+    ``representative`` pid -> slices ``(stream, name, start_ns, dur_ns, category)`` of the timed
+    iteration whose time is the median (the one to draw); ``all_timed`` every slice of every
+    timed iteration of every rank (for per-action means). Empty when the run failed."""
+    if out.failure or not out.reports:
+        return {}, {}, []
+    times = out.iteration_times_s()
+    timed = [i for i in range(warmup + 1, len(times))]
+    if not timed:
+        return {}, {}, []
+    rep_it = timeline.representative_iteration(times, timed)
+    ranks = sorted(out.reports.items())
+    names, rep, every = {}, {}, []
+    for rank, r in ranks:
+        names[r["device"]] = f"rank {rank} (device {r['device']}, stages {r['stages']}), measured iteration {rep_it}"
+    for i in timed:
+        have = [(r["device"], r["timelines"][i]) for _, r in ranks
+                if i < len(r.get("timelines") or []) and r["timelines"][i] is not None]
+        if not have:
+            continue
+        for (d, _), events in zip(have, timeline.aligned([line for _, line in have])):
+            rows = timeline.slices(events)
+            every += rows
+            if i == rep_it:
+                rep[d] = rows
+    return names, rep, every
 
 
 def result_from_run(plan: Plan, cfg, hardware: HardwareSpec, out: RunOutput, warmup: int, spec=None) -> Result:

@@ -114,6 +114,8 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view allocates nothing: its storage is counted where it was made, or,
+            return out    # made before tracking (the host-side global batch a rank slices), not at all
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.tag(t, self.category, retag=False)

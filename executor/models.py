@@ -208,7 +208,7 @@ def _transformer_layers(cfg, kind: str) -> list[tuple[str, nn.Module]]:
     h, s, a, V = cfg.hidden, cfg.seq_len, cfg.heads, cfg.vocab
     gpt = kind == "gpt"
     embed = TokenEmbedding(V, s, h, token_types=0 if gpt else 2, ln=not gpt)
-    blocks = [(f"block_{i:02d}", Block(h, a, cfg.ffn_mult * h, pre_ln=gpt, causal=gpt))
+    blocks = [(f"block_{i:02d}", Block(h, a, cfg.ffn_width, pre_ln=gpt, causal=gpt))
               for i in range(cfg.num_layers)]
     return [("embed", embed), *blocks, ("head", LMHead(h, V, kind))]
 
@@ -246,25 +246,13 @@ def _layers(cfg) -> list[tuple[str, nn.Module]]:
         return _moe_layers(cfg)
     if cfg.family == "wresnet":
         return _wresnet_layers(cfg)
-    if cfg.family == "torch_module":
-        return list(user_model(cfg)[0])
+    if cfg.family == "torch_module":  # a copy of the cached pieces (the profiler swaps their tensors)
+        import copy
+
+        from executor import user_model
+
+        return copy.deepcopy(user_model.layers(cfg, meta=True))
     raise ValueError(f"family {cfg.family!r} has no torch modules (custom models cannot be executed)")
-
-
-def user_model(cfg):
-    """(layers, make_batch) from a torch_module config's factory: imports and CALLS user code
-    (see specs.families.TorchModuleConfig); errors name the config field."""
-    import importlib
-
-    module_name, attr = cfg.factory.split(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"model.factory: cannot import {cfg.factory!r} ({exc}); is its package on PYTHONPATH?") from None
-    made = factory(**cfg.kwargs)
-    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[1])):
-        raise ValueError(f"model.factory: {cfg.factory!r} must return (layers, make_batch), got {type(made).__name__}")
-    return made
 
 
 def init_layer(layer: nn.Module, seed: int, index: int) -> nn.Module:
@@ -290,13 +278,22 @@ def init_layer(layer: nn.Module, seed: int, index: int) -> nn.Module:
 
 
 def build_layers(cfg, owned: range | None = None, device: torch.device | str = "cpu",
-                 seed: int = 0, dtype: torch.dtype = torch.float32) -> list[tuple[int, str, nn.Module]]:
+                 seed: int = 0, dtype: torch.dtype = torch.float32,
+                 rows: int | None = None) -> list[tuple[int, str, nn.Module]]:
     """``[(global index, name, module)]`` for the layers in ``owned`` (all if None).
+
+    A torch_module model (executor.user_model) is built once per process by its factory, with the
+    module's own initial weights and buffers (never re-initialised), split for microbatches of
+    ``rows`` samples (its traced graph is shape-specialised; default 2).
 
     Every layer is first built on the meta device; only owned ones are materialised on
     ``device`` and initialised (:func:`init_layer`), so a stage never allocates others' weights.
     ``dtype``: floating parameters and buffers are cast to it after the (fp32) init, so a float64
     model starts from exactly the float32 model's weights (the numerics tests run in float64)."""
+    if cfg.family == "torch_module":
+        from executor import user_model
+
+        return user_model.build(cfg, owned, rows or 2, device, seed, dtype)
     with torch.device("meta"):
         named = _layers(cfg)
     owned = range(len(named)) if owned is None else owned
@@ -306,7 +303,25 @@ def build_layers(cfg, owned: range | None = None, device: torch.device | str = "
         mod = mod.to_empty(device=device)
         mod = init_layer(mod, seed, i)
         out.append((i, name, mod if dtype == torch.float32 else mod.to(dtype)))
+    if getattr(cfg, "tie_embeddings", False) and out and out[-1][0] == len(named) - 1:
+        tie_head_to_embedding(out, named[0][1], device, seed, dtype)
     return out
+
+
+def tie_head_to_embedding(layers: list[tuple[int, str, nn.Module]], embed_meta: nn.Module,
+                          device, seed: int, dtype: torch.dtype) -> None:
+    """Megatron's tied input/output embedding (``--untie-embeddings-and-output-weights`` off):
+    where this rank also holds the embedding (layer 0), the head's decoder weight *is* its word
+    embedding, one Parameter; elsewhere the head gets a copy initialised exactly like the
+    embedding (its own init seeded by layer 0), kept equal by summing the two gradients
+    (executor.stage's embedding-group all-reduce, Narayanan et al. 2021)."""
+    head = layers[-1][2]
+    if layers[0][0] == 0:
+        head.decoder.weight = layers[0][2].wte.weight
+        return
+    embed = init_layer(embed_meta.to_empty(device=device), seed, 0)
+    with torch.no_grad():
+        head.decoder.weight.copy_(embed.wte.weight.to(dtype))
 
 
 def layer_names_and_params(cfg) -> list[tuple[str, int]]:
@@ -321,6 +336,10 @@ def make_batch(cfg, samples: int, step: int, seed: int = 0,
     """The synthetic global batch of iteration ``step``: same on every rank (seeded), so each
     rank slices its own microbatch/replica rows without any data loading. Floating inputs are
     drawn in float32 and cast to ``dtype`` (the same values at any dtype)."""
+    if cfg.family == "torch_module":  # a user_model.Batch: knows which values are not cut into rows
+        from executor import user_model
+
+        return user_model.make_batch(cfg, samples, torch.Generator().manual_seed(seed * 7919 + step + 1), seed, dtype)
     batch = _make_batch(cfg, samples, step, seed)
     if dtype == torch.float32:
         return batch
@@ -329,8 +348,6 @@ def make_batch(cfg, samples: int, step: int, seed: int = 0,
 
 def _make_batch(cfg, samples: int, step: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed * 7919 + step + 1)
-    if cfg.family == "torch_module":
-        return user_model(cfg)[1](samples, gen)
     if cfg.family == "wresnet":
         size = cfg.image_size
         return {"images": torch.randn(samples, 3, size, size, generator=gen),
@@ -343,9 +360,14 @@ def _make_batch(cfg, samples: int, step: int, seed: int) -> dict[str, torch.Tens
     return batch
 
 
-def output_shapes(cfg) -> list[tuple[int, ...]]:
+def output_shapes(cfg) -> list:
     """Per-sample shape of every layer's output (the boundary tensor after it), found by running
-    the model on the meta device with two samples (BatchNorm needs > 1): no memory, no arithmetic."""
+    the model on the meta device with two samples (BatchNorm needs > 1): no memory, no arithmetic.
+    A torch_module model's boundaries may be any pytree: a ``user_model.Boundary`` per layer."""
+    if cfg.family == "torch_module":
+        from executor import user_model
+
+        return list(user_model.boundaries(cfg))
     with torch.device("meta"):
         named = _layers(cfg)
         batch = {k: v.to("meta") for k, v in make_batch(cfg, 2, 0).items()}

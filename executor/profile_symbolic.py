@@ -37,12 +37,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from executor.models import _layers, make_batch
 from specs.profile import LayerProfile, Profile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: bumped when a profile gains a measurement (part of the cache key, model_costs.symbolic_cache_key):
+#: 2 = operator counts fwd_ops/bwd_ops (issue #11; a cached revision-1 profile would read them as 0),
+#: 3 = those counts include nn.Module calls
+PROFILE_REVISION = 3
 
 # ---- FLOP formulas FlopCounterMode lacks: CPU flash attention (same math as the CUDA one) ----
 _aten = torch.ops.aten
@@ -83,16 +87,55 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # an output on an input's storage (a view, an in-place or out= op) allocates nothing: without
+        # this, w.t() and the in-place add into a .grad buffer counted parameters and gradients
+        # made outside the trace as new memory
+        inputs = {StorageWeakRef(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 key = StorageWeakRef(storage)
-                if key not in self.live:
+                if key not in self.live and key not in inputs:
                     self.live[key] = storage.nbytes()
                     self.current += storage.nbytes()
                     weakref.finalize(storage, self._free, key)
         self.peak = max(self.peak, self.current)
         return out
+
+
+_ALIASES = frozenset({_aten.detach.default, _aten.view.default})
+
+
+class OpCount(TorchDispatchMode):
+    """Units of framework overhead while active, the count ``DeviceSpec.op_overhead_s`` prices:
+    aten operators dispatched (in-place ones included: each is one trip through the dispatcher)
+    plus ``nn.Module`` calls (each runs Python hooks and glue around its operators: a forward
+    operator costs ~2x a backward one, which runs in C++ autograd, 19-22 vs ~10 us on local_cpu)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self._hook = None
+
+    def __enter__(self):
+        def count_call(module, args):
+            self.ops += 1
+
+        self._hook = nn.modules.module.register_module_forward_pre_hook(count_call)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._hook.remove()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # aten only (not prim.device & co, which other modes' bookkeeping calls), and no detach
+        # or view: aliasing ops cost little, and their number differs between this fake trace
+        # and a real run (autograd's own detaches; extra views under FakeTensorMode)
+        if func.namespace == "aten" and func not in _ALIASES:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 def signature(module: nn.Module) -> tuple:
@@ -106,16 +149,36 @@ def signature(module: nn.Module) -> tuple:
 def _fake_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Replace a meta module's parameters and buffers by fake tensors (float ones in ``dtype``);
     call inside FakeTensorMode."""
+    fakes: dict[int, nn.Parameter] = {}  # a Parameter two submodules share (a tied weight) stays one
     for mod in module.modules():
         for name, p in list(mod._parameters.items()):
             if p is not None:
-                mod._parameters[name] = nn.Parameter(
-                    torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype),
-                    requires_grad=p.requires_grad)
+                if id(p) not in fakes:
+                    fakes[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype),
+                                                requires_grad=p.requires_grad)
+                mod._parameters[name] = fakes[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is not None:
                 mod._buffers[name] = torch.zeros(b.shape, dtype=dtype if b.is_floating_point() else b.dtype)
     return module
+
+
+def _tp_fractions(module: nn.Module, saved: dict, saved_attn: dict) -> dict:
+    """The parameter and saved-activation fractions executor.stage.tensor_parallel divides by t
+    for this module, where they differ from what the closed forms assume: an MoE block shards its
+    attention only (the experts stay replicated), other layers (Wide-ResNet) nothing. Empty for the
+    layers it shards as Megatron does (transformer blocks, vocabulary-parallel embedding and head)."""
+    from executor.models import Block, LMHead, MoEBlock, TokenEmbedding
+
+    if isinstance(module, (Block, TokenEmbedding, LMHead)):
+        return {}
+    params = sum(p.numel() for p in module.parameters())
+    if isinstance(module, MoEBlock):  # column-parallel q, k, v (with bias), row-parallel proj weight
+        sharded = sum(p.numel() for n, p in module.attn.named_parameters() if n != "proj.bias")
+        total = sum(saved.values())
+        return {"tp_param_fraction": sharded / params if params else 0.0,
+                "tp_saved_fraction": sum(saved_attn.values()) / total if total else 0.0}
+    return {"tp_param_fraction": 0.0, "tp_saved_fraction": 0.0}
 
 
 def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: torch.dtype,
@@ -125,35 +188,90 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
     param_keys = {StorageWeakRef(p.untyped_storage()) for p in module.parameters()}
     saved: dict[StorageWeakRef, int] = {}
 
+    saved_attn: dict[StorageWeakRef, int] = {}  # saved inside an ``attn`` submodule (TP-sharded there)
+    in_attn = [False]
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = StorageWeakRef(t.untyped_storage())
         if key not in param_keys:
             saved[key] = t.untyped_storage().nbytes()
+            if in_attn[0] and (x is None or key != StorageWeakRef(x.untyped_storage())):
+                saved_attn[key] = saved[key]  # not its (replicated) input
         return t
 
+    attn = getattr(module, "attn", None)
+    hooks = [] if not isinstance(attn, nn.Module) else [
+        attn.register_forward_pre_hook(lambda *_: in_attn.__setitem__(0, True)),
+        attn.register_forward_hook(lambda *_: in_attn.__setitem__(0, False))]
+
+    # .grad buffers exist before the pass, as in the executor (and Megatron's grad buffer): autograd
+    # then adds each weight gradient into them, so a freshly computed dW (V x h for an embedding) is
+    # scratch, not a tensor that outlives the pass (without them AccumulateGrad keeps it as .grad)
+    for p in module.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
     kernel = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
     tracker = LiveBytes()
     with kernel, tracker:
-        with flop_counter.FlopCounterMode(display=False) as fwd_count:
+        with flop_counter.FlopCounterMode(display=False) as fwd_count, OpCount() as fwd_ops:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = module(x, batch)
-        temp_fwd = tracker.peak - tracker.current
-        out_bytes = out.untyped_storage().nbytes()
-        grad = torch.ones_like(out)
+        # a layer may return any pytree of tensors (a user's torch_module: tuples, dicts)
+        outs = _tensors(out)
+        out_keys = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs}
+        out_bytes = sum(out_keys.values())
+        diff = [t for t in outs if t.requires_grad]
+        grad = [torch.ones_like(t) for t in diff]
         before = tracker.current
         tracker.reset_peak()
-        with flop_counter.FlopCounterMode(display=False) as bwd_count:
-            out.backward(grad)
-        temp_bwd = tracker.peak - max(before, tracker.current)
+        with flop_counter.FlopCounterMode(display=False) as bwd_count, OpCount() as bwd_ops:
+            torch.autograd.backward(diff, grad)
+        # the backward's peak above what is live when it starts (saved tensors, output, its gradient):
+        # weight-gradient scratch, the input gradient, intermediate gradients. The forward's own
+        # transient is not kept: it happens with one microbatch fewer held than the backward after it.
+        temp_bwd = tracker.peak - before
+    for h in hooks:
+        h.remove()
     stats = {
         "params": sum(p.numel() for p in module.parameters()),
         "fwd_flops": float(fwd_count.get_total_flops()),
         "bwd_flops": float(bwd_count.get_total_flops()),
         "saved_bytes": sum(saved.values()),
         "output_bytes": out_bytes,
-        "temp_peak_bytes": max(temp_fwd, temp_bwd, 0),
+        **_tp_fractions(module, saved, saved_attn),
+        "temp_peak_bytes": max(temp_bwd, 0),
+        # the part that does not grow with the batch: a weight gradient is computed whole, then
+        # added into its .grad buffer, so the largest one (V x h for an embedding) is scratch at any
+        # batch size
+        "temp_fixed_bytes": min(max(temp_bwd, 0), max((p.untyped_storage().nbytes() for p in module.parameters()
+                                                       if p.requires_grad), default=0)),
+        # the first layer's input is the batch (token ids, images): what it saves of it
+        "saves_input": any(StorageWeakRef(t.untyped_storage()) in saved
+                           for t in _tensors(x if x is not None else batch)),
+        "input_bytes": 0 if x is not None else sum(saved.get(StorageWeakRef(t.untyped_storage()), 0)
+                                                   for t in _tensors(batch)),
+        "saves_output": any(key in saved for key in out_keys),
+        "fwd_ops": fwd_ops.ops,
+        # the in-place add of each weight gradient into its .grad buffer is among them (see above)
+        "bwd_ops": bwd_ops.ops,
     }
-    return stats, out.detach()
+    return stats, out
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _boundary(out) -> tuple:
+    """Hashable (treedef, per leaf (shape, dtype, requires_grad)) of a layer's output pytree."""
+    leaves, treedef = tree_flatten(out)
+    return treedef, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves)
+
+
+def _fake_input(boundary: tuple):
+    """Fresh fake leaves shaped like ``boundary`` (the next layer's input; call in FakeTensorMode)."""
+    treedef, leaves = boundary
+    return tree_unflatten([torch.empty(shape, dtype=dt, requires_grad=rg) for shape, dt, rg in leaves], treedef)
 
 
 def profile_model(cfg, microbatch: int = 1, dtype: str = "bf16", attention: str = "default",
@@ -169,8 +287,16 @@ def profile_model(cfg, microbatch: int = 1, dtype: str = "bf16", attention: str 
         raise ValueError(f"attention: must be 'default' or 'math', got {attention!r}")
     start = time.perf_counter()
     torch_dtype = DTYPES[dtype]
-    with torch.device("meta"):
-        named = _layers(cfg)
+    ties = _user_ties(cfg)
+    if cfg.family == "torch_module":  # traced for this microbatch and dtype (executor.user_model)
+        import copy
+
+        from executor import user_model
+
+        named = copy.deepcopy(user_model.layers(cfg, rows=microbatch, dtype=torch_dtype, meta=True))
+    else:
+        with torch.device("meta"):
+            named = _layers(cfg)
     # float inputs (images, a user's features) in the profiled dtype, as mixed-precision training
     # feeds them: the first conv/linear refuses fp32 input against fp16/bf16 weights
     real_batch = {k: v.to(torch_dtype) if v.is_floating_point() else v
@@ -179,24 +305,49 @@ def profile_model(cfg, microbatch: int = 1, dtype: str = "bf16", attention: str 
     layers: list[LayerProfile] = []
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         batch = {k: mode.from_tensor(v) for k, v in real_batch.items()}
-        x = None
+        x = None  # the previous layer's output: (treedef, leaves) as _boundary gives it
         for i, (name, module) in enumerate(named):
-            shape = None if x is None else (tuple(x.shape), x.dtype)
-            key = (signature(module), shape)
+            key = (signature(module), x)
             if key not in cache:
                 if progress is not None:
                     progress(len(cache) + 1, i, name)
-                inp = None if x is None else torch.empty(x.shape, dtype=x.dtype, requires_grad=True)
+                inp = None if x is None else _fake_input(x)
                 stats, out = _trace_layer(module, inp, batch, torch_dtype, attention)
-                cache[key] = (i, stats, tuple(out.shape), out.dtype)
-            rep, stats, out_shape, out_dtype = cache[key]
+                cache[key] = (i, stats, _boundary(out))
+            rep, stats, x = cache[key]
             layers.append(LayerProfile(index=i, name=name, module=type(module).__name__,
-                                       representative=rep, **stats))
-            x = torch.empty(out_shape, dtype=out_dtype)
+                                       representative=rep, **stats, **ties.get(i, {})))
     return Profile(model=cfg.name, family=cfg.family, microbatch=microbatch, dtype=dtype,
-                   attention=attention, total_params=sum(layer.params for layer in layers),
+                   attention=attention, total_params=sum(layer.params for layer in layers) - _tied(cfg),
                    distinct_layers=len(cache), profile_time_s=round(time.perf_counter() - start, 3),
                    layers=layers)
+
+
+def _tied(cfg) -> int:
+    """The LM head's h·V that a tied GPT/BERT shares with the embedding: traced on both layers
+    (each layer is traced alone), counted once in the total (as ModelSpec.total_params); for a
+    user's torch_module, every parameter its layers share (executor.user_model.tied_groups)."""
+    if cfg.family == "torch_module":
+        return sum(t["tied_params"] for t in _user_ties(cfg).values())
+    return cfg.vocab * cfg.hidden if getattr(cfg, "tie_embeddings", False) else 0
+
+
+def _user_ties(cfg) -> dict[int, dict]:
+    """{layer: {"tied_to": earlier layer's name, "tied_params": count}} of a torch_module model:
+    a Parameter object held by several layers is counted in each layer's ``params`` (each stage
+    that holds one keeps a copy) and its later holders say so (specs.model.LayerSpec.tied_to)."""
+    if cfg.family != "torch_module":
+        return {}
+    from executor import user_model
+
+    named = user_model.layers(cfg, meta=True)
+    out: dict[int, dict] = {}
+    for group in user_model.tied_groups(cfg, meta=True):
+        first = group[0][0]
+        for i, pname in group[1:]:
+            entry = out.setdefault(i, {"tied_to": named[first][0], "tied_params": 0})
+            entry["tied_params"] += named[i][1].get_parameter(pname).numel()
+    return out
 
 
 def megatron_saved_bytes(s: int, b: int, h: int, a: int) -> float:
@@ -204,4 +355,4 @@ def megatron_saved_bytes(s: int, b: int, h: int, a: int) -> float:
     return s * b * h * (34 + 5 * a * s / h)
 
 
-__all__ = ["LiveBytes", "megatron_saved_bytes", "profile_model", "signature"]
+__all__ = ["LiveBytes", "OpCount", "megatron_saved_bytes", "profile_model", "signature"]

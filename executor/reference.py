@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from executor.models import build_layers, make_batch
+from executor.user_model import microbatch
 from executor.stage import LR
 from specs.training import Optimizer, TrainingSpec
 
@@ -14,10 +15,11 @@ def train_reference(cfg, training: TrainingSpec, iterations: int, seed: int = 0,
     """Train ``iterations`` steps in ``dtype``; returns {"losses": [global mean loss per step],
     "params": {layer.param: ndarray after the last step}, "grads": {...: last step's gradient}}."""
     torch.manual_seed(seed)
-    layers = build_layers(cfg, seed=seed, dtype=dtype)
-    params = [p for _, _, mod in layers for p in mod.parameters()]
+    layers = build_layers(cfg, seed=seed, dtype=dtype, rows=training.samples_per_microbatch)
+    # distinct parameters: a tied LM head shares the embedding's weight (stepped once)
+    params = list({id(p): p for _, _, mod in layers for p in mod.parameters()}.values())
     if training.optimizer is Optimizer.adam:
-        opt = torch.optim.Adam(params, lr=LR[training.optimizer])
+        opt = torch.optim.Adam(params, lr=LR[training.optimizer], fused=True)  # as executor.stage
     else:
         opt = torch.optim.SGD(params, lr=LR[training.optimizer], momentum=0.9)
     m, b = training.microbatches, training.samples_per_microbatch
@@ -27,7 +29,7 @@ def train_reference(cfg, training: TrainingSpec, iterations: int, seed: int = 0,
         batch = make_batch(cfg, training.global_batch, it, seed, dtype)
         total = 0.0
         for k in range(m):
-            mb = {key: v[k * b:(k + 1) * b] for key, v in batch.items()}
+            mb = microbatch(batch, k * b, (k + 1) * b)  # unbatched values (a user model's) whole
             x = None
             for _, _, mod in layers:
                 x = mod(x, mb)

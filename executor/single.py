@@ -29,6 +29,11 @@ class _LocalStage(StageRuntime):
         gen = torch.Generator().manual_seed(1000 * k + (kind == "grad"))
         rows = self.rows[1] - self.rows[0]
         with self.tracker.phase("buffers"):
+            if self.bounds is not None:  # a user model's pytree boundary (executor.user_model)
+                from executor import user_model
+
+                bound = self.bounds["act_in" if kind == "act" else "act_out"]
+                return user_model.synthetic(bound, kind, rows, gen, self.torch_device, self.dtype)
             return torch.randn((rows, *tail), generator=gen).to(self.torch_device)
 
     def allreduce_grads(self):

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from executor import user_model
 from executor.models import Block, LMHead, MoEBlock, TokenEmbedding, build_layers
 from executor.topology import coords, message_tag, replica_rows, routes
 from specs.plan import MemoryAction, Plan
@@ -75,18 +76,45 @@ class SendReaper:
             item = self._q.get()
             try:
                 item[0].wait()
+                if item[2] is not None:
+                    item[2]()
             except BaseException as exc:  # noqa: BLE001 - surfaced by drain()
                 self._error = exc
             del item
             self._q.task_done()
 
-    def add(self, work, buffer: torch.Tensor) -> None:
-        self._q.put((work, buffer))
+    def add(self, work, buffer: torch.Tensor, on_done=None) -> None:
+        """``on_done()`` (optional) is called in the reaper thread once the send completed."""
+        self._q.put((work, buffer, on_done))
 
     def drain(self) -> None:
         self._q.join()
         if self._error is not None:
             raise self._error
+
+
+def tied_embedding_weight(st, groups: dict):
+    """(parameter, process group) of a tied input/output embedding that ``st`` must keep in sync
+    with another stage (see StageRuntime.allreduce_embedding_grads), or None. Where embedding
+    and head sit in this one stage, executor.models tied them into one Parameter; TP
+    parallelisation replaced both with DTensors (same vocabulary rows per TP rank: the embedding
+    is row-, the decoder column-parallel), so they are tied again here."""
+    if not getattr(st.cfg, "tie_embeddings", False) or not (st.first or st.last):
+        return None
+    mods = {i: mod for i, _, mod in st.layers}
+    last = len(st.plan.stages) - 1
+    head_index = st.plan.stages[last].layer_stop - 1
+    if 0 in mods and head_index in mods:
+        mods[head_index].decoder.weight = mods[0].wte.weight
+        return None
+    if set(st.plan.stages[0].devices) & set(st.plan.stages[last].devices):
+        raise ValueError("model.tie_embeddings: the first and last pipeline stages share devices but not a "
+                         "stage; the executor ties them only within one stage or across disjoint devices "
+                         "(set model.tie_embeddings=false)")
+    group = groups.get(("embed", 0, 0))  # topology.process_groups makes it; a stage run alone has none
+    if group is None:
+        return None
+    return (mods[0].wte.weight if st.first else mods[head_index].decoder.weight), group
 
 
 class StageRuntime:
@@ -101,16 +129,34 @@ class StageRuntime:
         self.m = plan.training.microbatches
         self.dp_group = groups.get(("dp", index, self.tp_rank))
         self.tp_group = groups.get(("tp", index, self.replica))
-        self.layers = build_layers(cfg, st.layers, torch_device, seed, dtype)
+        self.layers = build_layers(cfg, st.layers, torch_device, seed, dtype, rows=self.rows[1] - self.rows[0])
+        # a user's own model (executor.user_model): any pytree crosses a boundary, one message per
+        # leaf; tied weights on other stages/ranks get summed gradients (one TiedGrads per rank)
+        self.bounds = self.ties = None
+        if cfg.family == "torch_module":
+            b = user_model.boundaries(cfg, seed)
+            self.bounds = {"act_in": b[st.layer_start - 1] if index else None, "act_out": b[st.layer_stop - 1]}
+            self.leaf_tag_stride = 2 * len(plan.stages) * self.m  # message_tag's range
+            self.ties = groups.setdefault("tied_grads", user_model.TiedGrads(cfg, groups, seed))
+            self.ties.add(self.layers, st.dp)
         # (module, memory action) per layer, looked up once rather than per microbatch
         self._run_as = [(mod, st.action_of(i).action) for i, _, mod in self.layers]
         self.vocab_parallel = st.tp > 1 and tensor_parallel(self.layers, self.tp_group, torch_device.type)
-        self.params = [p for _, _, mod in self.layers for p in mod.parameters()]
+        self.tied = tied_embedding_weight(self, groups)
+        # distinct parameters: a tied LM head shares the embedding's weight (one grad, one step)
+        self.params = list({id(p): p for _, _, mod in self.layers for p in mod.parameters()}.values())
         for p in self.params:  # gradients live for the whole run (a Megatron-style grad buffer)
             p.grad = torch.zeros_like(p)
         opt = plan.training.optimizer
         if opt is Optimizer.adam:
-            self.optimizer = torch.optim.Adam(self.params, lr=LR[opt])
+            # fused: one kernel updates every tensor in place, no temporaries (as Megatron's fused
+            # Adam); the default foreach/for-loop Adam allocates about the parameters' size again
+            # during the step, a peak the memory model (16 B/param) does not have. One param group
+            # per tensor type: a fused call refuses a mix of DTensors (TP-sharded) and plain tensors
+            kinds: dict[type, list] = {}
+            for p in self.params:
+                kinds.setdefault(type(p.data), []).append(p)
+            self.optimizer = torch.optim.Adam([{"params": ps} for ps in kinds.values()], lr=LR[opt], fused=True)
         else:
             self.optimizer = torch.optim.SGD(self.params, lr=LR[opt], momentum=0.9)
         # the loss of a replica's rows, scaled so that all replicas and microbatches sum to the
@@ -136,12 +182,14 @@ class StageRuntime:
             need.add("targets")
         # keys of a user's own model (family torch_module) may be read by any layer: every stage gets them
         need |= {key for key in batch if key not in ("ids", "token_types", "images", "targets")}
-        # clone: a loader hands each rank its own rows, not a view of the global batch
-        return {key: v[lo:hi].clone().to(self.torch_device) for key, v in batch.items() if key in need}
+        # clone: a loader hands each rank its own rows, not a view of the global batch; values that
+        # are not per sample (a user model's (1, s) position ids) go whole (user_model.Batch)
+        return {key: v.clone().to(self.torch_device)
+                for key, v in user_model.microbatch(batch, lo, hi).items() if key in need}
 
     def forward(self, k: int, x: torch.Tensor | None, batch: dict) -> None:
         mb = self._microbatch(batch, k)
-        if x is not None:
+        if isinstance(x, torch.Tensor):  # a pytree boundary comes with requires_grad set (user_model.assemble)
             x.requires_grad_(True)
         self.inputs[k] = x
         y = x
@@ -163,22 +211,32 @@ class StageRuntime:
         if self.last:
             with _loss_context(self.vocab_parallel):
                 y.backward()
+        elif self.bounds is not None:
+            user_model.backward(y, grad)
         else:
             y.backward(grad)
         for p in self.params:  # accumulation may have replaced a grad tensor: keep it filed
             self.tracker.tag(p.grad, "gradients")
         x = self.inputs.pop(k)
-        self.grad_to_send = x.grad if x is not None else None
+        if self.bounds is not None:
+            self.grad_to_send = user_model.input_grads(x) if x is not None else None
+        else:
+            self.grad_to_send = x.grad if x is not None else None
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad.zero_()
         self.loss_sum = 0.0
+        if self.ties is not None:
+            self.ties.reset()
 
     def allreduce_grads(self) -> None:
         """One SUM all-reduce of the stage's flattened gradients over its replicas (one bucket, as
         the simulator charges one ring all-reduce per stage; per-tensor calls cost gloo ~0.6 ms
-        of latency each on local_cpu)."""
+        of latency each on local_cpu). Tied weights of a user model are summed over their copies
+        first (user_model.TiedGrads; once per rank and iteration)."""
+        if self.ties is not None:
+            self.ties.sync()
         if self.dp_group is None:
             return
         local = [getattr(p.grad, "_local_tensor", p.grad) for p in self.params]
@@ -191,6 +249,26 @@ class StageRuntime:
                 offset += g.numel()
         del flat
 
+    def allreduce_embedding_grads(self) -> None:
+        """Megatron's embedding group (Narayanan et al. 2021; ``_allreduce_word_embedding_grads``
+        after the data-parallel sync): the first stage's word embedding and the last stage's
+        head copy get the sum of both gradients, so the two copies stay equal. After the DP
+        all-reduce every rank of a stage holds its stage's whole gradient (TP shards gathered
+        here), so one rank per stage contributes it and the others zeros: the sum is exactly
+        embedding grad + head grad, as one process accumulates it."""
+        if self.tied is None:
+            return
+        param, group = self.tied
+        g = param.grad
+        local = getattr(g, "_local_tensor", g)
+        with self.tracker.phase("buffers"):
+            full = g.full_tensor() if hasattr(g, "full_tensor") else local.clone()
+            if self.replica or self.tp_rank:
+                full.zero_()
+            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
+            local.copy_(torch.chunk(full, self.stage.tp, dim=0)[self.tp_rank] if self.stage.tp > 1 else full)
+        del full
+
     def step(self) -> None:
         with self.tracker.phase("optimizer"):
             self.optimizer.step()
@@ -200,16 +278,23 @@ class StageRuntime:
                     self.tracker.tag(v, "optimizer")
 
     # ---- boundary communication --------------------------------------------------------------------
-    def send(self, kind: str, k: int, tensor: torch.Tensor) -> None:
+    def send(self, kind: str, k: int, tensor: torch.Tensor, on_done=None) -> None:
+        """isend the boundary tensor's pieces; ``on_done()`` once each piece's send completed."""
         table = self.out_routes if kind == "act" else self.grad_out_routes
         tag = message_tag(kind, self.index, k, self.m)
         with self.tracker.phase("buffers"):
             for r in table:
                 if r.src_device == self.device:
                     lo = self.rows[0]  # the tensor holds this replica's rows only
+                    if self.bounds is not None:  # a pytree: one message per leaf, tags kept apart
+                        bound = self.bounds["act_out" if kind == "act" else "act_in"]
+                        for j, piece in enumerate(user_model.send_pieces(tensor, bound, kind, r.start - lo, r.stop - lo)):
+                            work = dist.isend(piece, dst=self.rank_of[r.dst_device], tag=tag + j * self.leaf_tag_stride)
+                            self.sends.add(work, piece, on_done)
+                        continue
                     piece = tensor.detach()[r.start - lo:r.stop - lo].contiguous()
                     work = dist.isend(piece, dst=self.rank_of[r.dst_device], tag=tag)
-                    self.sends.add(work, piece)
+                    self.sends.add(work, piece, on_done)
 
     def post_recv(self, kind: str, k: int, peer: int, tail: tuple[int, ...]) -> list:
         """Post the receives of a boundary tensor (``irecv`` into fresh buffers); returns the
@@ -222,13 +307,24 @@ class StageRuntime:
         posted = []
         with self.tracker.phase("buffers"):
             for r in table:
-                if r.dst_device == self.device:
+                if r.dst_device == self.device and self.bounds is not None:  # a pytree: a buffer per leaf
+                    posted = user_model.Posted(posted, kind=kind, boundary=self.bounds["act_in" if kind == "act" else "act_out"])
+                    bufs = user_model.recv_buffers(posted.boundary, kind, r.stop - r.start, self.torch_device, self.dtype)
+                    posted.append(([dist.irecv(b, src=self.rank_of[r.src_device], tag=tag + j * self.leaf_tag_stride)
+                                    for j, b in enumerate(bufs)], bufs))
+                elif r.dst_device == self.device:
                     buf = torch.empty((r.stop - r.start, *tail), device=self.torch_device, dtype=self.dtype)
                     posted.append((dist.irecv(buf, src=self.rank_of[r.src_device], tag=tag), buf))
         return posted
 
     def wait_recv(self, posted: list) -> torch.Tensor:
         """The boundary tensor of :meth:`post_recv`'s handles, once every piece has arrived."""
+        if isinstance(posted, user_model.Posted):
+            for works, _ in posted:
+                for work in works:
+                    work.wait()
+            with self.tracker.phase("buffers"):
+                return user_model.assemble(posted.boundary, posted.kind, [bufs for _, bufs in posted])
         for work, _ in posted:
             work.wait()
         if len(posted) == 1:

@@ -65,7 +65,8 @@ def routes(plan: Plan, src: int, dst: int) -> list[Route]:
 def process_groups(plan: Plan) -> list[tuple[str, int, int, list[int]]]:
     """Every sub-group the run needs, in one fixed order (``new_group`` is collective: all ranks
     create all groups in the same order): ("tp", stage, replica, ranks) per replica with tp > 1,
-    ("dp", stage, tp_rank, ranks) per TP rank with dp > 1."""
+    ("dp", stage, tp_rank, ranks) per TP rank with dp > 1, ("embed", 0, 0, ranks) over the first
+    and last stage when they hold different devices."""
     rank = rank_of_device(plan)
     out = []
     for s, st in enumerate(plan.stages):
@@ -75,6 +76,9 @@ def process_groups(plan: Plan) -> list[tuple[str, int, int, list[int]]]:
         if st.dp > 1:
             for t in range(st.tp):
                 out.append(("dp", s, t, [rank[st.devices[r * st.tp + t]] for r in range(st.dp)]))
+    first, last = set(plan.stages[0].devices), set(plan.stages[-1].devices)
+    if not first & last:  # Megatron's embedding group: first and last stage (tied embeddings)
+        out.append(("embed", 0, 0, sorted(rank[d] for d in first | last)))
     return out
 
 

@@ -18,6 +18,7 @@ from executor.liveness import Heartbeat, NoHeartbeat, die_with
 from executor.memtrack import LiveTensorTracker, NullTracker, tag_static
 from executor.models import make_batch, output_shapes
 from executor.stage import StageRuntime
+from executor.timeline import NoRecorder, Recorder
 from executor.topology import process_groups, rank_of_device
 from specs.families import parse_model_config
 from specs.plan import Plan
@@ -90,7 +91,12 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     rank_of = rank_of_device(plan)
     device = plan.used_devices()[rank]
     groups = {}
-    for kind, stage, index, ranks in process_groups(plan):  # collective: all ranks, same order
+    tie_groups = []
+    if cfg.family == "torch_module":  # a user model's tied weights across ranks (executor.user_model)
+        from executor.user_model import tie_process_groups
+
+        tie_groups = tie_process_groups(plan, cfg, opts.get("seed", 0))
+    for kind, stage, index, ranks in process_groups(plan) + tie_groups:  # collective: all ranks, same order
         group = dist.new_group(ranks)
         if rank in ranks:
             groups[(kind, stage, index)] = group
@@ -107,16 +113,17 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     actions = build_schedule(plan)[position]
     shapes = output_shapes(cfg)
     tail = {s: shapes[plan.stages[s].layer_stop - 1] for s in range(len(plan.stages))}
-    # gloo: in timed iterations post each receive as soon as the previous one is consumed (see
-    # StageRuntime.post_recv), at most one boundary buffer ahead. NCCL queues an irecv on its stream
-    # ahead of later sends, and the tracked iteration measures the schedule as the simulator models
+    # gloo: in timed iterations post each receive as soon as the previous one of its channel is
+    # consumed (see _walk, StageRuntime.post_recv), one boundary buffer ahead per channel. NCCL
+    # queues an irecv on its stream ahead of later sends, and the tracked iteration measures the schedule as the simulator models
     # it, so there a receive is posted at its point of use. opts["early_recv"] = False: never (A/B).
     recvs = _recv_positions(actions)
     early_recv = not cuda and opts.get("early_recv", True)
     untracked = NullTracker()
 
     mem_iter = opts.get("memory_iteration")
-    iter_times, losses = [], []
+    iter_times, losses, timelines = [], [], []
+    record = opts.get("timeline", True)
     total = opts["iterations"]
     for it in range(total):
         batch = make_batch(cfg, plan.training.global_batch, it, seed, dtype)
@@ -132,12 +139,16 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
                 torch.cuda.reset_peak_memory_stats()
         hb.beat(it, -3)
         dist.barrier()
+        # the action timeline (executor.timeline): every untracked iteration, timed from the
+        # barrier; perf_counter_ns is CLOCK_MONOTONIC, one clock for all ranks of a host
+        rec = Recorder(time.perf_counter_ns()) if record and not tracking else None
         t0 = time.perf_counter()
         with (tracker if tracking else NullTracker()):
-            _walk(hb.track(actions, it), stages, batch, tail, opts, rank, it, recvs, early_recv and not tracking)
+            _walk(hb.track(actions, it), stages, batch, tail, opts, rank, it, recvs, early_recv and not tracking, rec)
         if cuda:
             torch.cuda.synchronize()
         iter_times.append(time.perf_counter() - t0)
+        timelines.append({"t0_ns": rec.t0_ns, "events": rec.events} if rec is not None else None)
         losses.append(sum(st.loss_sum for st in stages.values() if st.last and st.tp_rank == 0))
         if progress is not None:
             progress(it + 1)
@@ -145,6 +156,7 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         "rank": rank, "device": device, "stages": my_stages,
         "layers": [(plan.stages[s].layer_start, plan.stages[s].layer_stop) for s in my_stages],
         "iteration_times_s": iter_times,
+        "timelines": timelines,  # per iteration: executor.timeline events, None for the tracked one
         "losses": losses,
         "reports_loss": any(st.last and st.tp_rank == 0 for st in stages.values()),
         "peak_bytes": int(torch.cuda.max_memory_allocated() if cuda and mem_iter is not None else tracker.peak_bytes),
@@ -170,12 +182,19 @@ def _post(st: StageRuntime, a, tail: dict) -> list:
 
 
 def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opts: dict, rank: int,
-          iteration: int, recvs: list | None = None, early: bool = False) -> None:
+          iteration: int, recvs: list | None = None, early: bool = False, rec: Recorder | None = None) -> None:
     """Run one iteration's actions in order. recompute and swap entries are carried out inside
     forward/backward (checkpoint re-runs the forward during backward; save_on_cpu on CUDA).
     ``recvs`` (the receive actions, :func:`_recv_positions` of the same list): with
-    ``early`` the next receive is posted as soon as none is outstanding, so at most one boundary
-    buffer is held ahead of its use; otherwise each is posted where it is consumed."""
+    ``early`` each channel's (kind, stage, peer stage) next receive is posted as soon as the
+    channel's previous one is consumed, so at most one boundary buffer per channel is held ahead of
+    its use; otherwise each is posted where it is consumed. One receive per channel, not one per
+    rank: gloo moves an unbound-buffer message only once its receive is posted (the receiver
+    notifies the sender, which then writes), so a rank waiting on its gradient receive stalled the
+    activation its upstream peer had already sent; on local_cpu pp4 1F1B that put a second,
+    scheduler-delayed hop on most messages (receive waits of 2-5 ms for a 0.2 ms ping-pong).
+    ``rec``: records each action's start and end (and each send's completion) when given."""
+    rec = rec if rec is not None else NoRecorder()
     acts: dict[tuple[int, int], torch.Tensor] = {}
     grads: dict[tuple[int, int], torch.Tensor] = {}
     faulted = False
@@ -183,20 +202,30 @@ def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opt
         actions = list(actions)
         recvs = _recv_positions(actions)
     posted: dict[int, list] = {}  # action index -> handles of its posted receive
-    nxt = 0  # next entry of ``recvs`` to post
+    channels: dict[tuple, list] = {}  # (kind, stage, peer) -> its receives in order
+    for j, r in recvs:
+        channels.setdefault((r.kind, r.stage, r.peer_stage), []).append((j, r))
+    nxt = {key: 0 for key in channels}  # next receive of each channel to post
+    busy: dict[tuple, int] = {}  # channel -> index of its outstanding receive
     for i, a in enumerate(actions):
-        if nxt < len(recvs) and (recvs[nxt][0] == i or (early and not posted)):
-            j, r = recvs[nxt]
-            posted[j] = _post(stages[r.stage], r, tail)
-            nxt += 1
+        for key, queue in channels.items():
+            n = nxt[key]
+            if n < len(queue) and (queue[n][0] == i or (early and key not in busy)):
+                j, r = queue[n]
+                posted[j] = _post(stages[r.stage], r, tail)
+                busy[key] = j
+                nxt[key] = n + 1
+        if i in posted and a.kind in (ActionKind.recv_act, ActionKind.recv_grad):
+            busy.pop((a.kind, a.stage, a.peer_stage), None)  # consumed below: the channel is free
         st, k = stages[a.stage], a.microbatch
         kind = a.kind
+        t_start = rec.now()
         if kind is ActionKind.recv_act:
             acts[(a.stage, k)] = st.wait_recv(posted.pop(i))
         elif kind is ActionKind.forward:
             st.forward(k, acts.pop((a.stage, k), None), batch)
         elif kind is ActionKind.send_act:
-            st.send("act", k, st.outputs[k])
+            st.send("act", k, st.outputs[k], rec.sent(a))
         elif kind is ActionKind.recv_grad:
             grads[(a.stage, k)] = st.wait_recv(posted.pop(i))
         elif kind is ActionKind.backward:
@@ -205,14 +234,20 @@ def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opt
                 faulted = True
             st.backward(k, grads.pop((a.stage, k), None))
         elif kind is ActionKind.send_grad:
-            st.send("grad", k, st.grad_to_send)
+            st.send("grad", k, st.grad_to_send, rec.sent(a))
         elif kind is ActionKind.allreduce_grads:
             st.wait_sends()  # every send has been consumed by now (its reply came back): free them
+            t_start = rec.now()  # the drain above is waiting, not all-reduce
             st.allreduce_grads()
+            st.allreduce_embedding_grads()  # tied input/output embedding: first + last stage
+            if st.dp_group is None and st.tied is None:
+                continue  # nothing to reduce: no slice (as the simulator books none)
         elif kind is ActionKind.optimizer_step:
             st.step()
+        rec.action(a, t_start)
     for st in stages.values():
         st.wait_sends()
+    rec.action(None, rec.now())  # the iteration's end on this rank (sends drained)
 
 
 def _collect(stages) -> tuple[dict, dict]:

@@ -21,27 +21,43 @@ def _add(a: MemoryBreakdown, **extra: int) -> MemoryBreakdown:
 def device_memory(plan: Plan, model: ModelSpec) -> dict[int, tuple[MemoryBreakdown, int]]:
     """Peak breakdown and host bytes for every device the plan uses.
 
-    Peak = static + in-flight microbatches x resident activations + one backward's transient
-    (recompute or swap-in) + receive buffers + PipeDream stashed weights + bytes peers D2D-swapped
-    here (held for the in-flight microbatches, striped by weight, MPress §IV-C).
+    Peak = static + boundary gradient buffers + stashed weights (PipeDream) + the larger of
+    (a) the activation peak of the device's pipeline position — the microbatches held per stage at
+    the moment the schedule holds the most bytes, plus that backward's workspace (scratch,
+    recomputed activations; specs.costs.activation_peak) — and (b) the flat gradient copy of a
+    data-parallel all-reduce (after the last backward, when activations are gone); plus the
+    largest swap-in copy and bytes peers D2D-swapped here (held for the in-flight microbatches,
+    striped by weight, MPress §IV-C).
     """
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
+    acts, work, allreduce = {}, {}, {}
+    for i, stage in enumerate(plan.stages):
+        acts[i] = costs.stage_activation_bytes(model, plan, stage)
+        work[i], _ = costs.backward_transient_bytes(model, plan, stage)
+        allreduce[i] = costs.allreduce_buffer_bytes(model, plan, stage)
+    peaks = {pos: costs.activation_peak(plan, pos, acts, work) for pos in range(plan.pipeline_depth)}
     for i, stage in enumerate(plan.stages):
         static, host = costs.stage_static(model, plan, stage)
-        in_flight = costs.in_flight_microbatches(plan, i)
-        acts = in_flight * costs.stage_activation_bytes(model, plan, stage)
-        recompute, swap_in = costs.backward_transient_bytes(model, plan, stage)
+        in_flight = peaks[plan.device_group_of(i)][1][i]
+        _, swap_in = costs.backward_transient_bytes(model, plan, stage)
         stashed = costs.stashed_versions(plan, i) * static.parameters_bytes
         buffers = costs.comm_buffer_bytes(model, plan, stage)
         for device in stage.devices:
             mem, h = out[device]
             mem = _add(mem, parameters_bytes=static.parameters_bytes, gradients_bytes=static.gradients_bytes,
-                       optimizer_bytes=static.optimizer_bytes, activations_bytes=acts + recompute,
-                       buffers_bytes=buffers, swapped_in_bytes=swap_in, stashed_weights_bytes=stashed)
+                       optimizer_bytes=static.optimizer_bytes, buffers_bytes=buffers,
+                       swapped_in_bytes=swap_in, stashed_weights_bytes=stashed)
             out[device] = (mem, h + host + _swapped_to_host(model, plan, stage, in_flight))
         for target, nbytes in _d2d_held(model, plan, stage, in_flight).items():
             mem, h = out.setdefault(target, (MemoryBreakdown(), 0))
             out[target] = (_add(mem, swapped_in_bytes=nbytes), h)
+    for pos, (act_peak, _) in peaks.items():
+        stages = range(pos, len(plan.stages), plan.pipeline_depth)
+        flat = max(allreduce[s] for s in stages)
+        for device in plan.stages[pos].devices:
+            mem, h = out[device]
+            extra = {"activations_bytes": act_peak} if act_peak >= flat else {"buffers_bytes": flat}
+            out[device] = (_add(mem, **extra), h)
     return out
 
 
@@ -73,6 +89,10 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
     crosses every stage, the rest queue behind the slowest; uniform stages give the bubble
     (p − 1)/(m + p − 1) (GPipe §2.2). Interleaved: (m + (p − 1)/v) · max_i work (Megatron §2.2).
     PipeDream async has no flush: m · max_i work per iteration in steady state.
+    Stage times come from specs.costs (shape-aware GEMMs, memory-bound ops, synchronous TP
+    all-reduces), exactly what the simulator walks. The gradient all-reduce follows the flush,
+    blocking, on an idle fabric (Megatron-LM as run for Narayanan et al. SC'21, and memwall's
+    executor); the simulator additionally books it on the links, where it can contend with sends.
     """
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     work = [0.0] * p
@@ -95,7 +115,8 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         pipe = sum(work) + sum(p2p) + (m - 1) * slowest
     per_device_sync: dict[int, float] = {}
     for stage in plan.stages:
-        t = costs.dp_allreduce_s(model, plan, hardware, stage) + costs.optimizer_step_s(model, plan, hardware, stage)
+        t = (costs.dp_allreduce_s(model, plan, hardware, stage) + costs.optimizer_step_s(model, plan, hardware, stage)
+             + costs.embedding_group_allreduce_s(model, plan, hardware, stage))
         for d in stage.devices:
             per_device_sync[d] = per_device_sync.get(d, 0.0) + t
     return pipe + max(per_device_sync.values())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 
 from planners.layout import (
-    PlanningError, assemble, check_chunks, device_groups, even_split, resolve_degrees,
+    PlanningError, assemble, check_chunks, device_groups, megatron_split, resolve_degrees,
 )
 from planners.policy import BalancedPolicy, EvenPolicy, ManualPolicy
 from specs.hardware import HardwareSpec
@@ -99,7 +99,7 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
 
 def plan_even(policy: EvenPolicy, model, hardware, training, schedule) -> Plan:
     return _uniform("even", policy, model, hardware, training, schedule,
-                    lambda k: even_split(model.num_layers, k))
+                    lambda k: megatron_split(model, k))
 
 
 def plan_balanced(policy: BalancedPolicy, model, hardware, training, schedule) -> Plan:
@@ -121,7 +121,7 @@ def plan_manual(policy: ManualPolicy, model, hardware, training, schedule) -> Pl
             f"policy.layers_per_stage sums to {sum(given)}; model {model.name!r} has {model.num_layers} layers"
         )
     return _uniform("manual", policy, model, hardware, training, schedule,
-                    lambda k: list(given) if given is not None else even_split(model.num_layers, k))
+                    lambda k: list(given) if given is not None else megatron_split(model, k))
 
 
 __all__ = ["PlanningError", "balanced_split", "plan_balanced", "plan_even", "plan_manual"]

@@ -63,6 +63,37 @@ def even_split(num_layers: int, parts: int) -> list[int]:
     return counts
 
 
+#: the repeated body of a model, spread evenly over pipeline chunks by :func:`megatron_split`
+BODY_KINDS = RECOMPUTED_KINDS
+
+
+def megatron_split(model: ModelSpec, parts: int) -> list[int]:
+    """Layer counts per pipeline chunk in Megatron-LM's layout: the body layers (transformer,
+    MoE, residual blocks, a user's generic layers) evenly over the ``parts`` chunks, the leading
+    non-body layers (the embedding) added to the first chunk and the trailing ones (the head) to
+    the last. Megatron requires the blocks to divide by pp (by v·p when interleaved: chunk j of v·p
+    holds L/(v·p) blocks, the embedding in chunk 0, the head in the last; Narayanan et al. 2021
+    §2.2), so a 128-block model on pp=64 gets 2 blocks on every stage, the embedding beside the
+    first two.
+
+    Where the blocks do not divide evenly we still plan (Megatron would refuse): the extra blocks
+    go to the middle chunks (:func:`even_split`), which under 1F1B hold fewer in-flight
+    microbatches than the first ones and, unlike the last, carry no head. A model with fewer body
+    layers than chunks falls back to :func:`even_split` over all layers (every chunk non-empty)."""
+    kinds = [layer.kind in BODY_KINDS for layer in model.layers]
+    if True not in kinds:
+        return even_split(model.num_layers, parts)
+    lead = kinds.index(True)
+    trail = kinds[::-1].index(True)
+    body = model.num_layers - lead - trail  # non-body layers between blocks count as body
+    if body < parts:
+        return even_split(model.num_layers, parts)
+    counts = even_split(body, parts)
+    counts[0] += lead
+    counts[-1] += trail
+    return counts
+
+
 def check_chunks(model: ModelSpec, chunks: int, what: str) -> None:
     if chunks > model.num_layers:
         raise PlanningError(

@@ -8,7 +8,8 @@ equals analytic.estimate on whole plans.
 
 Scale: each layer is costed once per (dp, tp, links) on a one-layer stage — once per distinct
 layer, since identical layers (GPT blocks) share a signature — and kept as prefix sums, so the
-cost of any layer range is O(1) (a sparse table gives the recompute transient, a max). Building
+cost of any layer range is O(1) (a sparse table gives the backward workspace, a max; the tensors
+between layers and at the stage's ends are prefix sums plus its first and last layer). Building
 the table for 1,000 layers is milliseconds; before, each (start, stop) range was costed afresh in
 O(stop − start) with a pydantic stage plan (L² / 2 of them).
 """
@@ -61,7 +62,8 @@ class StageCost:
     static_bytes: int        # weights + gradients + optimizer state
     weights_bytes: int
     act_bytes: int           # resident activations of one microbatch
-    transient_bytes: int     # recompute + swap-in during one backward
+    transient_bytes: int     # workspace (scratch, recomputed activations) + swap-in during one backward
+    allreduce_bytes: int     # flat gradient copy during the dp all-reduce (0 without dp)
     buffer_bytes: int
     out_bytes: int           # boundary activation sent downstream per microbatch (per replica)
 
@@ -92,40 +94,72 @@ class _RangeMax:
 class _Layers:
     """Per-layer costs of one stage config (dp, tp, links) as prefix sums, so that the cost of any
     layer range is O(1): every term of specs.costs is a sum over the stage's layers, except the
-    recompute transient (a max: sparse table) and the boundary buffers (first/last layer only).
-    Each layer is costed once with the specs.costs functions on a one-layer stage."""
+    backward workspace (a max: sparse table) and the stage's input, output and boundary buffers
+    (first/last layer only). Each layer is costed once with the specs.costs functions on one-layer
+    stages and, for the tensors it shares with its neighbours, two-layer ones."""
 
     def __init__(self, table: StageTable, p: Placed):
         m, plan, hw = table.model, table.proto, table.hardware
-        fwd, bwd, params, act, transient = [0.0], [0.0], [0], [0], []
+        fwd, bwd, params, own, bnd, freed, work = [0.0], [0.0], [0], [0], [0], [0], []
+        self.dp, self.tp = p.degrees
+        self.samples = b_ = table.training.samples_per_microbatch // self.dp
+        L = m.num_layers
         seen: dict[tuple, tuple] = {}  # identical layers (GPT blocks) are costed once
-        for i in range(m.num_layers):
-            sig = table.signature[i]
+        for i in range(L):
+            sig = (table.signature[i - 1] if i else None, table.signature[i],
+                   table.signature[i + 1] if i + 1 < L else None)
             if sig not in seen:
-                st = stage_plan(Placed(i, i + 1, p.parallelism, p.degree, p.gpu, p.tp), m, table.recompute)
-                seen[sig] = (*costs.stage_pass_times_s(m, plan, hw, st),
-                             costs.layer_params_on_device(m.layers[i], st.tp),
-                             costs.stage_activation_bytes(m, plan, st),
-                             sum(costs.backward_transient_bytes(m, plan, st)))
-            f, b, n, a, t = seen[sig]
+                # a two-layer stage: whether the next layer keeps this one's output (the boundary)
+                st = stage_plan(Placed(i, min(i + 2, L), p.parallelism, p.degree, p.gpu, p.tp), m,
+                                table.recompute)
+                one = stage_plan(Placed(i, i + 1, p.parallelism, p.degree, p.gpu, p.tp), m, table.recompute)
+                below = stage_plan(Placed(max(i - 1, 0), i + 1, p.parallelism, p.degree, p.gpu, p.tp), m,
+                                   table.recompute)
+                seen[sig] = (*costs.stage_pass_times_s(m, plan, hw, one),
+                             costs.layer_params_on_device(m.layers[i], one.tp),
+                             costs.layer_own_bytes(m, one, i, b_),
+                             costs.boundary_held_bytes(m, st, i, b_) if i + 1 < L else 0,
+                             costs.layer_freed_bytes(m, below, i, b_),
+                             costs.backward_workspace_bytes(m, plan, one))
+            f, b, n, o, h, r, w = seen[sig]
             fwd.append(fwd[-1] + f)
             bwd.append(bwd[-1] + b)
             params.append(params[-1] + n)
-            act.append(act[-1] + a)
-            transient.append(t)
-        self.fwd, self.bwd, self.params, self.act = fwd, bwd, params, act
-        self.transient = _RangeMax(transient)
-        self.dp, self.tp = p.degrees
-        self.samples = table.training.samples_per_microbatch // self.dp
+            own.append(own[-1] + o)
+            bnd.append(bnd[-1] + h)
+            freed.append(freed[-1] + r)
+            work.append(w)
+        self.fwd, self.bwd, self.params, self.own, self.bnd, self.work = fwd, bwd, params, own, bnd, work
+        self.freed = freed
+        out = [b_ * layer.output_bytes_per_sample for layer in m.layers]
+        self.out = out
+        self.first_input = costs.layer_input_bytes(m, 0, b_)
+        # specs.costs.backward_workspace_bytes of layers [a, b): max(work[b-1], max over j in
+        # [a, b-1) of work[j] + out[j] - (freed[b] - freed[j+1])): a range max of
+        # work[j] + out[j] + freed[j+1] (layer_freed_bytes of a layer above j does not depend on
+        # where the stage starts)
+        self.lower = _RangeMax([work[j] + out[j] + freed[j + 1] for j in range(L)])
         devices = list(range(p.gpu, p.gpu + p.degree))
-        self.dp_link = costs.group_link(hw, devices[:: self.tp]) if self.dp > 1 else None
+        self.dp_link = costs.allreduce_link(hw, devices[:: self.tp]) if self.dp > 1 else None
+
+    def act(self, a: int, b: int) -> int:
+        """specs.costs.stage_activation_bytes of layers [a, b): own bytes, the boundaries inside,
+        the stage's input and output."""
+        return (self.own[b] - self.own[a]) + (self.bnd[b - 1] - self.bnd[a]) + \
+            (self.out[a - 1] if a > 0 else self.first_input) + self.out[b - 1]
+
+    def transient(self, a: int, b: int) -> int:
+        top = self.work[b - 1]
+        if b - a == 1:
+            return max(top, 0)
+        return max(top, self.lower(a, b - 1) - self.freed[b], 0)
 
 
 def _layer_signature(model: ModelSpec, i: int, recompute: str) -> tuple:
     """What a layer's one-layer stage costs depend on: its fields but the name, the previous layer's
     output (its input), and whether full recompute checkpoints it."""
     layer = model.layers[i]
-    fields = tuple(v for k, v in layer.__dict__.items() if k != "name")
+    fields = tuple(repr(v) if isinstance(v, list) else v for k, v in layer.__dict__.items() if k != "name")
     prev = model.layers[i - 1].output_bytes_per_sample if i > 0 else None
     return fields, prev, recompute != "none" and layer.kind in RECOMPUTED_KINDS
 
@@ -154,6 +188,7 @@ class StageTable:
         self._bytes_per_param = training.bytes_per_param()
         self._out_bytes = [layer.output_bytes_per_sample for layer in model.layers]
         self.signature = [_layer_signature(model, i, recompute) for i in range(model.num_layers)]
+        self.tied_pairs = costs.tied_pairs(model)
 
     def allowed(self, parallelism: str, degree: int, start: int, stop: int, tp: int = 1) -> bool:
         """dp must split the microbatch; tp may not exceed any layer's max (heads)."""
@@ -177,7 +212,7 @@ class StageTable:
             dp, tp = p.degrees
             devices = list(range(p.gpu, p.gpu + p.degree))
             self._group_links[key] = (_link_key(costs.group_link(self.hardware, devices[:tp])) if tp > 1 else None,
-                                      _link_key(costs.group_link(self.hardware, devices[::tp])) if dp > 1 else None)
+                                      _link_key(costs.allreduce_link(self.hardware, devices[::tp])) if dp > 1 else None)
         return self._group_links[key]
 
     def cost(self, p: Placed) -> StageCost | None:
@@ -207,6 +242,7 @@ class StageTable:
         bad = self._tp_bad.get(tp_deg)
         lay = self._layer_table(here, config)
         fwd, bwd, params, act, transient = lay.fwd, lay.bwd, lay.params, lay.act, lay.transient
+        _, g_b, _ = self._bytes_per_param
         L, out_bytes = self.model.num_layers, self._out_bytes
         static_per_param, weight_per_param = self._static_factors(dp)
         stash = self._kind is ScheduleKind.pipedream_async
@@ -221,7 +257,8 @@ class StageTable:
             static = static_per_param(n)
             out = lay.samples * out_bytes[stop - 1]
             buffer = (lay.samples * out_bytes[start - 1] if start > 0 else 0) + (out if stop < L else 0)
-            return (static + self.in_flight(0, after + 1) * (act[stop] - act[start]) + transient(start, stop)
+            flat = g_b * n if dp > 1 else 0  # specs.costs.allreduce_buffer_bytes
+            return (static + max(self.in_flight(0, after + 1) * act(start, stop) + transient(start, stop), flat)
                     + buffer + (after * weight_per_param(n) if stash else 0))
 
         return work, peak
@@ -246,21 +283,24 @@ class StageTable:
         a, b, m, hw = p.start, p.stop, self.model, self.hardware
         w_b, g_b, o_b = self._bytes_per_param
         params, dp, z = lay.params[b] - lay.params[a], lay.dp, self.proto.zero_stage
+        params -= costs.shared_tied_params_on_device(self.tied_pairs, a, b, lay.tp)  # tied embed + head, one stage
         # specs.costs.stage_static / dp_allreduce_s / optimizer_step_s on the summed parameters
         shard = lambda n, level: math.ceil(n / dp) if z >= level else n
         weights, grads, optim = shard(params * w_b, 3), shard(params * g_b, 2), shard(params * o_b, 1)
-        sync = costs.ring_allreduce_s(g_b * params, dp, lay.dp_link) if dp > 1 else 0.0
+        sync = costs.ring_allreduce_s(g_b * params, dp, lay.dp_link) / (2 if z >= 2 else 1) if dp > 1 else 0.0
         step_params = math.ceil(params / dp) if z >= 1 else params
-        sync += step_params * (2 * w_b + g_b + 2 * o_b) / (hw.device.hbm_gbps * 1e9)
+        sync += step_params * (2 * w_b + g_b + 2 * o_b) / hw.device.hbm_bytes_per_s
         out = lay.samples * m.layers[b - 1].output_bytes_per_sample
         return StageCost(
             work_s=(lay.fwd[b] - lay.fwd[a]) + (lay.bwd[b] - lay.bwd[a]),
             sync_s=sync,
             static_bytes=weights + grads + optim,
             weights_bytes=weights,
-            act_bytes=lay.act[b] - lay.act[a],
+            act_bytes=lay.act(a, b),
             transient_bytes=lay.transient(a, b),
-            buffer_bytes=costs.layer_input_bytes(m, a, lay.samples) + (out if b < m.num_layers else 0),
+            allreduce_bytes=g_b * params if dp > 1 else 0,
+            buffer_bytes=((costs.layer_input_bytes(m, a, lay.samples) if a > 0 else 0)
+                          + (out if b < m.num_layers else 0)),
             out_bytes=out,
         )
 
@@ -281,8 +321,8 @@ class StageTable:
         p − i − 1 stashed weight versions."""
         p = stages_after + 1
         stash = stages_after if self._kind is ScheduleKind.pipedream_async else 0
-        return (c.static_bytes + self.in_flight(0, p) * c.act_bytes + c.transient_bytes + c.buffer_bytes
-                + stash * c.weights_bytes)
+        return (c.static_bytes + max(self.in_flight(0, p) * c.act_bytes + c.transient_bytes, c.allreduce_bytes)
+                + c.buffer_bytes + stash * c.weights_bytes)
 
     def evaluate(self, stages: list[Placed]) -> tuple[float, list[int]]:
         """(iteration time s, peak bytes per stage) with analytic.estimate's formulas

@@ -33,8 +33,17 @@ _AR, _OPT = ActionKind.allreduce_grads, ActionKind.optimizer_step
 
 
 class Engine:
-    def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec):
+    def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec, overlap_dp_allreduce: bool = False):
         self.plan, self.hardware = plan, hardware
+        # Gradient all-reduce: by default after the pipeline flush, blocking the position, as
+        # Megatron-LM ran for Narayanan et al. SC'21 and as memwall's executor does. With
+        # ``overlap_dp_allreduce`` (simulator only; no plan field drives it yet) each layer's
+        # gradients go out as one bucket when the last microbatch's backward has passed that
+        # layer, overlapping the rest of the backward (PyTorch DDP, Li et al. VLDB'20 §3.2.3).
+        # Either way the all-reduce occupies the dp ring's links, so it contends with p2p sends.
+        self.overlap_dp_allreduce = overlap_dp_allreduce
+        self._bwd_count: dict[int, int] = {}
+        self._ar_end: dict[int, int] = {}
         self.env = simpy.Environment()
         self.p = plan.pipeline_depth
         self.costs: list[StageCost] = stage_costs(plan, model, hardware)
@@ -112,14 +121,22 @@ class Engine:
                 mem.add(env.now, ACTS, sc.fwd_alloc_bytes)  # activations exist once the pass ends
             elif kind is _B:
                 t0 = env.now
+                # the backward's workspace (scratch, recomputed activations) peaks on top of every
+                # held microbatch (specs.costs.backward_workspace_bytes); it and this microbatch's
+                # activations are gone when the pass ends
+                mem.add(t0, ACTS, sc.workspace_bytes)
                 if sc.simple:
                     yield env.timeout(sc.bwd_ns)
                     self.events += 1
                     busy += sc.bwd_ns
-                    mem.add(env.now, ACTS, -sc.fwd_alloc_bytes)
+                    mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
                 else:
                     busy += yield from self._layered_backward(pos, sc, k)
                 trace.slice(rep, "compute", f"B s{s} mb{k}", t0, env.now - t0, "backward")
+                if self.overlap_dp_allreduce and sc.dp_allreduce_ns:
+                    self._bwd_count[s] = self._bwd_count.get(s, 0) + 1
+                    if self._bwd_count[s] == self.plan.training.microbatches:
+                        self._book_ar_buckets(s, sc, t0)
                 if self._stash:
                     n = in_flight[s] - 1
                     in_flight[s] = n
@@ -147,20 +164,61 @@ class Engine:
                 pass  # the backward re-runs recompute layers; the entry tells the executor which
             elif kind is _AR or kind is _OPT:
                 dur = sc.allreduce_ns if kind is _AR else sc.optimizer_ns
+                flat = sc.allreduce_buffer_bytes if kind is _AR else 0
+                mem.add(env.now, BUFFERS, flat)  # the flat gradient copy being all-reduced
+                t0 = env.now
+                if kind is _AR and dur:
+                    dur = self._allreduce_wait_ns(s, sc, t0)  # booked on the ring's links
                 if dur:
-                    t0 = env.now
                     yield env.timeout(dur)
                     self.events += 1
                     busy += dur
                     trace.slice(rep, "collective" if kind is _AR else "compute", f"{kind.value} s{s}",
                                 t0, dur, kind.value)
+                mem.add(env.now, BUFFERS, -flat)
         self.finish_ns[pos] = env.now
         self.busy_ns[pos] = busy
 
+    # ---- gradient all-reduce on the links ----------------------------------------------------
+    def _ar_resources(self, s: int) -> tuple:
+        """Link resources the representative's dp ring occupies: its hop to the next replica and
+        the hop in from the previous one (stage devices are replica-major, TP ranks inside)."""
+        stage = self.plan.stages[s]
+        rep, tp = stage.devices[0], stage.tp
+        nxt, prv = stage.devices[tp % len(stage.devices)], stage.devices[-tp]
+        res: list = []
+        for a, b in ((rep, nxt), (prv, rep)):
+            if a != b:
+                res.extend(r for r in self.links.route(a, b)[1] if r not in res)
+        return tuple(res)
+
+    def _book_ar_buckets(self, s: int, sc: StageCost, t0: int) -> None:
+        """Overlapped mode: issue one bucket per layer as the last backward (started at ``t0``)
+        finishes that layer, last layer first; buckets queue FIFO on the ring's links."""
+        res, ready, end = self._ar_resources(s), t0, t0
+        for lc, dur in zip(reversed(sc.layers), reversed(sc.ar_buckets_ns)):
+            ready += lc.bwd_ns + (lc.recompute_ns if lc.action is MemoryAction.recompute else 0)
+            _, end = self.links.reserve(res, dur, min(ready, self.env.now))
+        self._ar_end[s] = end
+        self.trace.slice(self.costs[s].rep, "collective", f"allreduce_grads s{s} (buckets)", t0,
+                         end - t0, "allreduce_grads")
+
+    def _allreduce_wait_ns(self, s: int, sc: StageCost, now: int) -> int:
+        """Nanoseconds the position waits at its allreduce_grads entry: until the overlapped
+        buckets are done, or for the blocking all-reduce booked on the links now; any other
+        collective in ``allreduce_ns`` (the tied-embedding group) follows, blocking."""
+        rest = max(sc.allreduce_ns - sc.dp_allreduce_ns, 0)
+        if not sc.dp_allreduce_ns:
+            return rest
+        if self.overlap_dp_allreduce and s in self._ar_end:
+            return max(self._ar_end[s] - now, 0) + rest
+        _, end = self.links.reserve(self._ar_resources(s), sc.dp_allreduce_ns, now)
+        return end - now + rest
+
     def _layered_backward(self, pos: int, sc: StageCost, k: int):
-        """Backward one layer at a time (last first) when a stage recomputes or swaps: recompute
-        re-allocates a layer's activations just before its backward (checkpoint input kept,
-        Chen et al. 2016); a swapped layer waits for its prefetch. Prefetch policy: the first
+        """Backward one layer at a time (last first) when a stage swaps: a recomputed layer re-runs
+        its forward first (its activations are in the stage's workspace, allocated by the caller);
+        a swapped layer waits for its prefetch. Prefetch policy: the first
         layer the backward needs is fetched when its swap_in entry is reached (one pass ahead);
         each further swapped layer is fetched when the backward of the previous swapped layer
         starts — double buffering, so at most two layers' copies are on the device (MPress §IV
@@ -169,7 +227,6 @@ class Engine:
         for lc in reversed(sc.layers):
             if lc.action is MemoryAction.recompute:
                 t0 = env.now
-                mem.add(t0, ACTS, lc.saved_bytes)
                 yield env.timeout(lc.recompute_ns)
                 self.events += 1
                 busy += lc.recompute_ns
@@ -187,12 +244,9 @@ class Engine:
             yield env.timeout(lc.bwd_ns)
             self.events += 1
             busy += lc.bwd_ns
-            if lc.action is MemoryAction.keep:
-                mem.add(env.now, ACTS, -lc.saved_bytes)
-            elif lc.action is MemoryAction.recompute:
-                mem.add(env.now, ACTS, -(lc.saved_bytes + lc.resident_bytes))
-            else:
+            if lc.action in SWAPS:
                 mem.add(env.now, SWAPPED, -lc.saved_bytes)
+        mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
         self._prefetch.pop((sc.index, k), None)
         return busy
 

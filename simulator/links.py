@@ -13,7 +13,10 @@ Which resources a transfer crosses:
 - switched kinds (NVSwitch, PCIe, IB, Ethernet): the sender's egress port and the receiver's
   ingress port of that kind — a per-device port shared by all its peers.
 - host copies: the device's h2d or d2h copy engine (one per direction, PCIe at ``host.pcie_gbps``).
-Collectives (all-reduce) are alpha-beta closed forms and do not reserve links.
+Collectives: the data-parallel gradient all-reduce is an alpha-beta closed form
+(``costs.dp_allreduce_s``) booked for its whole duration on the representative's ring hops (to
+the next replica, from the previous one; engine.py ``_ar_resources``), so it queues behind and
+delays p2p sends that share a port. Tensor-parallel all-reduces sit inside the pass times.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Per-stage numbers the simulator needs, in integer nanoseconds and bytes, all from specs.costs.
 
-Nothing here re-derives a formula: times come from ``stage_pass_times_s`` / ``layer_fwd_s`` /
-``layer_tp_comm_s`` / ``dp_allreduce_s`` / ``optimizer_step_s``, bytes from ``stage_static`` /
+Nothing here re-derives a formula: times come from ``stage_pass_times_s`` / ``layer_pass_times_s``
+/ ``dp_allreduce_s`` / ``optimizer_step_s``, bytes from ``stage_static`` /
 ``layer_saved_bytes`` / ``resident_activation_bytes`` / ``comm_buffer_bytes``, so the simulator and
 the analytic estimator agree on static memory and per-microbatch activations by construction.
 """
@@ -31,7 +31,7 @@ class LayerCost:
     saved_bytes: int      # everything the layer saves for backward (keep)
     resident_bytes: int   # what stays between forward and backward under its action
     recompute_ns: int     # one forward of the layer incl. its TP all-reduces
-    bwd_ns: int           # its backward: 2 x forward FLOPs + TP all-reduces
+    bwd_ns: int           # its backward: dgrad + wgrad GEMMs, elementwise backward, TP all-reduces
 
 
 @dataclass(frozen=True)
@@ -42,14 +42,19 @@ class StageCost:
     fwd_ns: int
     bwd_ns: int
     layers: tuple[LayerCost, ...]
-    simple: bool                  # all layers keep: one event per pass, no per-layer walk
+    simple: bool                  # no swapped layer: one event per pass, no per-layer walk
     fwd_alloc_bytes: int          # activation bytes allocated when the forward ends
+    act_bytes: int                # of those, what the backward frees (swapped layers leave by copy-out)
+    workspace_bytes: int          # peak excess during one backward (scratch, recomputed activations)
+    allreduce_buffer_bytes: int   # flat gradient copy during the dp all-reduce
     act_out_bytes: int            # boundary activation sent to the next stage (per replica)
     grad_out_bytes: int           # boundary gradient sent to the previous stage
     static: MemoryBreakdown
     host_bytes: int
     buffer_bytes: int
     allreduce_ns: int
+    dp_allreduce_ns: int          # of allreduce_ns, the data-parallel gradient all-reduce
+    ar_buckets_ns: tuple[int, ...]  # that all-reduce as one bucket per layer (stage order)
     optimizer_ns: int
 
 
@@ -61,26 +66,31 @@ def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[St
         layers = []
         for l in stage.layers:
             item = stage.action_of(l)
-            f = costs.layer_fwd_s(model, plan, hardware, stage, l)
-            c = costs.layer_tp_comm_s(model, plan, hardware, stage, l)
+            f_c, b_c, _ = costs.layer_pass_times_s(model, plan, hardware, stage, l)
             layers.append(LayerCost(
                 layer=l, action=item.action, targets=tuple((t.device, t.weight) for t in item.targets),
                 saved_bytes=costs.layer_saved_bytes(model.layers[l], b, stage.tp),
                 resident_bytes=costs.resident_activation_bytes(model, stage, l, b),
-                recompute_ns=ns(f + c), bwd_ns=ns(2 * f + c),
+                recompute_ns=ns(f_c), bwd_ns=ns(b_c),
             ))
         static, host = costs.stage_static(model, plan, stage)
         # A swapped layer's activations stay resident until its copy-out finishes.
-        fwd_alloc = sum(lc.saved_bytes if lc.action in SWAPS else lc.resident_bytes for lc in layers)
+        act = costs.stage_activation_bytes(model, plan, stage)
+        fwd_alloc = act + sum(lc.saved_bytes for lc in layers if lc.action in SWAPS)
         out.append(StageCost(
             index=s, position=plan.device_group_of(s), rep=stage.devices[0],
             fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
-            simple=all(lc.action is MemoryAction.keep for lc in layers),
-            fwd_alloc_bytes=fwd_alloc,
+            simple=all(lc.action not in SWAPS for lc in layers),
+            fwd_alloc_bytes=fwd_alloc, act_bytes=act,
+            workspace_bytes=costs.backward_transient_bytes(model, plan, stage)[0],
+            allreduce_buffer_bytes=costs.allreduce_buffer_bytes(model, plan, stage),
             act_out_bytes=b * model.layers[stage.layer_stop - 1].output_bytes_per_sample,
             grad_out_bytes=costs.layer_input_bytes(model, stage.layer_start, b),
             static=static, host_bytes=host, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage),
-            allreduce_ns=ns(costs.dp_allreduce_s(model, plan, hardware, stage)),
+            dp_allreduce_ns=ns(costs.dp_allreduce_s(model, plan, hardware, stage)),
+            ar_buckets_ns=tuple(ns(t) for t in costs.dp_allreduce_buckets_s(model, plan, hardware, stage)),
+            allreduce_ns=ns(costs.dp_allreduce_s(model, plan, hardware, stage)
+                            + costs.embedding_group_allreduce_s(model, plan, hardware, stage)),
             optimizer_ns=ns(costs.optimizer_step_s(model, plan, hardware, stage)),
         ))
     return out

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from specs.result import CATEGORIES
 
-STREAMS = ("compute", "send_fwd", "send_bwd", "collective", "h2d", "d2h")
+#: "recv" (time blocked in a receive) is written by measured traces only (executor.timeline):
+#: the simulator's compute stream simply shows a gap there
+STREAMS = ("compute", "send_fwd", "send_bwd", "collective", "h2d", "d2h", "recv")
 _TID = {name: i for i, name in enumerate(STREAMS)}
 PEER_TID_BASE = 100  # "peer->D" streams (d2d stripes to device D) get 100 + D
 
@@ -50,3 +52,28 @@ class TraceBuilder:
                              "ts": t / 1000, "args": {"bytes": value}})
         body.sort(key=lambda e: (e["pid"], e["ts"], e["tid"], e["ph"], e["name"]))
         return {"traceEvents": events + body, "displayTimeUnit": "ns"}
+
+
+def x_slices(trace: dict) -> list[tuple[int, str, str, int, str]]:
+    """The "X" slices of a trace dict as ``(pid, name, start_ns, dur_ns, category)``."""
+    return [(e["pid"], e["name"], round(e["ts"] * 1000), round(e["dur"] * 1000), e.get("cat", ""))
+            for e in trace["traceEvents"] if e.get("ph") == "X"]
+
+
+def side_by_side(simulated: dict, measured: dict, pid_offset: int = 1000) -> dict:
+    """One trace holding both: simulated processes first ("simulated: ..."), then measured ones
+    with pids shifted by ``pid_offset`` ("measured: ..."), so Perfetto shows each device's
+    predicted and measured tracks one above the other."""
+    events = []
+    for label, trace, shift in (("simulated", simulated, 0), ("measured", measured, pid_offset)):
+        for e in trace["traceEvents"]:
+            e = {**e, "pid": e["pid"] + shift}
+            if e.get("ph") == "M" and e["name"] == "process_name":
+                e["args"] = {"name": f"{label}: {e['args']['name']}"}
+            elif e.get("ph") == "M" and e["name"] == "process_sort_index":
+                e["args"] = {"sort_index": e["args"]["sort_index"] * 2 + (shift > 0)}
+            events.append(e)
+    meta = [e for e in events if e.get("ph") == "M"]
+    body = sorted((e for e in events if e.get("ph") != "M"),
+                  key=lambda e: (e["pid"], e["ts"], e["tid"], e["ph"], e["name"]))
+    return {"traceEvents": meta + body, "displayTimeUnit": "ns"}

@@ -1,7 +1,10 @@
-"""Predicted vs measured: per-rank peak-memory error and iteration-time error (compare.json)."""
+"""Predicted vs measured: per-rank peak-memory error, iteration-time error, and per-action time
+error from the two traces (compare.json)."""
 from __future__ import annotations
 
+import re
 import statistics
+from collections.abc import Iterable
 
 from pydantic import Field
 
@@ -17,6 +20,19 @@ class RankError(Spec):
     error_pct: float = Field(description="(simulated - measured) / measured x 100")
 
 
+class ActionError(Spec):
+    """Mean duration of one kind of action on one stage, simulated vs measured (all ranks of the
+    stage, all microbatches; measured: every timed iteration)."""
+
+    action: str = Field(description="forward | backward | send_act | send_grad | recv_wait | allreduce | optimizer")
+    stage: int
+    simulated_mean_s: float | None = Field(description="None: the simulator books no slice for it")
+    measured_mean_s: float | None
+    simulated_count: int
+    measured_count: int
+    error_pct: float | None = Field(description="(simulated - measured) / measured x 100")
+
+
 class Comparison(Spec):
     plan_id: str
     predicted_source: str
@@ -26,11 +42,71 @@ class Comparison(Spec):
     simulated_iteration_time_s: float
     measured_iteration_time_s: float
     time_error_pct: float
+    actions: list[ActionError] = Field(default_factory=list)
     failure: str | None = None
 
 
 def pct(predicted: float, measured: float) -> float:
     return 100.0 * (predicted - measured) / measured if measured else float("nan")
+
+
+#: trace slice name -> (action, stage): names as simulator/engine.py and executor/timeline.py write them
+_PATTERNS = (
+    (re.compile(r"^F s(\d+) mb\d+$"), "forward"),
+    (re.compile(r"^B s(\d+) mb\d+$"), "backward"),
+    (re.compile(r"^act s(\d+)->s\d+ mb\d+$"), "send_act"),
+    (re.compile(r"^grad s(\d+)->s\d+ mb\d+$"), "send_grad"),
+    (re.compile(r"^wait (?:act|grad) s\d+->s(\d+) mb\d+$"), "recv_wait"),
+    (re.compile(r"^allreduce_grads s(\d+)$"), "allreduce"),
+    (re.compile(r"^optimizer_step s(\d+)$"), "optimizer"),
+)
+ACTIONS = tuple(a for _, a in _PATTERNS)
+
+
+def action_of(name: str) -> tuple[str, int] | None:
+    """(action, stage) of a trace slice name, None for other slices (swaps, recompute)."""
+    for pattern, action in _PATTERNS:
+        m = pattern.match(name)
+        if m:
+            return action, int(m.group(1))
+    return None
+
+
+def action_means(slices: Iterable[tuple[str, int]]) -> dict[tuple[str, int], tuple[float, int]]:
+    """``(name, dur_ns)`` slices -> (action, stage) -> (mean seconds, count)."""
+    sums: dict[tuple[str, int], list[int]] = {}
+    for name, dur_ns in slices:
+        key = action_of(name)
+        if key is not None:
+            acc = sums.setdefault(key, [0, 0])
+            acc[0] += dur_ns
+            acc[1] += 1
+    return {k: (total / n / 1e9, n) for k, (total, n) in sums.items()}
+
+
+def action_errors(simulated: Iterable[tuple[str, int]], measured: Iterable[tuple[str, int]]) -> list[ActionError]:
+    """Per (action, stage): mean simulated vs mean measured duration (see :class:`ActionError`)."""
+    sim, meas = action_means(simulated), action_means(measured)
+    order = {a: i for i, a in enumerate(ACTIONS)}
+    out = []
+    for key in sorted(set(sim) | set(meas), key=lambda k: (k[1], order[k[0]])):
+        s, m = sim.get(key), meas.get(key)
+        out.append(ActionError(action=key[0], stage=key[1], simulated_mean_s=s[0] if s else None,
+                               measured_mean_s=m[0] if m else None, simulated_count=s[1] if s else 0,
+                               measured_count=m[1] if m else 0,
+                               error_pct=pct(s[0], m[0]) if s and m and m[0] > 0 else None))
+    return out
+
+
+def action_table(actions: list[ActionError]) -> str:
+    """The per-action error table for a person (ms; '-' where one side has no such slice)."""
+    ms = lambda v: f"{v * 1e3:10.3f}" if v is not None else f"{'-':>10}"  # noqa: E731
+    lines = [f"{'stage':>5} {'action':<10} {'simulated ms':>12} {'measured ms':>12} {'error %':>8} {'n sim/meas':>11}"]
+    for a in actions:
+        err = f"{a.error_pct:+8.1f}" if a.error_pct is not None else f"{'-':>8}"
+        lines.append(f"{a.stage:>5} {a.action:<10} {ms(a.simulated_mean_s):>12} {ms(a.measured_mean_s):>12} {err} "
+                     f"{a.simulated_count:>5}/{a.measured_count:<5}")
+    return "\n".join(lines)
 
 
 def compare(predicted: Result, measured: Result) -> Comparison:

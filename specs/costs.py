@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from specs import gemm
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import LayerSpec, ModelSpec
 from specs.plan import MemoryAction, Plan, ScheduleKind, StagePlan
@@ -26,6 +27,46 @@ def layer_params_on_device(layer: LayerSpec, tp: int) -> int:
     return math.ceil(sharded / tp + (layer.params - sharded))
 
 
+def _stage_holding(plan: Plan, layer: int) -> StagePlan:
+    return next(st for st in plan.stages if st.layer_start <= layer < st.layer_stop)
+
+
+def tied_copies(model: ModelSpec, plan: Plan, stage: StagePlan) -> list[tuple[int, int, bool]]:
+    """(owner layer, copy layer, shared) for every tied weight (a GPT LM head tied to the word
+    embedding) with owner or copy in ``stage``; ``shared`` when both sit on the same devices, so
+    one Parameter serves both (Megatron with pp = 1). Otherwise the copy's stage holds its own
+    and the two stages all-reduce the gradient (Megatron's embedding group, Narayanan et al. 2021)."""
+    out = []
+    for copy in model.tied_layers:
+        owner = model.tied_owner(copy)
+        here = stage.layer_start <= owner < stage.layer_stop or stage.layer_start <= copy < stage.layer_stop
+        if here:
+            shared = set(_stage_holding(plan, owner).devices) == set(_stage_holding(plan, copy).devices)
+            out.append((owner, copy, shared))
+    return out
+
+
+def tied_pairs(model: ModelSpec) -> list[tuple[int, int, int]]:
+    """(owner layer, copy layer, tied params) of every tied weight (GPT: embed, head, h·V)."""
+    return [(model.tied_owner(c), c, model.layers[c].tied_params) for c in model.tied_layers]
+
+
+def shared_tied_params_on_device(pairs: list[tuple[int, int, int]], start: int, stop: int, tp: int) -> int:
+    """Params of tied copies (``tied_pairs``) whose owner and copy both lie in layers [start, stop):
+    one stage holds one Parameter for both (as ``stage_params_on_device`` counts)."""
+    return sum(math.ceil(n / tp) for o, c, n in pairs if start <= o < stop and start <= c < stop)
+
+
+def stage_params_on_device(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """Parameters one device of ``stage`` holds: its layers' TP shards, minus the second copy of a
+    tied weight whose owner is on the same devices (counted once, at the owner)."""
+    params = sum(layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers)
+    for _, copy, shared in tied_copies(model, plan, stage):
+        if shared and stage.layer_start <= copy < stage.layer_stop:
+            params -= math.ceil(model.layers[copy].tied_params / stage.tp)  # vocab-parallel: split by t
+    return params
+
+
 def layer_saved_bytes(layer: LayerSpec, samples: int, tp: int) -> int:
     """Activations a layer keeps for backward on one TP rank: s·b·h·(10 + 24/t + 5as/(ht)) for a
     GPT block (Korthikanti et al. 2022, eq. 2) — generally the sharded fraction divides by t."""
@@ -35,8 +76,10 @@ def layer_saved_bytes(layer: LayerSpec, samples: int, tp: int) -> int:
 
 
 def layer_input_bytes(model: ModelSpec, layer: int, samples: int) -> int:
-    """Bytes of a layer's input (the previous layer's output; token ids are negligible)."""
-    return samples * model.layers[layer - 1].output_bytes_per_sample if layer > 0 else 0
+    """Bytes of a layer's input: the previous layer's output, or for the first layer the batch
+    tensors it keeps (``input_bytes_per_sample``: images, token ids; 0 in the closed forms, which
+    count ids in the embedding's saved bytes)."""
+    return samples * (model.layers[layer - 1].output_bytes_per_sample if layer > 0 else model.input_bytes_per_sample)
 
 
 def resident_activation_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
@@ -53,34 +96,125 @@ def resident_activation_bytes(model: ModelSpec, stage: StagePlan, layer: int, sa
     return 0
 
 
+def _sharded(per_sample: int, layer: LayerSpec, samples: int, tp: int) -> int:
+    """Bytes of a per-sample activation quantity on one TP rank: the sharded fraction divides by t."""
+    sharded = per_sample * layer.tp_sharded_saved_fraction
+    return math.ceil(samples * (sharded / tp + (per_sample - sharded)))
+
+
+def holds_input(stage: StagePlan, model: ModelSpec, layer: int) -> bool:
+    """Whether the layer keeps its input between forward and backward: a kept layer that saves it
+    (``saves_input``), or a recomputed one (its checkpoint)."""
+    action = stage.action_of(layer).action
+    return action is MemoryAction.recompute or (action is MemoryAction.keep and model.layers[layer].saves_input)
+
+
+def holds_output(stage: StagePlan, model: ModelSpec, layer: int) -> bool:
+    return stage.action_of(layer).action is MemoryAction.keep and model.layers[layer].saves_output
+
+
+def layer_own_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
+    """What a layer keeps between forward and backward besides its input and output tensors (the
+    boundaries, which :func:`stage_activation_bytes` counts once each): kept layers their saved
+    bytes less those two, recomputed and swapped layers nothing."""
+    if stage.action_of(layer).action is not MemoryAction.keep:
+        return 0
+    spec = model.layers[layer]
+    own = layer_saved_bytes(spec, samples, stage.tp)
+    if spec.saves_input:
+        own -= layer_input_bytes(model, layer, samples)
+    if spec.saves_output:
+        own -= samples * spec.output_bytes_per_sample
+    return max(own, 0)
+
+
+def boundary_held_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
+    """Output of ``layer`` when the next layer is in the same stage: kept (once) when either side
+    saves it, freed during the forward otherwise."""
+    if holds_output(stage, model, layer) or holds_input(stage, model, layer + 1):
+        return samples * model.layers[layer].output_bytes_per_sample
+    return 0
+
+
 def stage_activation_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
-    """Resident activation bytes of one microbatch of ``stage`` after its forward."""
+    """Activation bytes one microbatch of ``stage`` holds from its forward to its backward: every
+    layer's own saved bytes, the tensors between its layers that a layer saves, and the stage's
+    input and output, each once. The input is kept for the backward whether or not the first layer
+    saves it (the received tensor is the leaf whose gradient is sent back; Megatron keeps
+    ``input_tensors`` alike) and so is the output (the backward starts from it; it is also the send
+    buffer, so a send costs no extra copy)."""
     b = samples_per_replica(plan, stage)
-    return sum(resident_activation_bytes(model, stage, layer, b) for layer in stage.layers)
+    layers = stage.layers
+    total = sum(layer_own_bytes(model, stage, l, b) for l in layers)
+    total += sum(boundary_held_bytes(model, stage, l, b) for l in layers[:-1])
+    output = b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+    return total + layer_input_bytes(model, stage.layer_start, b) + output
+
+
+def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """Largest excess over the held microbatches during one backward of ``stage``, walking its
+    layers last to first: a layer's backward scratch (``workspace_bytes_per_sample``: weight-
+    gradient and intermediate gradients), the activations a recomputed layer re-materialises, and
+    the gradient flowing in from the layer above (the top layer's is the receive buffer), less what
+    the layers above have already freed."""
+    b, tp = samples_per_replica(plan, stage), stage.tp
+    best = freed = 0
+    for n, l in enumerate(reversed(stage.layers)):
+        spec = model.layers[l]
+        # backward scratch is gradients: of the sharded weights (the fixed part) and of activations
+        # inside the TP region, which splits over t like the sharded weights do (the replicated
+        # layer input and output are kept, not scratch), so both follow the parameter fraction
+        frac = spec.tp_sharded_param_fraction
+        per_sample = spec.workspace_bytes_per_sample * frac
+        fixed = spec.workspace_fixed_bytes * frac
+        need = math.ceil(b * (per_sample / tp + spec.workspace_bytes_per_sample - per_sample)
+                         + fixed / tp + spec.workspace_fixed_bytes - fixed)
+        if stage.action_of(l).action is MemoryAction.recompute:
+            need += layer_saved_bytes(spec, b, tp) - (layer_input_bytes(model, l, b) if spec.saves_input else 0)
+        if n:
+            need += b * spec.output_bytes_per_sample
+        best = max(best, need - freed)
+        freed += layer_freed_bytes(model, stage, l, b)
+    return best
+
+
+def layer_freed_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
+    """What a layer's backward releases for good: its own saved bytes and its input when nothing
+    below needs that tensor again (the layer below does not save its own output). Not used for a
+    stage's first layer (its input is the stage's, kept until the backward ends)."""
+    freed = layer_own_bytes(model, stage, layer, samples)
+    if layer > 0 and holds_input(stage, model, layer) and not holds_output(stage, model, layer - 1):
+        freed += layer_input_bytes(model, layer, samples)
+    return freed
 
 
 def backward_transient_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int]:
-    """(recompute, swap-in) bytes re-materialised during one backward, one layer at a time:
-    the largest recomputed layer's activations, the largest swapped layer's prefetched copy."""
+    """(workspace, swap-in) bytes during one backward: :func:`backward_workspace_bytes` (scratch and
+    recomputed activations) and the largest swapped layer's prefetched copy."""
     b = samples_per_replica(plan, stage)
-    recompute = swap = 0
-    for layer in stage.layers:
-        action = stage.action_of(layer).action
-        full = layer_saved_bytes(model.layers[layer], b, stage.tp)
-        if action is MemoryAction.recompute:
-            recompute = max(recompute, full)
-        elif action in SWAP_ACTIONS:
-            swap = max(swap, full)
-    return recompute, swap
+    swap = max((layer_saved_bytes(model.layers[l], b, stage.tp) for l in stage.layers
+                if stage.action_of(l).action in SWAP_ACTIONS), default=0)
+    return backward_workspace_bytes(model, plan, stage), swap
 
 
 def comm_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
-    """One receive buffer for the incoming activation and one for the incoming gradient."""
+    """Gradient buffers of the pipeline boundaries: the received output gradient (not on the last
+    stage: it starts backward from its own loss) and the input gradient sent back (not on the first
+    stage), which stays allocated until the next backward replaces it. Received activations are
+    the stage's held input (:func:`stage_activation_bytes`)."""
     b = samples_per_replica(plan, stage)
     grad_in = b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
     if stage.layer_stop == model.num_layers:
-        grad_in = 0  # the last stage starts backward from its own loss
-    return layer_input_bytes(model, stage.layer_start, b) + grad_in
+        grad_in = 0
+    grad_out = layer_input_bytes(model, stage.layer_start, b) if stage.layer_start > 0 else 0
+    return grad_out + grad_in
+
+
+def allreduce_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """A flat copy of the stage's gradients while they are all-reduced over dp (the executor sends
+    one bucket per stage, ``torch.cat`` of the gradients, as DDP's default buckets are copies);
+    0 without data parallelism. Allocated after the last backward, when activations are gone."""
+    return dp_grad_bytes(model, plan, stage) if stage.dp > 1 else 0
 
 
 def stage_static(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[MemoryBreakdown, int]:
@@ -92,7 +226,7 @@ def stage_static(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[Memory
     """
     w_b, g_b, o_b = plan.training.bytes_per_param()
     per_layer = [layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers]
-    params = sum(per_layer)
+    params = stage_params_on_device(model, plan, stage)  # a tied embedding once where shared
     z, dp = plan.zero_stage, stage.dp
     shard = lambda n, level: math.ceil(n / dp) if z >= level else n  # noqa: E731
     weights, grads, optim = shard(params * w_b, 3), shard(params * g_b, 2), shard(params * o_b, 1)
@@ -116,31 +250,53 @@ def stashed_versions(plan: Plan, stage_index: int) -> int:
     return plan.pipeline_depth - plan.device_group_of(stage_index) - 1
 
 
-def in_flight_microbatches(plan: Plan, stage_index: int) -> int:
-    """Microbatches whose activations a stage holds at its peak.
+def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = None,
+                    transient_bytes: dict[int, int] | None = None) -> tuple[int, dict[int, int]]:
+    """(activation bytes, held microbatches per stage) at the peak of pipeline ``position``, found
+    by walking its pass order (specs.schedule.compute_order, the order the simulator and the
+    executor walk): a forward adds ``act_bytes[stage]``; a backward peaks at everything held plus
+    ``transient_bytes[stage]`` and then frees its microbatch. Unit bytes by default, so the
+    counts are those of the most microbatches held (first such moment).
 
-    GPipe: all m. 1F1B and PipeDream: min(p - i, m) (PipeDream-2BW §3). Interleaved 1F1B: the
-    Megatron warm-up count of chunk-microbatches on the device, min((p-i-1)·2 + (v-1)·p + 1, m·v)
-    (Narayanan et al. 2021 §2.2), reported per chunk as that count divided over the v chunks.
-    """
-    m, p = plan.training.microbatches, plan.pipeline_depth
-    i = plan.device_group_of(stage_index)
-    kind = plan.schedule.kind
-    if kind is ScheduleKind.gpipe:
-        return m
-    if kind is ScheduleKind.interleaved_1f1b:
-        v = plan.schedule.virtual_stages
-        return math.ceil(min((p - i - 1) * 2 + (v - 1) * p + 1, m * v) / v)
-    return min(p - i, m)
+    GPipe holds all m; 1F1B and PipeDream min(p - i, m) (PipeDream-2BW §3); interleaved 1F1B the
+    Megatron warm-up count min((p-i-1)·2 + (v-1)·p + 1, m·v) of chunk-microbatches, unevenly over
+    the chunks (Narayanan et al. 2021 §2.2: p=8, v=3, i=0 holds 31 = 15 + 8 + 8)."""
+    from specs.schedule import compute_order  # specs.schedule imports specs.plan only
+
+    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+    held: dict[int, int] = {s: 0 for s in range(position, len(plan.stages), p)}
+    now = best = 0
+    best_held = dict(held)
+    for pass_, s, _ in compute_order(plan.schedule.kind, p, m, v, position):
+        a = act_bytes[s] if act_bytes is not None else 1
+        if pass_ == "F":
+            held[s] += 1
+            now += a
+            continue
+        peak = now + (transient_bytes[s] if transient_bytes is not None else 0)
+        if peak > best:
+            best, best_held = peak, dict(held)
+        held[s] -= 1
+        now -= a
+    return best, best_held
+
+
+def in_flight_microbatches(plan: Plan, stage_index: int) -> int:
+    """Microbatches of ``stage_index`` held at its position's peak (see :func:`activation_peak`):
+    GPipe m, 1F1B min(p - i, m), interleaved exact per chunk (15, 8, 8 for p=8, v=3, i=0)."""
+    return activation_peak(plan, plan.device_group_of(stage_index))[1][stage_index]
 
 
 # ---- time -----------------------------------------------------------------------------------
 
 def ring_allreduce_s(nbytes: float, n: int, link: LinkSpec) -> float:
-    """Ring all-reduce: 2(n-1)/n · bytes / bw + 2(n-1) · latency (Thakur et al. 2005)."""
+    """Ring all-reduce: 2(n-1)/n · bytes / bw + 2(n-1) · latency (Thakur et al. 2005); the
+    latency per step is the link's ``collective_latency_s`` where given (gloo on local_cpu pays far
+    more per collective step than per p2p message, issue #11), else its ``latency_s``."""
     if n <= 1 or nbytes <= 0:
         return 0.0
-    return 2 * (n - 1) / n * nbytes / (link.total_bw_gbps * 1e9) + 2 * (n - 1) * link.latency_s
+    lat = link.collective_latency_s if link.collective_latency_s is not None else link.latency_s
+    return 2 * (n - 1) / n * nbytes / (link.total_bw_gbps * 1e9) + 2 * (n - 1) * lat
 
 
 def transfer_s(nbytes: float, link: LinkSpec) -> float:
@@ -160,59 +316,185 @@ def compute_dtype(plan: Plan) -> str:
     return plan.training.precision.value
 
 
+#: memory traffic of a backward relative to its forward for the elementwise ops: each op's backward
+#: reads the output gradient and one saved tensor and writes the input gradient (3 tensors where
+#: the forward moved 2: layernorm, GeLU, softmax, dropout alike)
+BWD_MEM_FACTOR = 1.5
+
+
+def _mem_s(layer: LayerSpec, samples: int, tp: int, hardware: HardwareSpec) -> float:
+    """Forward seconds of a layer's memory-bound (non-GEMM) ops at HBM bandwidth. Their traffic
+    splits over TP like the activations they act on (``tp_sharded_saved_fraction``)."""
+    per_sample = layer.fwd_mem_bytes_per_sample
+    sharded = per_sample * layer.tp_sharded_saved_fraction
+    return samples * (sharded / tp + per_sample - sharded) / hardware.device.hbm_bytes_per_s
+
+
+def _rest_flops_s(layer: LayerSpec, samples: int, tp: int, hardware: HardwareSpec, dtype: str) -> float:
+    """Forward FLOPs the layer's ``gemms`` do not list (all of them for a layer without gemms), at
+    the dtype's best (largest-GEMM) rate."""
+    rest = layer.fwd_flops_per_sample * samples / tp - gemm.gemm_flops(layer.gemms, samples, tp)
+    return max(rest, 0.0) / hardware.device.flops_per_s(dtype)
+
+
 def layer_fwd_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
-    """Forward compute time of one layer for one microbatch on one device: FLOPs / (tp · rate)."""
-    flops = model.layers[layer].fwd_flops_per_sample * samples_per_replica(plan, stage) / stage.tp
-    return flops / hardware.device.flops_per_s(compute_dtype(plan))
+    """Forward compute seconds of one layer for one microbatch on one device (no communication):
+    each GEMM at its own shape's efficiency (specs/gemm.py), the memory-bound ops at HBM bandwidth,
+    any FLOPs outside the listed GEMMs at the best GEMM rate, and ``fwd_ops`` x the device's
+    per-operator overhead."""
+    spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device
+    b, tp = samples_per_replica(plan, stage), stage.tp
+    return (gemm.gemms_fwd_s(dev, dtype, spec.gemms, b, tp) + _mem_s(spec, b, tp, hardware)
+            + _rest_flops_s(spec, b, tp, hardware, dtype) + spec.fwd_ops * dev.op_overhead_s)
+
+
+def accumulate_bytes_per_param(plan: Plan) -> int:
+    """HBM bytes per parameter that adding one microbatch's weight gradients into the accumulated
+    ones moves outside the GEMMs. Megatron's fp32 main-grad mode (18 B/param) fuses it into the
+    wgrad GEMM, which accumulates in place (``--gradient-accumulation-fusion``, default since
+    Megatron-LM 2022): 0. fp16/bf16 gradients (16 B/param; Megatron 2021's main_grad hook) and
+    plain fp32 training accumulate through autograd's AccumulateGrad: read both, write one."""
+    t = plan.training
+    if t.precision.value != "fp32" and t.mixed_bytes_per_param == 18:
+        return 0
+    return 3 * t.bytes_per_param()[1]
+
+
+def layer_bwd_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
+    """Backward compute seconds of one layer (no recompute, no communication): the dgrad and wgrad
+    GEMM of every forward GEMM at their own shapes (``gemm.backward_shapes``), the elementwise
+    backward at ``BWD_MEM_FACTOR`` x the forward traffic, the gradient accumulation, twice the
+    unlisted FLOPs, and ``bwd_ops`` x the per-operator overhead."""
+    spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device
+    b, tp = samples_per_replica(plan, stage), stage.tp
+    dgrad, wgrad = gemm.gemms_bwd_s(dev, dtype, spec.gemms, b, tp)
+    accumulate = accumulate_bytes_per_param(plan) * layer_params_on_device(spec, tp) / dev.hbm_bytes_per_s
+    return (dgrad + wgrad + BWD_MEM_FACTOR * _mem_s(spec, b, tp, hardware) + accumulate
+            + 2 * _rest_flops_s(spec, b, tp, hardware, dtype) + spec.bwd_ops * dev.op_overhead_s)
 
 
 def layer_tp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
-    """Tensor-parallel all-reduces of one layer in one pass (2 per GPT block, Megatron §3)."""
+    """Tensor-parallel all-reduces of one layer in one pass (2 per GPT block, Megatron §3).
+
+    Not overlapped with compute, in either pass: Megatron-LM as run for Narayanan et al. SC'21
+    all-reduces synchronously in forward (g after the row-parallel GEMMs) and backward (f before
+    the column-parallel ones); overlapping the backward all-reduce with the wgrad GEMM
+    (``--async-tensor-model-parallel-allreduce``) came later, and memwall's executor (DTensor) does
+    not do it either, so the plan and the runs agree."""
     spec = model.layers[layer]
     if stage.tp == 1 or spec.tp_allreduces_per_pass == 0:
         return 0.0
     nbytes = spec.output_bytes_per_sample * samples_per_replica(plan, stage)
-    link = group_link(hardware, stage.devices[: stage.tp])
+    link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
     return spec.tp_allreduces_per_pass * ring_allreduce_s(nbytes, stage.tp, link)
 
 
-def stage_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:
-    """(forward, backward) seconds of one microbatch on one device of ``stage``.
+def layer_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan,
+                       layer: int) -> tuple[float, float, float]:
+    """(forward, backward, recompute) seconds of one layer for one microbatch, communication
+    included; recompute is 0 unless the layer's action is recompute (then one more forward runs
+    just before its backward). The simulator and the analytic estimate both sum these."""
+    f = layer_fwd_s(model, plan, hardware, stage, layer)
+    c = layer_tp_comm_s(model, plan, hardware, stage, layer)
+    b = layer_bwd_s(model, plan, hardware, stage, layer)
+    rc = f + c if stage.action_of(layer).action is MemoryAction.recompute else 0.0
+    return f + c, b + c, rc
 
-    Backward is twice the forward FLOPs (dX and dW GEMMs), plus the forward again for
-    recomputed layers; TP all-reduces appear in both passes.
-    """
+
+def stage_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch on one device of ``stage``; the backward
+    includes the recomputed forwards."""
     fwd = bwd = 0.0
     for layer in stage.layers:
-        f = layer_fwd_s(model, plan, hardware, stage, layer)
-        c = layer_tp_comm_s(model, plan, hardware, stage, layer)
-        fwd += f + c
-        bwd += 2 * f + c
-        if stage.action_of(layer).action is MemoryAction.recompute:
-            bwd += f + c
+        f, b, rc = layer_pass_times_s(model, plan, hardware, stage, layer)
+        fwd += f
+        bwd += b + rc
     return fwd, bwd
 
 
+def collective_link(link: LinkSpec) -> LinkSpec:
+    """``link`` at the bus bandwidth a collective achieves on it (``collective_efficiency``)."""
+    if link.collective_efficiency == 1.0:
+        return link
+    return link.model_copy(update={"bw_gbps": link.bw_gbps * link.collective_efficiency})
+
+
+def allreduce_link(hardware: HardwareSpec, devices: list[int]) -> LinkSpec:
+    """The effective link of a ring all-reduce over ``devices``. Inside one node: the slowest
+    pair link (``group_link``). Across nodes NCCL runs one ring per NIC rail in parallel, so with r
+    group members on every node the inter-node hops carry r x the fabric bandwidth (one HCA per GPU
+    on DGX A100 / Selene, Narayanan et al. §5); the intra-node hops still bound it."""
+    nodes: dict[int, list[int]] = {}
+    for d in devices:
+        nodes.setdefault(hardware.node_of(d), []).append(d)
+    if len(nodes) == 1 or hardware.inter_node is None:
+        return collective_link(group_link(hardware, devices))
+    per_node = min(len(v) for v in nodes.values())
+    inter = hardware.inter_node
+    rails = LinkSpec(kind=inter.kind, count=inter.count * per_node, bw_gbps=inter.bw_gbps,
+                     latency_s=inter.latency_s, collective_efficiency=inter.collective_efficiency)
+    intra = [group_link(hardware, v) for v in nodes.values() if len(v) > 1]
+    return min((collective_link(l) for l in (rails, *intra)), key=lambda l: (l.total_bw_gbps, -l.latency_s))
+
+
+def dp_grad_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """Gradient bytes one device of ``stage`` all-reduces over its dp replicas (its TP shard)."""
+    _, g_b, _ = plan.training.bytes_per_param()
+    return g_b * stage_params_on_device(model, plan, stage)
+
+
 def dp_allreduce_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> float:
-    """Gradient all-reduce of one stage over its dp replicas (one TP rank's shard each)."""
+    """Gradient all-reduce of one stage over its dp replicas on an idle fabric (one TP rank's
+    shard each; ring over ``allreduce_link``). ZeRO stage >= 2 reduce-scatters instead: half the
+    traffic of an all-reduce (ZeRO §5)."""
     if stage.dp == 1:
         return 0.0
-    _, g_b, _ = plan.training.bytes_per_param()
-    nbytes = g_b * sum(layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers)
     ranks = stage.devices[:: stage.tp]
-    return ring_allreduce_s(nbytes, stage.dp, group_link(hardware, ranks))
+    t = ring_allreduce_s(dp_grad_bytes(model, plan, stage), stage.dp, allreduce_link(hardware, ranks))
+    return t / 2 if plan.zero_stage >= 2 else t
+
+
+def embedding_group_allreduce_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> float:
+    """Seconds of Megatron's embedding-group all-reduce on ``stage`` (0 unless it holds one side
+    of a tied weight whose other side is on other devices): after the data-parallel sync the
+    first stage's word-embedding gradient and the last stage's head copy are summed over a group
+    of 2, one per (dp, tp) coordinate, all pairs at once (Narayanan et al. 2021;
+    ``_allreduce_word_embedding_grads``), in the gradient dtype (fp32 main grads at 18 B/param)."""
+    _, g_b, _ = plan.training.bytes_per_param()
+    t = 0.0
+    for owner, copy, shared in tied_copies(model, plan, stage):
+        if shared:
+            continue
+        a, b = _stage_holding(plan, owner), _stage_holding(plan, copy)
+        nbytes = g_b * math.ceil(model.layers[copy].tied_params / stage.tp)
+        t += ring_allreduce_s(nbytes, 2, hardware.link(a.devices[0], b.devices[0]))
+    return t
+
+
+def dp_allreduce_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> list[float]:
+    """``dp_allreduce_s`` split into one bucket per layer of the stage (stage order): what a
+    bucketed all-reduce issues as each layer's gradients become final (PyTorch DDP, Li et al.
+    VLDB'20 §3.2.3; one bucket per layer keeps the model simple), each paying its own latency."""
+    if stage.dp == 1:
+        return [0.0] * len(stage.layers)
+    _, g_b, _ = plan.training.bytes_per_param()
+    link = allreduce_link(hardware, stage.devices[:: stage.tp])
+    half = 2 if plan.zero_stage >= 2 else 1
+    return [ring_allreduce_s(g_b * layer_params_on_device(model.layers[i], stage.tp), stage.dp, link) / half
+            for i in stage.layers]
 
 
 def optimizer_step_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> float:
-    """Optimizer update: streams weights, grads and state once through HBM (memory-bound), or
-    runs at the host's CPU-Adam rate when the optimizer is on the CPU (STRONGHOLD §3.4)."""
-    params = sum(layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers)
+    """Optimizer update: streams weights, grads and state once through HBM (memory-bound: Adam
+    reads w, g, m, v and writes w, m, v), or runs at the host's CPU-Adam rate when the optimizer
+    is on the CPU (STRONGHOLD §3.4)."""
+    params = stage_params_on_device(model, plan, stage)
     if plan.zero_stage >= 1:
         params = math.ceil(params / stage.dp)
     if stage.offload.optimizer_on_cpu or stage.offload.window_layers is not None:
         return params / hardware.host.cpu_adam_params_per_s
     w_b, g_b, o_b = plan.training.bytes_per_param()
-    return params * (2 * w_b + g_b + 2 * o_b) / (hardware.device.hbm_gbps * 1e9)
+    return params * (2 * w_b + g_b + 2 * o_b) / hardware.device.hbm_bytes_per_s
 
 
 def model_flops_per_iteration(model: ModelSpec, plan: Plan) -> float:

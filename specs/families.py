@@ -51,17 +51,24 @@ class TorchModuleConfig(Spec):
     """A user's own torch model, named by a Python import path ``package.module:factory``.
 
     Unlike everything else in memwall's configs and plans, this RUNS CODE: the factory is imported
-    and called (``factory(**kwargs)``) by the symbolic profiler and the executor. Only name modules
-    you trust. The factory returns ``(layers, make_batch)``: ``layers`` a list of (name, nn.Module)
-    whose ``forward(x, batch)`` takes the previous layer's output (None for the first) and the
-    batch dict, the last one returning the scalar loss; ``make_batch(samples, generator)`` a dict
-    of tensors. Layer costs come from the symbolic profiler (run.py profiles it; build_model
-    cannot, as specs/ never imports torch). Such layers are not tensor-parallel (max_tp 1)."""
+    and called (``factory(**kwargs)``, once per process) by the symbolic profiler and the executor.
+    Only name modules you trust. The factory returns ``(model, make_batch)``: ``model`` a whole
+    ``nn.Module`` whose ``forward(**batch)`` returns the loss (or an output with ``loss``), cut into
+    layers at ``split_points`` (module names, each starting a layer: torch.distributed.pipelining's
+    ``split_spec`` convention), or a list of (name, nn.Module) whose ``forward(x, batch)`` takes the
+    previous layer's output (any pytree of tensors; None for the first) and the batch dict, the last
+    returning the loss; ``make_batch(samples, generator)`` a dict of tensors (values whose first
+    dim is the batch are cut into microbatch rows, others are passed whole). See docs/byom.md.
+    Layer costs come from the symbolic profiler (run.py profiles it; build_model cannot, as specs/
+    never imports torch). Such layers are not tensor-parallel (max_tp 1)."""
 
     family: Literal["torch_module"]
     name: str = Field(min_length=1)
     factory: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", description="package.module:callable")
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    split_points: list[Annotated[str, Field(min_length=1, max_length=500)]] = Field(
+        default_factory=list, max_length=MAX_LAYERS,
+        description="module names where layers start, when the factory returns one nn.Module")
 
 
 def build_torch_module(cfg: TorchModuleConfig, act: int) -> ModelSpec:
@@ -112,7 +119,8 @@ def build_model(cfg: ModelConfig, act_dtype_bytes: int = 2) -> ModelSpec:
 
 
 def published_params(cfg: ModelConfig) -> int:
-    """The parameter count papers quote for ``cfg`` (GPT-3 Table 2.1, BERT, Alpa's benchmark):
-    the spec's total minus the second copy of a tied input/output embedding, which the spec keeps
-    on the head because a pipeline's last stage really holds it (see family_transformer)."""
+    """The parameter count papers quote for ``cfg`` (GPT-3 Table 2.1, BERT, Alpa's benchmark),
+    i.e. with the input/output embedding tied: the spec's distinct parameters
+    (``ModelSpec.total_params`` counts a ``tied_params`` copy once) minus a head matrix the spec
+    keeps untied (MoE, or ``tie_embeddings: false``; see family_transformer)."""
     return build_model(cfg).total_params - FAMILIES[cfg.family].tied_params(cfg)

@@ -17,9 +17,17 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from specs import op_counts
 from specs._base import Spec
-from specs.family_transformer import attention_costs, block_layer, embedding_layer, head_layer
-from specs.model import MAX_LAYERS, LayerKind, LayerSpec, ModelSpec
+from specs.family_transformer import (
+    attention_costs,
+    attention_gemms,
+    attention_mem_bytes,
+    block_layer,
+    embedding_layer,
+    head_layer,
+)
+from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec
 
 
 class MoEConfig(Spec):
@@ -78,7 +86,33 @@ def moe_block_layer(name: str, cfg: MoEConfig, act: int) -> LayerSpec:
         tp_sharded_saved_fraction=(ssv_a + sharded_saved) / saved,
         tp_allreduces_per_pass=2,  # attention projection and wo are row-parallel
         max_tp=cfg.heads,
+        **op_counts.ops(op_counts.MOE_BLOCK),
+        gemms=[*attention_gemms(s, h, cfg.heads), *moe_gemms(cfg)],
+        # attention's elementwise ops; layernorm, gate softmax (E per token), ReLU over the
+        # slots' f-wide expert activations, bias-dropout-add (read + write each)
+        fwd_mem_bytes_per_sample=attention_mem_bytes(s, h, cfg.heads, act)
+        + round(s * (2 * h + 2 * E + 2 * slots * f + 3 * h)) * act + s * h,
     )
+
+
+def moe_gemms(cfg: MoEConfig) -> list[GemmSpec]:
+    """The gate, dispatch, expert and combine einsums as GEMMs, per sample (GShard §2.2 shapes):
+    G = s / group groups; dispatch (E·C x group)·(group x h) per group, experts (G·C x h)·(h x f)
+    and (G·C x f)·(f x h) per expert (f split by TP), combine the transpose of dispatch. FLOPs
+    equal ``moe_block_layer``'s count up to rounding C to whole slots."""
+    s, h, E = cfg.seq_len, cfg.hidden, cfg.num_experts
+    f = cfg.ffn_mult * h
+    group = min(cfg.expert_group_size, s)
+    groups = max(1, s // group)
+    slots = max(1, round(cfg.capacity_factor * cfg.top_k * group))  # E·C dispatch entries per group
+    per_expert = max(1, round(slots * groups / E))  # tokens each expert processes (G·C)
+    return [
+        GemmSpec(name="gate", m=s, n=E, k=h),
+        GemmSpec(name="dispatch", m=slots, n=h, k=group, batch=groups),
+        GemmSpec(name="wi", m=per_expert, n=f, k=h, batch=E, tp_split="n"),
+        GemmSpec(name="wo", m=per_expert, n=h, k=f, batch=E, tp_split="k"),
+        GemmSpec(name="combine", m=group, n=h, k=slots, batch=groups),
+    ]
 
 
 def build_moe(cfg: MoEConfig, act: int) -> ModelSpec:
@@ -94,6 +128,8 @@ def build_moe(cfg: MoEConfig, act: int) -> ModelSpec:
     embed = embedding_layer("embed", s, h, V, act, extra_params=2 * h, extra_saved=s * h * act)
     head = head_layer("head", s, h, V, act, params=h * V + V, sharded_params=h * V + V,
                       flops=2.0 * s * h * V, saved_inputs=s * h * act)
+    embed = embed.model_copy(update=op_counts.ops(op_counts.EMBED["moe"]))
+    head = head.model_copy(update=op_counts.head_ops(op_counts.HEAD["moe"], act))
     return ModelSpec(name=cfg.name, family=cfg.family, layers=[embed, *blocks, head],
                      act_dtype_bytes=act, seq_len=s, hidden=h, heads=cfg.heads)
 

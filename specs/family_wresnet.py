@@ -22,8 +22,9 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from specs import op_counts
 from specs._base import Spec
-from specs.model import MAX_LAYERS, LayerKind, LayerSpec, ModelSpec
+from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec
 
 IMAGE_CHANNELS = 3
 LOSS_BYTES = 4
@@ -55,6 +56,13 @@ def _conv(k: int, c_in: int, c_out: int, hw_out: int) -> tuple[int, float]:
     return params, 2.0 * params * hw_out * hw_out
 
 
+def _conv_gemm(name: str, k: int, c_in: int, c_out: int, hw_out: int, split: str) -> GemmSpec:
+    """A convolution as the implicit GEMM cuDNN runs (Chetlur et al. 2014, cuDNN §3): one row per
+    output pixel (m = hw_out²), one column per output channel (n = c_out), k = k²·c_in; TP splits
+    output channels (column-parallel, n) or input channels (row-parallel, k)."""
+    return GemmSpec(name=name, m=hw_out * hw_out, n=c_out, k=k * k * c_in, tp_split=split)
+
+
 def stem_layer(cfg: WResNetConfig, act: int) -> LayerSpec:
     """conv 7x7/2 (3 -> C) + BN + ReLU + max-pool 3x3/2. Saved: image, conv output, ReLU output.
     TP: output channels split (column-parallel conv); the pooled output is all-gathered for the
@@ -68,7 +76,10 @@ def stem_layer(cfg: WResNetConfig, act: int) -> LayerSpec:
         fwd_flops_per_sample=flops, saved_bytes_per_sample=saved,
         output_bytes_per_sample=(hw // 2) ** 2 * c * act,
         tp_sharded_param_fraction=1.0, tp_sharded_saved_fraction=saved_split / saved,
-        tp_allreduces_per_pass=1, max_tp=c,
+        tp_allreduces_per_pass=1, max_tp=c, **op_counts.ops(op_counts.WRESNET_STEM),
+        gemms=[_conv_gemm("conv", 7, IMAGE_CHANNELS, c, hw, "n")],
+        # BN and ReLU read + write the conv output; max-pool reads it and writes a quarter
+        fwd_mem_bytes_per_sample=(5 * hw * hw * c + (hw // 2) ** 2 * c) * act,
     )
 
 
@@ -89,7 +100,8 @@ def bottleneck_layer(name: str, c_in: int, filters: int, width: int, stride: int
     params, flops = p1 + p2 + p3 + 2 * (filters + fw + out), f1 + f2 + f3
     split = 2 * hw_in * hw_in * filters + hw * hw * out  # conv1 and ReLU1 outputs, conv3 output
     replicated = hw_in * hw_in * c_in + 2 * hw * hw * fw  # input, conv2 and ReLU2 outputs
-    if stride != 1 or c_in != out:
+    projection = stride != 1 or c_in != out
+    if projection:
         pp, fp = _conv(1, c_in, out, hw)
         params, flops, split = params + pp + 2 * out, flops + fp, split + hw * hw * out
     return LayerSpec(
@@ -99,6 +111,14 @@ def bottleneck_layer(name: str, c_in: int, filters: int, width: int, stride: int
         tp_sharded_param_fraction=(params - 2 * fw) / params,
         tp_sharded_saved_fraction=split / (split + replicated),
         tp_allreduces_per_pass=math.ceil(width / 4 + 0.5), max_tp=filters,
+        **op_counts.ops(op_counts.BOTTLENECK[projection]),
+        gemms=[_conv_gemm("conv1", 1, c_in, filters, hw_in, "n"), _conv_gemm("conv2", 3, filters, fw, hw, "k"),
+               _conv_gemm("conv3", 1, fw, out, hw, "n")]
+        + ([_conv_gemm("proj", 1, c_in, out, hw, "n")] if projection else []),
+        # BN + ReLU (read + write each) after conv1 and conv2; BN, residual add (2 in, 1 out) and
+        # ReLU after conv3; BN of the projection
+        fwd_mem_bytes_per_sample=(4 * hw_in * hw_in * filters + 4 * hw * hw * fw + 7 * hw * hw * out
+                                  + (2 * hw * hw * out if projection else 0)) * act,
     ), hw
 
 
@@ -114,7 +134,9 @@ def head_layer(c: int, hw: int, classes: int, act: int) -> LayerSpec:
         saved_bytes_per_sample=saved, output_bytes_per_sample=LOSS_BYTES,
         workspace_bytes_per_sample=logits,
         tp_sharded_param_fraction=1.0, tp_sharded_saved_fraction=logits / saved,
-        tp_allreduces_per_pass=0,
+        tp_allreduces_per_pass=0, **op_counts.head_ops(op_counts.WRESNET_HEAD, act),
+        gemms=[GemmSpec(name="dense", m=1, n=classes, k=c, tp_split="n")],
+        fwd_mem_bytes_per_sample=hw * hw * c * act + c * act,  # the mean-pool reads its input once
     )
 
 

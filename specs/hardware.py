@@ -7,6 +7,7 @@ fabric. Bandwidths are GB/s (1e9 bytes/s) per direction per link; latencies in s
 """
 from __future__ import annotations
 
+import itertools
 from enum import Enum
 from typing import Annotated
 
@@ -33,6 +34,8 @@ Latency = Annotated[float, finite_in(0.0, 1.0, lo_open=False)]
 Tflops = Annotated[float, finite_in(1e-6, 1e4, lo_open=False)]
 #: achieved / peak: at least 0.1 % (1e-300 would make every time astronomically large)
 Efficiency = Annotated[float, finite_in(1e-3, 1.0, lo_open=False)]
+#: FLOPs of one GEMM kernel, the x axis of an efficiency curve: 1 FLOP .. 1e18
+GemmFlops = Annotated[float, finite_in(1.0, 1e18, lo_open=False)]
 DTYPES = ("fp32", "fp16", "bf16")
 
 
@@ -56,6 +59,13 @@ class LinkSpec(Spec):
     count: int = Field(1, ge=1, le=1024, description="parallel links; bandwidths add up")
     bw_gbps: Bandwidth = Field(description="GB/s per link per direction")
     latency_s: Latency
+    collective_efficiency: Efficiency = Field(
+        1.0, description="achieved all-reduce bus bandwidth / link bandwidth (NCCL's protocol and in-kernel "
+                         "reduction; measured with nccl-tests), applied to collectives only, not to p2p copies")
+    collective_latency_s: Latency | None = Field(
+        None, description="per-step latency of a ring collective on this link (ring_allreduce_s pays 2(n-1) of "
+                          "them); None: latency_s. gloo's all-reduce pays ~8x its p2p latency per step on "
+                          "local_cpu (issue #11): fitted by mode=calibrate")
 
     @property
     def total_bw_gbps(self) -> float:
@@ -73,8 +83,18 @@ class DeviceSpec(Spec):
     model: str
     memory_bytes: int = Field(gt=0, le=MAX_DEVICE_BYTES)
     peak_tflops: dict[str, Tflops] = Field(description="dense peak per dtype: fp32, fp16, bf16")
-    compute_efficiency: Efficiency = Field(0.5, description="achieved / peak for GEMMs")
+    compute_efficiency: Efficiency = Field(
+        1.0, description="flat derate applied on top of ``gemm_efficiency`` (1.0: none). Shape-aware GEMM "
+                         "efficiency lives in the curves; an end-to-end figure here would count bubble and "
+                         "communication twice (issue #11)")
+    gemm_efficiency: dict[str, list[tuple[GemmFlops, Efficiency]]] = Field(
+        default_factory=dict,
+        description="per dtype: points (FLOPs of one GEMM kernel, achieved / peak), joined by power laws "
+                    "(log-log) and clamped at both ends (specs/gemm.py); a dtype without points runs at peak")
     hbm_gbps: Bandwidth = Field(description="device memory bandwidth")
+    hbm_efficiency: Efficiency = Field(
+        1.0, description="achieved streaming bandwidth / hbm_gbps (a copy or elementwise kernel never reaches "
+                         "the datasheet figure); the time model's memory-bound ops run at the product")
     op_overhead_s: Latency = Field(
         0.0, description="host-side cost per operator launched (framework dispatch / kernel launch) that the "
                          "device does not hide; dominant for tiny layers on CPU (issue #11)")
@@ -86,6 +106,16 @@ class DeviceSpec(Spec):
             raise ValueError(
                 f"peak_tflops: keys must be among fp32, fp16, bf16 and include fp32; got {bad or list(self.peak_tflops)}"
             )
+        for dtype, points in self.gemm_efficiency.items():
+            if dtype not in self.peak_tflops:
+                raise ValueError(f"gemm_efficiency.{dtype}: the device has no peak_tflops.{dtype}")
+            xs = [x for x, _ in points]
+            if not points or any(b <= a for a, b in itertools.pairwise(xs)):
+                raise ValueError(f"gemm_efficiency.{dtype}: give at least one point, FLOPs strictly increasing; got {xs}")
+            for (f1, e1), (f2, e2) in itertools.pairwise(points):
+                if f2 / e2 < f1 / e1 * (1 - 1e-9):  # kernel time FLOPs / (peak · eff) must not fall
+                    raise ValueError(f"gemm_efficiency.{dtype}: a {f2:g}-FLOP GEMM at {e2:g} would be faster than a "
+                                     f"{f1:g}-FLOP one at {e1:g}; efficiency may grow at most as fast as FLOPs")
         return self
 
     def missing_dtype(self, dtype: str) -> str | None:
@@ -98,13 +128,21 @@ class DeviceSpec(Spec):
         return (f"hardware.device.peak_tflops: {self.model} has no {dtype} rate (it has {has}); use "
                 f"training.precision={hint}, or add peak_tflops.{dtype} to the hardware spec")
 
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        """Bytes/s a memory-bound kernel streams: hbm_gbps x hbm_efficiency."""
+        return self.hbm_gbps * 1e9 * self.hbm_efficiency
+
     def flops_per_s(self, dtype: str) -> float:
-        """Achievable FLOP/s for ``dtype`` (peak x efficiency). A dtype the device lacks is an
-        error (ValueError), never a silent fall-back to another rate."""
+        """Best achievable FLOP/s for ``dtype``: peak x the curve's largest efficiency x
+        ``compute_efficiency`` (the rate of a large GEMM; specs/gemm.py gives shape-aware rates).
+        A dtype the device lacks is an error (ValueError), never a silent fall-back to another rate."""
         msg = self.missing_dtype(dtype)
         if msg is not None:
             raise ValueError(msg)
-        return self.peak_tflops[dtype] * 1e12 * self.compute_efficiency
+        points = self.gemm_efficiency.get(dtype)
+        best = max(e for _, e in points) if points else 1.0
+        return self.peak_tflops[dtype] * 1e12 * best * self.compute_efficiency
 
 
 class HostSpec(Spec):
@@ -187,7 +225,9 @@ class HardwareSpec(Spec):
         la, lb = a % self.devices_per_node, b % self.devices_per_node
         for link in self.intra_node.links:
             if {link.a, link.b} == {la, lb}:
-                return LinkSpec(kind=link.kind, count=link.count, bw_gbps=link.bw_gbps, latency_s=link.latency_s)
+                return LinkSpec(kind=link.kind, count=link.count, bw_gbps=link.bw_gbps, latency_s=link.latency_s,
+                                collective_efficiency=link.collective_efficiency,
+                                collective_latency_s=link.collective_latency_s)
         return self.intra_node.all_to_all or self.intra_node.fallback
 
     def is_peer(self, a: int, b: int) -> bool:

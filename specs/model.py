@@ -59,7 +59,15 @@ class LayerSpec(Spec):
     fwd_flops_per_sample: Annotated[float, finite_in(0.0, 1e22, lo_open=False)]
     saved_bytes_per_sample: int = Field(ge=0, le=MAX_LAYER_BYTES, description="bytes kept for backward, no recompute")
     output_bytes_per_sample: int = Field(ge=0, le=MAX_LAYER_BYTES, description="boundary activation sent to next layer")
-    workspace_bytes_per_sample: int = Field(0, ge=0, le=MAX_LAYER_BYTES, description="transient peak inside the layer")
+    workspace_bytes_per_sample: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES,
+        description="transient peak of the layer's backward above what is live when it starts (weight-gradient "
+                    "scratch, input gradient)")
+    workspace_fixed_bytes: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES, description="backward scratch that does not grow with the batch (the largest "
+                                                 "weight gradient, computed whole before it is added to .grad)")
+    saves_input: bool = Field(True, description="the saved bytes include the layer's input (its previous layer's output)")
+    saves_output: bool = Field(False, description="the saved bytes include the layer's own output (a final ReLU)")
     tp_sharded_param_fraction: float = Field(1.0, ge=0, le=1)
     tp_sharded_saved_fraction: float = Field(1.0, ge=0, le=1)
     tp_allreduces_per_pass: int = Field(
@@ -75,6 +83,11 @@ class LayerSpec(Spec):
         0, ge=0, le=MAX_LAYER_BYTES, description="bytes read+written by the non-GEMM (memory-bound) ops of one forward")
     fwd_ops: int = Field(0, ge=0, le=1 << 20, description="operators (kernels) one forward launches, any batch")
     bwd_ops: int = Field(0, ge=0, le=1 << 20, description="operators (kernels) one backward launches, any batch")
+    # ---- tied weights (issue #11: Megatron's shared input/output embedding) ----
+    tied_to: str | None = Field(
+        None, description="name of an earlier layer whose weights ``tied_params`` of this layer's params share "
+                          "(GPT's LM head and word embedding): one copy where both sit on the same devices")
+    tied_params: int = Field(0, ge=0, le=1 << 46, description="params (within ``params``) shared with ``tied_to``")
 
 
 class ModelSpec(Spec):
@@ -84,6 +97,9 @@ class ModelSpec(Spec):
     family: str
     layers: list[LayerSpec] = Field(min_length=1, max_length=MAX_LAYERS)
     act_dtype_bytes: int = Field(2, description="bytes per activation element (2 fp16/bf16, 4 fp32)")
+    input_bytes_per_sample: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES, description="the first layer's input a sample brings (token ids, images) as it "
+                                                 "saves it; 0: negligible or unknown (closed forms count ids in saved)")
     seq_len: int | None = None
     hidden: int | None = None
     heads: int | None = None
@@ -94,7 +110,25 @@ class ModelSpec(Spec):
         dupes = sorted({layer.name for layer in self.layers if layer.name in seen or seen.add(layer.name)})
         if dupes:
             raise ValueError(f"layers: duplicate layer names {dupes}")
+        index = {layer.name: i for i, layer in enumerate(self.layers)}
+        for i, layer in enumerate(self.layers):
+            if layer.tied_params and (index.get(layer.tied_to, i) >= i or layer.tied_params > layer.params):
+                raise ValueError(f"layers.{i}.tied_to: {layer.tied_to!r} must name an earlier layer and "
+                                 f"tied_params ({layer.tied_params}) be at most params ({layer.params})")
         return self
+
+    @property
+    def tied_layers(self) -> tuple[int, ...]:
+        """Indices of the layers holding a tied copy (``tied_params`` > 0). Not cached: a
+        ``model_copy(update=...)`` would carry a cached value over to the new layers."""
+        return tuple(i for i, layer in enumerate(self.layers) if layer.tied_params)
+
+    def tied_owner(self, layer: int) -> int | None:
+        """Index of the layer whose weights ``layer``'s ``tied_params`` share, or None."""
+        spec = self.layers[layer]
+        if not spec.tied_params:
+            return None
+        return next(i for i, other in enumerate(self.layers) if other.name == spec.tied_to)
 
     @property
     def num_layers(self) -> int:
@@ -102,7 +136,8 @@ class ModelSpec(Spec):
 
     @property
     def total_params(self) -> int:
-        return sum(layer.params for layer in self.layers)
+        """Distinct parameters: a tied copy (``tied_params``) is counted once, at its owner."""
+        return sum(layer.params - layer.tied_params for layer in self.layers)
 
     @property
     def fwd_flops_per_sample(self) -> float:

@@ -27,6 +27,10 @@ MAX_BYTES = MAX_LAYER_BYTES
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SCENARIOS = ("pp", "dp2", "dp4", "tp2", "tp4")
+#: what the symbolic profiler measures; part of the cache key, so a cached profile of an older
+#: profiler is traced again (4: .grad buffers pre-allocated, saves_input / saves_output,
+#: temp_fixed_bytes, no views or in-place outputs counted as memory, the executor's TP fractions)
+PROFILE_FORMAT = 5
 
 
 class LayerProfile(Spec):
@@ -41,7 +45,21 @@ class LayerProfile(Spec):
     bwd_flops: float = Field(ge=0, le=1e24, allow_inf_nan=False)
     saved_bytes: int = Field(ge=0, le=MAX_BYTES, description="unique storages saved for backward, parameters excluded")
     output_bytes: int = Field(ge=0, le=MAX_BYTES, description="the boundary tensor handed to the next layer")
-    temp_peak_bytes: int = Field(ge=0, le=MAX_BYTES, description="largest transient above the live bytes, fwd or bwd")
+    temp_peak_bytes: int = Field(ge=0, le=MAX_BYTES, description="backward's peak above the live bytes at its start "
+                                 "(.grad buffers pre-allocated: weight-gradient scratch, input gradient)")
+    temp_fixed_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="the part of temp_peak_bytes that does not grow "
+                                  "with the batch (the largest weight-gradient scratch)")
+    tp_param_fraction: float | None = Field(None, ge=0, le=1, description="parameters the executor's tensor "
+                                            "parallelism divides by t, where not as the closed forms say")
+    tp_saved_fraction: float | None = Field(None, ge=0, le=1, description="saved activations it divides by t, alike")
+    saves_input: bool = Field(True, description="the layer saves its input tensor for backward")
+    input_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="batch tensors the layer saves (the first layer's "
+                             "input: token ids, images); 0 for a layer fed by the previous one")
+    saves_output: bool = Field(False, description="the layer saves its own output (e.g. a final ReLU)")
+    fwd_ops: int = Field(0, ge=0, le=1 << 20, description="aten operators one forward dispatches (any batch)")
+    bwd_ops: int = Field(0, ge=0, le=1 << 20, description="aten operators one backward dispatches (any batch)")
+    tied_to: str | None = Field(None, description="earlier layer sharing ``tied_params`` of this layer's params")
+    tied_params: int = Field(0, ge=0, le=1 << 46, description="params (within ``params``) shared with ``tied_to``")
 
 
 class CaptureStat(Spec):
@@ -106,9 +124,17 @@ def apply_profile(model: ModelSpec, profile: Profile) -> ModelSpec:
             "fwd_flops_per_sample": prof.fwd_flops / profile.microbatch,
             "saved_bytes_per_sample": profile.per_sample(prof.saved_bytes),
             "output_bytes_per_sample": profile.per_sample(prof.output_bytes),
-            "workspace_bytes_per_sample": profile.per_sample(prof.temp_peak_bytes),
+            "workspace_bytes_per_sample": profile.per_sample(prof.temp_peak_bytes - prof.temp_fixed_bytes),
+            "workspace_fixed_bytes": prof.temp_fixed_bytes,
+            "fwd_ops": prof.fwd_ops, "bwd_ops": prof.bwd_ops,
+            "saves_input": prof.saves_input, "saves_output": prof.saves_output,
+            # the executor's TP plan, where it differs from the closed forms' (a profile describes
+            # the modules that run: executor.profile_symbolic._tp_fractions)
+            **({} if prof.tp_param_fraction is None else {"tp_sharded_param_fraction": prof.tp_param_fraction,
+                                                         "tp_sharded_saved_fraction": prof.tp_saved_fraction})
         }))
-    return model.model_copy(update={"layers": layers})
+    inputs = profile.per_sample(profile.layers[0].input_bytes) if profile.layers else 0
+    return model.model_copy(update={"layers": layers, "input_bytes_per_sample": inputs})
 
 
 def model_from_profile(profile: Profile) -> ModelSpec:
@@ -120,16 +146,20 @@ def model_from_profile(profile: Profile) -> ModelSpec:
                         fwd_flops_per_sample=p.fwd_flops / profile.microbatch,
                         saved_bytes_per_sample=profile.per_sample(p.saved_bytes),
                         output_bytes_per_sample=profile.per_sample(p.output_bytes),
-                        workspace_bytes_per_sample=profile.per_sample(p.temp_peak_bytes),
+                        workspace_bytes_per_sample=profile.per_sample(p.temp_peak_bytes - p.temp_fixed_bytes),
+                        workspace_fixed_bytes=p.temp_fixed_bytes,
+                        fwd_ops=p.fwd_ops, bwd_ops=p.bwd_ops, saves_input=p.saves_input,
+                        saves_output=p.saves_output, tied_to=p.tied_to, tied_params=p.tied_params,
                         tp_sharded_param_fraction=0.0, tp_sharded_saved_fraction=0.0, max_tp=1)
               for p in profile.layers]
     return ModelSpec(name=profile.model, family=profile.family, layers=layers,
-                     act_dtype_bytes=DTYPE_BYTES[profile.dtype])
+                     act_dtype_bytes=DTYPE_BYTES[profile.dtype],
+                     input_bytes_per_sample=profile.per_sample(profile.layers[0].input_bytes) if profile.layers else 0)
 
 
 def cache_key(model_cfg: dict, microbatch: int, dtype: str, attention: str, version: str) -> str:
     """Content hash of what a symbolic profile depends on: the model config (as plain data),
     the microbatch, the dtype, the attention path and the torch version."""
     body = json.dumps({"model": model_cfg, "microbatch": microbatch, "dtype": dtype,
-                       "attention": attention, "torch": version}, sort_keys=True)
+                       "attention": attention, "torch": version, "format": PROFILE_FORMAT}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()[:16]

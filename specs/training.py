@@ -28,8 +28,14 @@ class TrainingSpec(Spec):
     microbatch_size: int | None = Field(None, ge=1, le=MAX_COUNT)
     num_microbatches: int | None = Field(None, ge=1, le=MAX_COUNT)
     precision: Precision = Precision.fp16
+    # Default 18, Megatron-LM's: 2 (fp16/bf16 weights) + 4 (fp32 main grads) + 4 + 4 + 4 (fp32
+    # master weights, Adam m, v). Megatron forces fp32 gradient accumulation and all-reduce for
+    # bf16 (arguments.py: "bfloat16 requires gradient accumulation and all-reduce to be done in
+    # fp32"); for fp16 it is --accumulate-allreduce-grads-in-fp32, and Megatron's own memory
+    # estimate (megatron/training/theoretical_memory_usage.py) counts 18 for both. 16 is ZeRO's
+    # accounting (fp16 grads, Rajbhandari et al. 2020 §3.1); CAPTURE's presets set it explicitly.
     mixed_bytes_per_param: int = Field(
-        16, description="16: fp16 weights+grads, fp32 master/m/v (ZeRO); 18: fp32 grads (Megatron)"
+        18, description="18: fp32 main grads (Megatron's default); 16: fp16/bf16 grads (ZeRO)"
     )
     optimizer: Optimizer = Optimizer.adam
 
@@ -70,8 +76,8 @@ class TrainingSpec(Spec):
     def bytes_per_param(self) -> tuple[int, int, int]:
         """(weights, gradients, optimizer state) bytes per parameter.
 
-        Mixed Adam: 2 + 2 + 12 = 16 (ZeRO §3.1), or 2 + 4 + 12 = 18 with fp32 gradients
-        (Megatron). fp32 Adam: 4 + 4 + 8. SGD keeps one momentum (+ fp32 master when mixed).
+        Mixed Adam: 2 + 4 + 12 = 18 with fp32 gradients (Megatron, the default), or 2 + 2 + 12 = 16
+        (ZeRO §3.1). fp32 Adam: 4 + 4 + 8. SGD keeps one momentum (+ fp32 master when mixed).
         """
         if self.precision is Precision.fp32:
             return (4, 4, 8 if self.optimizer is Optimizer.adam else 4)

@@ -84,12 +84,13 @@ def run_plan_float64(plan, cfg, iterations: int, timeout_s: float = 90.0):
 
 def longest_reduction(cfg, training: TrainingSpec) -> int:
     """An upper bound on the number of terms of any one sum in a training step: matmul inner
-    dims (h, f = ffn_mult·h), the softmax over the vocabulary, and weight gradients / norm
+    dims (h, f), the softmax over the vocabulary, and weight gradients / norm
     statistics, which sum over every token (pixel) of the global batch."""
     if cfg.family == "wresnet":
         widest = cfg.base_channels * 2 ** (len(cfg.blocks_per_stage) - 1)
         return max(9 * widest * cfg.width_factor, 4 * widest, training.global_batch * (cfg.image_size // 2) ** 2)
-    return max(cfg.ffn_mult * cfg.hidden, cfg.vocab, training.global_batch * cfg.seq_len)
+    f = cfg.ffn_width if hasattr(cfg, "ffn_width") else cfg.ffn_mult * cfg.hidden  # MoE: ffn_mult
+    return max(f, cfg.vocab, training.global_batch * cfg.seq_len)
 
 
 def reorder_rtol(terms: int, dtype=np.float64, amplification: float = 1e4) -> float:

@@ -56,6 +56,8 @@ PLANS = {
     "interleaved-pp2v2xdp2": lambda: make_plan(parse_policy({"kind": "even", "pp": 2, "dp": 2}), SPEC, HW, TRAINING,
                                                ScheduleSpec(kind="interleaved_1f1b", virtual_stages=2)),
     "pp2xtp2-1f1b-recompute": lambda: planned("1f1b", pp=2, tp=2, recompute="full"),
+    # embedding and tied LM head in one stage: one Parameter, re-tied after TP sharding
+    "pp1xtp2xdp2-1f1b": lambda: planned("1f1b", pp=1, tp=2, dp=2),
     # stage 0 data-parallel on 2 ranks -> stage 1 tensor-parallel on 2 ranks: boundary resharding
     "hetero-dp2-tp2-1f1b": lambda: heterogeneous("1f1b", {"dp": 2}, {"tp": 2}),
     "hetero-tp2-dp2-gpipe": lambda: heterogeneous("gpipe", {"tp": 2}, {"dp": 2}, recompute=True),

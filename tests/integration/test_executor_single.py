@@ -28,7 +28,10 @@ SPEC = build_model(CFG, 4)
 @pytest.mark.parametrize("schedule,stage", [("1f1b", 1), ("1f1b", 2), ("gpipe", 1)])
 def test_block_stage_peak_within_5_percent_of_closed_form(schedule, stage):
     training = TrainingSpec(global_batch=8, microbatch_size=2, precision="fp32")  # m = 4
-    plan = make_plan(parse_policy({"kind": "even", "pp": 4}), SPEC, HW, training, ScheduleSpec(kind=schedule))
+    # stages 1 and 2 hold two blocks each, as before Megatron's layout became the default (which
+    # gives them one block each)
+    plan = make_plan(parse_policy({"kind": "manual", "pp": 4, "layers_per_stage": [1, 2, 2, 1]}), SPEC, HW, training,
+                     ScheduleSpec(kind=schedule))
     got = run_stage_alone(plan, CFG, stage, iterations=2)
     predicted = estimate(plan, SPEC, HW).devices[stage]
     params = sum(SPEC.layers[i].params for i in plan.stages[stage].layers)
@@ -40,8 +43,9 @@ def test_recompute_keeps_only_stage_inputs():
     cfg = CFG.model_copy(update={"hidden": 128})
     spec = build_model(cfg, 4)
     training = TrainingSpec(global_batch=8, microbatch_size=2, precision="fp32")
-    keep, full = (make_plan(parse_policy({"kind": "even", "pp": 4, "recompute": r}), spec, HW, training,
-                            ScheduleSpec(kind="gpipe")) for r in ("none", "full"))
+    # two blocks on stage 1 (the default Megatron layout would give it one): inputs vs internals
+    keep, full = (make_plan(parse_policy({"kind": "manual", "pp": 4, "layers_per_stage": [1, 2, 2, 1], "recompute": r}),
+                            spec, HW, training, ScheduleSpec(kind="gpipe")) for r in ("none", "full"))
     a = run_stage_alone(keep, cfg, 1, iterations=2)["breakdown"]["activations"]
     b = run_stage_alone(full, cfg, 1, iterations=2)["breakdown"]["activations"]
     assert b < a / 3  # checkpointing keeps each layer's input, not its internals

@@ -9,22 +9,24 @@ from specs import ScheduleKind, ScheduleSpec, TrainingSpec, costs
 from tests.conftest import make_hardware, make_model
 
 
-def plan_for(kind: str, p: int = 4, m: int = 8, model=None, hardware=None, policy=None, mb: int = 2):
+def plan_for(kind: str, p: int = 4, m: int = 8, model=None, hardware=None, policy=None, mb: int = 2, **training_kw):
     model = model or make_model(num_layers=8)
     hardware = hardware or make_hardware(devices=p, bw_gbps=1e9, latency_s=0.0)
-    training = TrainingSpec(global_batch=mb * m, microbatch_size=mb)
+    training = TrainingSpec(global_batch=mb * m, microbatch_size=mb, **training_kw)
     plan = make_plan(parse_policy(policy or {"kind": "even"}), model, hardware, training,
                      ScheduleSpec(kind=ScheduleKind(kind)))
     return plan, model, hardware
 
 
-def test_static_memory_is_16_bytes_per_param_mixed_adam():
-    plan, model, hw = plan_for("1f1b")
+@pytest.mark.parametrize("bpp", [None, 16, 18])
+def test_static_memory_is_18_bytes_per_param_mixed_adam_by_default(bpp):
+    """Megatron's 18 B/param (fp32 main grads) by default; ZeRO's 16 when asked."""
+    plan, model, hw = plan_for("1f1b", **({} if bpp is None else {"mixed_bytes_per_param": bpp}))
     res = estimate(plan, model, hw)
     per_device_params = model.total_params // 4
     for d in res.devices:
         b = d.breakdown
-        assert b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes == 16 * per_device_params
+        assert b.parameters_bytes + b.gradients_bytes + b.optimizer_bytes == (bpp or 18) * per_device_params
 
 
 def test_zero_shards_over_dp():
@@ -32,7 +34,7 @@ def test_zero_shards_over_dp():
     plan, model, _ = plan_for("1f1b", hardware=hw, policy={"kind": "even", "pp": 2, "dp": 4, "zero_stage": 3}, mb=4)
     b = estimate(plan, model, hw).devices[0].breakdown
     params = 4 * model.layers[0].params
-    assert (b.parameters_bytes, b.gradients_bytes, b.optimizer_bytes) == (2 * params / 4, 2 * params / 4, 12 * params / 4)
+    assert (b.parameters_bytes, b.gradients_bytes, b.optimizer_bytes) == (2 * params / 4, 4 * params / 4, 12 * params / 4)
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])

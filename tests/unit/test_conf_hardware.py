@@ -147,6 +147,6 @@ def test_ring_link_from_allreduce_inverts_the_ring_model():
     m = _measure_module()
     bw_gbps, lat_s = m.ring_link_from_allreduce(4e-3, 0.8e9, n=4)
     hw = load("local_cpu")
-    link = hw.intra_node.fallback.model_copy(update={"bw_gbps": bw_gbps, "latency_s": lat_s})
+    link = hw.intra_node.fallback.model_copy(update={"bw_gbps": bw_gbps, "collective_latency_s": lat_s})
     for nbytes in (4096, 1 << 20, 16 << 20):
         assert ring_allreduce_s(nbytes, 4, link) == pytest.approx(4e-3 + nbytes / 0.8e9)

@@ -65,7 +65,25 @@ def test_gpt_layout_embedding_and_head():
     assert head.fwd_flops_per_sample == 2 * s * h * V
     assert head.saved_bytes_per_sample >= 4 * s * V  # fp32 logits for the loss
     assert head.output_bytes_per_sample <= 8
-    assert spec.total_params == sum(l.params for l in spec.layers)
+    # tied by default (Megatron): the head's h·V is the embedding's, counted once
+    assert head.tied_to == "embed" and head.tied_params == h * V
+    assert spec.total_params == sum(l.params for l in spec.layers) - h * V
+    untied = build_model(gpt(hidden=h, heads=4, seq_len=s, vocab=V, num_layers=L, tie_embeddings=False))
+    assert untied.total_params == sum(l.params for l in spec.layers)
+    assert published_params(gpt(hidden=h, heads=4, seq_len=s, vocab=V, num_layers=L, tie_embeddings=False)) \
+        == spec.total_params
+
+
+def test_ffn_hidden_is_a_size_exclusive_with_ffn_mult():
+    h = 256
+    by_size = build_model(gpt(hidden=h, heads=4, seq_len=128, vocab=1000, num_layers=2, ffn_hidden=688))
+    by_mult = build_model(gpt(hidden=h, heads=4, seq_len=128, vocab=1000, num_layers=2, ffn_mult=4))
+    default = build_model(gpt(hidden=h, heads=4, seq_len=128, vocab=1000, num_layers=2))
+    f = 688  # MLP params 2hf + f + 3h (fc1, fc2, layernorm): only f differs from the 4h block
+    assert by_size.layers[1].params - by_mult.layers[1].params == (2 * h + 1) * (f - 4 * h)
+    assert default.layers[1].params == by_mult.layers[1].params
+    with pytest.raises(ValueError, match="ffn_hidden"):
+        gpt(hidden=h, heads=4, seq_len=128, vocab=1000, num_layers=2, ffn_hidden=688, ffn_mult=4)
 
 
 def test_gpt3_175b_total_params():

@@ -101,3 +101,45 @@ def test_unknown_policy_kind_lists_allowed():
 def test_capture_without_a_profile_says_how_to_get_one(model, hardware, training):
     with pytest.raises(PlanningError, match="mode=profile policy=capture"):
         make_plan(parse_policy({"kind": "capture"}), model, hardware, training, ScheduleSpec())
+
+
+# ---- Megatron's layout (issue #11): blocks evenly, embedding first, head last --------------------
+
+def _gpt(blocks: int):
+    from specs.families import build_model, parse_model_config
+
+    return build_model(parse_model_config(dict(family="gpt", name="g", num_layers=blocks, hidden=64, heads=4,
+                                               seq_len=32, vocab=256)))
+
+
+@pytest.mark.parametrize("kind", ["manual", "even"])
+def test_default_split_is_megatrons_layout(kind):
+    """128 blocks on pp=64 (the 1T model of Narayanan et al. 2021): 2 blocks on every stage, the
+    embedding beside the first two, the head beside the last two."""
+    model = _gpt(128)
+    hw = make_hardware(devices=64, nvlink_pairs=())
+    training = TrainingSpec(global_batch=64, microbatch_size=1)
+    plan = make_plan(parse_policy({"kind": kind, "pp": 64}), model, hw, training, ScheduleSpec())
+    blocks = [sum(model.layers[i].kind.value == "transformer_block" for i in s.layers) for s in plan.stages]
+    assert blocks == [2] * 64
+    assert plan.stages[0].layer_start == 0 and model.layers[0].kind.value == "embedding"
+    assert [s.num_layers for s in plan.stages] == [3] + [2] * 62 + [3]
+
+
+def test_megatron_layout_interleaved_and_uneven():
+    model, hw = _gpt(12), make_hardware(devices=2, nvlink_pairs=())
+    training = TrainingSpec(global_batch=8, microbatch_size=1)
+    plan = make_plan(parse_policy({"kind": "manual", "pp": 2}), model, hw, training,
+                     ScheduleSpec(kind="interleaved_1f1b", virtual_stages=3))
+    assert [s.num_layers for s in plan.stages] == [3, 2, 2, 2, 2, 3]  # embed in chunk 0, head in chunk 5
+    uneven = make_plan(parse_policy({"kind": "manual", "pp": 2}), _gpt(13), make_hardware(devices=2), training,
+                       ScheduleSpec(kind="interleaved_1f1b", virtual_stages=2))
+    # 13 blocks over 4 chunks: the extra block in a middle chunk, never in the first (most in flight)
+    assert [s.num_layers for s in uneven.stages] == [4, 4, 3, 4]
+
+
+def test_explicit_layers_per_stage_still_wins():
+    model, hw = _gpt(4), make_hardware(devices=2)
+    plan = make_plan(parse_policy({"kind": "manual", "pp": 2, "layers_per_stage": [1, 5]}), model, hw,
+                     TrainingSpec(global_batch=8, microbatch_size=1), ScheduleSpec())
+    assert [s.num_layers for s in plan.stages] == [1, 5]

@@ -20,10 +20,14 @@ def test_recompute_lowers_activation_peak_and_costs_a_forward():
     pl = plan("1f1b", P, M, memory=_all(MemoryAction.recompute))
     rc = simulate(pl, mdl, hw).result
     assert rc.devices[0].peak_bytes < base.devices[0].peak_bytes
-    # in flight: p checkpoints; transient: one layer's full activations during its backward
+    # in flight: p checkpoints; transient: one layer's activations re-materialised during its
+    # backward, less its input (the checkpoint, held already). Lower layers add the gradient of
+    # their output but the layers above have freed their checkpoints by then: the top layer's is
+    # the largest
     st = pl.stages[0]
     b = costs.samples_per_replica(pl, st)
-    want = P * costs.stage_activation_bytes(mdl, pl, st) + costs.layer_saved_bytes(mdl.layers[0], b, 1)
+    out = b * mdl.layers[0].output_bytes_per_sample
+    want = P * costs.stage_activation_bytes(mdl, pl, st) + costs.layer_saved_bytes(mdl.layers[0], b, 1) - out
     assert rc.devices[0].breakdown.activations_bytes == want
     assert rc.iteration_time_s > base.iteration_time_s
 
@@ -86,3 +90,58 @@ def test_memory_returns_to_static_after_the_iteration():
     for (pid, name), value in last.items():
         if name in ("activations_bytes", "swapped_in_bytes", "stashed_weights_bytes"):
             assert value == 0, (pid, name)
+
+
+def _mixed_model(layers: int = 24):
+    """Layers with backward scratch, some saving their output (a final ReLU) and not their input."""
+    mdl = model(layers=layers, saved=1 << 20, out=1 << 14)
+    return mdl.model_copy(update={"layers": [
+        l.model_copy(update={"workspace_bytes_per_sample": (i % 3) << 16, "saves_output": i % 2 == 0,
+                             "saves_input": i % 4 != 1})
+        for i, l in enumerate(mdl.layers)]})
+
+
+def test_interleaved_holds_megatron_warmup_unevenly_per_chunk():
+    """p = 8, v = 3, position 0 holds (p-1)·2 + (v-1)·p + 1 = 31 chunk-microbatches at its first
+    backward (Narayanan et al. 2021 §2.2), 15 + 8 + 8 over its chunks — not ceil(31/3) = 11 each."""
+    p, v, m = 8, 3, 16
+    pl = plan("interleaved_1f1b", p, m, mdl=model(layers=24), v=v)
+    counts = [costs.in_flight_microbatches(pl, s) for s in (0, p, 2 * p)]
+    assert counts == [15, 8, 8] and sum(counts) == (p - 1) * 2 + (v - 1) * p + 1
+    last = [costs.in_flight_microbatches(pl, s) for s in (p - 1, 2 * p - 1, 3 * p - 1)]
+    assert sum(last) == (v - 1) * p + 1
+
+
+@pytest.mark.parametrize("kind,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 3), ("pipedream_async", 1)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_simulator_and_analytic_agree_with_workspace_and_boundaries(kind, v, recompute):
+    """The event simulation and the closed form give the same per-device peak when layers have
+    backward scratch, save their output or not their input, and recompute: both walk the same
+    schedule order with the same per-microbatch bytes (specs.costs)."""
+    from planners.analytic import estimate
+
+    mdl, p = _mixed_model(), 4
+    per = mdl.num_layers // (p * v)
+    memory = {s: _all(MemoryAction.recompute, s, per)[s] for s in range(p * v)} if recompute else None
+    pl = plan(kind, p, 8, mdl=mdl, v=v, memory=memory)
+    sim, ana = simulate(pl, mdl, hardware(p)).result, estimate(pl, mdl, hardware(p))
+    assert [d.peak_bytes for d in sim.devices] == [d.peak_bytes for d in ana.devices]
+
+
+def test_stage_holds_each_boundary_once():
+    """A two-layer stage whose first layer saves its output and whose second saves its input holds
+    that tensor once; the stage's own input and output are held whatever the layers save."""
+    mdl = model(layers=4, saved=1 << 20, out=1 << 14)
+    lay = mdl.layers
+    both = mdl.model_copy(update={"layers": [lay[0], lay[1].model_copy(update={"saves_output": True}), *lay[2:]]})
+    pl = plan("1f1b", 2, 4, mdl=mdl)
+    st = pl.stages[1]  # layers 2, 3
+    b = costs.samples_per_replica(pl, st)
+    out = b * (1 << 14)
+    saved = costs.layer_saved_bytes(lay[2], b, 1)
+    # the input (saved by layer 2) + the rest of layer 2's saved + the 2->3 boundary (saved by
+    # layer 3) + the rest of layer 3's + the stage's output (saved by nobody, kept for backward)
+    assert costs.stage_activation_bytes(mdl, pl, st) == out + (saved - out) + out + (saved - out) + out
+    st0 = pl.stages[0]  # layers 0, 1: when layer 1's saved bytes include its output (the stage's
+    # output, held anyway) that tensor is not counted twice
+    assert costs.stage_activation_bytes(both, pl, st0) == costs.stage_activation_bytes(mdl, pl, st0) - out

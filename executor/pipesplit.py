@@ -1,0 +1,178 @@
+"""torch.distributed.pipelining's splitter, adapted to memwall's executor (see executor.user_model).
+
+``split(model, split_points, batch)`` traces ``model`` with ``torch.distributed.pipelining.pipeline``
+(torch.export) and returns its ``submod_i`` pieces as layers with memwall's ``forward(x, batch)``:
+each piece forwards the values later pieces read (memwall sends only to the next stage, torch's
+stages read from any earlier one) and holds the model's own Parameter and buffer objects (torch's
+splitter copies a parameter two stages use).
+"""
+from __future__ import annotations
+
+import copy
+import re
+
+import torch
+import torch.nn as nn
+
+
+class _LossOf(nn.Module):
+    """``model(**batch)``'s loss from positional args (torch.export traces positional inputs)."""
+
+    def __init__(self, model: nn.Module, keys: tuple[str, ...]):
+        super().__init__()
+        self.m, self.keys = model, keys
+
+    def forward(self, *args):
+        out = self.m(**dict(zip(self.keys, args)))
+        if isinstance(out, torch.Tensor):
+            return out
+        loss = out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else getattr(out, "loss", None)
+        if loss is None:
+            raise ValueError("model.factory: the model's forward(**batch) must return the loss or an output with `loss`")
+        return loss
+
+
+class Piece(nn.Module):
+    """Layer ``i`` of a split model: runs torch's ``submod_i`` on values from the batch and from the
+    carried tuple, and returns the tuple later layers need (the loss, for the last)."""
+
+    def __init__(self, submod: nn.Module, args_from: list, carry_out: list | None):
+        super().__init__()
+        self.submod, self.args_from, self.carry_out = submod, args_from, carry_out
+
+    def forward(self, x, batch):
+        args = [batch[src] if kind == "batch" else x[src] for kind, src in self.args_from]
+        out = self.submod(*args)
+        if self.carry_out is None:  # the last layer: the loss
+            return out[0] if isinstance(out, (tuple, list)) else out
+        return tuple(x[j] if kind == "carry" else (out if j is None else out[j]) for kind, j in self.carry_out)
+
+
+def _liveness(split_gm, keys: tuple[str, ...]) -> list[tuple[str, list, list | None]]:
+    """(submodule name, args_from, carry_out) per piece of torch's split graph. A value is
+    (producing piece, output index or None); the carry after piece i lists, in first-use order,
+    the values made by pieces <= i that pieces > i read."""
+    placeholders, calls = {}, []
+    for node in split_gm.graph.nodes:
+        if node.op == "placeholder":
+            placeholders[node] = keys[len(placeholders)]
+        elif node.op == "call_module":
+            calls.append(node)
+    index = {node: i for i, node in enumerate(calls)}
+
+    def value(arg):
+        if arg in placeholders:
+            return ("batch", placeholders[arg])
+        if arg in index:
+            return (index[arg], None)
+        if arg.op == "call_function" and arg.args and arg.args[0] in index:  # operator.getitem
+            return (index[arg.args[0]], arg.args[1])
+        raise ValueError(f"model.split_points: unsupported value {arg.format_node()} between pieces")
+
+    reads = [[value(a) for a in node.args] for node in calls]
+    carries: list[list] = []
+    for i in range(len(calls) - 1):
+        live = []
+        for later in reads[i + 1:]:
+            for v in later:
+                if v[0] != "batch" and v[0] <= i and v not in live:
+                    live.append(v)
+        carries.append(live)
+    out = []
+    for i, node in enumerate(calls):
+        before = carries[i - 1] if i else []
+        args_from = [v if v[0] == "batch" else ("carry", before.index(v)) for v in reads[i]]
+        carry_out = None if i == len(calls) - 1 else [
+            ("out", v[1]) if v[0] == i else ("carry", before.index(v)) for v in carries[i]]
+        out.append((node.target, args_from, carry_out))
+    return out
+
+
+def _repoint(piece: nn.Module, root: nn.Module) -> None:
+    """Make every parameter and buffer of ``piece`` the model's own object of the same name
+    (torch's splitter copies a parameter that two stages use; the original keeps ties and values)."""
+    for mod_name, mod in piece.named_modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                full = f"{mod_name}.{name}" if mod_name else name
+                full = full.split(".", 1)[1] if full.startswith("submod.") else full
+                full = re.sub(r"@\d+", "", full)  # unflatten's copy of a module called twice: "rot@1"
+                try:
+                    orig = root.get_parameter(full) if table is mod._parameters else root.get_buffer(full)
+                except AttributeError:
+                    continue  # a constant the tracer made (kept as traced)
+                if orig.shape == t.shape and orig.dtype == t.dtype:
+                    table[name] = orig
+
+
+def split(model: nn.Module, split_points: list[str], batch: dict) -> list[tuple[str, nn.Module]]:
+    """``model`` cut into ``(name, Piece)`` layers at ``split_points`` with torch's splitter; the
+    pieces hold ``model``'s own parameters and buffers. torch's splitter wraps the forward of the
+    modules it splits at (a second trace of the same module recurses), so it traces a copy."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    keys = tuple(batch)
+    root = _LossOf(model, keys)
+    traced = _LossOf(copy.deepcopy(model), keys)
+    names = dict(model.named_modules())
+    missing = [p for p in split_points if p not in names]
+    if missing:
+        raise ValueError(f"model.split_points: no module named {missing} (modules: {list(names)[1:8]} ...)")
+    order = {name: i for i, name in enumerate(names)}  # definition order, which names the pieces
+    split_points = sorted(dict.fromkeys(split_points), key=order.__getitem__)
+    spec = {f"m.{p}": SplitPoint.BEGINNING for p in split_points}
+    try:
+        pipe = pipeline(traced, mb_args=tuple(batch[k] for k in keys), split_spec=spec or None)
+    except Exception as exc:  # noqa: BLE001 - torch.export's reasons are many; say which step failed
+        raise ValueError(f"model.split_points: torch.distributed.pipelining could not trace the model "
+                         f"({type(exc).__name__}: {str(exc)[:300]})") from None
+    layers = []
+    for i, (target, args_from, carry_out) in enumerate(_liveness(pipe.split_gm, keys)):
+        piece = Piece(pipe.split_gm.get_submodule(target), args_from, carry_out)
+        _repoint(piece, root)
+        for mod in piece.modules():  # run the generated Python code, not fx.Interpreter (~10x slower per op)
+            if hasattr(mod, "_run_with_interpreter"):
+                mod._run_with_interpreter = False
+        name = _piece_name(i, piece, split_points)
+        layers.append((name if all(name != n for n, _ in layers) else f"{name}#{i}", piece))
+    if split_points and len(layers) != len(split_points) + 1:
+        raise ValueError(f"model.split_points: {len(split_points)} points gave {len(layers)} layers, not "
+                         f"{len(split_points) + 1}: is every named module called in forward (and only once)?")
+    return layers
+
+
+def _piece_name(i: int, piece: nn.Module, split_points: list[str]) -> str:
+    if 0 < i <= len(split_points):
+        return split_points[i - 1]
+    first = next((n for n, _ in piece.named_parameters()), "input")
+    return first.removeprefix("submod.").removeprefix("m.").rsplit(".", 1)[0] or "input"
+
+
+def retarget(piece: nn.Module, src: torch.device | str, dst: torch.device | str) -> None:
+    """Rewrite the device arguments of a traced graph's ops (``arange(device=...)``,
+    ``_assert_tensor_metadata``) from ``src`` to ``dst`` and regenerate its code: torch.export
+    records the device it traced on. The symbolic profiler runs meta-traced pieces on fake CPU
+    tensors; the executor moves CPU-traced pieces to its GPU."""
+    src, dst = torch.device(src), torch.device(dst)
+    if src == dst:
+        return
+    swap = lambda a: dst if isinstance(a, (torch.device, str)) and _is(a, src) else a  # noqa: E731
+    for mod in piece.modules():
+        graph = getattr(mod, "graph", None)
+        if graph is None or not hasattr(mod, "finalize"):
+            continue
+        for node in graph.nodes:
+            if "device" in node.kwargs:
+                node.kwargs = {**node.kwargs, "device": swap(node.kwargs["device"])}
+            node.args = tuple(swap(a) for a in node.args)
+        mod.finalize()
+
+
+def _is(a, device: torch.device) -> bool:
+    try:
+        d = torch.device(a)
+    except (RuntimeError, TypeError):
+        return False
+    return d.type == device.type and (device.index is None or d.index in (None, device.index))

@@ -92,9 +92,39 @@ class Posted(list):
         self.kind, self.boundary = kind, boundary
 
 
-def backward(y, grads: list[torch.Tensor]) -> None:
+def backward(y, grads: list[torch.Tensor], released: bool = False) -> None:
     """Backward of a boundary pytree ``y`` from the received gradients of its gradient leaves."""
-    torch.autograd.backward(grad_leaves(y), grads)
+    if released:
+        run_backward(grad_leaves(y), grads)
+    else:
+        torch.autograd.backward(grad_leaves(y), grads)
+
+
+def release(y):
+    """Free a sent boundary ``y`` (a tensor or a pytree) down to what its backward needs, and
+    return that: Megatron-LM's ``deallocate_output_tensor`` swaps ``.data`` for a one-element
+    tensor once the output is sent, keeping the autograd node. For a pytree only the gradient
+    leaves are kept (the backward starts from them alone), so the rest (a user model's attention
+    mask) goes with the reference to it. Views (freeing them frees nothing of their base),
+    DTensors and leaves made outside the stage's graph keep their data. A storage autograd saved
+    (an op that saves its own output) stays alive through the saved copy, so the backward is still
+    exact, it just frees nothing (specs.costs.releases_output). An in-flight send still holds the
+    storage through its own view until the send completes."""
+    leaves = grad_leaves(y)
+    for t in leaves:
+        if type(t) is torch.Tensor and t._base is None and t.grad_fn is not None:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return y if isinstance(y, torch.Tensor) else leaves
+
+
+def run_backward(roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """``torch.autograd.backward(roots, grads)`` for roots that may be released (:func:`release`):
+    torch.autograd.backward checks each gradient's shape against its root's, which a released root
+    (shape [0]) fails; the engine behind it needs only the roots' autograd nodes, so call it
+    directly, as Megatron's ``custom_backward`` does for the same reason."""
+    from torch.autograd.graph import _engine_run_backward
+
+    _engine_run_backward(tuple(roots), tuple(grads), False, False, (), True, True)
 
 
 def input_grads(x) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from executor import user_model
+from executor.boundary import release, run_backward
 from executor.models import Block, LMHead, MoEBlock, TokenEmbedding, build_layers
 from executor.topology import coords, message_tag, replica_rows, routes
 from specs.plan import MemoryAction, Plan
@@ -165,6 +166,10 @@ class StageRuntime:
         self.loss_sum = 0.0
         self.inputs: dict[int, torch.Tensor | None] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # Megatron's deallocate_output_tensor (training.deallocate_pipeline_outputs): a sent output
+        # keeps only its autograd node; its storage goes once the send is done (boundary.release)
+        self.release_outputs = plan.training.deallocate_pipeline_outputs and not self.last
+        self.released: set[int] = set()
         self.sends = SendReaper()
         self.in_routes = routes(plan, index - 1, index) if not self.first else []
         self.out_routes = routes(plan, index, index + 1) if not self.last else []
@@ -208,11 +213,15 @@ class StageRuntime:
 
     def backward(self, k: int, grad: torch.Tensor | None) -> None:
         y = self.outputs.pop(k)
+        released = k in self.released
+        self.released.discard(k)
         if self.last:
             with _loss_context(self.vocab_parallel):
                 y.backward()
         elif self.bounds is not None:
-            user_model.backward(y, grad)
+            user_model.backward(y, grad, released)
+        elif released:
+            run_backward([y], [grad])
         else:
             y.backward(grad)
         for p in self.params:  # accumulation may have replaced a grad tensor: keep it filed
@@ -236,7 +245,8 @@ class StageRuntime:
         of latency each on local_cpu). Tied weights of a user model are summed over their copies
         first (user_model.TiedGrads; once per rank and iteration)."""
         if self.ties is not None:
-            self.ties.sync()
+            with self.tracker.phase("buffers"):
+                self.ties.sync()
         if self.dp_group is None:
             return
         local = [getattr(p.grad, "_local_tensor", p.grad) for p in self.params]
@@ -295,6 +305,9 @@ class StageRuntime:
                     piece = tensor.detach()[r.start - lo:r.stop - lo].contiguous()
                     work = dist.isend(piece, dst=self.rank_of[r.dst_device], tag=tag)
                     self.sends.add(work, piece, on_done)
+        if kind == "act" and self.release_outputs:  # the pieces above keep the storage until sent
+            self.outputs[k] = release(tensor)
+            self.released.add(k)
 
     def post_recv(self, kind: str, k: int, peer: int, tail: tuple[int, ...]) -> list:
         """Post the receives of a boundary tensor (``irecv`` into fresh buffers); returns the

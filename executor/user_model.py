@@ -333,11 +333,16 @@ class TiedGrads:
             group = self.groups.get(("tie", g, 0))
             if group is None and len(mine) == 1:
                 continue  # one copy on one rank: the layers share one Parameter, nothing to sync
-            total = torch.stack([p.grad for p, _ in mine]).sum(0) if len(mine) > 1 else mine[0][0].grad.clone()
+            # one temporary, the running sum (specs.costs.tied_sync_buffer_bytes): no stacked
+            # copies, and each copy's share is written into its gradient in place
+            total = mine[0][0].grad.clone()
+            for p, _ in mine[1:]:
+                total.add_(p.grad)
             if group is not None:
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
             for p, dp in mine:
-                p.grad.copy_(total / dp)
+                torch.div(total, dp, out=p.grad)
+            del total
 
     def reset(self) -> None:
         self.done = False

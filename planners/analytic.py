@@ -24,18 +24,20 @@ def device_memory(plan: Plan, model: ModelSpec) -> dict[int, tuple[MemoryBreakdo
     Peak = static + boundary gradient buffers + stashed weights (PipeDream) + the larger of
     (a) the activation peak of the device's pipeline position — the microbatches held per stage at
     the moment the schedule holds the most bytes, plus that backward's workspace (scratch,
-    recomputed activations; specs.costs.activation_peak) — and (b) the flat gradient copy of a
+    recomputed activations; or the output of the last forward still being sent, when stage outputs
+    are released once sent; specs.costs.activation_peak) — and (b) the flat gradient copy of a
     data-parallel all-reduce (after the last backward, when activations are gone); plus the
     largest swap-in copy and bytes peers D2D-swapped here (held for the in-flight microbatches,
     striped by weight, MPress §IV-C).
     """
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
-    acts, work, allreduce = {}, {}, {}
+    acts, work, allreduce, sent = {}, {}, {}, {}
     for i, stage in enumerate(plan.stages):
         acts[i] = costs.stage_activation_bytes(model, plan, stage)
+        sent[i] = costs.sent_output_bytes(model, plan, stage)
         work[i], _ = costs.backward_transient_bytes(model, plan, stage)
         allreduce[i] = costs.allreduce_buffer_bytes(model, plan, stage)
-    peaks = {pos: costs.activation_peak(plan, pos, acts, work) for pos in range(plan.pipeline_depth)}
+    peaks = {pos: costs.activation_peak(plan, pos, acts, work, sent) for pos in range(plan.pipeline_depth)}
     for i, stage in enumerate(plan.stages):
         static, host = costs.stage_static(model, plan, stage)
         in_flight = peaks[plan.device_group_of(i)][1][i]

@@ -100,7 +100,7 @@ class _Layers:
 
     def __init__(self, table: StageTable, p: Placed):
         m, plan, hw = table.model, table.proto, table.hardware
-        fwd, bwd, params, own, bnd, freed, work = [0.0], [0.0], [0], [0], [0], [0], []
+        fwd, bwd, params, own, bnd, freed, work, kept = [0.0], [0.0], [0], [0], [0], [0], [], []
         self.dp, self.tp = p.degrees
         self.samples = b_ = table.training.samples_per_microbatch // self.dp
         L = m.num_layers
@@ -120,8 +120,9 @@ class _Layers:
                              costs.layer_own_bytes(m, one, i, b_),
                              costs.boundary_held_bytes(m, st, i, b_) if i + 1 < L else 0,
                              costs.layer_freed_bytes(m, below, i, b_),
-                             costs.backward_workspace_bytes(m, plan, one))
-            f, b, n, o, h, r, w = seen[sig]
+                             costs.backward_workspace_bytes(m, plan, one),
+                             not costs.releases_output(m, plan, one))
+            f, b, n, o, h, r, w, k = seen[sig]
             fwd.append(fwd[-1] + f)
             bwd.append(bwd[-1] + b)
             params.append(params[-1] + n)
@@ -129,10 +130,14 @@ class _Layers:
             bnd.append(bnd[-1] + h)
             freed.append(freed[-1] + r)
             work.append(w)
+            kept.append(k)
         self.fwd, self.bwd, self.params, self.own, self.bnd, self.work = fwd, bwd, params, own, bnd, work
         self.freed = freed
         out = [b_ * layer.output_bytes_per_sample for layer in m.layers]
         self.out = out
+        # a stage ending at layer j keeps its output only where it is not released once sent
+        # (specs.costs.releases_output: the last layer of the model, or one that saves its output)
+        self.held_out = [o if k else 0 for o, k in zip(out, kept)]
         self.first_input = costs.layer_input_bytes(m, 0, b_)
         # specs.costs.backward_workspace_bytes of layers [a, b): max(work[b-1], max over j in
         # [a, b-1) of work[j] + out[j] - (freed[b] - freed[j+1])): a range max of
@@ -144,12 +149,16 @@ class _Layers:
 
     def act(self, a: int, b: int) -> int:
         """specs.costs.stage_activation_bytes of layers [a, b): own bytes, the boundaries inside,
-        the stage's input and output."""
+        the stage's input and its output where it is held (not released once sent)."""
         return (self.own[b] - self.own[a]) + (self.bnd[b - 1] - self.bnd[a]) + \
-            (self.out[a - 1] if a > 0 else self.first_input) + self.out[b - 1]
+            (self.out[a - 1] if a > 0 else self.first_input) + self.held_out[b - 1]
 
     def transient(self, a: int, b: int) -> int:
-        top = self.work[b - 1]
+        """What peaks on top of the held microbatches (non-interleaved schedules, whose first
+        backward follows the forward that holds the most): the backward workspace, or the released
+        output of that forward while it is sent (specs.costs.activation_peak's two moments)."""
+        sent = self.out[b - 1] - self.held_out[b - 1]
+        top = max(self.work[b - 1], sent)
         if b - a == 1:
             return max(top, 0)
         return max(top, self.lower(a, b - 1) - self.freed[b], 0)
@@ -257,7 +266,7 @@ class StageTable:
             static = static_per_param(n)
             out = lay.samples * out_bytes[stop - 1]
             buffer = (lay.samples * out_bytes[start - 1] if start > 0 else 0) + (out if stop < L else 0)
-            flat = g_b * n if dp > 1 else 0  # specs.costs.allreduce_buffer_bytes
+            flat = max(g_b * n if dp > 1 else 0, self._tied_sync(start, stop))  # specs.costs.allreduce_buffer_bytes
             return (static + max(self.in_flight(0, after + 1) * act(start, stop) + transient(start, stop), flat)
                     + buffer + (after * weight_per_param(n) if stash else 0))
 
@@ -298,11 +307,17 @@ class StageTable:
             weights_bytes=weights,
             act_bytes=lay.act(a, b),
             transient_bytes=lay.transient(a, b),
-            allreduce_bytes=g_b * params if dp > 1 else 0,
+            allreduce_bytes=max(g_b * params if dp > 1 else 0, self._tied_sync(a, b)),
             buffer_bytes=((costs.layer_input_bytes(m, a, lay.samples) if a > 0 else 0)
                           + (out if b < m.num_layers else 0)),
             out_bytes=out,
         )
+
+    def _tied_sync(self, a: int, b: int) -> int:
+        """specs.costs.tied_sync_buffer_bytes of layers [a, b) (stages in this space hold their
+        own devices, so a tied pair is shared exactly when both sides lie in [a, b))."""
+        g_b = self._bytes_per_param[1]
+        return max((g_b * n for owner, copy, n in self.tied_pairs if (a <= owner < b) != (a <= copy < b)), default=0)
 
     def p2p_s(self, a: Placed, b: Placed, out_bytes: int) -> float:
         """Activation forward + gradient back between the first devices of consecutive stages."""

@@ -21,7 +21,7 @@ from simulator.memory import ACTS, BUFFERS, GRADS, OPTIM, PARAMS, STASHED, SWAPP
 from simulator.stagecost import SWAPS, StageCost, ns, stage_costs
 from simulator.trace import TraceBuilder
 from specs import costs
-from specs.hardware import HardwareSpec, LinkSpec
+from specs.hardware import RENDEZVOUS_KINDS, HardwareSpec, LinkSpec
 from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan, ScheduleKind
 from specs.schedule import ActionKind, build_schedule, pairs
@@ -58,6 +58,8 @@ class Engine:
         self.busy_ns = [0] * self.p
         self.events = 0
         self._mail: dict[tuple, simpy.Event] = {}
+        # released outputs waiting for their receive to be posted: send key -> (position, end ns, bytes)
+        self._unreceived: dict[tuple, tuple[int, int, int]] = {}
         self._swap_out_end: dict[tuple[int, int, int], int] = {}
         self._swap_in_done: dict[tuple[int, int, int], simpy.Event] = {}
         self._prefetch: dict[tuple[int, int], list[int]] = {}  # (stage, mb) -> layers not yet fetched
@@ -146,6 +148,9 @@ class Engine:
                 self._send(a, sc, rep)
             elif kind is _RA or kind is _RG:
                 key = pairs(a)
+                sent = self._unreceived.pop(key, None)
+                if sent is not None:  # the sender's released output goes once this receive is posted
+                    self._free_acts(sent[0], max(sent[1], env.now), sent[2])
                 ev = self._mail.pop(key, None)
                 if ev is None:
                     ev = self._mail[key] = env.event()
@@ -274,10 +279,28 @@ class Engine:
         arrived = self._later(end - now)
         key = pairs(a)
         waiting = self._mail.pop(key, None)
+        if fwd and sc.sent_output_bytes:
+            # A released output (Megatron's deallocate_output_tensor) is held by its send alone
+            # until the transfer ends; over a rendezvous link (gloo, specs.hardware.RENDEZVOUS_KINDS)
+            # also until the receive is posted, which the receiver does where it consumes it
+            # (executor.worker._walk): a fast stage feeding a slow one then holds several.
+            link = self.links.route(rep, dst)[0] if dst != rep else None
+            if waiting is not None or link is None or link.kind not in RENDEZVOUS_KINDS:
+                self._free_acts(sc.position, end, sc.sent_output_bytes)
+            else:  # freed once the receiver gets to its receive (see the recv branch of _walk)
+                self._unreceived[key] = (sc.position, end, sc.sent_output_bytes)
         if waiting is None:
             self._mail[key] = arrived
         else:  # the receiver is already blocked on a placeholder event
             arrived.callbacks.append(lambda _e, w=waiting: w.succeed())
+
+    def _free_acts(self, pos: int, t_ns: int, nbytes: int) -> None:
+        """Release ``nbytes`` of activations on position ``pos`` at time ``t_ns`` (now or later)."""
+        mem, now = self.mem[pos], self.env.now
+        if t_ns > now:
+            self._later(t_ns - now, lambda _e: mem.add(self.env.now, ACTS, -nbytes))
+        else:
+            mem.add(now, ACTS, -nbytes)
 
     def _stripes(self, nbytes: int, targets: tuple[tuple[int, float], ...]) -> list[tuple[int, int]]:
         """Split ``nbytes`` over d2d targets proportionally to weight (MPress §IV-C striping);

@@ -45,6 +45,7 @@ class StageCost:
     simple: bool                  # no swapped layer: one event per pass, no per-layer walk
     fwd_alloc_bytes: int          # activation bytes allocated when the forward ends
     act_bytes: int                # of those, what the backward frees (swapped layers leave by copy-out)
+    sent_output_bytes: int        # of those, the released output, freed when its send is done
     workspace_bytes: int          # peak excess during one backward (scratch, recomputed activations)
     allreduce_buffer_bytes: int   # flat gradient copy during the dp all-reduce
     act_out_bytes: int            # boundary activation sent to the next stage (per replica)
@@ -76,12 +77,14 @@ def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[St
         static, host = costs.stage_static(model, plan, stage)
         # A swapped layer's activations stay resident until its copy-out finishes.
         act = costs.stage_activation_bytes(model, plan, stage)
-        fwd_alloc = act + sum(lc.saved_bytes for lc in layers if lc.action in SWAPS)
+        # A released output (training.deallocate_pipeline_outputs) lives until its send is done.
+        sent = costs.sent_output_bytes(model, plan, stage)
+        fwd_alloc = act + sent + sum(lc.saved_bytes for lc in layers if lc.action in SWAPS)
         out.append(StageCost(
             index=s, position=plan.device_group_of(s), rep=stage.devices[0],
             fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
             simple=all(lc.action not in SWAPS for lc in layers),
-            fwd_alloc_bytes=fwd_alloc, act_bytes=act,
+            fwd_alloc_bytes=fwd_alloc, act_bytes=act, sent_output_bytes=sent,
             workspace_bytes=costs.backward_transient_bytes(model, plan, stage)[0],
             allreduce_buffer_bytes=costs.allreduce_buffer_bytes(model, plan, stage),
             act_out_bytes=b * model.layers[stage.layer_stop - 1].output_bytes_per_sample,

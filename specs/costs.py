@@ -136,18 +136,38 @@ def boundary_held_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples:
     return 0
 
 
+def releases_output(model: ModelSpec, plan: Plan, stage: StagePlan) -> bool:
+    """Whether the stage's output stops counting once it is sent (``training.
+    deallocate_pipeline_outputs``, Megatron's ``deallocate_output_tensor``): not on the last stage
+    (its output is the loss, the backward's root), and not when the last layer saves its own output
+    (a final ReLU: autograd keeps that storage, so freeing the tensor frees no memory)."""
+    return (plan.training.deallocate_pipeline_outputs and stage.layer_stop < model.num_layers
+            and not holds_output(stage, model, stage.layer_stop - 1))
+
+
+def sent_output_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """The output a releasing stage (:func:`releases_output`) still holds while its send is in
+    flight: the send reads it, and gloo (or NCCL's stream) keeps it until the transfer is done.
+    The simulator frees it when the transfer ends; the closed forms count it as freed at the send,
+    as Megatron's allocator does."""
+    if not releases_output(model, plan, stage):
+        return 0
+    return samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+
+
 def stage_activation_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
     """Activation bytes one microbatch of ``stage`` holds from its forward to its backward: every
     layer's own saved bytes, the tensors between its layers that a layer saves, and the stage's
     input and output, each once. The input is kept for the backward whether or not the first layer
     saves it (the received tensor is the leaf whose gradient is sent back; Megatron keeps
-    ``input_tensors`` alike) and so is the output (the backward starts from it; it is also the send
-    buffer, so a send costs no extra copy)."""
+    ``input_tensors`` alike). The output is kept only where it is not released once sent
+    (:func:`releases_output`): otherwise the backward starts from it, and it is also the send
+    buffer, so a send costs no extra copy."""
     b = samples_per_replica(plan, stage)
     layers = stage.layers
     total = sum(layer_own_bytes(model, stage, l, b) for l in layers)
     total += sum(boundary_held_bytes(model, stage, l, b) for l in layers[:-1])
-    output = b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+    output = 0 if releases_output(model, plan, stage) else b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
     return total + layer_input_bytes(model, stage.layer_start, b) + output
 
 
@@ -213,8 +233,22 @@ def comm_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
 def allreduce_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
     """A flat copy of the stage's gradients while they are all-reduced over dp (the executor sends
     one bucket per stage, ``torch.cat`` of the gradients, as DDP's default buckets are copies);
-    0 without data parallelism. Allocated after the last backward, when activations are gone."""
-    return dp_grad_bytes(model, plan, stage) if stage.dp > 1 else 0
+    0 without data parallelism. Allocated after the last backward, when activations are gone.
+    The tied-weight gradient copy (:func:`tied_sync_buffer_bytes`) comes after it is freed: the
+    larger of the two."""
+    flat = dp_grad_bytes(model, plan, stage) if stage.dp > 1 else 0
+    return max(flat, tied_sync_buffer_bytes(model, plan, stage))
+
+
+def tied_sync_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """The gradient copy a stage holding one side of a tied weight (the other side on other
+    devices) all-reduces with the other side after the data-parallel sync: Megatron's embedding
+    group (executor.stage ``allreduce_embedding_grads``: ``full_tensor()``, the whole gradient even
+    under TP) or a user model's running sum (executor.user_model.TiedGrads). Tied groups sync one
+    after another, so the largest one."""
+    _, g_b, _ = plan.training.bytes_per_param()
+    return max((g_b * model.layers[copy].tied_params
+                for _, copy, shared in tied_copies(model, plan, stage) if not shared), default=0)
 
 
 def stage_static(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[MemoryBreakdown, int]:
@@ -251,12 +285,16 @@ def stashed_versions(plan: Plan, stage_index: int) -> int:
 
 
 def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = None,
-                    transient_bytes: dict[int, int] | None = None) -> tuple[int, dict[int, int]]:
+                    transient_bytes: dict[int, int] | None = None,
+                    sent_bytes: dict[int, int] | None = None) -> tuple[int, dict[int, int]]:
     """(activation bytes, held microbatches per stage) at the peak of pipeline ``position``, found
     by walking its pass order (specs.schedule.compute_order, the order the simulator and the
     executor walk): a forward adds ``act_bytes[stage]``; a backward peaks at everything held plus
-    ``transient_bytes[stage]`` and then frees its microbatch. Unit bytes by default, so the
-    counts are those of the most microbatches held (first such moment).
+    ``transient_bytes[stage]`` and then frees its microbatch; a forward's end also peaks at what is
+    held plus ``sent_bytes[stage]``, a released output still being sent (:func:`sent_output_bytes`;
+    assumed sent before the next pass ends, as the simulator finds it unless links are slower than
+    a pass). Unit bytes by default, so the counts are those of the most microbatches held (first
+    such moment).
 
     GPipe holds all m; 1F1B and PipeDream min(p - i, m) (PipeDream-2BW §3); interleaved 1F1B the
     Megatron warm-up count min((p-i-1)·2 + (v-1)·p + 1, m·v) of chunk-microbatches, unevenly over
@@ -272,6 +310,8 @@ def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None 
         if pass_ == "F":
             held[s] += 1
             now += a
+            if sent_bytes is not None and now + sent_bytes[s] > best:
+                best, best_held = now + sent_bytes[s], dict(held)
             continue
         peak = now + (transient_bytes[s] if transient_bytes is not None else 0)
         if peak > best:

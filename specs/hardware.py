@@ -50,6 +50,11 @@ class LinkKind(str, Enum):
 
 #: kinds over which a GPU can read/write a peer's memory directly (MPress D2D swap needs one)
 PEER_KINDS = frozenset({LinkKind.nvlink, LinkKind.nvswitch, LinkKind.shm})
+#: kinds whose sends complete only once the matching receive is posted, holding the sender's
+#: buffer until then: gloo between the processes of one host moves a message only into a posted
+#: receive. Over GPU links NCCL's isend records the tensor on its stream and the caching allocator
+#: counts it free as soon as the sender drops it (reuse is stream-ordered), as Megatron relies on.
+RENDEZVOUS_KINDS = frozenset({LinkKind.shm})
 #: kinds where the bandwidth is a per-device port shared by all peers (switched fabrics)
 SWITCHED_KINDS = frozenset({LinkKind.nvswitch, LinkKind.ib, LinkKind.ethernet, LinkKind.pcie})
 

@@ -38,6 +38,15 @@ class TrainingSpec(Spec):
         18, description="18: fp32 main grads (Megatron's default); 16: fp16/bf16 grads (ZeRO)"
     )
     optimizer: Optimizer = Optimizer.adam
+    # Megatron-LM frees a pipeline stage's output once it is sent (``deallocate_output_tensor``;
+    # ``deallocate_pipeline_outputs = True``, set unconditionally in
+    # ``core_transformer_config_from_args``): only its autograd node is kept for the backward. The
+    # executor does the same (executor.stage.StageRuntime.release_output); false keeps the output
+    # until its backward, as a plain ``y.backward(grad)`` pipeline does (2·s·b·h more per in-flight
+    # microbatch on a GPT stage, Korthikanti et al. 2022 §4.2.3 leave it out for this reason).
+    deallocate_pipeline_outputs: bool = Field(
+        True, description="free a stage's output once sent, keeping its autograd graph (Megatron's default)"
+    )
 
     @model_validator(mode="after")
     def _batch(self) -> TrainingSpec:

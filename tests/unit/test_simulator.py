@@ -63,14 +63,39 @@ def test_bubble_fraction(kind, p, m):
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_peak_in_flight_activations(kind):
-    """Peak activations on stage i: m microbatches (GPipe), min(p - i, m) (1F1B)."""
+    """Peak activations on stage i: m microbatches (GPipe), min(p - i, m) (1F1B), plus what peaks on
+    top of them: the first backward's workspace, or the last forward's output while it is sent
+    (released once sent, Megatron's default; the last stage's output is its loss, never sent)."""
     p, m = 4, 6
     pl, mdl = plan(kind, p, m), model()
     res = simulate(pl, mdl, hardware(p)).result
     for i, d in enumerate(res.devices):
-        per_mb = costs.stage_activation_bytes(mdl, pl, pl.stages[i])
+        st = pl.stages[i]
+        per_mb = costs.stage_activation_bytes(mdl, pl, st)
         expect = m if kind == "gpipe" else min(p - i, m)
-        assert d.breakdown.activations_bytes == expect * per_mb
+        on_top = max(costs.backward_workspace_bytes(mdl, pl, st), costs.sent_output_bytes(mdl, pl, st))
+        assert costs.sent_output_bytes(mdl, pl, st) == (0 if i == p - 1 else mdl.layers[0].output_bytes_per_sample)
+        assert d.breakdown.activations_bytes == expect * per_mb + on_top
+
+
+def test_kept_outputs_count_until_their_backward():
+    """training.deallocate_pipeline_outputs=false: every held microbatch keeps its stage output
+    (one more boundary tensor per microbatch), and nothing is sent out of the held set."""
+    p, m = 4, 6
+    mdl = model()
+    released = plan("1f1b", p, m)
+    kept = released.model_copy(update={"training": released.training.model_copy(
+        update={"deallocate_pipeline_outputs": False})})
+    out = mdl.layers[0].output_bytes_per_sample * kept.training.samples_per_microbatch
+    for i in range(p - 1):
+        a, b = released.stages[i], kept.stages[i]
+        assert costs.stage_activation_bytes(mdl, kept, b) == costs.stage_activation_bytes(mdl, released, a) + out
+        assert costs.sent_output_bytes(mdl, kept, b) == 0
+    r_kept = simulate(kept, mdl, hardware(p)).result
+    r_rel = simulate(released, mdl, hardware(p)).result
+    for i in range(p - 1):  # min(p - i, m) outputs held instead of one in flight
+        extra = (min(p - i, m) - 1) * out
+        assert r_kept.devices[i].breakdown.activations_bytes == r_rel.devices[i].breakdown.activations_bytes + extra
 
 
 def test_first_stage_peaks_above_last_and_gpipe_above_1f1b():

@@ -143,5 +143,11 @@ def test_stage_holds_each_boundary_once():
     # layer 3) + the rest of layer 3's + the stage's output (saved by nobody, kept for backward)
     assert costs.stage_activation_bytes(mdl, pl, st) == out + (saved - out) + out + (saved - out) + out
     st0 = pl.stages[0]  # layers 0, 1: when layer 1's saved bytes include its output (the stage's
-    # output, held anyway) that tensor is not counted twice
-    assert costs.stage_activation_bytes(both, pl, st0) == costs.stage_activation_bytes(mdl, pl, st0) - out
+    # output) that tensor is counted once. Kept until the backward (deallocate_pipeline_outputs
+    # false), the output is held anyway, so saving it adds nothing; released once sent (the
+    # default), only a layer that saves it keeps it, so the two models hold the same bytes
+    kept = pl.model_copy(update={"training": pl.training.model_copy(update={"deallocate_pipeline_outputs": False})})
+    assert costs.stage_activation_bytes(both, kept, st0) == costs.stage_activation_bytes(mdl, kept, st0) - out
+    assert costs.stage_activation_bytes(both, pl, st0) == costs.stage_activation_bytes(mdl, pl, st0)
+    assert costs.releases_output(mdl, pl, st0) and not costs.releases_output(both, pl, st0)
+    assert costs.stage_activation_bytes(mdl, kept, st0) == costs.stage_activation_bytes(mdl, pl, st0) + out

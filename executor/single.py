@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from executor.boundary import release
 from executor.memtrack import LiveTensorTracker, tag_static
 from executor.models import make_batch, output_shapes
 from executor.stage import StageRuntime
@@ -22,8 +23,12 @@ from specs.schedule import ActionKind, build_schedule
 class _LocalStage(StageRuntime):
     """A StageRuntime whose boundary traffic is synthetic (one replica, no process group)."""
 
-    def send(self, kind, k, tensor):
-        pass
+    def send(self, kind, k, tensor, on_done=None):
+        """Nothing to transfer, but a sent output is released as the pipeline releases it
+        (training.deallocate_pipeline_outputs), here at once: no send holds it."""
+        if kind == "act" and self.release_outputs:
+            self.outputs[k] = release(tensor)
+            self.released.add(k)
 
     def recv(self, kind, k, peer, tail):
         gen = torch.Generator().manual_seed(1000 * k + (kind == "grad"))
@@ -75,6 +80,8 @@ def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2
                 if a.kind is ActionKind.forward:
                     x = st.recv("act", k, a.stage - 1, tail[a.stage - 1]) if not st.first else None
                     st.forward(k, x, batch)
+                    if not st.last:
+                        st.send("act", k, st.outputs[k])
                 elif a.kind is ActionKind.backward:
                     g = st.recv("grad", k, a.stage + 1, tail[a.stage]) if not st.last else None
                     st.backward(k, g)

@@ -70,9 +70,24 @@ def test_1f1b_holds_fewer_microbatches_than_gpipe(one_f_one_b, gpipe):
     # block stages 1 and 2: 1F1B keeps 3 and 2 of 4 microbatches, GPipe all 4
     assert acts(ofob, 1) < acts(gpipe, 1) and acts(ofob, 2) < acts(gpipe, 2)
     assert acts(ofob, 2) < acts(ofob, 1)
-    # the middle stages' activation ratio follows in-flight counts 3/4 and 2/4 within 15 %
-    assert acts(ofob, 1) / acts(gpipe, 1) == pytest.approx(3 / 4, rel=0.15)
-    assert acts(ofob, 2) / acts(gpipe, 2) == pytest.approx(2 / 4, rel=0.15)
+    # what GPipe holds beyond 1F1B is the microbatches 1F1B has not taken in yet (4 - 3 on stage 1,
+    # 4 - 2 on stage 2) times what one microbatch holds there (the symbolic profile of these
+    # modules), give or take the released outputs still in flight at each schedule's peak: gloo
+    # completes a send once its receive is posted, so how many are in flight depends on timing: at
+    # most the m microbatches of GPipe's stage plus the p - i that 1F1B's stage i has in flight
+    from executor.profile_symbolic import profile_model
+    from specs import costs
+    from specs.profile import apply_profile
+
+    plan, _ = one_f_one_b
+    traced = apply_profile(SPEC, profile_model(CFG, microbatch=TRAINING.samples_per_microbatch, dtype="fp32"))
+    for stage, fewer in ((1, 1), (2, 2)):
+        st = plan.stages[stage]
+        per_mb = costs.stage_activation_bytes(traced, plan, st)
+        m = plan.training.microbatches
+        in_flight = (m + len(plan.stages) - stage) * costs.sent_output_bytes(traced, plan, st)
+        diff = acts(gpipe, stage) - acts(ofob, stage)
+        assert abs(diff - fewer * per_mb) <= in_flight, (stage, diff, fewer * per_mb, in_flight)
 
 
 def test_a_stage_alone_holds_what_it_holds_in_the_pipeline(gpipe):

@@ -330,7 +330,7 @@ def executable(cfg: RunConfig) -> RunConfig:
 def measure(cfg: RunConfig, plan: Plan, outdir: Path, model: ModelSpec) -> tuple[Result, dict, list]:
     """Run the plan; writes measured.json and trace_measured.json (the timed iteration of median
     time, in the simulator's trace schema). Returns (result, measured trace, every timed
-    iteration's slices as (name, dur_ns) for per-action means)."""
+    iteration's slices, for per-action means)."""
     from executor import execute_run, measured_timeline
     from simulator.trace import TraceBuilder
 
@@ -349,7 +349,7 @@ def measure(cfg: RunConfig, plan: Plan, outdir: Path, model: ModelSpec) -> tuple
             builder.slice(pid, stream, name, start, dur, cat)
     trace = builder.build(names, {})
     write_json(outdir / "trace_measured.json", trace)
-    return measured, trace, [(name, dur) for _, name, _, dur, _ in every]
+    return measured, trace, every
 
 
 def preflight(cfg: RunConfig, plan: Plan, sim: Result) -> None:
@@ -393,7 +393,7 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
     """mode=compare: simulate and execute the same plan; compare.json + compare.png per rank."""
     from simulator import simulate
     from simulator.trace import side_by_side, x_slices
-    from specs.compare import action_errors, action_table, compare, comparison_table
+    from specs.compare import action_table, compare, comparison_table, slice_action_errors
 
     cfg = executable(cfg)
     from model_costs import costs_source
@@ -407,8 +407,7 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
     preflight(cfg, plan, sim.result)
     measured, measured_trace, measured_slices = measure(cfg, plan, outdir, model)
     comparison = compare(sim.result, measured)
-    comparison = comparison.model_copy(update={"actions": action_errors(
-        [(name, dur) for _, name, _, dur, _ in x_slices(sim.trace)], measured_slices)})
+    comparison = comparison.model_copy(update={"actions": slice_action_errors(x_slices(sim.trace), measured_slices)})
     written += [outdir / "measured.json", outdir / "trace_measured.json",
                 write_json(outdir / "trace_simulated.json", sim.trace),
                 write_json(outdir / "trace_compare.json", side_by_side(sim.trace, measured_trace)),

@@ -36,7 +36,7 @@ from planners.policy import ManualPolicy  # noqa: E402
 from simulator import simulate  # noqa: E402
 from simulator.trace import x_slices  # noqa: E402
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec  # noqa: E402
-from specs.compare import action_errors, pct  # noqa: E402
+from specs.compare import pct, slice_action_errors  # noqa: E402
 from specs.families import build_model, parse_model_config  # noqa: E402
 
 #: (model, schedule kind, virtual stages, pp, dp, tp, global batch, microbatch): pp x dp x tp mixes
@@ -128,8 +128,7 @@ def main(argv: list[str] | None = None) -> float:
                 continue
             measured[i].append(res.iteration_time_s)
             _, _, every = measured_timeline(plan, out, 1)
-            last_actions[i] = action_errors([(n, d) for _, n, _, d, _ in x_slices(sims[i].trace)],
-                                            [(n, d) for _, n, _, d, _ in every])
+            last_actions[i] = slice_action_errors(x_slices(sims[i].trace), every)
             print(f"  round {r + 1}/{args.rounds} {label(p):<52} {res.iteration_time_s * 1e3:8.1f} ms "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"\n{'plan':<52} {'predicted ms':>12} {'measured ms':>12} {'min-max':>15} {'error %':>8}")

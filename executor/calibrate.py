@@ -216,9 +216,7 @@ def _ring_hop_s(rank: int, world: int, nbytes: int = 16 << 10, laps: int = 20, t
         dist.recv(buf, prev)
         work()
         sends.append(dist.isend(buf.clone(), nxt))
-    if rank != 0:
-        pass
-    else:
+    if rank == 0:
         for _ in range(tokens):  # the last lap's tokens come home
             dist.recv(buf, prev)
     for w in sends:

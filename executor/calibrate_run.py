@@ -87,7 +87,7 @@ def fit_from_run(hw: HardwareSpec, model_cfg, model_spec, iterations: int = 3,
     from planners.policy import ManualPolicy
     from simulator import simulate
     from simulator.trace import x_slices
-    from specs.compare import action_errors
+    from specs.compare import slice_action_errors
     from specs.plan import ScheduleSpec
     from specs.training import TrainingSpec
 
@@ -100,7 +100,5 @@ def fit_from_run(hw: HardwareSpec, model_cfg, model_spec, iterations: int = 3,
     if res.failure:
         raise RuntimeError(f"the reference run failed: {res.failure.splitlines()[0]}")
     _, _, every = measured_timeline(plan, out, 1)
-    acts = action_errors([(nm, d) for _, nm, _, d, _ in x_slices(simulate(plan, model_spec, hw).trace)],
-                         [(nm, d) for _, nm, _, d, _ in every])
-    factors = contention_factors(acts)
+    factors = contention_factors(slice_action_errors(x_slices(simulate(plan, model_spec, hw).trace), every))
     return apply_factors(hw, factors), factors

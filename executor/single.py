@@ -12,7 +12,6 @@ import time
 
 import torch
 
-from executor.boundary import release
 from executor.memtrack import LiveTensorTracker, tag_static
 from executor.models import make_batch, output_shapes
 from executor.stage import StageRuntime
@@ -26,9 +25,7 @@ class _LocalStage(StageRuntime):
     def send(self, kind, k, tensor, on_done=None):
         """Nothing to transfer, but a sent output is released as the pipeline releases it
         (training.deallocate_pipeline_outputs), here at once: no send holds it."""
-        if kind == "act" and self.release_outputs:
-            self.outputs[k] = release(tensor)
-            self.released.add(k)
+        self.release_output(kind, k, tensor)
 
     def recv(self, kind, k, peer, tail):
         gen = torch.Generator().manual_seed(1000 * k + (kind == "grad"))

@@ -167,9 +167,9 @@ class StageRuntime:
         self.inputs: dict[int, torch.Tensor | None] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         # Megatron's deallocate_output_tensor (training.deallocate_pipeline_outputs): a sent output
-        # keeps only its autograd node; its storage goes once the send is done (boundary.release)
+        # keeps only its autograd node; its storage goes once the send is done (boundary.release).
+        # Every output of a non-last stage is sent before its backward, so all of them are released
         self.release_outputs = plan.training.deallocate_pipeline_outputs and not self.last
-        self.released: set[int] = set()
         self.sends = SendReaper()
         self.in_routes = routes(plan, index - 1, index) if not self.first else []
         self.out_routes = routes(plan, index, index + 1) if not self.last else []
@@ -213,14 +213,12 @@ class StageRuntime:
 
     def backward(self, k: int, grad: torch.Tensor | None) -> None:
         y = self.outputs.pop(k)
-        released = k in self.released
-        self.released.discard(k)
         if self.last:
             with _loss_context(self.vocab_parallel):
                 y.backward()
         elif self.bounds is not None:
-            user_model.backward(y, grad, released)
-        elif released:
+            user_model.backward(y, grad, self.release_outputs)
+        elif self.release_outputs:
             run_backward([y], [grad])
         else:
             y.backward(grad)
@@ -305,9 +303,12 @@ class StageRuntime:
                     piece = tensor.detach()[r.start - lo:r.stop - lo].contiguous()
                     work = dist.isend(piece, dst=self.rank_of[r.dst_device], tag=tag)
                     self.sends.add(work, piece, on_done)
-        if kind == "act" and self.release_outputs:  # the pieces above keep the storage until sent
+        self.release_output(kind, k, tensor)  # the pieces above keep the storage until sent
+
+    def release_output(self, kind: str, k: int, tensor) -> None:
+        """After sending microbatch ``k``'s output: keep only what its backward needs."""
+        if kind == "act" and self.release_outputs:
             self.outputs[k] = release(tensor)
-            self.released.add(k)
 
     def post_recv(self, kind: str, k: int, peer: int, tail: tuple[int, ...]) -> list:
         """Post the receives of a boundary tensor (``irecv`` into fresh buffers); returns the

@@ -31,24 +31,23 @@ def device_memory(plan: Plan, model: ModelSpec) -> dict[int, tuple[MemoryBreakdo
     striped by weight, MPress §IV-C).
     """
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
-    acts, work, allreduce, sent = {}, {}, {}, {}
+    acts, work, swap_in, allreduce, sent = {}, {}, {}, {}, {}
     for i, stage in enumerate(plan.stages):
         acts[i] = costs.stage_activation_bytes(model, plan, stage)
         sent[i] = costs.sent_output_bytes(model, plan, stage)
-        work[i], _ = costs.backward_transient_bytes(model, plan, stage)
+        work[i], swap_in[i] = costs.backward_transient_bytes(model, plan, stage)
         allreduce[i] = costs.allreduce_buffer_bytes(model, plan, stage)
     peaks = {pos: costs.activation_peak(plan, pos, acts, work, sent) for pos in range(plan.pipeline_depth)}
     for i, stage in enumerate(plan.stages):
         static, host = costs.stage_static(model, plan, stage)
         in_flight = peaks[plan.device_group_of(i)][1][i]
-        _, swap_in = costs.backward_transient_bytes(model, plan, stage)
         stashed = costs.stashed_versions(plan, i) * static.parameters_bytes
         buffers = costs.comm_buffer_bytes(model, plan, stage)
         for device in stage.devices:
             mem, h = out[device]
             mem = _add(mem, parameters_bytes=static.parameters_bytes, gradients_bytes=static.gradients_bytes,
                        optimizer_bytes=static.optimizer_bytes, buffers_bytes=buffers,
-                       swapped_in_bytes=swap_in, stashed_weights_bytes=stashed)
+                       swapped_in_bytes=swap_in[i], stashed_weights_bytes=stashed)
             out[device] = (mem, h + host + _swapped_to_host(model, plan, stage, in_flight))
         for target, nbytes in _d2d_held(model, plan, stage, in_flight).items():
             mem, h = out.setdefault(target, (MemoryBreakdown(), 0))

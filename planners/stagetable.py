@@ -261,8 +261,9 @@ class StageTable:
                 return None
             return (fwd[stop] - fwd[start]) + (bwd[stop] - bwd[start])
 
-        def peak(start: int, stop: int, after: int) -> int:
-            n = params[stop] - params[start]
+        def peak(start: int, stop: int, after: int) -> int:  # StageTable._compute's peak, per range
+            n = params[stop] - params[start] - costs.shared_tied_params_on_device(self.tied_pairs, start, stop,
+                                                                                    lay.tp)
             static = static_per_param(n)
             out = lay.samples * out_bytes[stop - 1]
             buffer = (lay.samples * out_bytes[start - 1] if start > 0 else 0) + (out if stop < L else 0)

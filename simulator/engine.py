@@ -332,8 +332,7 @@ class Engine:
             self.trace.slice(sc.rep, "d2h", f"swap_out L{layer} mb{k}", start, dur, "swap")
             self._host(pos, nbytes)  # pinned host buffer reserved at enqueue
         self._swap_out_end[(sc.index, k, layer)] = end
-        # the source is freed when the copy has finished
-        self._later(end - now, lambda _e: mem.add(env.now, ACTS, -nbytes))
+        self._free_acts(pos, end, nbytes)  # the source is freed when the copy has finished
 
     def _swap_in(self, pos: int, sc: StageCost, k: int, layer: int) -> None:
         lc = sc.layers[layer - sc.layers[0].layer]

@@ -2,7 +2,7 @@
 
 Nothing here re-derives a formula: times come from ``stage_pass_times_s`` / ``layer_pass_times_s``
 / ``dp_allreduce_s`` / ``optimizer_step_s``, bytes from ``stage_static`` /
-``layer_saved_bytes`` / ``resident_activation_bytes`` / ``comm_buffer_bytes``, so the simulator and
+``layer_saved_bytes`` / ``stage_activation_bytes`` / ``comm_buffer_bytes``, so the simulator and
 the analytic estimator agree on static memory and per-microbatch activations by construction.
 """
 from __future__ import annotations
@@ -29,7 +29,6 @@ class LayerCost:
     action: MemoryAction
     targets: tuple[tuple[int, float], ...]  # d2d: (device, weight)
     saved_bytes: int      # everything the layer saves for backward (keep)
-    resident_bytes: int   # what stays between forward and backward under its action
     recompute_ns: int     # one forward of the layer incl. its TP all-reduces
     bwd_ns: int           # its backward: dgrad + wgrad GEMMs, elementwise backward, TP all-reduces
 
@@ -71,7 +70,6 @@ def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[St
             layers.append(LayerCost(
                 layer=l, action=item.action, targets=tuple((t.device, t.weight) for t in item.targets),
                 saved_bytes=costs.layer_saved_bytes(model.layers[l], b, stage.tp),
-                resident_bytes=costs.resident_activation_bytes(model, stage, l, b),
                 recompute_ns=ns(f_c), bwd_ns=ns(b_c),
             ))
         static, host = costs.stage_static(model, plan, stage)
@@ -80,6 +78,7 @@ def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[St
         # A released output (training.deallocate_pipeline_outputs) lives until its send is done.
         sent = costs.sent_output_bytes(model, plan, stage)
         fwd_alloc = act + sent + sum(lc.saved_bytes for lc in layers if lc.action in SWAPS)
+        dp_s = costs.dp_allreduce_s(model, plan, hardware, stage)
         out.append(StageCost(
             index=s, position=plan.device_group_of(s), rep=stage.devices[0],
             fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
@@ -90,10 +89,9 @@ def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[St
             act_out_bytes=b * model.layers[stage.layer_stop - 1].output_bytes_per_sample,
             grad_out_bytes=costs.layer_input_bytes(model, stage.layer_start, b),
             static=static, host_bytes=host, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage),
-            dp_allreduce_ns=ns(costs.dp_allreduce_s(model, plan, hardware, stage)),
+            dp_allreduce_ns=ns(dp_s),
             ar_buckets_ns=tuple(ns(t) for t in costs.dp_allreduce_buckets_s(model, plan, hardware, stage)),
-            allreduce_ns=ns(costs.dp_allreduce_s(model, plan, hardware, stage)
-                            + costs.embedding_group_allreduce_s(model, plan, hardware, stage)),
+            allreduce_ns=ns(dp_s + costs.embedding_group_allreduce_s(model, plan, hardware, stage)),
             optimizer_ns=ns(costs.optimizer_step_s(model, plan, hardware, stage)),
         ))
     return out

@@ -98,6 +98,13 @@ def action_errors(simulated: Iterable[tuple[str, int]], measured: Iterable[tuple
     return out
 
 
+def slice_action_errors(simulated: Iterable[tuple], measured: Iterable[tuple]) -> list[ActionError]:
+    """:func:`action_errors` of two sequences of trace slices ``(stream, name, start_ns, dur_ns,
+    category)``: the simulator's (simulator.trace.x_slices) and the executor's
+    (executor.measure.measured_timeline)."""
+    return action_errors(((n, d) for _, n, _, d, _ in simulated), ((n, d) for _, n, _, d, _ in measured))
+
+
 def action_table(actions: list[ActionError]) -> str:
     """The per-action error table for a person (ms; '-' where one side has no such slice)."""
     ms = lambda v: f"{v * 1e3:10.3f}" if v is not None else f"{'-':>10}"  # noqa: E731

@@ -82,26 +82,6 @@ def layer_input_bytes(model: ModelSpec, layer: int, samples: int) -> int:
     return samples * (model.layers[layer - 1].output_bytes_per_sample if layer > 0 else model.input_bytes_per_sample)
 
 
-def resident_activation_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
-    """Bytes a layer leaves on the device between its forward and backward, given its action.
-
-    keep: everything it saved. recompute: only its input, the checkpoint (torch.utils.checkpoint
-    saves the inputs of the checkpointed region). swaps: nothing once the copy-out completes.
-    """
-    action = stage.action_of(layer).action
-    if action is MemoryAction.keep:
-        return layer_saved_bytes(model.layers[layer], samples, stage.tp)
-    if action is MemoryAction.recompute:
-        return layer_input_bytes(model, layer, samples)
-    return 0
-
-
-def _sharded(per_sample: int, layer: LayerSpec, samples: int, tp: int) -> int:
-    """Bytes of a per-sample activation quantity on one TP rank: the sharded fraction divides by t."""
-    sharded = per_sample * layer.tp_sharded_saved_fraction
-    return math.ceil(samples * (sharded / tp + (per_sample - sharded)))
-
-
 def holds_input(stage: StagePlan, model: ModelSpec, layer: int) -> bool:
     """Whether the layer keeps its input between forward and backward: a kept layer that saves it
     (``saves_input``), or a recomputed one (its checkpoint)."""
@@ -148,8 +128,8 @@ def releases_output(model: ModelSpec, plan: Plan, stage: StagePlan) -> bool:
 def sent_output_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
     """The output a releasing stage (:func:`releases_output`) still holds while its send is in
     flight: the send reads it, and gloo (or NCCL's stream) keeps it until the transfer is done.
-    The simulator frees it when the transfer ends; the closed forms count it as freed at the send,
-    as Megatron's allocator does."""
+    The simulator frees it when the transfer ends (over gloo, once its receive is also posted);
+    the closed forms count it at the end of its forward only (:func:`activation_peak`)."""
     if not releases_output(model, plan, stage):
         return 0
     return samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
@@ -471,8 +451,7 @@ def allreduce_link(hardware: HardwareSpec, devices: list[int]) -> LinkSpec:
         return collective_link(group_link(hardware, devices))
     per_node = min(len(v) for v in nodes.values())
     inter = hardware.inter_node
-    rails = LinkSpec(kind=inter.kind, count=inter.count * per_node, bw_gbps=inter.bw_gbps,
-                     latency_s=inter.latency_s, collective_efficiency=inter.collective_efficiency)
+    rails = inter.model_copy(update={"count": inter.count * per_node})  # one rail per GPU
     intra = [group_link(hardware, v) for v in nodes.values() if len(v) > 1]
     return min((collective_link(l) for l in (rails, *intra)), key=lambda l: (l.total_bw_gbps, -l.latency_s))
 

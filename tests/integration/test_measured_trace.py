@@ -15,7 +15,7 @@ from executor import execute_run, measured_timeline
 from planners import make_plan, parse_policy
 from simulator import simulate
 from simulator.trace import TraceBuilder, side_by_side, x_slices
-from specs.compare import ACTIONS, action_errors
+from specs.compare import ACTIONS, slice_action_errors
 from specs.families import build_model
 from specs.plan import ScheduleSpec
 from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU
@@ -75,7 +75,7 @@ def test_measured_names_are_the_simulators_and_the_action_table_covers_both(run)
     _, rep, every = measured_timeline(plan, out, warmup=1)
     measured_passes = {name for rows in rep.values() for _, name, _, _, cat in rows if cat in ("forward", "backward")}
     assert measured_passes == {n for n in sim_names if n.split()[0] in ("F", "B")}
-    errors = action_errors([(n, d) for _, n, _, d, _ in x_slices(sim.trace)], [(n, d) for _, n, _, d, _ in every])
+    errors = slice_action_errors(x_slices(sim.trace), every)
     got = {(e.action, e.stage) for e in errors if e.simulated_mean_s and e.measured_mean_s}
     for s in range(len(plan.stages)):
         assert {("forward", s), ("backward", s)} <= got

@@ -143,6 +143,18 @@ def test_alpha_beta_fit_recovers_a_linear_law():
     assert alpha == pytest.approx(50e-6, rel=1e-6) and beta == pytest.approx(2.5e9, rel=1e-6)
 
 
+def test_alpha_beta_fit_stays_positive_on_noise_that_inverts_the_slope():
+    # CI 2026-11-24: steal during the small messages made them slower than the large ones, the
+    # unconstrained fit's slope went negative and the calibrated file carried bw_gbps -420
+    m = _measure_module()
+    sizes = list(m.MESSAGE_BYTES)
+    times = [9e-3, 8e-3, 7e-3, 6e-3, 5e-3, 4.5e-3]  # falls with size: no size term to fit
+    alpha, beta = m.fit_alpha_beta(sizes, times)
+    assert alpha >= 0 and 0 < beta < float("inf")
+    # the largest message is priced no faster than it was measured
+    assert alpha + sizes[-1] / beta == pytest.approx(times[-1], rel=1e-9)
+
+
 def test_ring_link_from_allreduce_inverts_the_ring_model():
     m = _measure_module()
     bw_gbps, lat_s = m.ring_link_from_allreduce(4e-3, 0.8e9, n=4)

@@ -101,6 +101,8 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
             capture_space_check(model, cfg.hardware)
         profile = capture_profile_for(cfg, outdir) if cfg.policy.kind == "capture" else None
         with after("planning") as progress:  # a bar only if the search runs past ~2 s
+            if cfg.policy.kind == "mpress":
+                return model, _plan_mpress(cfg, model, outdir, progress)
             plan = make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile, progress)
     except (PlanningError, PlanError) as exc:
         raise UsageError(f"policy {cfg.policy.kind!r} cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
@@ -113,6 +115,24 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
     if not fit.fits:  # the planner returned its closest plan: say plainly that nothing fits, and what would
         print(fit.text(), flush=True)
     return model, plan
+
+
+def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
+    """policy=mpress: its emulator already simulated the plan, so the fit comes from the simulated
+    timelines (a D2D target's peak and its held stripes need not coincide; the closed-form verdict
+    would add them). Writes mpress.json: per stage, which layers got which technique and why."""
+    from planners.mpress import mpress_search, report, summary_lines
+    from specs.plan import validate_plan
+
+    outcome = mpress_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress)
+    plan = validate_plan(outcome.plan, model, cfg.hardware)
+    write_json(outdir / "mpress.json", report(outcome))
+    for line in summary_lines(outcome):
+        print(line, flush=True)
+    if not outcome.fits:
+        print("NO PLAN FITS: MPress compacted every layer it could; the plan below is the closest "
+              f"(see {outdir / 'mpress.json'})", flush=True)
+    return plan
 
 
 def run_simulate(cfg: RunConfig, outdir: Path) -> Result:

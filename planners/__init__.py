@@ -31,6 +31,10 @@ def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, tr
         plan = plan_capture(policy, model, hardware, training, schedule, profile)
     elif policy.kind == "throughput":
         plan = plan_throughput(policy, model, hardware, training, schedule, progress)
+    elif policy.kind == "mpress":
+        from planners.mpress import plan_mpress  # imports the simulator (its emulator, MPress §III-B)
+
+        plan = plan_mpress(policy, model, hardware, training, schedule, progress)
     else:
         plan = PLANNERS[policy.kind](policy, model, hardware, training, schedule)
     return validate_plan(plan, model, hardware)

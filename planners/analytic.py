@@ -57,7 +57,14 @@ def device_memory(plan: Plan, model: ModelSpec) -> dict[int, tuple[MemoryBreakdo
         flat = max(allreduce[s] for s in stages)
         for device in plan.stages[pos].devices:
             mem, h = out[device]
-            extra = {"activations_bytes": act_peak} if act_peak >= flat else {"buffers_bytes": flat}
+            # after the last backward (activations gone): the all-reduce's flat copy, or a
+            # swapped-in optimizer state for the step (MPress optimizer swap)
+            opt_in = max(costs.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(costs.optimizer_swap_chunks(
+                model, plan, plan.stages[s]), default=0) for s in stages)
+            if act_peak >= flat + opt_in:
+                extra = {"activations_bytes": act_peak}
+            else:
+                extra = {"buffers_bytes": flat, "optimizer_bytes": opt_in}
             out[device] = (_add(mem, **extra), h)
     return out
 

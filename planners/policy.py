@@ -74,7 +74,28 @@ class ThroughputPolicy(Spec):
     pipeline_only: bool = False
 
 
-PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy, CapturePolicy, ThroughputPolicy],
+class MPressPolicy(Spec):
+    """MPress (Zhou et al., HPCA'23): a compute-balanced pipeline, one stage per device, whose
+    overflowing stages save activation memory per layer by recomputation, GPU->CPU swap or D2D
+    swap to peers with spare memory (§III-C/D). ``techniques`` limits the choice (the paper's
+    Recomputation-only, GPU-CPU-swap-only and D2D-only baselines); ``mapping``: search the
+    stage->device permutation (Fig. 6) or keep stage i on device i; ``striping``: stripe a D2D
+    tensor over the peers by link bandwidth (weighted), equally, or send it to one peer (none)."""
+
+    kind: Literal["mpress"] = "mpress"
+    partition: Literal["balanced", "even"] = Field(
+        "balanced", description="the starting pipeline partition (PipeDream/DAPPLE balance compute)")
+    pp: int | None = Field(None, ge=1, description="pipeline stages; null: one per device")
+    techniques: list[Literal["recompute", "cpu_swap", "d2d_swap"]] = Field(
+        ["recompute", "cpu_swap", "d2d_swap"], min_length=1)
+    mapping: Literal["search", "identity"] = "search"
+    striping: Literal["weighted", "equal", "none"] = "weighted"
+    # a count, not a clock: the same inputs give the same plan
+    max_simulations: int = Field(40, ge=1, le=10_000, description="emulator runs (simulate, repair, improve)")
+
+
+PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy, CapturePolicy, ThroughputPolicy,
+                               MPressPolicy],
                          Field(discriminator="kind")]
 _adapter: TypeAdapter = TypeAdapter(PolicyConfig)
 

@@ -167,6 +167,8 @@ class Engine:
                     queue.append(a.layer)
             elif kind is _RC:
                 pass  # the backward re-runs recompute layers; the entry tells the executor which
+            elif kind is _OPT and sc.opt_chunks:
+                busy += yield from self._swapped_step(pos, sc)
             elif kind is _AR or kind is _OPT:
                 dur = sc.allreduce_ns if kind is _AR else sc.optimizer_ns
                 flat = sc.allreduce_buffer_bytes if kind is _AR else 0
@@ -183,6 +185,41 @@ class Engine:
                 mem.add(env.now, BUFFERS, -flat)
         self.finish_ns[pos] = env.now
         self.busy_ns[pos] = busy
+
+    # ---- optimizer swap (MPress §II-D: GPU-CPU swap of model data) ------------------------------
+    def _chunk_in(self, pos: int, sc: StageCost, j: int) -> simpy.Event:
+        now = self.env.now
+        self.mem[pos].add(now, OPTIM, sc.opt_chunks[j])  # the device buffer exists from the issue
+        start, end = self.links.reserve((("h2d", self._switch(sc.rep)),), sc.opt_chunk_ns[j], now)
+        self.trace.slice(sc.rep, "h2d", f"optimizer in s{sc.index} part {j}", start, sc.opt_chunk_ns[j], "swap")
+        return self._later(end - now)
+
+    def _swapped_step(self, pos: int, sc: StageCost):
+        """The update streamed layer by layer: chunk j+1 comes in while chunk j is stepped, and
+        each stepped chunk goes back out (costs.optimizer_swap_chunks). The position waits for the
+        last copy-out: the next iteration's forwards would otherwise peak with state on the device."""
+        env, mem = self.env, self.mem[pos]
+        total = sum(sc.opt_chunks)
+        ready = self._chunk_in(pos, sc, 0)
+        last_out = env.now
+        busy = 0
+        for j, nbytes in enumerate(sc.opt_chunks):
+            yield ready
+            if j + 1 < len(sc.opt_chunks):
+                ready = self._chunk_in(pos, sc, j + 1)
+            step_ns = sc.optimizer_ns * nbytes // total
+            t0 = env.now
+            yield env.timeout(step_ns)
+            busy += step_ns
+            self.trace.slice(sc.rep, "compute", f"optimizer_step s{sc.index} part {j}", t0, step_ns, "optimizer_step")
+            start, end = self.links.reserve((("d2h", self._switch(sc.rep)),), sc.opt_chunk_ns[j], env.now)
+            self.trace.slice(sc.rep, "d2h", f"optimizer out s{sc.index} part {j}", start, sc.opt_chunk_ns[j], "swap")
+            self._later(end - env.now, lambda _e, n=nbytes: mem.add(self.env.now, OPTIM, -n))
+            last_out = max(last_out, end)
+        self.events += 2 * len(sc.opt_chunks)
+        if last_out > env.now:
+            yield env.timeout(last_out - env.now)
+        return busy
 
     # ---- gradient all-reduce on the links ----------------------------------------------------
     def _ar_resources(self, s: int) -> tuple:
@@ -313,6 +350,11 @@ class Engine:
             left -= part
         return out
 
+    def _switch(self, device: int) -> int:
+        """The host PCIe uplink ``device`` copies over: devices of one switch share it (MPress
+        §III-D: GPU-CPU swap bandwidth is shared by the GPUs that swap at once)."""
+        return device // self.hardware.host.gpus_per_pcie_switch
+
     def _swap_out(self, pos: int, sc: StageCost, k: int, layer: int) -> None:
         lc = sc.layers[layer - sc.layers[0].layer]
         env, mem, now = self.env, self.mem[pos], self.env.now
@@ -328,7 +370,7 @@ class Engine:
         else:
             link = self._nvme if lc.action is MemoryAction.nvme else self._pcie
             dur = ns(costs.transfer_s(nbytes, link))
-            start, end = self.links.reserve((("d2h", sc.rep),), dur, now)
+            start, end = self.links.reserve((("d2h", self._switch(sc.rep)),), dur, now)
             self.trace.slice(sc.rep, "d2h", f"swap_out L{layer} mb{k}", start, dur, "swap")
             self._host(pos, nbytes)  # pinned host buffer reserved at enqueue
         self._swap_out_end[(sc.index, k, layer)] = end
@@ -352,7 +394,7 @@ class Engine:
         else:
             link = self._nvme if lc.action is MemoryAction.nvme else self._pcie
             dur = ns(costs.transfer_s(nbytes, link))
-            start, end = self.links.reserve((("h2d", sc.rep),), dur, earliest)
+            start, end = self.links.reserve((("h2d", self._switch(sc.rep)),), dur, earliest)
             self.trace.slice(sc.rep, "h2d", f"swap_in L{layer} mb{k}", start, dur, "swap")
             done = self._later(end - now, lambda _e: self._host(pos, -nbytes))
         self._swap_in_done[(sc.index, k, layer)] = done

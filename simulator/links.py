@@ -12,7 +12,8 @@ Which resources a transfer crosses:
   (``LinkSpec.total_bw_gbps``).
 - switched kinds (NVSwitch, PCIe, IB, Ethernet): the sender's egress port and the receiver's
   ingress port of that kind — a per-device port shared by all its peers.
-- host copies: the device's h2d or d2h copy engine (one per direction, PCIe at ``host.pcie_gbps``).
+- host copies: the h2d or d2h direction of the device's PCIe uplink (``host.pcie_gbps``), shared by
+  the ``host.gpus_per_pcie_switch`` devices behind one switch.
 Collectives: the data-parallel gradient all-reduce is an alpha-beta closed form
 (``costs.dp_allreduce_s``) booked for its whole duration on the representative's ring hops (to
 the next replica, from the previous one; engine.py ``_ar_resources``), so it queues behind and

@@ -56,6 +56,15 @@ class StageCost:
     dp_allreduce_ns: int          # of allreduce_ns, the data-parallel gradient all-reduce
     ar_buckets_ns: tuple[int, ...]  # that all-reduce as one bucket per layer (stage order)
     optimizer_ns: int
+    opt_chunks: tuple[int, ...]   # optimizer state streamed in/out per layer for the step (MPress)
+    opt_chunk_ns: tuple[int, ...] # one direction of each chunk over the host link
+
+
+def host_link(hardware: HardwareSpec):
+    """The device<->host copy link (pinned memory over PCIe)."""
+    from specs.hardware import LinkSpec
+
+    return LinkSpec(kind="pcie", bw_gbps=hardware.host.pcie_gbps, latency_s=hardware.host.pcie_latency_s)
 
 
 def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[StageCost]:
@@ -93,5 +102,7 @@ def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[St
             ar_buckets_ns=tuple(ns(t) for t in costs.dp_allreduce_buckets_s(model, plan, hardware, stage)),
             allreduce_ns=ns(dp_s + costs.embedding_group_allreduce_s(model, plan, hardware, stage)),
             optimizer_ns=ns(costs.optimizer_step_s(model, plan, hardware, stage)),
+            opt_chunks=tuple(chunks := costs.optimizer_swap_chunks(model, plan, stage)),
+            opt_chunk_ns=tuple(ns(costs.transfer_s(c, host_link(hardware))) for c in chunks),
         ))
     return out

@@ -251,9 +251,30 @@ def stage_static(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[Memory
         host += weights + grads + optim
         weights, grads, optim = shard(resident * w_b, 3), shard(resident * g_b, 2), 0
         host -= weights + grads
-    elif stage.offload.optimizer_on_cpu:
-        host, optim = optim, 0
+    elif stage.offload.optimizer_on_cpu or stage.offload.optimizer_swap:
+        host, optim = optim, 0  # swapped: streamed through the device by its step (optimizer_swap_chunks)
     return MemoryBreakdown(parameters_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim), host
+
+
+def optimizer_swap_chunks(model: ModelSpec, plan: Plan, stage: StagePlan) -> list[int]:
+    """Optimizer-state bytes per layer of a stage with ``offload.optimizer_swap`` (empty without):
+    the state lives on the host between steps and the update streams it layer by layer, in over
+    the host link, stepped, out again (MPress §II-D swap of model data; ZeRO-Infinity streams its
+    optimizer alike), so the device holds a few layers' state at a time, never all of it."""
+    if not stage.offload.optimizer_swap:
+        return []
+    plain = stage.model_copy(update={"offload": stage.offload.model_copy(update={"optimizer_swap": False})})
+    total = stage_static(model, plan, plain)[0].optimizer_bytes
+    per_layer = [layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers]
+    params = sum(per_layer) or 1
+    chunks = [total * n // params for n in per_layer]
+    chunks[-1] += total - sum(chunks)  # the tied-copy and rounding remainder rides with the last
+    return [c for c in chunks if c > 0]
+
+
+#: chunks of a streamed optimizer step on the device at once: the one being stepped, the next
+#: coming in, the previous going out (the in and out copies run on opposite directions)
+OPTIMIZER_SWAP_RESIDENT_CHUNKS = 3
 
 
 def stashed_versions(plan: Plan, stage_index: int) -> int:

@@ -154,6 +154,10 @@ class HostSpec(Spec):
     memory_bytes: int = Field(gt=0, le=MAX_HOST_BYTES, description="host DRAM per node")
     pcie_gbps: Bandwidth = Field(description="host<->device copy bandwidth per device (pinned)")
     pcie_latency_s: Latency = 5e-6
+    # MPress §III-D: GPU-CPU swap of GPUs that share a PCIe switch shares its uplink (DGX-1: two
+    # V100s per PLX switch); the simulator books their host copies on one switch per direction
+    gpus_per_pcie_switch: int = Field(1, ge=1, le=MAX_DEVICES,
+                                      description="devices sharing one host PCIe uplink (pcie_gbps is per uplink)")
     cpu_adam_params_per_s: Annotated[float, finite_in(1.0, 1e15, lo_open=False)] = Field(
         1e9, description="CPU optimizer throughput (STRONGHOLD/ZeRO-Offload CPU Adam)"
     )

@@ -91,6 +91,17 @@ class OffloadPolicy(Spec):
     window_layers: int | None = Field(None, ge=1, lt=MAX_COUNT)
     optimizer_on_cpu: bool = False
     nvme: bool = False
+    # MPress §II-D: GPU-CPU swap applies to all model data; optimizer state, used only by the
+    # update, is the longest-lived: it stays in host memory between steps, comes back for the
+    # (GPU) update and leaves again after it
+    optimizer_swap: bool = Field(False, description="optimizer state in host memory between steps (MPress)")
+
+    @model_validator(mode="after")
+    def _one_home(self) -> OffloadPolicy:
+        if self.optimizer_swap and (self.optimizer_on_cpu or self.window_layers is not None):
+            raise ValueError("optimizer_swap: the optimizer state already lives on the host with "
+                             "optimizer_on_cpu or window_layers; choose one")
+        return self
 
 
 class LayerSharding(Spec):

@@ -10,7 +10,7 @@ import math
 from specs import costs
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import MemoryAction, Plan, ScheduleKind
+from specs.plan import MemoryAction, Plan, ScheduleKind, stage_for_microbatch
 from specs.result import DeviceResult, MemoryBreakdown, Result
 
 
@@ -33,9 +33,12 @@ def device_memory(plan: Plan, model: ModelSpec) -> dict[int, tuple[MemoryBreakdo
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
     acts, work, swap_in, allreduce, sent = {}, {}, {}, {}, {}
     for i, stage in enumerate(plan.stages):
-        acts[i] = costs.stage_activation_bytes(model, plan, stage)
-        sent[i] = costs.sent_output_bytes(model, plan, stage)
-        work[i], swap_in[i] = costs.backward_transient_bytes(model, plan, stage)
+        # actions with a microbatch_period apply to some microbatches: the mean activation bytes
+        # over one period (the simulator walks each microbatch's own), the worst transient
+        variants = _variants(plan, stage)
+        acts[i] = -(-sum(costs.stage_activation_bytes(model, plan, v) for v in variants) // len(variants))
+        sent[i] = max(costs.sent_output_bytes(model, plan, v) for v in variants)
+        work[i], swap_in[i] = (max(x) for x in zip(*(costs.backward_transient_bytes(model, plan, v) for v in variants)))
         allreduce[i] = costs.allreduce_buffer_bytes(model, plan, stage)
     peaks = {pos: costs.activation_peak(plan, pos, acts, work, sent) for pos in range(plan.pipeline_depth)}
     for i, stage in enumerate(plan.stages):
@@ -69,10 +72,22 @@ def device_memory(plan: Plan, model: ModelSpec) -> dict[int, tuple[MemoryBreakdo
     return out
 
 
+def _variants(plan: Plan, stage) -> list:
+    """The stage as each microbatch of one period of its actions sees it (one when all apply)."""
+    periods = [item.microbatch_period for item in stage.memory]
+    span = min(math.lcm(*periods), plan.training.microbatches) if periods else 1
+    return [stage_for_microbatch(stage, k) for k in range(span)]
+
+
+def _swapping(in_flight: int, item) -> int:
+    """Of ``in_flight`` consecutive microbatches, the most that ``item`` swaps."""
+    return -(-in_flight // item.microbatch_period)
+
+
 def _swapped_to_host(model: ModelSpec, plan: Plan, stage, in_flight: int) -> int:
     b = costs.samples_per_replica(plan, stage)
-    return sum(in_flight * costs.layer_saved_bytes(model.layers[l], b, stage.tp)
-               for l in stage.layers if stage.action_of(l).action in (MemoryAction.cpu_swap, MemoryAction.nvme))
+    return sum(_swapping(in_flight, item) * costs.layer_saved_bytes(model.layers[item.layer], b, stage.tp)
+               for item in stage.memory if item.action in (MemoryAction.cpu_swap, MemoryAction.nvme))
 
 
 def _d2d_held(model: ModelSpec, plan: Plan, stage, in_flight: int) -> dict[int, int]:
@@ -83,7 +98,7 @@ def _d2d_held(model: ModelSpec, plan: Plan, stage, in_flight: int) -> dict[int, 
     for item in stage.memory:
         if item.action is not MemoryAction.d2d_swap:
             continue
-        nbytes = in_flight * costs.layer_saved_bytes(model.layers[item.layer], b, stage.tp)
+        nbytes = _swapping(in_flight, item) * costs.layer_saved_bytes(model.layers[item.layer], b, stage.tp)
         total = sum(t.weight for t in item.targets)
         for t in item.targets:
             held[t.device] = held.get(t.device, 0) + round(nbytes * t.weight / total)

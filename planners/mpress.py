@@ -46,6 +46,14 @@ _NAMES = {"recompute": _RC, "cpu_swap": _CPU, "d2d_swap": _D2D}
 GIB = float(1 << 30)
 
 
+def _size(nbytes: float) -> str:
+    """Bytes for the log: GiB for model-sized amounts, MiB/KiB for the tiny CPU models."""
+    for unit, scale in (("GiB", GIB), ("MiB", float(1 << 20)), ("KiB", 1024.0)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 @dataclass(frozen=True)
 class LayerFacts:
     stage: int
@@ -87,6 +95,8 @@ class MPressOutcome:
     base_iteration_s: float
     log: tuple[str, ...]
     optimizer_swap: tuple[tuple[int, str], ...] = ()  # (stage, why) for stages swapping optimizer state
+    host_bytes_per_node: tuple[int, ...] = ()  # simulated host memory (swap space, offloaded state), per node
+    host_capacity_bytes: int = 0
 
 
 def plan_mpress(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
@@ -156,7 +166,8 @@ def _striped_s(nbytes: int, links: list, weights: list[float], latency_s: float)
 # ---- plan edits --------------------------------------------------------------------------------
 
 def _with_actions(plan: Plan, actions: dict[tuple[int, int], MemoryAction], mapping: Mapping,
-                  stripes: dict | None = None, opt_swap: frozenset | set = frozenset()) -> Plan:
+                  stripes: dict | None = None, opt_swap: frozenset | set = frozenset(),
+                  period: dict | None = None) -> Plan:
     """``plan`` with stage devices from ``mapping`` and the given per-layer actions (others keep);
     a D2D swap stripes over ``stripes[(stage, layer)]`` ((target stage, weight), ...)."""
     stages = []
@@ -168,7 +179,8 @@ def _with_actions(plan: Plan, actions: dict[tuple[int, int], MemoryAction], mapp
                 continue
             targets = ([D2DTarget(device=mapping.device_of_stage[t], weight=w) for t, w in stripes[(s, l)]]
                        if action is _D2D else [])
-            items.append(LayerMemory(layer=l, action=action, targets=targets))
+            items.append(LayerMemory(layer=l, action=action, targets=targets,
+                                     microbatch_period=(period or {}).get((s, l), 1)))
         offload = stage.offload.model_copy(update={"optimizer_swap": s in opt_swap})
         stages.append(stage.model_copy(update={"devices": [mapping.device_of_stage[s]], "memory": items,
                                                "offload": offload}))
@@ -199,6 +211,14 @@ def _analytic_over(plan: Plan, model: ModelSpec, capacity: int, margin: dict[int
 
 # ---- the search ------------------------------------------------------------------------------------
 
+def _better(sim, best_s: float) -> bool:
+    return not any(d.oom for d in sim.result.devices) and sim.result.iteration_time_s < best_s * (1 - 1e-9)
+
+
+def _no_worse(sim, best_s: float) -> bool:
+    return not any(d.oom for d in sim.result.devices) and sim.result.iteration_time_s <= best_s * (1 + 1e-9)
+
+
 class _State:
     """The assignment being built: per-layer actions, why each was chosen, layers banned from D2D
     (their stripes overfilled a target), per-stage capacity corrections learnt from simulation."""
@@ -210,6 +230,7 @@ class _State:
         self.why: dict[tuple[int, int], str] = {}
         self.no_d2d: set[tuple[int, int]] = set()
         self.stripes: dict[tuple[int, int], tuple] = {}
+        self.period: dict[tuple[int, int], int] = {}  # layers swapping every n-th microbatch only
         self.opt_swap: set[int] = set()  # stages whose optimizer state lives on the host between steps
         self.opt_why: dict[int, str] = {}
         self.spare_left: dict[int, int] = {}  # target stage -> bytes it can still hold (set by the search)
@@ -222,7 +243,7 @@ class _State:
 
     def plan_now(self, actions=None) -> Plan:
         return _with_actions(self.plan, self.actions if actions is None else actions, self.mapping, self.stripes,
-                             self.opt_swap)
+                             self.opt_swap, self.period)
 
     def channel_s(self, s: int, action: MemoryAction, actions=None) -> float:
         """One direction of stage ``s``'s ``action`` channel per microbatch, in seconds."""
@@ -241,32 +262,35 @@ class _State:
             cost += max(0.0, used + one - self.period_s) - max(0.0, used - self.period_s)
         return cost
 
-    def held_bytes(self, key: tuple[int, int]) -> int:
-        """What a D2D-swapped layer parks on its targets at the source's peak: every in-flight
-        microbatch's saved activations (the closed form's bound; the emulator checks timelines)."""
-        return self.in_flight[key[0]] * self.facts[key].saved_bytes
+    def held_bytes(self, key: tuple[int, int], period: int | None = None) -> int:
+        """What a D2D-swapped layer parks on its targets at the source's peak: its saved
+        activations for the in-flight microbatches it swaps (every ``period``-th; the closed
+        form's bound, the emulator checks timelines)."""
+        period = self.period.get(key, 1) if period is None else period
+        return -(-self.in_flight[key[0]] // period) * self.facts[key].saved_bytes
 
     def stripes_for(self, key: tuple[int, int]) -> tuple | None:
-        """The targets (and weights) ``key`` can stripe over with the spare memory left: the
-        mapping's peers of its stage, dropping the one shortest of room until every stripe fits
-        (§III-C spare-memory assignment, greedy per layer: a layer swaps whole, so peers are
-        not pre-divided among sources)."""
+        """((target stage, weight), ...), period: the peers ``key`` can stripe over with the spare
+        memory left, and how many of its microbatches (every period-th) fit there: the mapping's
+        peers of its stage, dropping the one shortest of room until every stripe fits (§III-C
+        spare-memory assignment, greedy per layer), all in-flight microbatches first, then every
+        second, third... (MPress picks tensors; a layer's microbatches are ours)."""
         if key in self.no_d2d:
             return None
-        held = self.held_bytes(key)
         mine = self.stripes.get(key, ()) if self.actions.get(key) is _D2D else ()
         left = dict(self.spare_left)
         total = sum(w for _, w in mine)
         for t, w in mine:  # what this layer holds now is free for it
-            left[t] += round(held * w / total)
-        cands = list(self.mapping.targets[key[0]])
-        while cands:
-            total = sum(w for _, w in cands)
-            short = [(left[t] - held * w / total, t, w) for t, w in cands]
-            worst = min(short)
-            if worst[0] >= 0:
-                return tuple(cands)
-            cands.remove((worst[1], worst[2]))
+            left[t] += round(self.held_bytes(key) * w / total)
+        for period in range(1, self.in_flight[key[0]] + 1):
+            held = self.held_bytes(key, period)
+            cands = list(self.mapping.targets[key[0]])
+            while cands:
+                total = sum(w for _, w in cands)
+                worst = min((left[t] - held * w / total, t, w) for t, w in cands)
+                if worst[0] >= 0:
+                    return tuple(cands), period
+                cands.remove((worst[1], worst[2]))
         return None
 
     def options(self, key: tuple[int, int], techniques) -> list[tuple[float, MemoryAction]]:
@@ -287,7 +311,7 @@ class _State:
         return sorted(out, key=lambda x: (x[0], [_D2D, _CPU, _RC].index(x[1])))
 
     def set(self, key: tuple[int, int], action: MemoryAction, why: str) -> None:
-        stripes = self.stripes_for(key) if action is _D2D else None
+        stripes, period = self.stripes_for(key) if action is _D2D else (None, 1)
         if self.actions.get(key) is _D2D:  # give its spare memory back
             old = self.stripes.pop(key)
             total = sum(w for _, w in old)
@@ -297,6 +321,9 @@ class _State:
             self.actions.pop(key, None)
         else:
             self.actions[key] = action
+        self.period.pop(key, None)
+        if period > 1:
+            self.period[key] = period
         if action is _D2D:
             self.stripes[key] = stripes
             total = sum(w for _, w in stripes)
@@ -312,8 +339,10 @@ class _State:
         one = f.cpu_s if action is _CPU else f.d2d_s
         where = "PCIe" if action is _CPU else "NVLink stripes"
         hid = "hides in" if 2 * one <= f.live_s else "does not hide in"
+        every = self.period.get(key, 1)
+        which = f"; every {every}th microbatch (the peers' spare memory holds no more)" if every > 1 else ""
         return (f"{action.value}: round trip 2 x {one * 1e3:.2f} ms over {where} {hid} its {live}; "
-                f"extra {cost_s * 1e3:.2f} ms/microbatch")
+                f"extra {cost_s * 1e3:.2f} ms/microbatch{which}")
 
     def fill(self, over: dict[int, int], techniques) -> bool:
         """Assign layers of over-full stages, cheapest per saved byte first (§III-D initial
@@ -352,7 +381,8 @@ class _State:
                         stuck.add(s)
                     continue
                 _, key, a, cost = best
-                self.set(key, a, self.reason(key, a, cost))
+                self.set(key, a, "")
+                self.why[key] = self.reason(key, a, cost)
                 changed = True
             over = self.over()
 
@@ -362,11 +392,12 @@ class _State:
         return _analytic_over(self.plan_now(), self.model, self.capacity, self.margin)
 
     def snapshot(self) -> tuple:
-        return dict(self.actions), dict(self.stripes), dict(self.spare_left), dict(self.why), set(self.opt_swap)
+        return (dict(self.actions), dict(self.stripes), dict(self.spare_left), dict(self.why), set(self.opt_swap),
+                dict(self.period))
 
     def restore(self, saved: tuple) -> None:
         self.actions, self.stripes, self.spare_left, self.why = (dict(x) for x in saved[:4])
-        self.opt_swap = set(saved[4])
+        self.opt_swap, self.period = set(saved[4]), dict(saved[5])
 
     def own_peak(self, s: int) -> int:
         """Closed-form peak of stage ``s``'s device without the stripes peers hold there."""
@@ -428,7 +459,7 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
     mapping = search_mapping(hardware, devices, want if use_d2d else [0] * p, spare, boundary,
                              striping=policy.striping, mode=policy.mapping if use_d2d else "identity")
     log.append(f"base: {p} stages, iteration {first.result.iteration_time_s:.3f} s; over capacity: "
-               + (", ".join(f"stage {s} +{demand[s] / GIB:.2f} GiB" for s in range(p) if demand[s]) or "none"))
+               + (", ".join(f"stage {s} +{_size(demand[s])}" for s in range(p) if demand[s]) or "none"))
     if use_d2d:
         log.append(f"device mapping ({'exact' if mapping.exact else 'local search'}, {mapping.candidates} candidates): "
                    + " ".join(f"s{s}->d{d}" for s, d in enumerate(mapping.device_of_stage)))
@@ -477,8 +508,8 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
                         st.set(key, _KEEP, f"keep: D2D stripes overfilled device {device}, no other technique allowed")
                     freed += nbytes
                     changed = True
-                log.append(f"emulator {sims}: target device {device} over by {over_b / GIB:.2f} GiB at its peak; "
-                           f"took back {freed / GIB:.2f} GiB of stripes")
+                log.append(f"emulator {sims}: target device {device} over by {_size(over_b)} at its peak; "
+                           f"took back {_size(freed)} of stripes")
             if device in stage_of:  # a stage over on its own: learn the gap, assign more layers
                 s = stage_of[device]
                 # what the simulated timeline holds beyond the closed form (e.g. an output still
@@ -495,7 +526,7 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
                         st.set(key, _RC, st.reason(key, _RC, st.facts[key].fwd_s) + " (its swap left bytes on the device)")
                         grew = True
                 changed |= grew
-                log.append(f"emulator {sims}: stage {s} over by {over_b / GIB:.2f} GiB; more layers compacted")
+                log.append(f"emulator {sims}: stage {s} over by {_size(over_b)}; more layers compacted")
         if not changed:
             log.append(f"emulator {sims}: nothing left to compact: the closest plan does not fit")
             break
@@ -516,7 +547,7 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
                 st.restore(saved)
                 continue
             t = run(st.plan_now())
-            if not any(d.oom for d in t.result.devices) and t.result.iteration_time_s < best_t * (1 - 1e-9):
+            if _no_worse(t, best_t):  # as fast and less PCIe traffic: keep it resident
                 log.append(f"emulator {sims}: stage {s} keeps its optimizer state: {best_t:.3f} -> "
                            f"{t.result.iteration_time_s:.3f} s")
                 st.opt_why.pop(s, None)
@@ -544,13 +575,31 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
                     st.restore(saved)  # the closed form already says it would not fit
                     continue
                 t = run(st.plan_now())
-                if not any(d.oom for d in t.result.devices) and t.result.iteration_time_s < best_t * (1 - 1e-9):
+                # faster; or, for keep, no slower (nothing to move is better than a hidden move)
+                if _no_worse(t, best_t) if a is _KEEP else _better(t, best_t):
                     log.append(f"emulator {sims}: stage {key[0]} layer {key[1]} {current.value} -> {a.value}: "
                                f"{best_t:.3f} -> {t.result.iteration_time_s:.3f} s")
                     st.why[key] = ((st.reason(key, a, cost) if a is not _KEEP else "keep: fits without compaction")
                                    + f" (emulator: {best_t:.3f} -> {t.result.iteration_time_s:.3f} s per iteration)")
                     best_t, sim = t.result.iteration_time_s, t
                     break
+                st.restore(saved)
+        # Spare peer memory left over: a CPU swap that hides is moved to it if that is no slower.
+        # A departure from §III-D, which keeps D2D for the tensors that need it: by now every
+        # tensor has had its chance, and a D2D stripe leaves the host link (shared by the GPUs of
+        # a PCIe switch, and by optimizer swaps) and host memory alone
+        for key in sorted((k for k, a in st.actions.items() if a is _CPU), key=lambda k: (-st.held_bytes(k), k)):
+            if sims >= budget or st.stripes_for(key) is None:
+                continue
+            saved = st.snapshot()
+            st.set(key, _D2D, "")
+            t = run(st.plan_now())
+            if _no_worse(t, best_t):
+                log.append(f"emulator {sims}: stage {key[0]} layer {key[1]} cpu_swap -> d2d_swap (spare peer memory "
+                           f"left): {best_t:.3f} -> {t.result.iteration_time_s:.3f} s")
+                st.why[key] = st.reason(key, _D2D, st.facts[key].cost_s(_D2D)) + " (spare peer memory left over)"
+                best_t, sim = t.result.iteration_time_s, t
+            else:
                 st.restore(saved)
     plan = st.plan_now()
     choices = tuple(
@@ -562,9 +611,16 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
         for s, l in sorted(st.why))
     log.append(f"result: {'fits' if fits else 'does NOT fit'}, iteration {sim.result.iteration_time_s:.3f} s "
                f"after {sims} simulations")
+    per_node = [0] * hardware.nodes
+    for d in sim.result.devices:  # each device's host peak; their sum bounds the node's (CPU-swap bytes)
+        per_node[hardware.node_of(d.device)] += d.host_bytes
+    if any(n > hardware.host.memory_bytes for n in per_node):
+        fits = False
+        log.append(f"host memory: {_size(max(per_node))} on one node is over its {_size(hardware.host.memory_bytes)}")
     return MPressOutcome(plan, fits, choices, mapping, sims, sim.result.iteration_time_s,
                          first.result.iteration_time_s, tuple(log),
-                         tuple((s, st.opt_why[s]) for s in sorted(st.opt_swap)))
+                         tuple((s, st.opt_why[s]) for s in sorted(st.opt_swap)), tuple(per_node),
+                         hardware.host.memory_bytes)
 
 
 def report(outcome: MPressOutcome) -> dict:
@@ -585,6 +641,7 @@ def report(outcome: MPressOutcome) -> dict:
                     "placed_bytes": list(m.placed_bytes), "swap_time_s": list(m.swap_time_s)},
         "stages": stages, "log": list(outcome.log),
         "optimizer_swap": {str(s): why for s, why in outcome.optimizer_swap},
+        "host_bytes_per_node": list(outcome.host_bytes_per_node),
     }
 
 
@@ -595,6 +652,11 @@ def summary_lines(outcome: MPressOutcome) -> list[str]:
         if c.action != "keep":
             per.setdefault(c.stage, {}).setdefault(c.action, []).append(c.layer)
     lines = [f"mpress: {outcome.log[-1]}"]
+    for n, nbytes in enumerate(outcome.host_bytes_per_node):
+        if nbytes:
+            over = " -- OVER host memory" if nbytes > outcome.host_capacity_bytes else ""
+            lines.append(f"  host memory of node {n} (CPU swaps, offloaded optimizer state): {_size(nbytes)} of "
+                         f"{_size(outcome.host_capacity_bytes)}{over}")
     for s, _ in outcome.optimizer_swap:
         per.setdefault(s, {})["optimizer state to host"] = []
     for s in sorted(per):

@@ -18,12 +18,12 @@ import simpy
 
 from simulator.links import Links
 from simulator.memory import ACTS, BUFFERS, GRADS, OPTIM, PARAMS, STASHED, SWAPPED, Timeline
-from simulator.stagecost import SWAPS, StageCost, ns, stage_costs
+from simulator.stagecost import SWAPS, StageCost, ns, stage_cost, stage_costs
 from simulator.trace import TraceBuilder
 from specs import costs
 from specs.hardware import RENDEZVOUS_KINDS, HardwareSpec, LinkSpec
 from specs.model import ModelSpec
-from specs.plan import MemoryAction, Plan, ScheduleKind
+from specs.plan import MemoryAction, Plan, ScheduleKind, stage_for_microbatch
 from specs.schedule import ActionKind, build_schedule, pairs
 
 _F, _B = ActionKind.forward, ActionKind.backward
@@ -46,7 +46,9 @@ class Engine:
         self._ar_end: dict[int, int] = {}
         self.env = simpy.Environment()
         self.p = plan.pipeline_depth
+        self.model = model
         self.costs: list[StageCost] = stage_costs(plan, model, hardware)
+        self._variants: dict[int, tuple] = {}  # id(stage variant) -> (variant, its StageCost)
         self.schedule = build_schedule(plan)
         self.links = Links(hardware)
         self.trace = TraceBuilder()
@@ -81,6 +83,18 @@ class Engine:
             self.env.process(self._walk(pos))
         self.env.run()
 
+    def _cost(self, s: int, k: int) -> StageCost:
+        """Stage ``s``'s costs as microbatch ``k`` sees them: memory actions with a
+        ``microbatch_period`` apply to some microbatches only (specs.plan.stage_for_microbatch)."""
+        stage = self.plan.stages[s]
+        variant = stage_for_microbatch(stage, k)
+        if variant is stage:
+            return self.costs[s]
+        hit = self._variants.get(id(variant))
+        if hit is None:
+            hit = self._variants[id(variant)] = (variant, stage_cost(self.plan, self.model, self.hardware, s, variant))
+        return hit[1]
+
     def _host(self, pos: int, delta: int) -> None:
         self.host_now[pos] += delta
         if self.host_now[pos] > self.host_peak[pos]:
@@ -108,7 +122,7 @@ class Engine:
         busy = 0
         for a in self.schedule[pos]:
             kind, s, k = a.kind, a.stage, a.microbatch
-            sc = costs_[s]
+            sc = costs_[s] if k is None else self._cost(s, k)
             if kind is _F:
                 t0 = env.now
                 if self._stash:  # weight stashing: every in-flight microbatch but the newest keeps

@@ -68,41 +68,44 @@ def host_link(hardware: HardwareSpec):
 
 
 def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[StageCost]:
-    out = []
-    for s, stage in enumerate(plan.stages):
-        b = costs.samples_per_replica(plan, stage)
-        fwd_s, bwd_s = costs.stage_pass_times_s(model, plan, hardware, stage)
-        layers = []
-        for l in stage.layers:
-            item = stage.action_of(l)
-            f_c, b_c, _ = costs.layer_pass_times_s(model, plan, hardware, stage, l)
-            layers.append(LayerCost(
-                layer=l, action=item.action, targets=tuple((t.device, t.weight) for t in item.targets),
-                saved_bytes=costs.layer_saved_bytes(model.layers[l], b, stage.tp),
-                recompute_ns=ns(f_c), bwd_ns=ns(b_c),
-            ))
-        static, host = costs.stage_static(model, plan, stage)
-        # A swapped layer's activations stay resident until its copy-out finishes.
-        act = costs.stage_activation_bytes(model, plan, stage)
-        # A released output (training.deallocate_pipeline_outputs) lives until its send is done.
-        sent = costs.sent_output_bytes(model, plan, stage)
-        fwd_alloc = act + sent + sum(lc.saved_bytes for lc in layers if lc.action in SWAPS)
-        dp_s = costs.dp_allreduce_s(model, plan, hardware, stage)
-        out.append(StageCost(
-            index=s, position=plan.device_group_of(s), rep=stage.devices[0],
-            fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
-            simple=all(lc.action not in SWAPS for lc in layers),
-            fwd_alloc_bytes=fwd_alloc, act_bytes=act, sent_output_bytes=sent,
-            workspace_bytes=costs.backward_transient_bytes(model, plan, stage)[0],
-            allreduce_buffer_bytes=costs.allreduce_buffer_bytes(model, plan, stage),
-            act_out_bytes=b * model.layers[stage.layer_stop - 1].output_bytes_per_sample,
-            grad_out_bytes=costs.layer_input_bytes(model, stage.layer_start, b),
-            static=static, host_bytes=host, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage),
-            dp_allreduce_ns=ns(dp_s),
-            ar_buckets_ns=tuple(ns(t) for t in costs.dp_allreduce_buckets_s(model, plan, hardware, stage)),
-            allreduce_ns=ns(dp_s + costs.embedding_group_allreduce_s(model, plan, hardware, stage)),
-            optimizer_ns=ns(costs.optimizer_step_s(model, plan, hardware, stage)),
-            opt_chunks=tuple(chunks := costs.optimizer_swap_chunks(model, plan, stage)),
-            opt_chunk_ns=tuple(ns(costs.transfer_s(c, host_link(hardware))) for c in chunks),
+    return [stage_cost(plan, model, hardware, s, stage) for s, stage in enumerate(plan.stages)]
+
+
+def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, stage) -> StageCost:
+    """Stage ``s``'s costs with its layers' actions as in ``stage`` (``plan.stages[s]``, or the
+    variant one microbatch sees: specs.plan.stage_for_microbatch)."""
+    b = costs.samples_per_replica(plan, stage)
+    fwd_s, bwd_s = costs.stage_pass_times_s(model, plan, hardware, stage)
+    layers = []
+    for l in stage.layers:
+        item = stage.action_of(l)
+        f_c, b_c, _ = costs.layer_pass_times_s(model, plan, hardware, stage, l)
+        layers.append(LayerCost(
+            layer=l, action=item.action, targets=tuple((t.device, t.weight) for t in item.targets),
+            saved_bytes=costs.layer_saved_bytes(model.layers[l], b, stage.tp),
+            recompute_ns=ns(f_c), bwd_ns=ns(b_c),
         ))
-    return out
+    static, host = costs.stage_static(model, plan, stage)
+    # A swapped layer's activations stay resident until its copy-out finishes.
+    act = costs.stage_activation_bytes(model, plan, stage)
+    # A released output (training.deallocate_pipeline_outputs) lives until its send is done.
+    sent = costs.sent_output_bytes(model, plan, stage)
+    fwd_alloc = act + sent + sum(lc.saved_bytes for lc in layers if lc.action in SWAPS)
+    dp_s = costs.dp_allreduce_s(model, plan, hardware, stage)
+    return StageCost(
+        index=s, position=plan.device_group_of(s), rep=stage.devices[0],
+        fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
+        simple=all(lc.action not in SWAPS for lc in layers),
+        fwd_alloc_bytes=fwd_alloc, act_bytes=act, sent_output_bytes=sent,
+        workspace_bytes=costs.backward_transient_bytes(model, plan, stage)[0],
+        allreduce_buffer_bytes=costs.allreduce_buffer_bytes(model, plan, stage),
+        act_out_bytes=b * model.layers[stage.layer_stop - 1].output_bytes_per_sample,
+        grad_out_bytes=costs.layer_input_bytes(model, stage.layer_start, b),
+        static=static, host_bytes=host, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage),
+        dp_allreduce_ns=ns(dp_s),
+        ar_buckets_ns=tuple(ns(t) for t in costs.dp_allreduce_buckets_s(model, plan, hardware, stage)),
+        allreduce_ns=ns(dp_s + costs.embedding_group_allreduce_s(model, plan, hardware, stage)),
+        optimizer_ns=ns(costs.optimizer_step_s(model, plan, hardware, stage)),
+        opt_chunks=tuple(chunks := costs.optimizer_swap_chunks(model, plan, stage)),
+        opt_chunk_ns=tuple(ns(costs.transfer_s(c, host_link(hardware))) for c in chunks),
+    )

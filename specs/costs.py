@@ -190,11 +190,13 @@ def layer_freed_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: i
 
 def backward_transient_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int]:
     """(workspace, swap-in) bytes during one backward: :func:`backward_workspace_bytes` (scratch and
-    recomputed activations) and the largest swapped layer's prefetched copy."""
+    recomputed activations) and the prefetched copies of swapped layers (two at a time)."""
     b = samples_per_replica(plan, stage)
-    swap = max((layer_saved_bytes(model.layers[l], b, stage.tp) for l in stage.layers
-                if stage.action_of(l).action in SWAP_ACTIONS), default=0)
-    return backward_workspace_bytes(model, plan, stage), swap
+    # double buffering (simulator/engine.py _layered_backward; executor/swap.py): the layer being
+    # run and the next one coming in, so the two largest swapped layers bound the copies
+    sizes = sorted((layer_saved_bytes(model.layers[l], b, stage.tp) for l in stage.layers
+                    if stage.action_of(l).action in SWAP_ACTIONS), reverse=True)
+    return backward_workspace_bytes(model, plan, stage), sum(sizes[:2])
 
 
 def comm_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:

@@ -16,6 +16,7 @@ Devices of a stage are ordered tensor-parallel fastest: replica r, TP rank t is 
 from __future__ import annotations
 
 import hashlib
+import math
 from enum import Enum
 from typing import Annotated
 
@@ -71,6 +72,15 @@ class LayerMemory(Spec):
     layer: int = Field(ge=0, lt=MAX_COUNT, description="global layer index")
     action: MemoryAction
     targets: list[D2DTarget] = Field(default_factory=list, max_length=1024)
+    # MPress decides per tensor (§III-D); a layer's in-flight microbatches are its tensors here:
+    # the action applies to microbatches k with k % microbatch_period == 0, the others keep. A
+    # finer grain than whole layers, for spare memory smaller than a layer's in-flight bytes
+    microbatch_period: int = Field(1, ge=1, le=MAX_COUNT,
+                                   description="act on every n-th microbatch (k % n == 0); the rest keep")
+
+    def applies(self, k: int) -> bool:
+        """Whether microbatch ``k``'s activations of this layer take ``action`` (else keep)."""
+        return k % self.microbatch_period == 0
 
     @model_validator(mode="after")
     def _targets(self) -> LayerMemory:
@@ -173,6 +183,24 @@ class StagePlan(Spec):
             cached = _ACTION_INDEX[id(self.memory)] = (self.memory, index, len(self.memory))  # the ref pins the id
         found = cached[1].get(layer)
         return found if found is not None else _keep(layer)
+
+
+def stage_for_microbatch(stage: StagePlan, k: int) -> StagePlan:
+    """``stage`` as microbatch ``k`` sees it: the memory actions that apply to ``k`` (their
+    ``microbatch_period``), all others keep. The stage itself when every action applies."""
+    if all(item.microbatch_period == 1 for item in stage.memory):
+        return stage
+    key = (id(stage), k % math.lcm(*(item.microbatch_period for item in stage.memory)))
+    hit = _PER_MB.get(key)
+    if hit is None or hit[0] is not stage:
+        if len(_PER_MB) > 4096:
+            _PER_MB.clear()
+        kept = [item for item in stage.memory if item.applies(k)]
+        hit = _PER_MB[key] = (stage, stage.model_copy(update={"memory": kept}))  # the ref pins the id
+    return hit[1]
+
+
+_PER_MB: dict[tuple[int, int], tuple] = {}
 
 
 def _keep(layer: int) -> LayerMemory:

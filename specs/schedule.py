@@ -30,7 +30,7 @@ from enum import Enum
 from pydantic import Field
 
 from specs._base import Spec
-from specs.plan import MemoryAction, Plan, ScheduleKind
+from specs.plan import MemoryAction, Plan, ScheduleKind, stage_for_microbatch
 
 SWAPS = (MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme)
 
@@ -107,7 +107,7 @@ def build_schedule(plan: Plan) -> dict[int, list[Action]]:
     for i in range(p):
         groups: list[list[Action]] = []  # one group per pass: its recvs, itself, its sends
         for pass_, s, k in compute_order(plan.schedule.kind, p, m, v, i):
-            stage = plan.stages[s]
+            stage = stage_for_microbatch(plan.stages[s], k)  # the actions that apply to microbatch k
             group: list[Action] = []
             if pass_ == "F":
                 if s > 0:

@@ -236,10 +236,8 @@ class _State:
         self.spare_left: dict[int, int] = {}  # target stage -> bytes it can still hold (set by the search)
         self.margin = {s: 0 for s in range(len(plan.stages))}  # simulated peak above the closed form
         self.in_flight = {s: costs.in_flight_microbatches(plan, s) for s in range(len(plan.stages))}
-        # pipeline period: one microbatch's forward + backward on the slowest stage; a stage's
-        # swap channel that needs longer than this per microbatch queues (and stalls) every one
-        self.period_s = 0.0
         self.fwd_s: dict[int, float] = {}  # stage -> one forward pass (set by the search)
+        self.bwd_s: dict[int, float] = {}
 
     def plan_now(self, actions=None) -> Plan:
         return _with_actions(self.plan, self.actions if actions is None else actions, self.mapping, self.stripes,
@@ -253,14 +251,23 @@ class _State:
 
     def marginal_cost_s(self, key: tuple[int, int], action: MemoryAction) -> float:
         """Extra seconds per microbatch of giving ``key`` ``action`` now: its own unhidden time
-        plus what it adds to its stage's channel beyond one pipeline period."""
+        plus the stall it adds to its stage's forwards (:meth:`stall_s`)."""
         fact = self.facts[key]
         cost = fact.cost_s(action)
         if action in (_CPU, _D2D):
             used = self.channel_s(key[0], action)
             one = fact.cpu_s if action is _CPU else fact.d2d_s
-            cost += max(0.0, used + one - self.period_s) - max(0.0, used - self.period_s)
+            cost += self.stall_s(key[0], used + one) - self.stall_s(key[0], used)
         return cost
+
+    def stall_s(self, s: int, channel_s: float) -> float:
+        """Mean wait per microbatch of stage ``s`` whose swap-outs take ``channel_s`` per
+        microbatch: a forward waits for the previous microbatch's swap-outs (simulator, executor),
+        so the warm-up forwards (back to back, one per in-flight microbatch) wait for what exceeds
+        a forward, the steady-state ones for what exceeds a forward and a backward."""
+        m, n = self.plan.training.microbatches, min(self.in_flight[s], self.plan.training.microbatches)
+        f, fb = self.fwd_s[s], self.fwd_s[s] + self.bwd_s[s]
+        return (n * max(0.0, channel_s - f) + (m - n) * max(0.0, channel_s - fb)) / m
 
     def held_bytes(self, key: tuple[int, int], period: int | None = None) -> int:
         """What a D2D-swapped layer parks on its targets at the source's peak: its saved
@@ -299,14 +306,6 @@ class _State:
         for a in techniques:
             if a is _D2D and self.stripes_for(key) is None:
                 continue
-            if a in (_CPU, _D2D) and self.actions.get(key) is not a:
-                # a stage's memory peaks at the end of its warm-up forwards (1F1B, PipeDream,
-                # GPipe alike), when only forwards run: a swap channel needing longer than one
-                # forward per microbatch still holds the backlog there, so the saving would not
-                # be real at the moment it is needed
-                one = self.facts[key].cpu_s if a is _CPU else self.facts[key].d2d_s
-                if self.channel_s(key[0], a) + one > self.fwd_s[key[0]]:
-                    continue
             out.append((self.marginal_cost_s(key, a), a))
         return sorted(out, key=lambda x: (x[0], [_D2D, _CPU, _RC].index(x[1])))
 
@@ -473,8 +472,9 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
     facts = _facts(base, model, hardware, first.trace, mapping)
     st = _State(base, model, facts, mapping, allowed, capacity)
     st.spare_left = {t: int(spare[t]) for t in range(p)}
-    st.fwd_s = {s: costs.stage_pass_times_s(model, base, hardware, stage)[0] for s, stage in enumerate(base.stages)}
-    st.period_s = max(sum(costs.stage_pass_times_s(model, base, hardware, stage)) for stage in base.stages)
+    passes = [costs.stage_pass_times_s(model, base, hardware, stage) for stage in base.stages]
+    st.fwd_s = {s: f for s, (f, _) in enumerate(passes)}
+    st.bwd_s = {s: b for s, (_, b) in enumerate(passes)}
     # §III-D: initial assignment with recompute and CPU swap; D2D replaces the costliest later.
     # A D2D-only policy (the paper's "D2D swap" baseline) places D2D from the start.
     initial = [a for a in allowed if a is not _D2D] or allowed
@@ -534,6 +534,31 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
 
     fits = not any(d.oom for d in sim.result.devices)
     best_t = sim.result.iteration_time_s
+    if fits and use_d2d and not any(a is _D2D for a in st.actions.values()) and sims < budget:
+        # Every stage overflowed the base plan, so there was no spare memory to map for; now that
+        # recompute, CPU swaps and optimizer swaps made room, map again (Fig. 6) for the costly
+        # compactions: their bytes are the demand, what the devices have left the spare
+        peak_now = {d.device: d.peak_bytes for d in sim.result.devices}
+        dev_now = mapping.device_of_stage
+        demand2 = [sum(st.held_bytes(k) for k, a in st.actions.items() if k[0] == s and st.facts[k].cost_s(a) > 0)
+                   for s in range(p)]
+        spare2 = [max(0, capacity - peak_now[dev_now[s]]) if not demand2[s] else 0 for s in range(p)]
+        if any(demand2) and any(spare2):
+            remap = search_mapping(hardware, devices, demand2, spare2, boundary,
+                                   striping=policy.striping, mode=policy.mapping)
+            saved, old_map, old_facts = st.snapshot(), st.mapping, st.facts
+            st.mapping, st.spare_left = remap, dict(enumerate(spare2))
+            st.facts = facts = _facts(base, model, hardware, first.trace, remap)
+            t = run(st.plan_now())
+            if _no_worse(t, best_t):
+                mapping, sim, best_t = remap, t, t.result.iteration_time_s
+                log.append(f"emulator {sims}: mapped again for the room compaction made "
+                           f"({'exact' if remap.exact else 'local search'}, {remap.candidates} candidates): "
+                           + " ".join(f"s{s}->d{d}" for s, d in enumerate(remap.device_of_stage)))
+            else:
+                st.restore(saved)
+                st.mapping, st.facts = old_map, old_facts
+                facts = old_facts
     # ---- emulator: improve (costliest first: D2D instead, then keep) -----------------------------
     if fits:
         # the optimizer swap is the costliest (its whole state crosses PCIe twice an iteration):

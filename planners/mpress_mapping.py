@@ -119,8 +119,10 @@ def _waterfill(offer: np.ndarray, w: np.ndarray, need: np.ndarray) -> np.ndarray
 def _none_weights(bw: np.ndarray, demand: np.ndarray, spare: np.ndarray) -> np.ndarray:
     """No striping: each source (in stage order) picks one target: fastest link, then most spare not
     yet claimed by earlier sources, then the lowest stage. Returns 0/1 weights (M, ks, kt)."""
-    m, ks, _ = bw.shape
+    m, ks, kt = bw.shape
     w = np.zeros_like(bw)
+    if kt == 0:  # no stage has spare memory: nothing to pick
+        return w
     left = np.broadcast_to(spare, (m, spare.size)).copy()
     rows = np.arange(m)
     for s in range(ks):

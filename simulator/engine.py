@@ -63,6 +63,7 @@ class Engine:
         # released outputs waiting for their receive to be posted: send key -> (position, end ns, bytes)
         self._unreceived: dict[tuple, tuple[int, int, int]] = {}
         self._swap_out_end: dict[tuple[int, int, int], int] = {}
+        self._swapped_out: dict[int, int] = {}  # stage -> when its issued swap-outs are all done
         self._swap_in_done: dict[tuple[int, int, int], simpy.Event] = {}
         self._prefetch: dict[tuple[int, int], list[int]] = {}  # (stage, mb) -> layers not yet fetched
         self._xfer_ns: dict[tuple[int, int, int], int] = {}
@@ -124,6 +125,16 @@ class Engine:
             kind, s, k = a.kind, a.stage, a.microbatch
             sc = costs_[s] if k is None else self._cost(s, k)
             if kind is _F:
+                drained = self._swapped_out.get(s, 0)
+                if drained > env.now:
+                    # a forward waits for the previous microbatch's swap-outs (executor.swap does
+                    # the same): a copy channel slower than the forwards then stalls compute, as
+                    # MPress §II-D measures for GPU-CPU swap, instead of piling up device memory
+                    t_wait = env.now
+                    yield env.timeout(drained - env.now)
+                    self.events += 1
+                    trace.slice(rep, "compute", f"wait swap-out s{s} mb{k}", t_wait, env.now - t_wait, "stall")
+                    busy += env.now - t_wait  # the compute stream is held: PipeDream's steady state counts it
                 t0 = env.now
                 if self._stash:  # weight stashing: every in-flight microbatch but the newest keeps
                     n = in_flight.get(s, 0)  # the version its forward used (PipeDream §3.3)
@@ -388,6 +399,7 @@ class Engine:
             self.trace.slice(sc.rep, "d2h", f"swap_out L{layer} mb{k}", start, dur, "swap")
             self._host(pos, nbytes)  # pinned host buffer reserved at enqueue
         self._swap_out_end[(sc.index, k, layer)] = end
+        self._swapped_out[sc.index] = max(self._swapped_out.get(sc.index, 0), end)
         self._free_acts(pos, end, nbytes)  # the source is freed when the copy has finished
 
     def _swap_in(self, pos: int, sc: StageCost, k: int, layer: int) -> None:

@@ -274,3 +274,10 @@ def test_bad_options_name_the_argument():
         search_mapping(DGX1, (0, 1), [GIB, 0], [0, GIB], striping="bogus")
     with pytest.raises(ValueError, match="mode"):
         search_mapping(DGX1, (0, 1), [GIB, 0], [0, GIB], mode="bogus")
+
+
+@pytest.mark.parametrize("striping", ["weighted", "equal", "none"])
+def test_no_spare_anywhere_places_nothing_in_every_striping(striping):
+    # every stage over capacity (GPT-15.4B on DGX-1): striping=none once failed on the empty target set
+    m = search_mapping(DGX1, list(range(8)), [4 * GIB] * 8, [0.0] * 8, BOUNDARY, striping=striping)
+    assert m.placed_bytes == (0.0,) * 8 and all(not t for t in m.targets)

@@ -152,7 +152,9 @@ def _collect(procs, q, out: RunOutput, errors: dict, world: int, deadline: float
 
 def _describe(errors: dict[int, str], plan: Plan) -> str:
     """Name the root cause first: a rank that died without a report or raised its own error,
-    before ranks that merely lost a peer."""
+    before ranks that merely lost a peer; among those, the first to fail (``errors`` is in
+    arrival order): a d2d target that dies over its budget can make its sources fail next, over
+    theirs, when their stripes cannot leave."""
     devices = plan.used_devices()
 
     def line(rank: int) -> str:
@@ -161,7 +163,8 @@ def _describe(errors: dict[int, str], plan: Plan) -> str:
         text = errors[rank].strip()
         return f"rank {rank} (device {devices[rank]}): {text.splitlines()[0]}"
 
-    primary = sorted(errors, key=lambda r: (any(s in errors[r] for s in SECONDARY), r))
+    arrival = {r: i for i, r in enumerate(errors)}
+    primary = sorted(errors, key=lambda r: (any(s in errors[r] for s in SECONDARY), arrival[r]))
     first, rest = primary[0], primary[1:]
     msg = line(first)
     if rest:

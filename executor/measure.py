@@ -21,9 +21,17 @@ class UnsupportedPlan(ValueError):
 
 def unsupported(plan: Plan) -> list[str]:
     """Plan features the executor would silently drop, as 'field: why' (empty: runnable).
-    Swaps are accepted: on CPU activations already live in host memory (a no-op), on CUDA every
-    swap kind runs as a synchronous cpu_swap (``save_on_cpu``)."""
+    Swaps run (executor.swap: cpu_swap, nvme as cpu_swap, d2d_swap striped to peer ranks by
+    executor.d2d), but a d2d target must be a device that runs a stage: the executor starts one
+    rank per stage device, and a device holding only stripes would need a rank of its own."""
     out = []
+    used = set(plan.used_devices())
+    for i, st in enumerate(plan.stages):
+        for j, item in enumerate(st.memory):
+            for t, target in enumerate(item.targets):
+                if target.device not in used:
+                    out.append(f"stages[{i}].memory[{j}].targets[{t}].device: device {target.device} runs no stage "
+                               f"(d2d targets must be among the plan's stage devices {sorted(used)})")
     if plan.zero_stage:
         out.append(f"zero_stage: {plan.zero_stage} (ZeRO sharding is not implemented; use 0)")
     for i, st in enumerate(plan.stages):
@@ -146,6 +154,7 @@ def result_from_run(plan: Plan, cfg, hardware: HardwareSpec, out: RunOutput, war
             device=d, rank=plan.used_devices().index(d), stages=stages,
             layers=[(plan.stages[s].layer_start, plan.stages[s].layer_stop) for s in stages],
             capacity_bytes=cap, peak_bytes=peak, breakdown=breakdown,
+            host_bytes=rep.get("host_peak_bytes", 0) if rep and not out.failure else 0,
             oom=peak > cap, oom_over_bytes=max(0, peak - cap)))
     if out.failure:
         t = 0.0

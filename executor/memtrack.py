@@ -25,7 +25,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 CATEGORY_FIELDS = {
     "parameters": "parameters_bytes", "gradients": "gradients_bytes", "optimizer": "optimizer_bytes",
     "activations": "activations_bytes", "buffers": "buffers_bytes",
+    # swap-ins on the source and stripes held for d2d peers (executor.swap, executor.d2d)
+    "swapped": "swapped_in_bytes",
 }
+#: the one category that is not device memory: swapped-out copies in host RAM (executor.swap).
+#: On a CPU rank host and "device" are the same DRAM, so only this tag tells them apart.
+HOST = "host"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -55,13 +60,17 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.peak_breakdown = dict(self.totals)
         self.category = "activations"
+        self.host_bytes = 0  # live HOST-tagged bytes: counted apart, never against capacity_bytes
+        self.host_peak_bytes = 0
         self._lock = threading.RLock()
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _free(self, key: int) -> None:
         with self._lock:  # finalizers also run on the send-reaper thread (executor.stage)
             nbytes, cat = self._live.pop(key, (0, None))
-            if cat is not None:
+            if cat == HOST:
+                self.host_bytes -= nbytes
+            elif cat is not None:
                 self.totals[cat] -= nbytes
                 self.total_bytes -= nbytes
 
@@ -83,6 +92,10 @@ class LiveTensorTracker(TorchDispatchMode):
             self._keys[st] = key
             self._live[key] = [nbytes, category]
             weakref.finalize(st, self._free, key)
+            if category == HOST:
+                self.host_bytes += nbytes
+                self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
+                return
             self.totals[category] += nbytes
             self.total_bytes += nbytes
             if self.total_bytes > self.peak_bytes:
@@ -95,6 +108,8 @@ class LiveTensorTracker(TorchDispatchMode):
         elif retag:
             entry = self._live[key]
             if entry[1] != category:
+                if HOST in (entry[1], category):  # device <-> host is a copy, never a re-filing
+                    raise ValueError(f"a {entry[1]} storage cannot be re-tagged {category}")
                 self.totals[entry[1]] -= entry[0]
                 self.totals[category] += entry[0]
                 entry[1] = category
@@ -102,6 +117,7 @@ class LiveTensorTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak_bytes = self.total_bytes
         self.peak_breakdown = dict(self.totals)
+        self.host_peak_bytes = self.host_bytes
 
     @contextmanager
     def phase(self, category: str):
@@ -126,6 +142,7 @@ class NullTracker:
     """Stand-in when memory is not tracked (timed iterations, GPU runs)."""
 
     peak_bytes = 0
+    host_peak_bytes = 0
     peak_breakdown: dict = {}
 
     def tag(self, *a, **k) -> None:
@@ -148,6 +165,10 @@ def tag_static(tracker, stages) -> None:
         for p in st.params:
             tracker.tag(p, "parameters")
             tracker.tag(p.grad, "gradients")
+        if getattr(st, "opt_swap", None) is not None:  # MPress optimizer swap: its state is host memory
+            for v in st.opt_swap.state_tensors():
+                tracker.tag(v, HOST)
+            continue
         for state in st.optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):

@@ -34,8 +34,9 @@ def check(sim: Result, hardware: HardwareSpec, *, iterations: int, warmup: int, 
 
     * memory: a device whose simulated peak exceeds ``hardware.device.memory_bytes`` (for CPU
       ranks the per-rank budget the executor enforces; on GPUs the card);
-    * host RAM (CPU ranks only: their "device" memory is host memory): the sum of simulated peaks
-      plus ``RANK_RUNTIME_BYTES`` per rank against ``host_available_bytes`` (None: not checked);
+    * host RAM (CPU ranks only: their "device" memory is host memory): the sum of simulated peaks,
+      host bytes (swapped-out activations, offloaded state) and ``RANK_RUNTIME_BYTES`` per rank
+      against ``host_available_bytes`` (None: not checked);
     * time: ``sim.iteration_time_s`` × (warmup + 1 tracked + iterations) + ``STARTUP_S`` against
       ``timeout_s`` (the run would only end at the timeout).
     """
@@ -49,10 +50,12 @@ def check(sim: Result, hardware: HardwareSpec, *, iterations: int, warmup: int, 
                    f"{worst.peak_bytes / cap:.1f}× the device budget {_gib(cap)} (hardware.device.memory_bytes), "
                    f"and {len(over)} of {ranks} devices are over it")
     if hardware.device.model.startswith("cpu") and host_available_bytes is not None:
-        need = sum(d.peak_bytes for d in sim.devices) + ranks * RANK_RUNTIME_BYTES
+        host = sum(d.host_bytes for d in sim.devices)  # executor.swap's host copies live in the same RAM
+        need = sum(d.peak_bytes for d in sim.devices) + host + ranks * RANK_RUNTIME_BYTES
         if need > host_available_bytes:
             out.append(f"host RAM: {ranks} ranks need about {_gib(need)} (simulated peaks + "
-                       f"{_gib(RANK_RUNTIME_BYTES)} runtime each), {_gib(host_available_bytes)} is available "
+                       + (f"{_gib(host)} swapped to host + " if host else "")
+                       + f"{_gib(RANK_RUNTIME_BYTES)} runtime each), {_gib(host_available_bytes)} is available "
                        f"(MemAvailable)")
     n = warmup + 1 + iterations
     est = sim.iteration_time_s * n + STARTUP_S

@@ -5,6 +5,10 @@ so 1F1B keeps min(p - i, m) microbatches in flight here too) but replaces every 
 by a seeded random tensor of the right shape and every send by nothing: the device sees the
 memory and compute of that stage without the rest of the pipeline. This is how a single GPU
 checks a stage of a plan made for many (and a quick in-process check on CPU).
+
+Swaps run as in the pipeline (executor.swap), except that a ``d2d_swap`` layer, whose peers are
+not here, swaps to host memory: the stage's own device memory falls exactly as it would with
+peers, and the stripes it would have sent are reported as ``host_peak_bytes``.
 """
 from __future__ import annotations
 
@@ -43,11 +47,13 @@ class _LocalStage(StageRuntime):
 
 
 def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2,
-                    device: str = "cpu", seed: int = 0) -> dict:
+                    device: str = "cpu", seed: int = 0, collect: bool = False) -> dict:
     """Train ``iterations`` steps of stage ``stage_index`` (its replica 0, TP rank 0; needs
     tp == 1) on ``device``; the last iteration is measured. Returns ``{"peak_bytes",
-    "breakdown", "iteration_time_s"}``: peak = ``torch.cuda.max_memory_allocated`` on CUDA
-    (breakdown from the live-tensor tracker), the tracker's peak on CPU."""
+    "breakdown", "host_peak_bytes", "iteration_time_s"}``: peak = ``torch.cuda.max_memory_allocated``
+    on CUDA (breakdown from the live-tensor tracker), the tracker's peak on CPU; host = swapped-out
+    bytes in host memory at most (cpu_swap, nvme, and d2d_swap here). ``collect``: also
+    ``"grads"`` (the last iteration's gradients by ``layer.param``, on CPU) and ``"loss"``."""
     stage = plan.stages[stage_index]
     if stage.tp != 1:
         raise ValueError(f"stages[{stage_index}].tp: {stage.tp}; a stage alone runs without TP (tp must be 1)")
@@ -79,6 +85,8 @@ def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2
                     st.forward(k, x, batch)
                     if not st.last:
                         st.send("act", k, st.outputs[k])
+                elif a.kind is ActionKind.swap_in:
+                    st.swap_in(k)
                 elif a.kind is ActionKind.backward:
                     g = st.recv("grad", k, a.stage + 1, tail[a.stage]) if not st.last else None
                     st.backward(k, g)
@@ -88,7 +96,13 @@ def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
     peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else tracker.peak_bytes
-    return {"peak_bytes": peak, "breakdown": dict(tracker.peak_breakdown), "iteration_time_s": elapsed}
+    out = {"peak_bytes": peak, "breakdown": dict(tracker.peak_breakdown),
+           "host_peak_bytes": tracker.host_peak_bytes, "iteration_time_s": elapsed}
+    if collect:
+        out["loss"] = st.loss_sum
+        out["grads"] = {f"{name}.{pname}": p.grad.detach().cpu().clone()
+                        for _, name, mod in st.layers for pname, p in mod.named_parameters()}
+    return out
 
 
 class _nothing:

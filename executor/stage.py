@@ -3,6 +3,7 @@ the microbatches in flight, and the boundary sends/receives with resharding betw
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 
@@ -13,11 +14,13 @@ from torch.utils.checkpoint import checkpoint
 from executor import user_model
 from executor.boundary import release, run_backward
 from executor.models import Block, LMHead, MoEBlock, TokenEmbedding, build_layers
+from executor.optim_swap import OptimizerSwap
+from executor.swap import Swapper
 from executor.topology import coords, message_tag, replica_rows, routes
-from specs.plan import MemoryAction, Plan
+from specs.plan import MemoryAction, Plan, stage_for_microbatch
 from specs.training import Optimizer
 
-SWAPS = (MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme)
+SWAPS = (MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme)  # executor.swap
 LR = {Optimizer.adam: 1e-3, Optimizer.sgd: 1e-2}
 
 
@@ -120,7 +123,9 @@ def tied_embedding_weight(st, groups: dict):
 
 class StageRuntime:
     def __init__(self, plan: Plan, cfg, index: int, device: int, rank_of: dict[int, int], groups: dict,
-                 torch_device: torch.device, seed: int, tracker, dtype: torch.dtype = torch.float32):
+                 torch_device: torch.device, seed: int, tracker, dtype: torch.dtype = torch.float32, d2d=None):
+        """``d2d``: this rank's executor.d2d.D2DClient when the plan d2d-swaps (None: d2d layers
+        swap to host, as a stage run alone must)."""
         st = plan.stages[index]
         self.plan, self.cfg, self.index, self.stage, self.device = plan, cfg, index, st, device
         self.rank_of, self.torch_device, self.tracker, self.dtype = rank_of, torch_device, tracker, dtype
@@ -140,8 +145,10 @@ class StageRuntime:
             self.leaf_tag_stride = 2 * len(plan.stages) * self.m  # message_tag's range
             self.ties = groups.setdefault("tied_grads", user_model.TiedGrads(cfg, groups, seed))
             self.ties.add(self.layers, st.dp)
-        # (module, memory action) per layer, looked up once rather than per microbatch
-        self._run_as = [(mod, st.action_of(i).action) for i, _, mod in self.layers]
+        # (index, module, memory action) per layer, looked up once per microbatch variant rather
+        # than per microbatch (an action with microbatch_period n applies to every n-th microbatch)
+        self._run_as: dict[int, list] = {}  # k mod the periods' lcm -> its list
+        self._period = math.lcm(*(item.microbatch_period for item in st.memory)) if st.memory else 1
         self.vocab_parallel = st.tp > 1 and tensor_parallel(self.layers, self.tp_group, torch_device.type)
         self.tied = tied_embedding_weight(self, groups)
         # distinct parameters: a tied LM head shares the embedding's weight (one grad, one step)
@@ -149,17 +156,23 @@ class StageRuntime:
         for p in self.params:  # gradients live for the whole run (a Megatron-style grad buffer)
             p.grad = torch.zeros_like(p)
         opt = plan.training.optimizer
-        if opt is Optimizer.adam:
-            # fused: one kernel updates every tensor in place, no temporaries (as Megatron's fused
-            # Adam); the default foreach/for-loop Adam allocates about the parameters' size again
-            # during the step, a peak the memory model (16 B/param) does not have. One param group
-            # per tensor type: a fused call refuses a mix of DTensors (TP-sharded) and plain tensors
-            kinds: dict[type, list] = {}
-            for p in self.params:
-                kinds.setdefault(type(p.data), []).append(p)
-            self.optimizer = torch.optim.Adam([{"params": ps} for ps in kinds.values()], lr=LR[opt], fused=True)
-        else:
-            self.optimizer = torch.optim.SGD(self.params, lr=LR[opt], momentum=0.9)
+
+        def make_optimizer(params):
+            if opt is Optimizer.adam:
+                # fused: one kernel updates every tensor in place, no temporaries (as Megatron's fused
+                # Adam); the default foreach/for-loop Adam allocates about the parameters' size again
+                # during the step, a peak the memory model (16 B/param) does not have. One param group
+                # per tensor type: a fused call refuses a mix of DTensors (TP-sharded) and plain tensors
+                kinds: dict[type, list] = {}
+                for p in params:
+                    kinds.setdefault(type(p.data), []).append(p)
+                return torch.optim.Adam([{"params": ps} for ps in kinds.values()], lr=LR[opt], fused=True)
+            return torch.optim.SGD(params, lr=LR[opt], momentum=0.9)
+
+        # MPress optimizer swap: the state lives on the host, the step streams it per layer
+        self.opt_swap = (OptimizerSwap(self.layers, make_optimizer, tracker, torch_device)
+                         if st.offload.optimizer_swap else None)
+        self.optimizer = make_optimizer(self.params) if self.opt_swap is None else None
         # the loss of a replica's rows, scaled so that all replicas and microbatches sum to the
         # global mean: every gradient is then d(global loss), and DP all-reduce is a plain SUM
         self.loss_scale = 1.0 / (self.m * st.dp)
@@ -175,6 +188,8 @@ class StageRuntime:
         self.out_routes = routes(plan, index, index + 1) if not self.last else []
         self.grad_in_routes = routes(plan, index + 1, index) if not self.last else []
         self.grad_out_routes = routes(plan, index, index - 1) if not self.first else []
+        # after TP: the swapper records the (local) parameter storages it must never move
+        self.swapper = Swapper(self, d2d) if any(item.action in SWAPS for item in st.memory) else None
 
     # ---- compute ---------------------------------------------------------------------------------
     def _microbatch(self, batch: dict, k: int) -> dict:
@@ -192,27 +207,44 @@ class StageRuntime:
         return {key: v.clone().to(self.torch_device)
                 for key, v in user_model.microbatch(batch, lo, hi).items() if key in need}
 
+    def run_as(self, k: int) -> list:
+        """(global layer index, module, memory action) of each layer for microbatch ``k``."""
+        found = self._run_as.get(k % self._period)
+        if found is None:
+            variant = stage_for_microbatch(self.stage, k)
+            found = self._run_as[k % self._period] = [(i, mod, variant.action_of(i).action) for i, _, mod in self.layers]
+        return found
+
     def forward(self, k: int, x: torch.Tensor | None, batch: dict) -> None:
         mb = self._microbatch(batch, k)
         if isinstance(x, torch.Tensor):  # a pytree boundary comes with requires_grad set (user_model.assemble)
             x.requires_grad_(True)
         self.inputs[k] = x
+        if self.swapper is not None:
+            self.swapper.begin_forward(k, x)
         y = x
-        for mod, action in self._run_as:
+        for i, mod, action in self.run_as(k):
             if action is MemoryAction.recompute:
                 y = checkpoint(mod, y, mb, use_reentrant=False)
-            elif action in SWAPS and self.torch_device.type == "cuda":
-                with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            elif action in SWAPS:  # saved tensors leave the device at the layer's end (executor.swap)
+                with self.swapper.layer(k, i):
                     y = mod(y, mb)
-            else:  # on CPU a swap to host memory is a no-op: activations already live there
+            else:
                 y = mod(y, mb)
         if self.last:
             self.loss_sum += float(y.detach()) * self.loss_scale
             y = y * self.loss_scale
         self.outputs[k] = y
 
+    def swap_in(self, k: int) -> None:
+        """The schedule's ``swap_in`` entries: prefetch microbatch ``k``'s first swapped layer."""
+        if self.swapper is not None:
+            self.swapper.swap_in(k)
+
     def backward(self, k: int, grad: torch.Tensor | None) -> None:
         y = self.outputs.pop(k)
+        if self.swapper is not None:
+            self.swapper.begin_backward(k)
         if self.last:
             with _loss_context(self.vocab_parallel):
                 y.backward()
@@ -222,6 +254,8 @@ class StageRuntime:
             run_backward([y], [grad])
         else:
             y.backward(grad)
+        if self.swapper is not None:
+            self.swapper.end_backward(k)
         for p in self.params:  # accumulation may have replaced a grad tensor: keep it filed
             self.tracker.tag(p.grad, "gradients")
         x = self.inputs.pop(k)
@@ -278,6 +312,9 @@ class StageRuntime:
         del full
 
     def step(self) -> None:
+        if self.opt_swap is not None:
+            self.opt_swap.step()
+            return
         with self.tracker.phase("optimizer"):
             self.optimizer.step()
         for state in self.optimizer.state.values():
@@ -351,3 +388,5 @@ class StageRuntime:
 
     def wait_sends(self) -> None:
         self.sends.drain()
+        if self.swapper is not None and self.swapper.d2d is not None:
+            self.swapper.d2d.reaper.drain()

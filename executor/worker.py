@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import signal
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -14,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from executor import d2d
 from executor.liveness import Heartbeat, NoHeartbeat, die_with
 from executor.memtrack import LiveTensorTracker, NullTracker, tag_static
 from executor.models import make_batch, output_shapes
@@ -48,19 +50,28 @@ def main(rank: int, world: int, port: int, plan_json: str, cfg_json: str, opts_j
     """Process entry point (``torch.multiprocessing`` spawn target); never raises. The rank dies
     with ``launcher_pid`` and beats into ``heartbeats`` (see :mod:`executor.liveness`)."""
     die_with(launcher_pid)
+    exiting = threading.Lock()
+
+    def fail(message: str) -> None:
+        """Report ``message`` and end the rank. Once: helper threads (d2d serving threads) and the
+        main thread may fail together, and a second close of the queue would lose the first report."""
+        exiting.acquire()  # never released: a second caller waits here until os._exit
+        queue.put(("error", rank, message))
+        queue.close()
+        queue.join_thread()  # the message must leave before os._exit
+        os._exit(1)  # skip gloo teardown: peers may be stuck waiting on this rank
+
     try:
         progress = (lambda it: queue.put(("progress", rank, it))) if rank == 0 else None
         heartbeat = Heartbeat(heartbeats, rank) if heartbeats is not None else None
         report = _run(rank, world, f"tcp://127.0.0.1:{port}", Plan.model_validate_json(plan_json),
-                      parse_model_config(json.loads(cfg_json)), json.loads(opts_json), progress, heartbeat)
-        queue.put(("ok", rank, report))
-        queue.close()
-        queue.join_thread()  # the report must leave before os._exit below
+                      parse_model_config(json.loads(cfg_json)), json.loads(opts_json), progress, heartbeat, fail)
+        with exiting:  # not while a helper thread is reporting its error
+            queue.put(("ok", rank, report))
+            queue.close()
+            queue.join_thread()  # the report must leave before os._exit below
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        queue.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        queue.close()
-        queue.join_thread()  # the message must leave before os._exit
-        os._exit(1)  # skip gloo teardown: peers may be stuck waiting on this rank
+        fail(f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
@@ -73,10 +84,12 @@ def main(rank: int, world: int, port: int, plan_json: str, cfg_json: str, opts_j
 
 
 def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, progress=None,
-         heartbeat: Heartbeat | None = None) -> dict:
+         heartbeat: Heartbeat | None = None, fatal=None) -> dict:
     """Train and measure; returns the rank's report (process group left open for the caller).
     ``progress(iteration)`` is called after each iteration when given (rank 0 feeds the bar);
-    ``heartbeat`` records where the rank is (the launcher's hang report)."""
+    ``heartbeat`` records where the rank is (the launcher's hang report); ``fatal(message)`` ends
+    the rank from a helper thread (a d2d serving thread's error would otherwise leave its sources
+    waiting until the timeout; without it the error surfaces at the iteration's end)."""
     hb = heartbeat or NoHeartbeat()
     hb.beat(0, -1)
     torch.set_num_threads(opts.get("threads", 1))
@@ -101,13 +114,23 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         if rank in ranks:
             groups[(kind, stage, index)] = group
 
+    # d2d swap (executor.d2d): one group per (source, target) pair, after the others (same order
+    # on every rank); this rank sends stripes as a source and serves them as a target
+    swap_groups = d2d.make_groups(plan, rank_of, rank, opts["timeout_s"])
     hb.beat(0, -2)
     tracker = LiveTensorTracker(None if cuda else opts.get("capacity_bytes")) if opts.get("track_memory") \
         else NullTracker()
+    untracked = NullTracker()
+    mem_iter = opts.get("memory_iteration")
     seed = opts.get("seed", 0)
     my_stages = plan.stages_on(device)
     dtype = getattr(torch, opts.get("dtype", "float32"))  # float64: the numerics tests
-    stages = {s: StageRuntime(plan, cfg, s, device, rank_of, groups, torch_device, seed, tracker, dtype)
+    client = d2d.D2DClient(plan, device, rank_of, swap_groups, torch_device) \
+        if any(src == device for src, _ in swap_groups) else None
+    server = d2d.StripeServer(plan, device, rank_of, swap_groups, torch_device, opts["iterations"],
+                              lambda it: tracker if it == mem_iter else untracked, fatal) \
+        if any(dst == device for _, dst in swap_groups) else None
+    stages = {s: StageRuntime(plan, cfg, s, device, rank_of, groups, torch_device, seed, tracker, dtype, client)
               for s in my_stages}
     position = plan.device_group_of(my_stages[0])
     actions = build_schedule(plan)[position]
@@ -119,9 +142,7 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     # it, so there a receive is posted at its point of use. opts["early_recv"] = False: never (A/B).
     recvs = _recv_positions(actions)
     early_recv = not cuda and opts.get("early_recv", True)
-    untracked = NullTracker()
 
-    mem_iter = opts.get("memory_iteration")
     iter_times, losses, timelines = [], [], []
     record = opts.get("timeline", True)
     total = opts["iterations"]
@@ -147,6 +168,8 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
             _walk(hb.track(actions, it), stages, batch, tail, opts, rank, it, recvs, early_recv and not tracking, rec)
         if cuda:
             torch.cuda.synchronize()
+        if server is not None:
+            server.check()  # a serving thread's error (its sources would wait on it forever)
         iter_times.append(time.perf_counter() - t0)
         timelines.append({"t0_ns": rec.t0_ns, "events": rec.events} if rec is not None else None)
         losses.append(sum(st.loss_sum for st in stages.values() if st.last and st.tp_rank == 0))
@@ -161,11 +184,20 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         "reports_loss": any(st.last and st.tp_rank == 0 for st in stages.values()),
         "peak_bytes": int(torch.cuda.max_memory_allocated() if cuda and mem_iter is not None else tracker.peak_bytes),
         "breakdown": dict(tracker.peak_breakdown),
+        "host_peak_bytes": int(tracker.host_peak_bytes),  # swapped-out copies in host memory (executor.swap)
     }
     if opts.get("collect"):
         report["params"], report["grads"] = _collect(stages.values())
     hb.beat(total, -4)
     dist.barrier()
+    if server is not None:  # every source has fetched everything back: the threads are done
+        for t in server.threads:
+            t.join()
+        server.check()
+        # stripes held for peers at most, and received, in the tracked iteration (else the last)
+        at = mem_iter if mem_iter is not None else total - 1
+        report["d2d_held_peak_bytes"] = server.held_peak_bytes[at]
+        report["d2d_received_bytes"] = server.received_bytes[at]
     hb.beat(total, -5)
     return report
 
@@ -183,8 +215,10 @@ def _post(st: StageRuntime, a, tail: dict) -> list:
 
 def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opts: dict, rank: int,
           iteration: int, recvs: list | None = None, early: bool = False, rec: Recorder | None = None) -> None:
-    """Run one iteration's actions in order. recompute and swap entries are carried out inside
-    forward/backward (checkpoint re-runs the forward during backward; save_on_cpu on CUDA).
+    """Run one iteration's actions in order. recompute entries are carried out inside backward
+    (checkpoint re-runs the forward); swaps inside forward/backward (executor.swap: out at each
+    swapped layer's end, in one layer ahead of the backward), except the first fetch of a
+    backward, at its first ``swap_in`` entry (one pass ahead).
     ``recvs`` (the receive actions, :func:`_recv_positions` of the same list): with
     ``early`` each channel's (kind, stage, peer stage) next receive is posted as soon as the
     channel's previous one is consumed, so at most one boundary buffer per channel is held ahead of
@@ -244,6 +278,8 @@ def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opt
                 continue  # nothing to reduce: no slice (as the simulator books none)
         elif kind is ActionKind.optimizer_step:
             st.step()
+        elif kind is ActionKind.swap_in:
+            st.swap_in(k)
         rec.action(a, t_start)
     for st in stages.values():
         st.wait_sends()

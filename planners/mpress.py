@@ -562,23 +562,25 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
     # ---- emulator: improve (costliest first: D2D instead, then keep) -----------------------------
     if fits:
         # the optimizer swap is the costliest (its whole state crosses PCIe twice an iteration):
-        # first see which stages fit without it now that their activations are compacted
-        for s in sorted(st.opt_swap):
-            if sims >= budget:
-                break
-            saved = st.snapshot()
-            st.opt_swap.discard(s)
-            if st.over()[s]:
-                st.restore(saved)
-                continue
-            t = run(st.plan_now())
-            if _no_worse(t, best_t):  # as fast and less PCIe traffic: keep it resident
-                log.append(f"emulator {sims}: stage {s} keeps its optimizer state: {best_t:.3f} -> "
-                           f"{t.result.iteration_time_s:.3f} s")
-                st.opt_why.pop(s, None)
-                best_t, sim = t.result.iteration_time_s, t
-            else:
-                st.restore(saved)
+        # first see which stages fit without it now that their activations are compacted (and
+        # again at the end, after the layers' actions changed)
+        def keep_optimizers() -> None:
+            nonlocal best_t, sim
+            for s in sorted(st.opt_swap):
+                if sims >= budget:
+                    break
+                saved = st.snapshot()
+                st.opt_swap.discard(s)
+                t = run(st.plan_now())
+                if _no_worse(t, best_t):  # as fast and less PCIe traffic: keep it resident
+                    log.append(f"emulator {sims}: stage {s} keeps its optimizer state: {best_t:.3f} -> "
+                               f"{t.result.iteration_time_s:.3f} s")
+                    st.opt_why.pop(s, None)
+                    best_t, sim = t.result.iteration_time_s, t
+                else:
+                    st.restore(saved)
+
+        keep_optimizers()
         order = sorted(st.actions, key=lambda k: (-st.facts[k].cost_s(st.actions[k]), k))
         for key in order:
             if sims >= budget:
@@ -626,6 +628,7 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
                 best_t, sim = t.result.iteration_time_s, t
             else:
                 st.restore(saved)
+        keep_optimizers()
     plan = st.plan_now()
     choices = tuple(
         LayerChoice(stage=s, layer=l, action=st.actions.get((s, l), _KEEP).value, saved_bytes=facts[(s, l)].saved_bytes,

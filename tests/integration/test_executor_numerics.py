@@ -23,7 +23,7 @@ from specs.families import build_model, parse_model_config
 from tests.conftest import (
     CPU_TRAINING, GPT_TINY, LOCAL_CPU, conf, longest_reduction, reorder_rtol, run_plan_float64,
 )
-from specs.plan import LayerMemory, MemoryAction, Plan, ScheduleSpec, StagePlan, validate_plan
+from specs.plan import D2DTarget, LayerMemory, MemoryAction, Plan, ScheduleSpec, StagePlan, validate_plan
 
 STEPS = 2
 pytestmark = pytest.mark.slow
@@ -48,6 +48,17 @@ def heterogeneous(schedule: str, first: dict, second: dict, recompute: bool = Fa
     return validate_plan(plan, SPEC, HW)
 
 
+def swapped(plan: Plan, memory: dict[int, list[LayerMemory]]) -> Plan:
+    """``plan`` with some stages' per-layer memory actions replaced (executor.swap, executor.d2d)."""
+    stages = [st.model_copy(update={"memory": memory.get(i, st.memory)}) for i, st in enumerate(plan.stages)]
+    return validate_plan(plan.model_copy(update={"stages": stages}), SPEC, HW)
+
+
+def _d2d(layer: int, weights: dict[int, float]) -> LayerMemory:
+    return LayerMemory(layer=layer, action=MemoryAction.d2d_swap,
+                       targets=[D2DTarget(device=d, weight=w) for d, w in weights.items()])
+
+
 PLANS = {
     "pp4-1f1b": lambda: planned("1f1b", pp=4),
     "pp4-gpipe": lambda: planned("gpipe", pp=4),
@@ -61,6 +72,20 @@ PLANS = {
     # stage 0 data-parallel on 2 ranks -> stage 1 tensor-parallel on 2 ranks: boundary resharding
     "hetero-dp2-tp2-1f1b": lambda: heterogeneous("1f1b", {"dp": 2}, {"tp": 2}),
     "hetero-tp2-dp2-gpipe": lambda: heterogeneous("gpipe", {"tp": 2}, {"dp": 2}, recompute=True),
+    # swaps copy bytes (layers: embed, block0 | block1 | block2 | block3, head): stage 0's
+    # layers to host, stage 1's block as nvme (= cpu_swap in the executor)
+    "pp4-1f1b-cpu_swap": lambda: swapped(planned("1f1b", pp=4), {
+        0: [LayerMemory(layer=l, action=MemoryAction.cpu_swap) for l in (0, 1)],
+        1: [LayerMemory(layer=2, action=MemoryAction.nvme)]}),
+    # MPress D2D: stages 0 and 1 stripe over devices 2 and 3 (1:3), which run their own stages;
+    # stage 2 stripes to device 0, itself a source
+    "pp4-1f1b-d2d": lambda: swapped(planned("1f1b", pp=4), {
+        0: [_d2d(0, {2: 1.0, 3: 3.0}), _d2d(1, {2: 1.0, 3: 3.0})], 1: [_d2d(2, {2: 1.0, 3: 3.0})],
+        2: [_d2d(3, {0: 1.0})]}),
+    # both replicas of a data-parallel stage stripe to the other stage's two devices (4 sources
+    # per pair of targets); GPipe fetches the next backward's first layer before this one's rest
+    "pp2xdp2-gpipe-d2d": lambda: swapped(planned("gpipe", pp=2, dp=2), {
+        0: [_d2d(1, {2: 2.0, 3: 1.0}), _d2d(2, {3: 1.0})]}),
 }
 
 

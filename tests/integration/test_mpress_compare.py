@@ -1,0 +1,44 @@
+"""Issue 12's local_cpu check, end to end through the CLI: policy=mpress on gpt_tiny with device
+memory at 80 % of the no-swap run's largest measured peak. The plan must swap for real: the
+measured peaks of the stages that compact fall below the no-swap run's, the D2D targets' rise
+above theirs, and every rank's measured peak is within 10 % of the simulated one (issue 12 goal;
+the fidelity goal elsewhere is 3 %).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(tmp_path: Path, out: Path, *args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "run", "+hardware=local_cpu", "+model=gpt_tiny", *args,
+                           "execute.iterations=1", f"hydra.run.dir={out}", f"profile_cache={tmp_path / 'cache'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+def test_mpress_swaps_for_real_on_local_cpu(tmp_path):
+    plain = run_cli(tmp_path, tmp_path / "plain", "policy=balanced", "mode=execute")
+    before = {d["device"]: d["peak_bytes"] for d in plain["measured"]["devices"]}
+    budget = int(0.8 * max(before.values()))
+    got = run_cli(tmp_path, tmp_path / "mpress", "policy=mpress", "mode=compare",
+                  f"hardware.device.memory_bytes={budget}")
+    plan, compare = got["plan"], got["compare"]
+    after = {d["device"]: d["peak_bytes"] for d in got["measured"]["devices"]}
+    sources = {st["devices"][0] for st in plan["stages"] if st["memory"] or st["offload"]["optimizer_swap"]}
+    targets = {t["device"] for st in plan["stages"] for m in st["memory"] for t in m["targets"]}
+    assert sources and targets, "the planner compacted nothing or used no D2D swap"
+    for d in sources:
+        assert after[d] < before[d], f"source device {d}: {after[d]} >= {before[d]} without swaps"
+    for d in targets - sources:
+        assert after[d] > before[d], f"target device {d}: {after[d]} <= {before[d]} without swaps"
+    for r in compare["ranks"]:
+        assert abs(r["error_pct"]) <= 10.0, r
+    assert max(after.values()) <= budget

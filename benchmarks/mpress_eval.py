@@ -307,20 +307,14 @@ def why_fit(row: Row, keyed: dict, case: Case) -> str:
 
 
 def _why_cpu(row: Row, case: Case) -> str:
-    """GPU-CPU swap that does not fit: the PCIe time to move what is still over capacity on the
-    worst stage, per in-flight microbatch, vs one forward of that stage (the planner refuses a swap
-    channel slower than a forward: the saving would not exist at the stage's peak)."""
-    cfg, model = case.cfg, case.model
-    plan = make_plan(BalancedPolicy(pp=cfg.hardware.num_devices), model, cfg.hardware, cfg.training, cfg.schedule)
-    s = row.worst["stage"]
-    over = (row.worst["peak"] - row.worst["capacity"]) * GIB / costs.in_flight_microbatches(plan, s)
-    share = min(cfg.hardware.host.gpus_per_pcie_switch, len(plan.stages))
-    swap_s = over / (cfg.hardware.host.pcie_gbps / share * 1e9)
-    fwd_s = costs.stage_pass_times_s(model, plan, cfg.hardware, plan.stages[s])[0]
-    return (f"stage {s} is still {over / GIB:.2f} GiB per in-flight microbatch over; moving that over PCIe "
-            f"({cfg.hardware.host.pcie_gbps:.0f} GB/s shared by {share} GPUs) takes {swap_s * 1e3:.0f} ms vs its "
-            f"{fwd_s * 1e3:.0f} ms forward: memwall's planner refuses swaps that cannot finish before the peak, "
-            "the paper's swap stalls compute instead (§IV-B)")
+    """GPU-CPU swap that does not fit: what is left on the worst device after every layer's
+    activations and its optimizer state are swapped is model data memwall does not swap (weights,
+    gradients, PipeDream's stashed versions) plus the microbatch a forward is working on."""
+    w = row.worst
+    return (f"device {w['device']} still peaks at {w['peak']:.1f} GiB (static {w['static']:.1f} GiB of weights, "
+            f"gradients and stashed versions + {w['activations']:.1f} GiB of activations in use) > "
+            f"{w['capacity']:.0f} GiB with every layer swapped ({row.techniques}): memwall swaps activations "
+            "and optimizer state, the paper's GPU-CPU swap all model data (§II-D)")
 
 
 def ratio_rows(keyed: dict) -> list[tuple]:

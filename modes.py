@@ -124,7 +124,12 @@ def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Pl
     from planners.mpress import mpress_search, report, summary_lines
     from specs.plan import validate_plan
 
-    outcome = mpress_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress)
+    profile = None
+    if cfg.policy.partition == "capture":  # CAPTURE's partition: its profile first (cached)
+        from planners.mpress import capture_policy
+
+        profile = capture_profile_for(cfg.model_copy(update={"policy": capture_policy()}), outdir)
+    outcome = mpress_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress, profile)
     plan = validate_plan(outcome.plan, model, cfg.hardware)
     write_json(outdir / "mpress.json", report(outcome))
     for line in summary_lines(outcome):

@@ -34,7 +34,7 @@ def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, tr
     elif policy.kind == "mpress":
         from planners.mpress import plan_mpress  # imports the simulator (its emulator, MPress §III-B)
 
-        plan = plan_mpress(policy, model, hardware, training, schedule, progress)
+        plan = plan_mpress(policy, model, hardware, training, schedule, progress, profile)
     else:
         plan = PLANNERS[policy.kind](policy, model, hardware, training, schedule)
     return validate_plan(plan, model, hardware)

@@ -82,16 +82,41 @@ class MPressOutcome:
 
 
 def plan_mpress(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
-                schedule: ScheduleSpec, progress=None) -> Plan:
-    return mpress_search(policy, model, hardware, training, schedule, progress).plan
+                schedule: ScheduleSpec, progress=None, profile=None) -> Plan:
+    """``profile``: a CAPTURE profile (specs.profile.Profile), for ``policy.partition=capture``."""
+    return mpress_search(policy, model, hardware, training, schedule, progress, profile).plan
+
+
+def capture_partition(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, schedule: ScheduleSpec,
+                      profile) -> Plan:
+    """CAPTURE's memory-centric partition, pipeline only (degree 1 per stage, CAPTURE Fig. 6g-l),
+    as MPress's starting point (``policy.partition=capture``)."""
+    from planners.capture import plan_capture
+
+    if profile is None or profile.capture is None:
+        raise PlanningError("policy.partition=capture needs a CAPTURE profile: python -m run profiles first "
+                            "(mode=simulate does), or pass one to make_plan(..., profile=...)")
+    return plan_capture(capture_policy(), model, hardware, training, schedule, profile)
+
+
+def capture_policy():
+    """The CAPTURE policy whose profile and plan ``partition=capture`` uses: pipeline only."""
+    from planners.policy import CapturePolicy
+
+    return CapturePolicy(pipeline_only=True, compare_throughput=False)
 
 
 # ---- the base pipeline --------------------------------------------------------------------------
 
-def _base_plan(policy: MPressPolicy, model, hardware, training, schedule) -> Plan:
+def _base_plan(policy: MPressPolicy, model, hardware, training, schedule, profile=None) -> Plan:
     if schedule.kind is ScheduleKind.interleaved_1f1b:
         raise PlanningError("policy=mpress plans one stage per device (MPress §IV evaluates PipeDream async and "
                             "DAPPLE's 1F1B); use schedule=1f1b, pipedream_async or gpipe")
+    if policy.partition == "capture":
+        plan = capture_partition(model, hardware, training, schedule, profile)
+        if any(st.dp != 1 or st.tp != 1 for st in plan.stages) or len({st.devices[0] for st in plan.stages}) != len(plan.stages):
+            raise PlanningError("policy.partition=capture: CAPTURE's plan is not one stage per device")
+        return plan.model_copy(update={"planner": "mpress"})
     pp = policy.pp or min(hardware.num_devices, model.num_layers)
     if pp > hardware.num_devices:
         raise PlanningError(f"policy.pp: {pp} stages need {pp} devices; hardware {hardware.name!r} has {hardware.num_devices}")
@@ -112,8 +137,9 @@ def _no_worse(sim, best_s: float) -> bool:
 
 
 def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
-                  schedule: ScheduleSpec, progress=None) -> MPressOutcome:
-    """The MPress static planner (§III-B steps 3-5); see the module docstring."""
+                  schedule: ScheduleSpec, progress=None, profile=None) -> MPressOutcome:
+    """The MPress static planner (§III-B steps 3-5); see the module docstring. ``profile``: the
+    CAPTURE profile ``policy.partition=capture`` starts from."""
     from simulator import simulate
 
     budget = policy.max_simulations
@@ -127,7 +153,7 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
             progress(min(sims, budget), budget)
         return simulate(plan, model, hardware)
 
-    base = _base_plan(policy, model, hardware, training, schedule)
+    base = _base_plan(policy, model, hardware, training, schedule, profile)
     from simulator import size_problem
 
     if (problem := size_problem(base)) is not None:  # the emulator simulates (§III-B step 5)

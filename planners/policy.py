@@ -83,8 +83,9 @@ class MPressPolicy(Spec):
     tensor over the peers by link bandwidth (weighted), equally, or send it to one peer (none)."""
 
     kind: Literal["mpress"] = "mpress"
-    partition: Literal["balanced", "even"] = Field(
-        "balanced", description="the starting pipeline partition (PipeDream/DAPPLE balance compute)")
+    partition: Literal["balanced", "even", "capture"] = Field(
+        "balanced", description="the starting pipeline partition: balanced (PipeDream/DAPPLE balance compute), "
+                                "even (Megatron), capture (CAPTURE's memory-centric one, pipeline only; profiles first)")
     pp: int | None = Field(None, ge=1, description="pipeline stages; null: one per device")
     techniques: list[Literal["recompute", "cpu_swap", "d2d_swap"]] = Field(
         ["recompute", "cpu_swap", "d2d_swap"], min_length=1)

@@ -42,3 +42,19 @@ def test_mpress_swaps_for_real_on_local_cpu(tmp_path):
     for r in compare["ranks"]:
         assert abs(r["error_pct"]) <= 10.0, r
     assert max(after.values()) <= budget
+
+
+def test_mpress_starts_from_captures_partition(tmp_path):
+    """policy.partition=capture: CAPTURE profiles (simulator backend for a DGX-1 not here), its
+    pipeline-only plan is MPress's start; the result fits and says where it started."""
+    out = tmp_path / "cap"
+    proc = subprocess.run([sys.executable, "-m", "run", "+hardware=dgx1", "+model=gpt_10b3", "policy=mpress",
+                           "policy.partition=capture", f"hydra.run.dir={out}", f"profile_cache={tmp_path / 'cache'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "mpress.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    balanced = {0: 5, 7: 5}  # the compute-balanced split's first and last stage sizes (layers 0-4, 29-33)
+    sizes = {i: st["layer_stop"] - st["layer_start"] for i, st in enumerate(plan["stages"])}
+    assert report["fits"] and plan["planner"] == "mpress"
+    assert any(sizes[i] != n for i, n in balanced.items())  # CAPTURE balances memory, not FLOPs

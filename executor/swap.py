@@ -116,7 +116,14 @@ class Swapper:
 
     # ---- forward ------------------------------------------------------------------------------
     def begin_forward(self, k: int, x) -> None:
-        """Before microbatch ``k``'s forward: the stage input ``x`` stays where it is."""
+        """Before microbatch ``k``'s forward: the swap-outs issued so far must be done (the
+        simulator's forward waits alike: a copy channel slower than the forwards stalls compute
+        instead of piling swapped bytes up on the device, MPress §II-D); the stage input ``x``
+        stays where it is."""
+        if self.cuda:  # a device-side wait: the compute stream follows the side stream's copies
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
+        if self.d2d is not None:  # the stripe sends (gloo: until the target posted its receive)
+            self.d2d.reaper.drain()
         self.keep = {t.untyped_storage().data_ptr() for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)}
         self.queues[k], self.next[k] = [], 0
 

@@ -108,6 +108,15 @@ def _swapped_bytes(plan, stage: int) -> int:
                for l in st.layers if st.action_of(l).action in costs.SWAP_ACTIONS)
 
 
+def _boundary(plan, stage: int) -> int:
+    """The larger boundary tensor of ``stage`` (its output, or the gradient of its input): what a
+    send still in flight over gloo may add to a peak, depending on when the peer posts its
+    receive."""
+    st = plan.stages[stage]
+    b = costs.samples_per_replica(plan, st)
+    return max(b * SPEC.layers[st.layer_stop - 1].output_bytes_per_sample, costs.layer_input_bytes(SPEC, st.layer_start, b))
+
+
 def test_cpu_swap_moves_stage0_activations_to_host(measured):
     plan, swap, _ = measured["cpu_swap"]
     _, keep, _ = measured["keep"]
@@ -117,7 +126,8 @@ def test_cpu_swap_moves_stage0_activations_to_host(measured):
         assert after.host_bytes > 0 and before.host_bytes == 0
         assert after.host_bytes <= costs.in_flight_microbatches(plan, stage) * _swapped_bytes(plan, stage)
         assert after.peak_bytes + after.host_bytes >= before.peak_bytes  # moved, not lost
-    assert [d.peak_bytes for d in swap.devices[2:]] == [d.peak_bytes for d in keep.devices[2:]]
+    for stage in (2, 3):  # untouched, up to one boundary tensor gloo had not yet released (timing)
+        assert abs(swap.devices[stage].peak_bytes - keep.devices[stage].peak_bytes) <= _boundary(plan, stage)
 
 
 def test_d2d_swap_moves_memory_from_sources_to_targets(measured):
@@ -199,8 +209,4 @@ def test_optimizer_swap_trains_bit_for_bit_and_moves_the_state_to_host(kept):
         chunks = costs.optimizer_swap_chunks(SPEC, plan, plan.stages[stage])
         assert after.peak_bytes <= before.peak_bytes - opt + costs.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(chunks)
     for stage in (1, 2):  # untouched, up to one boundary tensor that gloo had not yet released
-        st = plan.stages[stage]
-        b = costs.samples_per_replica(plan, st)
-        boundary = max(b * SPEC.layers[st.layer_stop - 1].output_bytes_per_sample,
-                       costs.layer_input_bytes(SPEC, st.layer_start, b))
-        assert abs(swap.devices[stage].peak_bytes - keep.devices[stage].peak_bytes) <= boundary
+        assert abs(swap.devices[stage].peak_bytes - keep.devices[stage].peak_bytes) <= _boundary(plan, stage)

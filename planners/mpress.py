@@ -118,8 +118,12 @@ def _base_plan(policy: MPressPolicy, model, hardware, training, schedule, profil
             raise PlanningError("policy.partition=capture: CAPTURE's plan is not one stage per device")
         return plan.model_copy(update={"planner": "mpress"})
     pp = policy.pp or min(hardware.num_devices, model.num_layers)
-    if pp > hardware.num_devices:
-        raise PlanningError(f"policy.pp: {pp} stages need {pp} devices; hardware {hardware.name!r} has {hardware.num_devices}")
+    if pp != hardware.num_devices:
+        why = (f"got {pp}" if policy.pp else
+               f"but model {model.name!r} has only {model.num_layers} layers (a stage needs one); use a smaller hardware")
+        raise PlanningError(f"policy.pp: MPress runs one pipeline stage per device (no data or tensor parallelism, "
+                            f"§IV-A), so pp must be null or {hardware.num_devices} (the devices of hardware "
+                            f"{hardware.name!r}), {why}")
     base = (BalancedPolicy if policy.partition == "balanced" else EvenPolicy)(pp=pp, dp=1, tp=1)
     planner = plan_balanced if policy.partition == "balanced" else plan_even
     plan = planner(base, model, hardware, training, schedule)

@@ -123,3 +123,12 @@ def test_interleaved_schedule_is_refused_with_the_field_named():
     with pytest.raises(PlanningError, match="schedule"):
         mpress_search(MPressPolicy(), gpt("gpt_10b3"), DGX1, GPT_TRAINING,
                       ScheduleSpec(kind="interleaved_1f1b", virtual_stages=2))
+
+
+def test_a_pipeline_shorter_than_the_devices_is_refused_with_the_field_named():
+    from planners import PlanningError
+
+    with pytest.raises(PlanningError, match=r"policy\.pp: .*pp must be null or 8.*got 4"):
+        mpress_search(MPressPolicy(pp=4), gpt("gpt_10b3"), DGX1, GPT_TRAINING, ONE_F_ONE_B)
+    with pytest.raises(PlanningError, match="has only 6 layers"):
+        mpress_search(MPressPolicy(), gpt("gpt_tiny"), DGX1, GPT_TRAINING, ONE_F_ONE_B)

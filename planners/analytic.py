@@ -90,6 +90,17 @@ def _swapped_to_host(model: ModelSpec, plan: Plan, stage, in_flight: int) -> int
                for item in stage.memory if item.action in (MemoryAction.cpu_swap, MemoryAction.nvme))
 
 
+def d2d_held_by_device(plan: Plan, model: ModelSpec) -> dict[int, int]:
+    """Bytes every D2D target holds for its peers at their peaks (each source stage's in-flight
+    microbatches it swaps, striped by weight): the part of a target's closed-form peak that its
+    own stage's actions cannot change (planners/mpress_assign.py)."""
+    held: dict[int, int] = {}
+    for s, stage in enumerate(plan.stages):
+        for device, nbytes in _d2d_held(model, plan, stage, costs.in_flight_microbatches(plan, s)).items():
+            held[device] = held.get(device, 0) + nbytes
+    return held
+
+
 def _d2d_held(model: ModelSpec, plan: Plan, stage, in_flight: int) -> dict[int, int]:
     """Bytes each D2D target holds for one replica of ``stage`` (every replica swaps alike, so a
     target shared by k replicas of the stage would hold k shares; planners give each its own)."""

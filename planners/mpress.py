@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planners.analytic import d2d_held_by_device
 from planners.baselines import plan_balanced, plan_even
 from planners.layout import PlanningError
 from planners.mpress_assign import (
@@ -215,7 +216,7 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
         stage_of = {d: s for s, d in enumerate(mapping.device_of_stage)}
         plan_now = st.plan_now()
         for device, over_b in sorted(ooms.items()):
-            held = st._held_at(plan_now, device)
+            held = d2d_held_by_device(plan_now, model).get(device, 0)
             if held:  # a target over capacity at some moment: take back its largest stripes
                 mine = sorted(((st.held_bytes(k), k) for k, a in st.actions.items()
                                if a is _D2D and device in [mapping.device_of_stage[t] for t, _ in st.stripes[k]]),

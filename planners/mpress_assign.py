@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planners.analytic import device_memory
+from planners.analytic import d2d_held_by_device, device_memory
 from planners.mpress_mapping import Mapping
 from specs import costs
 from specs.hardware import HardwareSpec, LinkSpec
@@ -125,16 +125,7 @@ def analytic_over(plan: Plan, model: ModelSpec, capacity: int, margin: dict[int,
     """Stage -> bytes its device is over ``capacity`` by, closed form, own memory only (what a
     stage's own actions can fix; targets are checked on the simulated timeline)."""
     out = {}
-    held = {}
-    for s, stage in enumerate(plan.stages):
-        in_flight = costs.in_flight_microbatches(plan, s)
-        b = costs.samples_per_replica(plan, stage)
-        for item in stage.memory:
-            if item.action is D2D:
-                nbytes = in_flight * costs.layer_saved_bytes(model.layers[item.layer], b, stage.tp)
-                total = sum(t.weight for t in item.targets)
-                for t in item.targets:
-                    held[t.device] = held.get(t.device, 0) + round(nbytes * t.weight / total)
+    held = d2d_held_by_device(plan, model)
     mem = device_memory(plan, model)
     for s, stage in enumerate(plan.stages):
         d = stage.devices[0]
@@ -326,15 +317,4 @@ class Assignment:
         """Closed-form peak of stage ``s``'s device without the stripes peers hold there."""
         plan = self.plan_now()
         d = plan.stages[s].devices[0]
-        return device_memory(plan, self.model)[d][0].total_bytes - self._held_at(plan, d)
-
-    def _held_at(self, plan: Plan, device: int) -> int:
-        held = 0
-        for s, stage in enumerate(plan.stages):
-            b = costs.samples_per_replica(plan, stage)
-            for item in stage.memory:
-                if item.action is D2D:
-                    total = sum(t.weight for t in item.targets)
-                    nbytes = self.in_flight[s] * costs.layer_saved_bytes(self.model.layers[item.layer], b, 1)
-                    held += sum(round(nbytes * t.weight / total) for t in item.targets if t.device == device)
-        return held
+        return device_memory(plan, self.model)[d][0].total_bytes - d2d_held_by_device(plan, self.model).get(d, 0)

@@ -18,7 +18,7 @@ import simpy
 
 from simulator.links import Links
 from simulator.memory import ACTS, BUFFERS, GRADS, OPTIM, PARAMS, STASHED, SWAPPED, Timeline
-from simulator.stagecost import SWAPS, StageCost, ns, stage_cost, stage_costs
+from simulator.stagecost import SWAPS, StageCost, host_link, ns, stage_cost, stage_costs
 from simulator.trace import TraceBuilder
 from specs import costs
 from specs.hardware import RENDEZVOUS_KINDS, HardwareSpec, LinkSpec
@@ -68,7 +68,7 @@ class Engine:
         self._prefetch: dict[tuple[int, int], list[int]] = {}  # (stage, mb) -> layers not yet fetched
         self._xfer_ns: dict[tuple[int, int, int], int] = {}
         self._stash = plan.schedule.kind is ScheduleKind.pipedream_async
-        self._pcie = LinkSpec(kind="pcie", bw_gbps=hardware.host.pcie_gbps, latency_s=hardware.host.pcie_latency_s)
+        self._pcie = host_link(hardware)
         nvme_gbps = min(hardware.host.pcie_gbps, hardware.host.nvme_gbps or hardware.host.pcie_gbps)
         self._nvme = LinkSpec(kind="pcie", bw_gbps=nvme_gbps, latency_s=hardware.host.pcie_latency_s)
 

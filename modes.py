@@ -103,6 +103,8 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
         with after("planning") as progress:  # a bar only if the search runs past ~2 s
             if cfg.policy.kind == "mpress":
                 return model, _plan_mpress(cfg, model, outdir, progress)
+            if cfg.policy.kind == "stronghold":
+                return model, _plan_stronghold(cfg, model, outdir)
             plan = make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile, progress)
     except (PlanningError, PlanError) as exc:
         raise UsageError(f"policy {cfg.policy.kind!r} cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
@@ -137,6 +139,24 @@ def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Pl
     if not outcome.fits:
         print("NO PLAN FITS: MPress compacted every layer it could; the plan below is the closest "
               f"(see {outdir / 'mpress.json'})", flush=True)
+    return plan
+
+
+def _plan_stronghold(cfg: RunConfig, model: ModelSpec, outdir: Path) -> Plan:
+    """policy=stronghold: writes stronghold.json (per stage the window, every window priced, the
+    per-layer times behind it and the bottleneck) and prints its summary."""
+    from planners.stronghold import report, stronghold_search
+    from planners.stronghold import summary_lines as stronghold_lines
+    from specs.plan import validate_plan
+
+    outcome = stronghold_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
+    plan = validate_plan(outcome.plan, model, cfg.hardware)
+    write_json(outdir / "stronghold.json", report(outcome))
+    for line in stronghold_lines(outcome):
+        print(line, flush=True)
+    if not outcome.fits:
+        print("NO PLAN FITS: even the smallest window (or the host tier) does not fit; the plan below is the "
+              f"closest (see {outdir / 'stronghold.json'})", flush=True)
     return plan
 
 
@@ -440,8 +460,39 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
                 write_compare_figure(outdir / "compare.png", sim.result, measured)]
     print(action_table(comparison.actions))
     print(comparison_table(comparison))
+    if any(st.offload.window_layers is not None for st in plan.stages):
+        written.append(_window_compare(cfg, plan, model, sim.result, measured, outdir))
     print("wrote " + ", ".join(str(p) for p in written))
     return measured
+
+
+def _window_compare(cfg: RunConfig, plan: Plan, model: ModelSpec, sim: Result, measured: Result, outdir: Path) -> Path:
+    """A windowed plan (STRONGHOLD) is also run without its windows, same stages: the device
+    parameter bytes each rank measured with the window beside those it measured without, and the
+    host bytes the window moved there. window_compare.json."""
+    from specs.plan import OffloadPolicy
+
+    base = plan.model_copy(update={"stages": [st.model_copy(update={"offload": OffloadPolicy()}) for st in plan.stages],
+                                   "planner": "no-offload"})
+    print("running the same stages without windows, for the device bytes a window saves...", flush=True)
+    sub = outdir / "no_offload"
+    sub.mkdir(parents=True, exist_ok=True)
+    plain = measure(cfg, base, sub, model)[0]
+    rows = []
+    by_device = {d.device: d for d in plain.devices}
+    simulated = {d.device: d for d in sim.devices}
+    lines = [f"{'rank':>4} {'device':>6} {'params sim MiB':>15} {'params meas MiB':>16} {'no-offload MiB':>15} "
+             f"{'host meas MiB':>14}"]
+    for d in measured.devices:
+        p_sim = simulated[d.device].breakdown.parameters_bytes
+        p_meas, p_base = d.breakdown.parameters_bytes, by_device[d.device].breakdown.parameters_bytes
+        rows.append({"device": d.device, "rank": d.rank, "parameters_simulated_bytes": p_sim,
+                     "parameters_measured_bytes": p_meas, "parameters_no_offload_measured_bytes": p_base,
+                     "host_measured_bytes": d.host_bytes, "host_simulated_bytes": simulated[d.device].host_bytes})
+        lines.append(f"{d.rank if d.rank is not None else '-':>4} {d.device:>6} {p_sim / 2**20:15.3f} {p_meas / 2**20:16.3f} "
+                     f"{p_base / 2**20:15.3f} {d.host_bytes / 2**20:14.3f}")
+    print("device parameter bytes at the peak, with the window vs without:\n" + "\n".join(lines))
+    return write_json(outdir / "window_compare.json", {"plan_id": plan.id, "no_offload_plan_id": base.id, "ranks": rows})
 
 
 #: one function per mode; each takes the validated config and the output directory

@@ -11,7 +11,7 @@ from executor.memtrack import CATEGORY_FIELDS
 from specs.costs import model_flops_per_iteration
 from specs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
-from specs.plan import Plan
+from specs.plan import MemoryAction, Plan
 from specs.result import DeviceResult, MemoryBreakdown, Result
 
 
@@ -19,11 +19,13 @@ class UnsupportedPlan(ValueError):
     """The plan asks for something the executor cannot run yet; the message names the field."""
 
 
-def unsupported(plan: Plan) -> list[str]:
+def unsupported(plan: Plan, model_cfg=None) -> list[str]:
     """Plan features the executor would silently drop, as 'field: why' (empty: runnable).
     Swaps run (executor.swap: cpu_swap, nvme as cpu_swap, d2d_swap striped to peer ranks by
     executor.d2d), but a d2d target must be a device that runs a stage: the executor starts one
-    rank per stage device, and a device holding only stripes would need a rank of its own."""
+    rank per stage device, and a device holding only stripes would need a rank of its own.
+    STRONGHOLD windows run (executor.window) on stages with one rank (dp = tp = 1); ``model_cfg``
+    (optional) also checks that a tied embedding/head is resident."""
     out = []
     used = set(plan.used_devices())
     for i, st in enumerate(plan.stages):
@@ -35,10 +37,36 @@ def unsupported(plan: Plan) -> list[str]:
     if plan.zero_stage:
         out.append(f"zero_stage: {plan.zero_stage} (ZeRO sharding is not implemented; use 0)")
     for i, st in enumerate(plan.stages):
-        if st.offload.window_layers is not None or st.offload.optimizer_on_cpu or st.offload.nvme:
-            out.append(f"stages[{i}].offload: STRONGHOLD offloading is not implemented")
+        out += _offload_unsupported(plan, i, model_cfg)
         if st.sharding:
             out.append(f"stages[{i}].sharding: per-layer MAP strategies are not implemented")
+    return out
+
+
+def _offload_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
+    st, out = plan.stages[i], []
+    off = st.offload
+    if off.window_layers is None:
+        if off.optimizer_on_cpu:
+            out.append(f"stages[{i}].offload.optimizer_on_cpu: ZeRO-Offload without a window (CPU step, "
+                       "weights kept on the device) is not implemented; set offload.window_layers")
+        return out
+    for name, degree in (("dp", st.dp), ("tp", st.tp)):
+        if degree > 1:
+            out.append(f"stages[{i}].{name}: {degree} with offload.window_layers (the all-reduce of host "
+                       f"gradients{' and TP-sharded slots' if name == 'tp' else ''} is not implemented; use 1)")
+    streamed = set(st.streamed_layers)
+    for j, item in enumerate(st.memory):
+        if item.layer in streamed and item.action not in (MemoryAction.keep, MemoryAction.recompute):
+            out.append(f"stages[{i}].memory[{j}].action: {item.action.value} of streamed layer {item.layer} "
+                       "(swapping the saved tensors of a window's layer is not implemented; keep or recompute "
+                       "it, or list it in offload.resident_layers)")
+    cfg = _config(model_cfg) if model_cfg is not None else None
+    if cfg is not None and getattr(cfg, "tie_embeddings", False):
+        last = len(build_model(cfg, plan.training.act_dtype_bytes).layers) - 1
+        for layer in sorted(streamed & {0, last}):
+            out.append(f"stages[{i}].offload.resident_layers: layer {layer} (the tied embedding/head) is "
+                       "streamed; a window streams a parameter of one layer only, so it must be resident")
     return out
 
 
@@ -63,7 +91,7 @@ def run_plan(plan: Plan, model_cfg, *, iterations: int, timeout_s: float = 120.0
     makes rank r raise (SIGKILL itself, sleep forever, SIGSTOP itself) at its first backward of
     iteration i. A timeout names the rank that stopped making progress (executor.liveness).
     ``capacity_bytes`` (CPU): the tracked iteration fails on a rank whose live bytes exceed it."""
-    problems = unsupported(plan)
+    problems = unsupported(plan, model_cfg)
     if problems:
         raise UnsupportedPlan("the executor cannot run this plan:\n  " + "\n  ".join(problems))
     opts = {"iterations": iterations, "collect": collect, "memory_iteration": memory_iteration,
@@ -97,7 +125,7 @@ def execute_run(plan: Plan, model_cfg, hardware: HardwareSpec, iterations: int =
     """:func:`execute`, also returning the raw per-rank reports (their ``timelines``: see
     :func:`measured_timeline`)."""
     cfg = _config(model_cfg)
-    problems = unsupported(plan)
+    problems = unsupported(plan, cfg)
     if problems:
         out = RunOutput(failure="the executor cannot run this plan: " + "; ".join(problems))
         return result_from_run(plan, cfg, hardware, out, warmup), out
@@ -155,6 +183,7 @@ def result_from_run(plan: Plan, cfg, hardware: HardwareSpec, out: RunOutput, war
             layers=[(plan.stages[s].layer_start, plan.stages[s].layer_stop) for s in stages],
             capacity_bytes=cap, peak_bytes=peak, breakdown=breakdown,
             host_bytes=rep.get("host_peak_bytes", 0) if rep and not out.failure else 0,
+            nvme_bytes=rep.get("nvme_peak_bytes", 0) if rep and not out.failure else 0,
             oom=peak > cap, oom_over_bytes=max(0, peak - cap)))
     if out.failure:
         t = 0.0

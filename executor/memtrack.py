@@ -31,6 +31,9 @@ CATEGORY_FIELDS = {
 #: the one category that is not device memory: swapped-out copies in host RAM (executor.swap).
 #: On a CPU rank host and "device" are the same DRAM, so only this tag tells them apart.
 HOST = "host"
+#: file-backed tensors (STRONGHOLD's NVMe tier, executor.window): neither device nor host RAM
+NVME = "nvme"
+_APART = (HOST, NVME)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -62,6 +65,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self.category = "activations"
         self.host_bytes = 0  # live HOST-tagged bytes: counted apart, never against capacity_bytes
         self.host_peak_bytes = 0
+        self.nvme_bytes = 0  # live NVME-tagged bytes, likewise apart
+        self.nvme_peak_bytes = 0
         self._lock = threading.RLock()
 
     # -- bookkeeping ---------------------------------------------------------------------------
@@ -70,6 +75,8 @@ class LiveTensorTracker(TorchDispatchMode):
             nbytes, cat = self._live.pop(key, (0, None))
             if cat == HOST:
                 self.host_bytes -= nbytes
+            elif cat == NVME:
+                self.nvme_bytes -= nbytes
             elif cat is not None:
                 self.totals[cat] -= nbytes
                 self.total_bytes -= nbytes
@@ -96,6 +103,10 @@ class LiveTensorTracker(TorchDispatchMode):
                 self.host_bytes += nbytes
                 self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
                 return
+            if category == NVME:
+                self.nvme_bytes += nbytes
+                self.nvme_peak_bytes = max(self.nvme_peak_bytes, self.nvme_bytes)
+                return
             self.totals[category] += nbytes
             self.total_bytes += nbytes
             if self.total_bytes > self.peak_bytes:
@@ -108,7 +119,7 @@ class LiveTensorTracker(TorchDispatchMode):
         elif retag:
             entry = self._live[key]
             if entry[1] != category:
-                if HOST in (entry[1], category):  # device <-> host is a copy, never a re-filing
+                if entry[1] in _APART or category in _APART:  # device <-> host is a copy, never a re-filing
                     raise ValueError(f"a {entry[1]} storage cannot be re-tagged {category}")
                 self.totals[entry[1]] -= entry[0]
                 self.totals[category] += entry[0]
@@ -118,6 +129,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak_bytes = self.total_bytes
         self.peak_breakdown = dict(self.totals)
         self.host_peak_bytes = self.host_bytes
+        self.nvme_peak_bytes = self.nvme_bytes
 
     @contextmanager
     def phase(self, category: str):
@@ -143,6 +155,7 @@ class NullTracker:
 
     peak_bytes = 0
     host_peak_bytes = 0
+    nvme_peak_bytes = 0
     peak_breakdown: dict = {}
 
     def tag(self, *a, **k) -> None:
@@ -165,11 +178,13 @@ def tag_static(tracker, stages) -> None:
         for p in st.params:
             tracker.tag(p, "parameters")
             tracker.tag(p.grad, "gradients")
+        if getattr(st, "window", None) is not None:  # STRONGHOLD window: slot pool, host side
+            st.window.tag(tracker)
         if getattr(st, "opt_swap", None) is not None:  # MPress optimizer swap: its state is host memory
             for v in st.opt_swap.state_tensors():
                 tracker.tag(v, HOST)
             continue
-        for state in st.optimizer.state.values():
+        for state in (st.optimizer.state.values() if st.optimizer is not None else ()):
             for v in state.values():
                 if isinstance(v, torch.Tensor):
                     tracker.tag(v, "optimizer")

@@ -97,11 +97,11 @@ def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2
         elapsed = time.perf_counter() - t0
     peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else tracker.peak_bytes
     out = {"peak_bytes": peak, "breakdown": dict(tracker.peak_breakdown),
-           "host_peak_bytes": tracker.host_peak_bytes, "iteration_time_s": elapsed}
+           "host_peak_bytes": tracker.host_peak_bytes, "nvme_peak_bytes": tracker.nvme_peak_bytes,
+           "iteration_time_s": elapsed}
     if collect:
         out["loss"] = st.loss_sum
-        out["grads"] = {f"{name}.{pname}": p.grad.detach().cpu().clone()
-                        for _, name, mod in st.layers for pname, p in mod.named_parameters()}
+        out["grads"] = {name: g.detach().cpu().clone() for name, _, g in st.named_state()}
     return out
 
 

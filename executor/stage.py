@@ -16,6 +16,7 @@ from executor.boundary import release, run_backward
 from executor.models import Block, LMHead, MoEBlock, TokenEmbedding, build_layers
 from executor.optim_swap import OptimizerSwap
 from executor.swap import Swapper
+from executor.window import Window
 from executor.topology import coords, message_tag, replica_rows, routes
 from specs.plan import MemoryAction, Plan, stage_for_microbatch
 from specs.training import Optimizer
@@ -123,9 +124,12 @@ def tied_embedding_weight(st, groups: dict):
 
 class StageRuntime:
     def __init__(self, plan: Plan, cfg, index: int, device: int, rank_of: dict[int, int], groups: dict,
-                 torch_device: torch.device, seed: int, tracker, dtype: torch.dtype = torch.float32, d2d=None):
+                 torch_device: torch.device, seed: int, tracker, dtype: torch.dtype = torch.float32, d2d=None,
+                 nvme_dir: str | None = None, record_window: bool = False):
         """``d2d``: this rank's executor.d2d.D2DClient when the plan d2d-swaps (None: d2d layers
-        swap to host, as a stage run alone must)."""
+        swap to host, as a stage run alone must). ``nvme_dir``: where a window's NVMe state files
+        go (default: the system's temporary directory); ``record_window``: keep the window's
+        (event, layer, microbatch) list (executor.window)."""
         st = plan.stages[index]
         self.plan, self.cfg, self.index, self.stage, self.device = plan, cfg, index, st, device
         self.rank_of, self.torch_device, self.tracker, self.dtype = rank_of, torch_device, tracker, dtype
@@ -151,8 +155,13 @@ class StageRuntime:
         self._period = math.lcm(*(item.microbatch_period for item in st.memory)) if st.memory else 1
         self.vocab_parallel = st.tp > 1 and tensor_parallel(self.layers, self.tp_group, torch_device.type)
         self.tied = tied_embedding_weight(self, groups)
-        # distinct parameters: a tied LM head shares the embedding's weight (one grad, one step)
-        self.params = list({id(p): p for _, _, mod in self.layers for p in mod.parameters()}.values())
+        # distinct parameters: a tied LM head shares the embedding's weight (one grad, one step).
+        # With a STRONGHOLD window only the resident layers' (executor.window has the others)
+        streamed = set(st.streamed_layers)
+        self.params = list({id(p): p for i, _, mod in self.layers if i not in streamed
+                            for p in mod.parameters()}.values())
+        if streamed:
+            self._check_streamable(streamed)
         for p in self.params:  # gradients live for the whole run (a Megatron-style grad buffer)
             p.grad = torch.zeros_like(p)
         opt = plan.training.optimizer
@@ -172,7 +181,12 @@ class StageRuntime:
         # MPress optimizer swap: the state lives on the host, the step streams it per layer
         self.opt_swap = (OptimizerSwap(self.layers, make_optimizer, tracker, torch_device)
                          if st.offload.optimizer_swap else None)
-        self.optimizer = make_optimizer(self.params) if self.opt_swap is None else None
+        self.optimizer = make_optimizer(self.params) if self.opt_swap is None and self.params else None
+        # STRONGHOLD §III-C: streamed layers pass through w device slots; host state, CPU steps
+        self.window = (Window([(i, mod) for i, _, mod in self.layers], st.streamed_layers, st.offload.window_layers,
+                              self.m, torch_device, make_optimizer, dtype, nvme=st.offload.nvme, nvme_dir=nvme_dir,
+                              tracker=lambda: self.tracker, record=record_window)
+                       if streamed else None)
         # the loss of a replica's rows, scaled so that all replicas and microbatches sum to the
         # global mean: every gradient is then d(global loss), and DP all-reduce is a plain SUM
         self.loss_scale = 1.0 / (self.m * st.dp)
@@ -190,6 +204,30 @@ class StageRuntime:
         self.grad_out_routes = routes(plan, index, index - 1) if not self.first else []
         # after TP: the swapper records the (local) parameter storages it must never move
         self.swapper = Swapper(self, d2d) if any(item.action in SWAPS for item in st.memory) else None
+
+    def _check_streamable(self, streamed: set[int]) -> None:
+        """A streamed parameter must belong to its layer alone: its home is one layer's slot and
+        host buffer (a tied embedding/head, or a user model's tie, must be resident)."""
+        owners: dict[int, set[int]] = {}
+        for i, _, mod in self.layers:
+            for p in mod.parameters():
+                owners.setdefault(id(p), set()).add(i)
+        tied = {id(self.tied[0])} if self.tied is not None else set()
+        if self.ties is not None:
+            tied |= {id(p) for copies in self.ties.copies.values() for p, _ in copies}
+        for i, _, mod in self.layers:
+            if i in streamed and any(len(owners[id(p)]) > 1 or id(p) in tied for p in mod.parameters()):
+                raise ValueError(f"stages[{self.index}].offload.resident_layers: layer {i} shares a parameter "
+                                 "with another layer (tied weights); a window streams it from one layer's "
+                                 "slot, so list it as resident")
+
+    def named_state(self):
+        """(``layer.param`` name, weight, gradient) of every parameter of the stage, wherever
+        they live (a streamed layer's are its host master copy and accumulator)."""
+        for _, name, mod in self.layers:
+            for pname, p in mod.named_parameters():
+                host = self.window.host_state(p) if self.window is not None else None
+                yield (f"{name}.{pname}", *(host if host is not None else (p, p.grad)))
 
     # ---- compute ---------------------------------------------------------------------------------
     def _microbatch(self, batch: dict, k: int) -> dict:
@@ -222,19 +260,28 @@ class StageRuntime:
         self.inputs[k] = x
         if self.swapper is not None:
             self.swapper.begin_forward(k, x)
-        y = x
+        with self.window.pass_("F", k) if self.window is not None else contextlib.nullcontext():
+            y = self._layers_forward(k, x, mb)
+        if self.last:
+            self.loss_sum += float(y.detach()) * self.loss_scale
+            y = y * self.loss_scale
+        self.outputs[k] = y
+
+    def _layers_forward(self, k: int, y, mb: dict):
         for i, mod, action in self.run_as(k):
-            if action is MemoryAction.recompute:
+            if self.window is not None and self.window.streams(i):  # executor.window
+                recompute = action is MemoryAction.recompute
+                y = self.window.forward_layer(
+                    i, (lambda y=y, mod=mod: checkpoint(mod, y, mb, use_reentrant=False)) if recompute
+                    else (lambda y=y, mod=mod: mod(y, mb)), recompute)
+            elif action is MemoryAction.recompute:
                 y = checkpoint(mod, y, mb, use_reentrant=False)
             elif action in SWAPS:  # saved tensors leave the device at the layer's end (executor.swap)
                 with self.swapper.layer(k, i):
                     y = mod(y, mb)
             else:
                 y = mod(y, mb)
-        if self.last:
-            self.loss_sum += float(y.detach()) * self.loss_scale
-            y = y * self.loss_scale
-        self.outputs[k] = y
+        return y
 
     def swap_in(self, k: int) -> None:
         """The schedule's ``swap_in`` entries: prefetch microbatch ``k``'s first swapped layer."""
@@ -245,15 +292,8 @@ class StageRuntime:
         y = self.outputs.pop(k)
         if self.swapper is not None:
             self.swapper.begin_backward(k)
-        if self.last:
-            with _loss_context(self.vocab_parallel):
-                y.backward()
-        elif self.bounds is not None:
-            user_model.backward(y, grad, self.release_outputs)
-        elif self.release_outputs:
-            run_backward([y], [grad])
-        else:
-            y.backward(grad)
+        with self.window.pass_("B", k) if self.window is not None else contextlib.nullcontext():
+            self._run_backward(y, grad)
         if self.swapper is not None:
             self.swapper.end_backward(k)
         for p in self.params:  # accumulation may have replaced a grad tensor: keep it filed
@@ -264,9 +304,22 @@ class StageRuntime:
         else:
             self.grad_to_send = x.grad if x is not None else None
 
+    def _run_backward(self, y, grad) -> None:
+        if self.last:
+            with _loss_context(self.vocab_parallel):
+                y.backward()
+        elif self.bounds is not None:
+            user_model.backward(y, grad, self.release_outputs)
+        elif self.release_outputs:
+            run_backward([y], [grad])
+        else:
+            y.backward(grad)
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad.zero_()
+        if self.window is not None:
+            self.window.zero_grad()
         self.loss_sum = 0.0
         if self.ties is not None:
             self.ties.reset()
@@ -312,8 +365,12 @@ class StageRuntime:
         del full
 
     def step(self) -> None:
+        if self.window is not None:  # the streamed layers' CPU steps (overlapped with the backward)
+            self.window.step()
         if self.opt_swap is not None:
             self.opt_swap.step()
+            return
+        if self.optimizer is None:  # every layer streamed: nothing on the device to step
             return
         with self.tracker.phase("optimizer"):
             self.optimizer.step()

@@ -76,7 +76,7 @@ def check_inputs(plan: Plan, cfg, hardware: HardwareSpec, world: int) -> list[st
     else:
         problems += [f"stages[{i}].devices[{j}]: device {d} is not in hardware {hardware.name!r} (0..{hardware.num_devices - 1})"
                      for i, s in enumerate(plan.stages) for j, d in enumerate(s.devices) if not hardware.has_device(d)]
-    problems += unsupported(plan)
+    problems += unsupported(plan, cfg)
     used = plan.used_devices()
     if world != len(used):
         problems.append(f"WORLD_SIZE: {world} ranks, the plan uses {len(used)} devices {used} "

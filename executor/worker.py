@@ -130,7 +130,8 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     server = d2d.StripeServer(plan, device, rank_of, swap_groups, torch_device, opts["iterations"],
                               lambda it: tracker if it == mem_iter else untracked, fatal) \
         if any(dst == device for _, dst in swap_groups) else None
-    stages = {s: StageRuntime(plan, cfg, s, device, rank_of, groups, torch_device, seed, tracker, dtype, client)
+    stages = {s: StageRuntime(plan, cfg, s, device, rank_of, groups, torch_device, seed, tracker, dtype, client,
+                              nvme_dir=opts.get("nvme_dir"), record_window=opts.get("record_window", False))
               for s in my_stages}
     position = plan.device_group_of(my_stages[0])
     actions = build_schedule(plan)[position]
@@ -185,7 +186,11 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         "peak_bytes": int(torch.cuda.max_memory_allocated() if cuda and mem_iter is not None else tracker.peak_bytes),
         "breakdown": dict(tracker.peak_breakdown),
         "host_peak_bytes": int(tracker.host_peak_bytes),  # swapped-out copies in host memory (executor.swap)
+        "nvme_peak_bytes": int(tracker.nvme_peak_bytes),  # a window's file-backed optimizer state
     }
+    windows = {s: st.window.events for s, st in stages.items() if st.window is not None and st.window.events is not None}
+    if windows:
+        report["window_events"] = windows
     if opts.get("collect"):
         report["params"], report["grads"] = _collect(stages.values())
     hb.beat(total, -4)
@@ -293,11 +298,10 @@ def _collect(stages) -> tuple[dict, dict]:
     for st in stages:
         if st.replica != 0:
             continue
-        for _, name, mod in st.layers:
-            for pname, p in mod.named_parameters():
-                full_p = p.full_tensor() if hasattr(p, "full_tensor") else p
-                full_g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                if st.tp_rank == 0:
-                    params[f"{name}.{pname}"] = full_p.detach().cpu().numpy().copy()
-                    grads[f"{name}.{pname}"] = full_g.detach().cpu().numpy().copy()
+        for name, p, g in st.named_state():  # a window's streamed layers: their host copies
+            full_p = p.full_tensor() if hasattr(p, "full_tensor") else p
+            full_g = g.full_tensor() if hasattr(g, "full_tensor") else g
+            if st.tp_rank == 0:
+                params[name] = full_p.detach().cpu().numpy().copy()
+                grads[name] = full_g.detach().cpu().numpy().copy()
     return params, grads

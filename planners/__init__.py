@@ -35,6 +35,10 @@ def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, tr
         from planners.mpress import plan_mpress  # imports the simulator (its emulator, MPress §III-B)
 
         plan = plan_mpress(policy, model, hardware, training, schedule, progress, profile)
+    elif policy.kind == "stronghold":
+        from planners.stronghold import plan_stronghold  # prices windows with the simulator's mechanism
+
+        plan = plan_stronghold(policy, model, hardware, training, schedule)
     else:
         plan = PLANNERS[policy.kind](policy, model, hardware, training, schedule)
     return validate_plan(plan, model, hardware)

@@ -95,8 +95,23 @@ class MPressPolicy(Spec):
     max_simulations: int = Field(40, ge=1, le=10_000, description="emulator runs (simulate, repair, improve)")
 
 
+class StrongholdPolicy(Spec):
+    """STRONGHOLD (Sun et al., SC'22): pipeline stages of one device each (null pp: the fewest that fit), each
+    streaming its layers through a sliding window of ``window_layers`` device slots over host
+    memory, the CPU stepping each layer as its gradients land; NVMe holds the optimizer state
+    when host RAM is short. ``window_layers``: null picks the smallest window that hides the
+    transfers (§III-D), a number forces it on every stage."""
+
+    kind: Literal["stronghold"] = "stronghold"
+    pp: int | None = Field(None, ge=1, description="pipeline stages, one device each; null: the fewest that fit")
+    window_layers: int | None = Field(None, ge=1, description="slots per stage; null: the analytic window")
+    recompute: Literal["none", "full"] = Field("full", description="layer-wise checkpointing, as STRONGHOLD §V-D")
+    nvme: Literal["auto", "on", "off"] = Field("auto", description="optimizer state on NVMe: when host RAM is "
+                                                                   "short (auto), always, never")
+
+
 PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy, CapturePolicy, ThroughputPolicy,
-                               MPressPolicy],
+                               MPressPolicy, StrongholdPolicy],
                          Field(discriminator="kind")]
 _adapter: TypeAdapter = TypeAdapter(PolicyConfig)
 

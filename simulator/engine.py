@@ -20,6 +20,7 @@ from simulator.links import Links
 from simulator.memory import ACTS, BUFFERS, GRADS, OPTIM, PARAMS, STASHED, SWAPPED, Timeline
 from simulator.stagecost import SWAPS, StageCost, host_link, ns, stage_cost, stage_costs
 from simulator.trace import TraceBuilder
+from simulator.window import WindowWalk, resources as window_resources
 from specs import costs
 from specs.hardware import RENDEZVOUS_KINDS, HardwareSpec, LinkSpec
 from specs.model import ModelSpec
@@ -71,6 +72,27 @@ class Engine:
         self._pcie = host_link(hardware)
         nvme_gbps = min(hardware.host.pcie_gbps, hardware.host.nvme_gbps or hardware.host.pcie_gbps)
         self._nvme = LinkSpec(kind="pcie", bw_gbps=nvme_gbps, latency_s=hardware.host.pcie_latency_s)
+        # STRONGHOLD windows (simulator/window.py), one per windowed stage, on its representative
+        self.windows: dict[int, WindowWalk] = {
+            sc.index: self._window(sc) for sc in self.costs if sc.window is not None}
+        self.nvme_bytes = [0] * self.p
+
+    def _window(self, sc: StageCost) -> WindowWalk:
+        return WindowWalk(sc, self.links, *window_resources(self.hardware, sc), self.plan.training.microbatches,
+                          lambda: self.env.now, self.trace)
+
+    def _drive(self, segments, rep: int):
+        """Run a window's segments on the compute stream; stalls go on the trace. Returns busy ns
+        (a stall holds the compute stream, as a swap-out wait does)."""
+        busy = 0
+        for kind, dur, label in segments:
+            t0 = self.env.now
+            yield self.env.timeout(dur)
+            self.events += 1
+            busy += dur
+            if kind == "stall":
+                self.trace.slice(rep, "compute", label, t0, dur, "stall")
+        return busy
 
     # ---- setup and run ---------------------------------------------------------------------
     def run(self) -> None:
@@ -80,6 +102,7 @@ class Engine:
                                 (OPTIM, st.optimizer_bytes), (BUFFERS, sc.buffer_bytes)):
                 mem.add(0, cat, nbytes)
             self._host(sc.position, sc.host_bytes)
+            self.nvme_bytes[sc.position] += sc.nvme_bytes
         for pos in range(self.p):
             self.env.process(self._walk(pos))
         self.env.run()
@@ -141,10 +164,13 @@ class Engine:
                     if n:
                         mem.add(t0, STASHED, sc.static.parameters_bytes)
                     in_flight[s] = n + 1
-                yield env.timeout(sc.fwd_ns)
-                self.events += 1
-                busy += sc.fwd_ns
-                trace.slice(rep, "compute", f"F s{s} mb{k}", t0, sc.fwd_ns, "forward")
+                if sc.window is not None:
+                    busy += yield from self._drive(self.windows[s].forward(k), rep)
+                else:
+                    yield env.timeout(sc.fwd_ns)
+                    self.events += 1
+                    busy += sc.fwd_ns
+                trace.slice(rep, "compute", f"F s{s} mb{k}", t0, env.now - t0, "forward")
                 mem.add(env.now, ACTS, sc.fwd_alloc_bytes)  # activations exist once the pass ends
             elif kind is _B:
                 t0 = env.now
@@ -152,7 +178,10 @@ class Engine:
                 # held microbatch (specs.costs.backward_workspace_bytes); it and this microbatch's
                 # activations are gone when the pass ends
                 mem.add(t0, ACTS, sc.workspace_bytes)
-                if sc.simple:
+                if sc.window is not None:
+                    busy += yield from self._drive(self.windows[s].backward(k), rep)
+                    mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
+                elif sc.simple:
                     yield env.timeout(sc.bwd_ns)
                     self.events += 1
                     busy += sc.bwd_ns
@@ -194,6 +223,12 @@ class Engine:
                 pass  # the backward re-runs recompute layers; the entry tells the executor which
             elif kind is _OPT and sc.opt_chunks:
                 busy += yield from self._swapped_step(pos, sc)
+            elif kind is _OPT and sc.window is not None:
+                t0 = env.now
+                busy += yield from self._drive(self.windows[s].step(), rep)
+                trace.slice(rep, "compute", f"optimizer_step s{s}", t0, env.now - t0, "optimizer_step")
+            elif kind is _OPT and any(sc.offload_ns):
+                busy += yield from self._offloaded_step(sc)
             elif kind is _AR or kind is _OPT:
                 dur = sc.allreduce_ns if kind is _AR else sc.optimizer_ns
                 flat = sc.allreduce_buffer_bytes if kind is _AR else 0
@@ -210,6 +245,21 @@ class Engine:
                 mem.add(env.now, BUFFERS, -flat)
         self.finish_ns[pos] = env.now
         self.busy_ns[pos] = busy
+
+    def _offloaded_step(self, sc: StageCost):
+        """ZeRO-Offload's step (Ren et al. ATC'21 §4): the accumulated gradients to the host, CPU
+        Adam on every parameter, the updated weights back, one after the other on the host link
+        and the node's CPU (STRONGHOLD §VI-B: its transfers and CPU step do not overlap)."""
+        env, node, t0 = self.env, self.hardware.node_of(sc.rep), self.env.now
+        out, cpu, back = sc.offload_ns
+        _, e1 = self.links.reserve((("d2h", self._switch(sc.rep)),), out, t0)
+        _, e2 = self.links.reserve((("cpu", node),), cpu, e1)
+        s3, e3 = self.links.reserve((("h2d", self._switch(sc.rep)),), back, e2)
+        self.trace.slice(sc.rep, "cpu", f"cpu step s{sc.index}", e2 - cpu, cpu, "optimizer_step")
+        yield env.timeout(e3 - t0)
+        self.events += 1
+        self.trace.slice(sc.rep, "compute", f"optimizer_step s{sc.index} (offloaded)", t0, e3 - t0, "optimizer_step")
+        return e3 - t0
 
     # ---- optimizer swap (MPress §II-D: GPU-CPU swap of model data) ------------------------------
     def _chunk_in(self, pos: int, sc: StageCost, j: int) -> simpy.Event:

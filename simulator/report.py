@@ -14,16 +14,31 @@ from specs.plan import ScheduleKind
 from specs.result import DeviceResult, Result
 
 
-def _device_result(device: int, stages: list[int], engine: Engine, s: Summary, host: int) -> DeviceResult:
+def _device_result(device: int, stages: list[int], engine: Engine, s: Summary, host: int, nvme: int,
+                   host_oom: bool) -> DeviceResult:
     plan = engine.plan
     return DeviceResult(
         device=device, stages=stages,
         layers=[(plan.stages[i].layer_start, plan.stages[i].layer_stop) for i in stages],
         capacity_bytes=engine.hardware.device.memory_bytes, peak_bytes=s.peak_bytes,
-        peak_time_s=s.peak_time_ns / 1e9, breakdown=s.breakdown, host_bytes=host,
+        peak_time_s=s.peak_time_ns / 1e9, breakdown=s.breakdown, host_bytes=host, nvme_bytes=nvme,
+        host_oom=host_oom,
         oom=s.oom, oom_over_bytes=s.over_bytes,
         oom_time_s=None if s.oom_time_ns is None else s.oom_time_ns / 1e9,
     )
+
+
+def _host_over(engine: Engine, position_of: dict[int, int]) -> set[int]:
+    """Nodes whose devices together need more host RAM (or NVMe) than the node has: every device
+    of a node shares its DRAM and drive (STRONGHOLD §V-A's servers; a sum of peaks, an upper bound)."""
+    ram: dict[int, int] = {}
+    nvme: dict[int, int] = {}
+    for d, pos in position_of.items():
+        node = engine.hardware.node_of(d)
+        ram[node] = ram.get(node, 0) + engine.host_peak[pos]
+        nvme[node] = nvme.get(node, 0) + engine.nvme_bytes[pos]
+    host = engine.hardware.host
+    return {n for n in ram if ram[n] > host.memory_bytes or nvme[n] > host.nvme_bytes}
 
 
 def iteration_ns(engine: Engine) -> int:
@@ -46,6 +61,7 @@ def build_result(engine: Engine, model: ModelSpec) -> tuple[Result, dict]:
             stages_of.setdefault(d, []).append(i)
     base = [summarize(tl.events, capacity) for tl in engine.mem]
     devices, counters, names = [], {}, {}
+    host_over = _host_over(engine, position_of)
     for d in sorted(set(position_of) | set(engine.extra)):
         pos = position_of.get(d)
         timelines: list[Timeline] = ([engine.mem[pos]] if pos is not None else []) + (
@@ -53,7 +69,9 @@ def build_result(engine: Engine, model: ModelSpec) -> tuple[Result, dict]:
         events = merged(*timelines) if len(timelines) > 1 else timelines[0].events
         s = base[pos] if d not in engine.extra else summarize(events, capacity)
         host = engine.host_peak[pos] if pos is not None else 0
-        devices.append(_device_result(d, stages_of.get(d, []), engine, s, host))
+        nvme = engine.nvme_bytes[pos] if pos is not None else 0
+        devices.append(_device_result(d, stages_of.get(d, []), engine, s, host, nvme,
+                                      engine.hardware.node_of(d) in host_over))
         is_rep = pos is not None and d == engine.costs[pos].rep
         if is_rep or d in engine.extra:
             counters[d] = counter_series(events)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specs import costs
+from specs import costs, window
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan
@@ -31,6 +31,11 @@ class LayerCost:
     saved_bytes: int      # everything the layer saves for backward (keep)
     recompute_ns: int     # one forward of the layer incl. its TP all-reduces
     bwd_ns: int           # its backward: dgrad + wgrad GEMMs, elementwise backward, TP all-reduces
+    fwd_ns: int = 0       # its forward (the window walks passes layer by layer)
+    streamed: bool = False  # a window streams its weights (STRONGHOLD; specs.window)
+    fetch_ns: int = 0     # host -> device copy of its weights into a slot
+    grad_ns: int = 0      # device -> host copy of its gradients after each backward
+    cpu_step_ns: int = 0  # its CPU optimizer step (with NVMe: the drive's read + write)
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ class StageCost:
     optimizer_ns: int
     opt_chunks: tuple[int, ...]   # optimizer state streamed in/out per layer for the step (MPress)
     opt_chunk_ns: tuple[int, ...] # one direction of each chunk over the host link
+    window: int | None = None     # STRONGHOLD slots (offload.window_layers)
+    nvme_bytes: int = 0           # the streamed layers' optimizer state on NVMe
+    offload_ns: tuple[int, int, int] = (0, 0, 0)  # ZeRO-Offload step: grads out, CPU step, weights in
 
 
 def host_link(hardware: HardwareSpec):
@@ -76,16 +84,30 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     variant one microbatch sees: specs.plan.stage_for_microbatch)."""
     b = costs.samples_per_replica(plan, stage)
     fwd_s, bwd_s = costs.stage_pass_times_s(model, plan, hardware, stage)
+    streamed = window.streamed_params(model, stage)
+    link = host_link(hardware)
     layers = []
     for l in stage.layers:
         item = stage.action_of(l)
         f_c, b_c, _ = costs.layer_pass_times_s(model, plan, hardware, stage, l)
+        n = streamed.get(l)
         layers.append(LayerCost(
             layer=l, action=item.action, targets=tuple((t.device, t.weight) for t in item.targets),
             saved_bytes=costs.layer_saved_bytes(model.layers[l], b, stage.tp),
-            recompute_ns=ns(f_c), bwd_ns=ns(b_c),
+            recompute_ns=ns(f_c), bwd_ns=ns(b_c), fwd_ns=ns(f_c), streamed=n is not None,
+            fetch_ns=ns(costs.transfer_s(window.fetch_bytes(plan, n), link)) if n else 0,
+            grad_ns=ns(costs.transfer_s(window.grad_bytes(plan, n), link)) if n else 0,
+            cpu_step_ns=ns(window.cpu_step_s(plan, hardware, stage, n)) if n else 0,
         ))
     static, host = costs.stage_static(model, plan, stage)
+    windowed = stage.offload.window_layers is not None
+    nvme = window.window_static(model, plan, stage)[4] if windowed else 0
+    offload = (0, 0, 0)
+    if stage.offload.optimizer_on_cpu and not windowed:  # ZeRO-Offload (Ren et al. ATC'21 §4)
+        params = costs.stage_params_on_device(model, plan, stage)
+        offload = (ns(costs.transfer_s(window.grad_bytes(plan, params), link)),
+                   ns(params / hardware.host.cpu_adam_params_per_s),
+                   ns(costs.transfer_s(window.fetch_bytes(plan, params), link)))
     # A swapped layer's activations stay resident until its copy-out finishes.
     act = costs.stage_activation_bytes(model, plan, stage)
     # A released output (training.deallocate_pipeline_outputs) lives until its send is done.
@@ -105,7 +127,9 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         dp_allreduce_ns=ns(dp_s),
         ar_buckets_ns=tuple(ns(t) for t in costs.dp_allreduce_buckets_s(model, plan, hardware, stage)),
         allreduce_ns=ns(dp_s + costs.embedding_group_allreduce_s(model, plan, hardware, stage)),
-        optimizer_ns=ns(costs.optimizer_step_s(model, plan, hardware, stage)),
+        optimizer_ns=ns(window.resident_step_s(model, plan, hardware, stage) if windowed
+                        else costs.optimizer_step_s(model, plan, hardware, stage)),
         opt_chunks=tuple(chunks := costs.optimizer_swap_chunks(model, plan, stage)),
         opt_chunk_ns=tuple(ns(costs.transfer_s(c, host_link(hardware))) for c in chunks),
+        window=stage.offload.window_layers, nvme_bytes=nvme, offload_ns=offload,
     )

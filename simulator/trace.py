@@ -10,7 +10,7 @@ from specs.result import CATEGORIES
 
 #: "recv" (time blocked in a receive) is written by measured traces only (executor.timeline):
 #: the simulator's compute stream simply shows a gap there
-STREAMS = ("compute", "send_fwd", "send_bwd", "collective", "h2d", "d2h", "recv")
+STREAMS = ("compute", "send_fwd", "send_bwd", "collective", "h2d", "d2h", "recv", "cpu")  # cpu: host optimizer
 _TID = {name: i for i, name in enumerate(STREAMS)}
 PEER_TID_BASE = 100  # "peer->D" streams (d2d stripes to device D) get 100 + D
 

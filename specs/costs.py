@@ -237,22 +237,19 @@ def stage_static(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[Memory
     """(device-resident weights/grads/optimizer, host-resident bytes) of one stage on one device.
 
     ZeRO stage k shards optimizer (k>=1), gradients (k>=2), parameters (k>=3) over dp (ZeRO §5).
-    STRONGHOLD window: only the largest ``window_layers`` consecutive layers' weights and grads
-    are resident; the rest and all optimizer state live on the host (STRONGHOLD §3.2).
+    STRONGHOLD window: the resident layers and ``window_layers`` slots on the device, the streamed
+    layers' state on the host (specs.window.window_static; its NVMe part is not host RAM).
     """
     w_b, g_b, o_b = plan.training.bytes_per_param()
-    per_layer = [layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers]
     params = stage_params_on_device(model, plan, stage)  # a tied embedding once where shared
     z, dp = plan.zero_stage, stage.dp
     shard = lambda n, level: math.ceil(n / dp) if z >= level else n  # noqa: E731
     weights, grads, optim = shard(params * w_b, 3), shard(params * g_b, 2), shard(params * o_b, 1)
     host = 0
-    window = stage.offload.window_layers
-    if window is not None:
-        resident = max(sum(per_layer[i:i + window]) for i in range(len(per_layer) - window + 1))
-        host += weights + grads + optim
-        weights, grads, optim = shard(resident * w_b, 3), shard(resident * g_b, 2), 0
-        host -= weights + grads
+    if stage.offload.window_layers is not None:  # specs.window: resident layers + w slots
+        from specs.window import window_static
+
+        weights, grads, optim, host, _ = window_static(model, plan, stage)
     elif stage.offload.optimizer_on_cpu or stage.offload.optimizer_swap:
         host, optim = optim, 0  # swapped: streamed through the device by its step (optimizer_swap_chunks)
     return MemoryBreakdown(parameters_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim), host
@@ -533,8 +530,18 @@ def optimizer_step_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage
     params = stage_params_on_device(model, plan, stage)
     if plan.zero_stage >= 1:
         params = math.ceil(params / stage.dp)
-    if stage.offload.optimizer_on_cpu or stage.offload.window_layers is not None:
-        return params / hardware.host.cpu_adam_params_per_s
+    if stage.offload.window_layers is not None:
+        # the device steps the resident layers; the CPU steps each streamed layer as its last
+        # gradient lands, overlapped with the backward (simulator/window.py times that overlap;
+        # this closed form charges it serially, an upper bound)
+        from specs import window
+
+        return window.resident_step_s(model, plan, hardware, stage) + sum(
+            window.cpu_step_s(plan, hardware, stage, n) for n in window.streamed_params(model, stage).values())
+    if stage.offload.optimizer_on_cpu:  # ZeRO-Offload: grads out, CPU Adam, weights back
+        w_b, g_b, _ = plan.training.bytes_per_param()
+        link = hardware.host.pcie_gbps * 1e9
+        return params / hardware.host.cpu_adam_params_per_s + params * (w_b + g_b) / link
     w_b, g_b, o_b = plan.training.bytes_per_param()
     return params * (2 * w_b + g_b + 2 * o_b) / hardware.device.hbm_bytes_per_s
 

@@ -95,10 +95,29 @@ class LayerMemory(Spec):
 
 
 class OffloadPolicy(Spec):
-    """STRONGHOLD §3: only ``window_layers`` layers' parameters (and gradients) live on the GPU,
-    the rest on host (or NVMe); ``optimizer_on_cpu`` runs the update on the CPU, overlapped."""
+    """Model state in host memory (STRONGHOLD; ZeRO-Offload; MPress's optimizer swap).
 
-    window_layers: int | None = Field(None, ge=1, lt=MAX_COUNT)
+    ``window_layers`` = w (STRONGHOLD §III-C): the stage's layers other than ``resident_layers``
+    are *streamed*: their weights, gradients and optimizer state live in host memory, and their
+    weights pass through a pool of w device slots (one layer's weights + gradients each). Every
+    pass (a forward or a backward of one microbatch) walks its streamed layers in order (forward
+    ascending, backward descending); the first w of them are fetched at the pass start (those
+    already in a slot stay), each later one when the slot of the layer w places before it is
+    released: a forward releases a slot when the layer's compute ends, a backward when the
+    layer's gradients have been copied to the host. The last w layers of a pass stay (the next
+    pass starts with them: the backward of the same microbatch, or the forward after a backward).
+    Gradients of every microbatch go to the host (accumulated there); the last microbatch's
+    arrive and the CPU optimizer steps that layer at once, overlapped with the rest of the
+    backward (STRONGHOLD §III-E1). A step's updated weights make every slot stale.
+    ``resident_layers`` (absolute indices) keep weights, gradients and optimizer state on the
+    device, stepped there (the first working window and the embedding/head, §III-E1, Fig. 3).
+    ``nvme``: the streamed layers' optimizer state lives on NVMe, read and written by the CPU
+    step (§III-G). ``optimizer_on_cpu`` without a window is ZeRO-Offload: every weight on the
+    device, gradients to the host, the CPU steps after the backward, weights come back."""
+
+    window_layers: int | None = Field(None, ge=1, lt=MAX_COUNT, description="device slots for streamed layers")
+    resident_layers: list[Annotated[int, Field(ge=0, lt=MAX_COUNT)]] = Field(
+        default_factory=list, max_length=MAX_COUNT, description="layers kept on the device with a window")
     optimizer_on_cpu: bool = False
     nvme: bool = False
     # MPress §II-D: GPU-CPU swap applies to all model data; optimizer state, used only by the
@@ -111,7 +130,19 @@ class OffloadPolicy(Spec):
         if self.optimizer_swap and (self.optimizer_on_cpu or self.window_layers is not None):
             raise ValueError("optimizer_swap: the optimizer state already lives on the host with "
                              "optimizer_on_cpu or window_layers; choose one")
+        if self.resident_layers and self.window_layers is None:
+            raise ValueError("resident_layers: only a window (window_layers) streams layers; without one every "
+                             "layer is resident")
+        if len(set(self.resident_layers)) != len(self.resident_layers):
+            raise ValueError(f"resident_layers: a layer is listed twice: {self.resident_layers}")
+        if self.nvme and self.window_layers is None and not self.optimizer_on_cpu:
+            raise ValueError("nvme: holds the host-side optimizer state of a window (window_layers) or of "
+                             "optimizer_on_cpu; set one of them")
         return self
+
+    @property
+    def windowed(self) -> bool:
+        return self.window_layers is not None
 
 
 class LayerSharding(Spec):
@@ -151,10 +182,22 @@ class StagePlan(Spec):
             if len(set(layers)) != len(layers):
                 raise ValueError(f"{name}: a layer is listed twice: {layers}")
         window = self.offload.window_layers
-        if window is not None and window > self.num_layers:
-            raise ValueError(
-                f"offload.window_layers: {window} is larger than the stage's {self.num_layers} layers"
-            )
+        if window is not None:
+            for layer in self.offload.resident_layers:
+                if not self.layer_start <= layer < self.layer_stop:
+                    raise ValueError(f"offload.resident_layers: layer {layer} is outside this stage's layers "
+                                     f"[{self.layer_start}, {self.layer_stop})")
+            swapped = [item.layer for item in self.memory
+                       if item.action in (MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme)]
+            if swapped:
+                raise ValueError(f"memory: layers {swapped} swap activations in a windowed stage; a window with "
+                                 "activation swaps is not modelled (use keep or recompute)")
+            streamed = self.num_layers - len(self.offload.resident_layers)
+            if streamed < 1:
+                raise ValueError("offload.resident_layers: every layer of the stage is resident; drop the window")
+            if window > streamed:
+                raise ValueError(f"offload.window_layers: {window} is larger than the stage's {streamed} "
+                                 "streamed (non-resident) layers")
         return self
 
     @property
@@ -164,6 +207,15 @@ class StagePlan(Spec):
     @property
     def layers(self) -> range:
         return range(self.layer_start, self.layer_stop)
+
+    @property
+    def streamed_layers(self) -> list[int]:
+        """Layers whose weights pass through the window's device slots (ascending); empty
+        without a window (see :class:`OffloadPolicy`)."""
+        if self.offload.window_layers is None:
+            return []
+        resident = set(self.offload.resident_layers)
+        return [layer for layer in self.layers if layer not in resident]
 
     def action_of(self, layer: int) -> LayerMemory:
         # an index over ``memory`` (kept outside the model, so equality and dumps are untouched):
@@ -234,6 +286,19 @@ class Plan(Spec):
         if v != PLAN_SCHEMA_VERSION:
             raise ValueError(f"must be {PLAN_SCHEMA_VERSION} (the plan format this memwall reads), got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _window(self) -> Plan:
+        for i, st in enumerate(self.stages):
+            if st.offload.window_layers is None:
+                continue
+            if self.zero_stage:
+                raise ValueError(f"stages[{i}].offload.window_layers: a window keeps the streamed layers' state on "
+                                 f"the host; ZeRO sharding (zero_stage {self.zero_stage}) does not apply, use 0")
+            if st.dp > 1:
+                raise ValueError(f"stages[{i}].offload.window_layers: with dp {st.dp} the host gradients would need "
+                                 "an all-reduce before each CPU step, which memwall does not model; use dp 1")
+        return self
 
     @property
     def id(self) -> str:

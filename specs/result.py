@@ -44,7 +44,10 @@ class DeviceResult(Spec):
     peak_bytes: int = Field(ge=0)
     peak_time_s: NonNegFloat | None = None
     breakdown: MemoryBreakdown = Field(default_factory=MemoryBreakdown)
-    host_bytes: int = Field(0, description="bytes this device keeps in host memory / NVMe")
+    host_bytes: int = Field(0, description="bytes this device keeps in host memory")
+    nvme_bytes: int = Field(0, ge=0, description="bytes this device keeps on NVMe (STRONGHOLD §III-G)")
+    host_oom: bool = Field(False, description="the devices of this node need more host memory (or NVMe) "
+                                              "than the node has")
     oom: bool = False
     oom_over_bytes: int = Field(0, ge=0, description="peak minus capacity when oom")
     oom_time_s: NonNegFloat | None = None

@@ -1,0 +1,185 @@
+"""A STRONGHOLD layer window walked in time: which slot holds which layer, when each fetch and
+gradient copy runs on the host link, when the compute stream waits, when the CPU steps a layer.
+
+The contract is :class:`specs.plan.OffloadPolicy` (the executor, executor/window.py, runs the
+same one). Each pass walks the stage's layers; streamed ones must be in a slot first:
+
+* pass start: the first ``w`` streamed layers of the pass order (forward ascending, backward
+  descending) are ensured, missing ones fetched in order into slots holding other layers;
+* forward (STRONGHOLD §III-C, Fig. 3b): a layer's slot is released when its compute ends and the
+  layer ``w`` places later is fetched into it;
+* backward (Fig. 3c): a layer's gradients go to the host when its backward ends; its slot is
+  released when that copy is done, and the layer ``w`` places later is fetched into it; on the
+  iteration's last backward the CPU steps the layer as soon as its gradients are in (§III-E1);
+* the last ``w`` layers of a pass stay: the next pass starts with them.
+
+A pass is a generator of ``(kind, duration_ns, label)`` segments ("compute" or "stall") that reads
+the time from ``clock()``: the simpy engine drives it with timeouts, and the STRONGHOLD planner
+drives the same code with plain arithmetic to price every window size (planners/stronghold.py),
+so the planner's window and the simulated one cannot disagree about the mechanism. Copies and
+CPU steps are booked on ``Links`` resources (FIFO in issue order): the node's PCIe uplink per
+direction, shared by the GPUs behind one switch, and the node's CPU cores and NVMe drive, shared
+by every window of the node.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simulator.links import Links
+from simulator.stagecost import LayerCost, StageCost
+from specs.plan import MemoryAction
+
+
+@dataclass
+class Slot:
+    layer: int | None = None
+    ready_ns: int = 0    # when the fetched weights are in
+    free_ns: int = 0     # when the buffers may be overwritten (its gradient copy is done)
+
+
+class WindowWalk:
+    def __init__(self, sc: StageCost, links: Links, h2d: tuple, d2h: tuple, cpu: tuple, microbatches: int,
+                 clock, trace=None):
+        self.sc, self.links, self.clock, self.trace = sc, links, clock, trace
+        self.h2d, self.d2h, self.cpu = h2d, d2h, cpu
+        self.m = microbatches
+        self.order = [lc for lc in sc.layers if lc.streamed]
+        self.w = min(sc.window, len(self.order))
+        self.slots = [Slot() for _ in range(self.w)]
+        self.where: dict[int, int] = {}     # layer -> slot index
+        self.backwards = 0
+        self.forwards = 0
+        self.cpu_done_ns = 0                # the last CPU step's end
+        self.copies_done_ns = 0             # the last gradient copy's end
+        self.stall_ns = 0
+        self.passes: list[tuple[str, int, int]] = []  # (F/B, microbatch, stall ns) per pass
+
+    # ---- slots -------------------------------------------------------------------------------
+    def _fetch(self, i: int, lc: LayerCost, earliest: int) -> None:
+        slot = self.slots[i]
+        if slot.layer is not None:
+            self.where.pop(slot.layer, None)
+        start, end = self.links.reserve(self.h2d, lc.fetch_ns, max(earliest, slot.free_ns))
+        slot.layer, slot.ready_ns = lc.layer, end
+        self.where[lc.layer] = i
+        if self.trace is not None:
+            self.trace.slice(self.sc.rep, "h2d", f"fetch L{lc.layer}", start, lc.fetch_ns, "window")
+
+    def _start(self, order: list[LayerCost]) -> None:
+        need = order[: self.w]
+        wanted = {lc.layer for lc in need}
+        free = [i for i, s in enumerate(self.slots) if s.layer not in wanted]
+        now = self.clock()
+        for lc in need:
+            if lc.layer not in self.where:
+                self._fetch(free.pop(0), lc, now)
+
+    def _wait(self, lc: LayerCost):
+        ready = self.slots[self.where[lc.layer]].ready_ns
+        now = self.clock()
+        if ready > now:
+            yield "stall", ready - now, f"wait fetch L{lc.layer}"
+
+    def stale(self) -> None:
+        """A step updated the host weights: every slot's copy is out of date."""
+        for s in self.slots:
+            s.layer = None
+        self.where.clear()
+
+    # ---- passes ------------------------------------------------------------------------------
+    def forward(self, k: int):
+        stall0 = self.stall_ns
+        order, n, w = self.order, len(self.order), self.w
+        index = {lc.layer: j for j, lc in enumerate(order)}
+        self._start(order)
+        for lc in self.sc.layers:
+            if lc.streamed:
+                yield from self._stalled(self._wait(lc))
+            yield "compute", lc.fwd_ns, f"F L{lc.layer} mb{k}"
+            j = index.get(lc.layer)
+            if j is not None and j < n - w:  # released at its compute's end; the next one comes in
+                i = self.where[lc.layer]  # (a gradient copy of an earlier backward may still hold it)
+                self.slots[i].free_ns = max(self.slots[i].free_ns, self.clock())
+                self._fetch(i, order[j + w], self.clock())
+        self.forwards += 1
+        self.passes.append(("F", k, self.stall_ns - stall0))
+
+    def backward(self, k: int):
+        stall0 = self.stall_ns
+        order = self.order[::-1]
+        n, w = len(order), self.w
+        index = {lc.layer: j for j, lc in enumerate(order)}
+        self.backwards += 1
+        last = self.backwards % self.m == 0  # the iteration's last backward: the CPU steps follow it
+        self._start(order)
+        for lc in reversed(self.sc.layers):
+            if lc.streamed:  # a recomputed layer needs its weights for the recompute too
+                yield from self._stalled(self._wait(lc))
+            if lc.action is MemoryAction.recompute:
+                yield "compute", lc.recompute_ns, f"recompute L{lc.layer} mb{k}"
+            yield "compute", lc.bwd_ns, f"B L{lc.layer} mb{k}"
+            j = index.get(lc.layer)
+            if j is None:
+                continue
+            now = self.clock()
+            start, end = self.links.reserve(self.d2h, lc.grad_ns, now)
+            self.copies_done_ns = max(self.copies_done_ns, end)
+            i = self.where[lc.layer]
+            self.slots[i].free_ns = end
+            if self.trace is not None:
+                self.trace.slice(self.sc.rep, "d2h", f"grads L{lc.layer} mb{k}", start, lc.grad_ns, "window")
+            if last:
+                c0, c1 = self.links.reserve(self.cpu, lc.cpu_step_ns, end)
+                self.cpu_done_ns = max(self.cpu_done_ns, c1)
+                if self.trace is not None:
+                    self.trace.slice(self.sc.rep, "cpu", f"cpu step L{lc.layer}", c0, lc.cpu_step_ns, "optimizer_step")
+            if j < n - w:
+                self._fetch(i, order[j + w], end)
+        self.passes.append(("B", k, self.stall_ns - stall0))
+
+    def step(self):
+        """The iteration's end: wait for the last gradient copy and CPU step (STRONGHOLD eq. 3 holds
+        when this wait is 0), then the device steps the resident layers; every slot goes stale."""
+        now = self.clock()
+        done = max(self.cpu_done_ns, self.copies_done_ns)
+        if done > now:
+            yield "stall", done - now, "wait cpu optimizer"
+        if self.sc.optimizer_ns:
+            yield "compute", self.sc.optimizer_ns, "optimizer_step (resident)"
+        self.stale()
+
+    def _stalled(self, segments):
+        for seg in segments:
+            self.stall_ns += seg[1]
+            yield seg
+
+
+def resources(hardware, sc: StageCost) -> tuple[tuple, tuple, tuple]:
+    """(h2d, d2h, cpu) resources of a window on ``sc``'s representative: the PCIe uplink per
+    direction, shared by ``host.gpus_per_pcie_switch`` devices (MPress §III-D, STRONGHOLD §VI-A:
+    the GPUs of a server share its PCIe and host), the node's CPU cores, and its drive with NVMe."""
+    switch = sc.rep // hardware.host.gpus_per_pcie_switch
+    node = hardware.node_of(sc.rep)
+    cpu = (("cpu", node), ("nvme", node)) if sc.nvme_bytes else (("cpu", node),)
+    return (("h2d", switch),), (("d2h", switch),), cpu
+
+
+def drive(segments, clock) -> int:
+    """Run a pass without simpy (the planner's pricing): advance ``clock`` through its segments;
+    returns the stall nanoseconds."""
+    stall = 0
+    for kind, dur, _ in segments:
+        clock.t += dur
+        if kind == "stall":
+            stall += dur
+    return stall
+
+
+class Clock:
+    """A plain clock for :func:`drive`: ``clock()`` reads it."""
+
+    def __init__(self, t: int = 0):
+        self.t = t
+
+    def __call__(self) -> int:
+        return self.t

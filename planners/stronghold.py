@@ -123,41 +123,54 @@ def _passes(plan: Plan, s: int) -> list[tuple[str, int]]:
             if a.stage == s and a.kind in (ActionKind.forward, ActionKind.backward)]
 
 
-def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int) -> WindowPrice:
-    """Walk stage ``s``'s passes back to back with its window (simulator/window.py) and its memory."""
+def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=None,
+          peak: int | None = None) -> WindowPrice:
+    """Walk stage ``s``'s passes back to back with its window (simulator/window.py) and its memory.
+    ``base``: (stage costs, passes) of this stage with any window, from :func:`price_base`: only
+    the slot count differs between windows, so pricing many reuses them; ``peak``: its device
+    peak if known (:func:`_peak_of`)."""
+    from dataclasses import replace
+
     from simulator.links import Links  # the planner borrows the simulator's mechanism (lazy: STYLE)
-    from simulator.stagecost import stage_cost
-    from simulator.window import Clock, WindowWalk, drive, resources
+    from simulator.window import Clock, WindowWalk, drive, resources, walk_passes
 
     stage = plan.stages[s]
-    sc = stage_cost(plan, model, hardware, s, stage)
+    sc, passes = base if base is not None else price_base(plan, model, hardware, s)
+    sc = replace(sc, window=stage.offload.window_layers)
     clock = Clock()
     walk = WindowWalk(sc, Links(hardware), *resources(hardware, sc), plan.training.microbatches, clock)
-    for kind, k in _passes(plan, s):
-        drive(walk.forward(k) if kind == "F" else walk.backward(k), clock)
+    walk_passes(walk, passes, clock)  # exact; the periodic middle is not re-walked
     cpu_wait = drive(walk.step(), clock)
-    peak = max(peaks(plan, model)[d] for d in stage.devices)
+    if peak is None:
+        peak = max(peaks(plan, model)[d] for d in stage.devices)
     cold = walk.passes[0][2] if walk.passes else 0
     return WindowPrice(window=stage.offload.window_layers, peak_bytes=peak,
                        fits=peak <= hardware.device.memory_bytes, stall_s=(walk.stall_ns - cold) / 1e9,
                        cold_stall_s=cold / 1e9, cpu_wait_s=cpu_wait / 1e9, time_s=clock.t / 1e9)
 
 
-def _largest_fit(plan, model, hardware, s, resident, nvme, hi: int) -> int:
-    """The largest window whose stage peak fits device memory (peaks grow with w); 0 if none."""
-    cap = hardware.device.memory_bytes
-    fits = lambda w: max(peaks(_with_window(plan, s, w, resident, nvme), model)[d]  # noqa: E731
-                         for d in plan.stages[s].devices) <= cap
-    if not fits(1):
-        return 0
-    lo = 1
-    while lo < hi:  # invariant: fits(lo)
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def price_base(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int) -> tuple:
+    """What every window of stage ``s`` shares: its per-layer costs and its pass sequence."""
+    from simulator.stagecost import stage_cost
+
+    return stage_cost(plan, model, hardware, s, plan.stages[s]), _passes(plan, s)
+
+
+def _peak_of(plan, model, s, resident, nvme):
+    """w -> stage ``s``'s device peak. A window changes only static memory, by one slot's weights
+    and gradients per slot (specs.window.window_static), so the peak is linear in w: one
+    analytic evaluation serves every window (the simulator's peak agrees: a test checks each)."""
+    one = _with_window(plan, s, 1, resident, nvme)
+    p1 = max(peaks(one, model)[d] for d in plan.stages[s].devices)
+    w_b, g_b, _ = plan.training.bytes_per_param()
+    slot = win.slot_params(model, one.stages[s]) * (w_b + g_b)
+    return lambda w: p1 + (w - 1) * slot
+
+
+def _largest_fit(peak_of, capacity: int, hi: int) -> int:
+    """The largest window whose stage peak fits device memory; 0 if none."""
+    fitting = [w for w in range(1, hi + 1) if peak_of(w) <= capacity]
+    return fitting[-1] if fitting else 0
 
 
 def _layer_times(plan, model, hardware, s) -> dict[str, float]:
@@ -199,7 +212,7 @@ def _bottleneck(choice_price: WindowPrice | None, times: dict, nvme: bool) -> tu
     return found[0][0], "; ".join(f[2] for f in found)
 
 
-def _host_tier(policy, model, plan, hardware, residents) -> tuple[dict[int, bool], dict[int, int], dict[int, int], list[str]]:
+def _host_tier(policy, model, plan, hardware, residents) -> tuple[dict, dict, dict, list[str]]:
     """Which stages keep their optimizer state on NVMe, and the host/NVMe bytes per node (§III-G)."""
     w_b, g_b, o_b = plan.training.bytes_per_param()
     nodes: dict[int, list[int]] = {}
@@ -272,15 +285,18 @@ def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, 
             raise PlanningError(f"policy.window_layers: {policy.window_layers} is more than stage {s}'s {n} "
                                 f"streamed layers (layers {st.layer_start}..{st.layer_stop - 1} less the resident "
                                 f"{residents[s]})")
-        top = _largest_fit(plan, model, hardware, s, residents[s], nvme[s], n)
+        peak_of = _peak_of(plan, model, s, residents[s], nvme[s])
+        top = _largest_fit(peak_of, hardware.device.memory_bytes, n)
         prices: list[WindowPrice] = []
         chosen = None
+        base = price_base(_with_window(plan, s, 1, residents[s], nvme[s]), model, hardware, s)
         if policy.window_layers is not None:
             chosen = policy.window_layers
-            prices.append(price(_with_window(plan, s, chosen, residents[s], nvme[s]), model, hardware, s))
+            forced = _with_window(plan, s, chosen, residents[s], nvme[s])
+            prices.append(price(forced, model, hardware, s, base, peak_of(chosen)))
         elif top:
             for w in range(1, top + 1):  # smallest stall-free window that fits (P1, P2)
-                p = price(_with_window(plan, s, w, residents[s], nvme[s]), model, hardware, s)
+                p = price(_with_window(plan, s, w, residents[s], nvme[s]), model, hardware, s, base, peak_of(w))
                 prices.append(p)
                 if p.stall_s == 0:
                     chosen = w
@@ -293,7 +309,7 @@ def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, 
                 chosen = next(p.window for p in prices if p.time_s <= best * (1 + PLATEAU))
         else:
             chosen = 1
-            prices.append(price(_with_window(plan, s, 1, residents[s], nvme[s]), model, hardware, s))
+            prices.append(price(_with_window(plan, s, 1, residents[s], nvme[s]), model, hardware, s, base, peak_of(1)))
         plan = _with_window(plan, s, chosen, residents[s], nvme[s])
         final = next(p for p in prices if p.window == chosen)
         fits = fits and final.fits
@@ -332,7 +348,8 @@ def summary_lines(outcome: StrongholdOutcome) -> list[str]:
         t = c.layer_times_s
         lines.append(
             f"stronghold stage {c.stage} (layers {c.layers[0]}..{c.layers[1] - 1}, device {c.device}): window "
-            f"{c.window} of {c.streamed} streamed layers, resident {c.resident}{', optimizer state on NVMe' if c.nvme else ''}; "
+            f"{c.window} of {c.streamed} streamed layers, resident {c.resident}"
+            f"{', optimizer state on NVMe' if c.nvme else ''}; "
             f"peak {p.peak_bytes / GIB:.1f} GiB; stalls {p.stall_s:.3f} s (+{p.cold_stall_s:.3f} s cold start), "
             f"CPU-step wait {p.cpu_wait_s:.3f} s")
         if t:

@@ -148,6 +148,34 @@ class WindowWalk:
             yield "compute", self.sc.optimizer_ns, "optimizer_step (resident)"
         self.stale()
 
+    # ---- the planner's fast path (walk_passes) -------------------------------------------------
+    def signature(self, now: int) -> tuple:
+        """The walk's state relative to ``now``: what the next passes depend on."""
+        rel = lambda t: max(t - now, 0)  # noqa: E731
+        busy = self.links.busy_until
+        return (tuple((s.layer, rel(s.ready_ns), rel(s.free_ns)) for s in self.slots),
+                tuple(rel(busy.get(r, 0)) for r in (*self.h2d, *self.d2h, *self.cpu)),
+                rel(self.cpu_done_ns), rel(self.copies_done_ns))
+
+    def skip(self, passes: list[tuple[str, int]], dt: int, dstall: int, stalls: list[int]) -> None:
+        """Account ``passes`` that repeat the last period exactly: every booked time moves by ``dt``."""
+        for s in self.slots:
+            s.ready_ns += dt
+            s.free_ns += dt
+        busy = self.links.busy_until
+        for r in (*self.h2d, *self.d2h, *self.cpu):
+            if r in busy:
+                busy[r] += dt
+        self.cpu_done_ns += dt
+        self.copies_done_ns += dt
+        self.stall_ns += dstall
+        for (kind, k), stall in zip(passes, stalls):
+            self.passes.append((kind, k, stall))
+            if kind == "F":
+                self.forwards += 1
+            else:
+                self.backwards += 1
+
     def _stalled(self, segments):
         for seg in segments:
             self.stall_ns += seg[1]
@@ -162,6 +190,43 @@ def resources(hardware, sc: StageCost) -> tuple[tuple, tuple, tuple]:
     node = hardware.node_of(sc.rep)
     cpu = (("cpu", node), ("nvme", node)) if sc.nvme_bytes else (("cpu", node),)
     return (("h2d", switch),), (("d2h", switch),), cpu
+
+
+def walk_passes(walk: WindowWalk, passes: list[tuple[str, int]], clock) -> None:
+    """Drive ``passes`` (("F"|"B", microbatch), back to back) with plain arithmetic, skipping the
+    periodic middle exactly: when the walk's state relative to now (slot contents and the time
+    left on their fetches and copies, the copy engines' and CPU's backlog) after a pass equals its
+    state ``period`` passes earlier, and the passes ahead repeat that pattern, every further
+    period evolves identically (the walk is deterministic), so the clock, the stalls and every
+    booked time move on by whole periods without walking them. The final backward (the CPU steps)
+    is always walked."""
+    last_b = max((i for i, (kind, _) in enumerate(passes) if kind == "B"), default=len(passes))
+    sigs: dict[int, tuple] = {}           # pass index -> the state after it
+    marks: dict[int, tuple[int, int]] = {}  # pass index -> (clock, stall) after it
+    i = 0
+    while i < len(passes):
+        kind, k = passes[i]
+        drive(walk.forward(k) if kind == "F" else walk.backward(k), clock)
+        sigs[i], marks[i] = walk.signature(clock.t), (clock.t, walk.stall_ns)
+        for period in (1, 2):
+            j = i - period
+            if sigs.get(j) != sigs[i]:
+                continue
+            pattern = [p[0] for p in passes[j + 1:i + 1]]
+            reps = 0
+            while (i + (reps + 1) * period < last_b
+                   and [p[0] for p in passes[i + 1 + reps * period:i + 1 + (reps + 1) * period]] == pattern):
+                reps += 1
+            if reps:
+                dt, dstall = marks[i][0] - marks[j][0], marks[i][1] - marks[j][1]
+                skipped = passes[i + 1:i + 1 + reps * period]
+                stalls = [walk.passes[len(walk.passes) - period + n % period][2] for n in range(len(skipped))]
+                walk.skip(skipped, reps * dt, reps * dstall, stalls)
+                clock.t += reps * dt
+                i += reps * period
+                sigs[i], marks[i] = walk.signature(clock.t), (clock.t, walk.stall_ns)
+            break
+        i += 1
 
 
 def drive(segments, clock) -> int:

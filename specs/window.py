@@ -8,8 +8,6 @@ weights pass through ``w`` device slots, each sized to the stage's largest strea
 """
 from __future__ import annotations
 
-import math
-
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
@@ -100,7 +98,3 @@ def host_bytes_needed(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
     """Host bytes the stage's streamed layers need per device with everything in RAM (no NVMe)."""
     w_b, g_b, o_b = plan.training.bytes_per_param()
     return sum(streamed_params(model, stage).values()) * (w_b + g_b + o_b)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return math.ceil(a / b)

@@ -124,7 +124,6 @@ def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Pl
     timelines (a D2D target's peak and its held stripes need not coincide; the closed-form verdict
     would add them). Writes mpress.json: per stage, which layers got which technique and why."""
     from planners.mpress import mpress_search, report, summary_lines
-    from specs.plan import validate_plan
 
     profile = None
     if cfg.policy.partition == "capture":  # CAPTURE's partition: its profile first (cached)
@@ -132,32 +131,33 @@ def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Pl
 
         profile = capture_profile_for(cfg.model_copy(update={"policy": capture_policy()}), outdir)
     outcome = mpress_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress, profile)
+    return _publish(cfg, model, outdir, outcome, "mpress.json", report(outcome), summary_lines(outcome),
+                    "MPress compacted every layer it could")
+
+
+def _publish(cfg: RunConfig, model: ModelSpec, outdir: Path, outcome, name: str, report: dict, lines: list[str],
+             why: str) -> Plan:
+    """A searching planner's outcome: its validated plan, its report file, its summary lines and,
+    when nothing fits, that plainly with the closest plan."""
+    from specs.plan import validate_plan
+
     plan = validate_plan(outcome.plan, model, cfg.hardware)
-    write_json(outdir / "mpress.json", report(outcome))
-    for line in summary_lines(outcome):
+    write_json(outdir / name, report)
+    for line in lines:
         print(line, flush=True)
     if not outcome.fits:
-        print("NO PLAN FITS: MPress compacted every layer it could; the plan below is the closest "
-              f"(see {outdir / 'mpress.json'})", flush=True)
+        print(f"NO PLAN FITS: {why}; the plan below is the closest (see {outdir / name})", flush=True)
     return plan
 
 
 def _plan_stronghold(cfg: RunConfig, model: ModelSpec, outdir: Path) -> Plan:
     """policy=stronghold: writes stronghold.json (per stage the window, every window priced, the
     per-layer times behind it and the bottleneck) and prints its summary."""
-    from planners.stronghold import report, stronghold_search
-    from planners.stronghold import summary_lines as stronghold_lines
-    from specs.plan import validate_plan
+    from planners.stronghold import report, stronghold_search, summary_lines
 
     outcome = stronghold_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
-    plan = validate_plan(outcome.plan, model, cfg.hardware)
-    write_json(outdir / "stronghold.json", report(outcome))
-    for line in stronghold_lines(outcome):
-        print(line, flush=True)
-    if not outcome.fits:
-        print("NO PLAN FITS: even the smallest window (or the host tier) does not fit; the plan below is the "
-              f"closest (see {outdir / 'stronghold.json'})", flush=True)
-    return plan
+    return _publish(cfg, model, outdir, outcome, "stronghold.json", report(outcome), summary_lines(outcome),
+                    "even the smallest window (or the host tier) does not fit")
 
 
 def run_simulate(cfg: RunConfig, outdir: Path) -> Result:

@@ -272,8 +272,10 @@ def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, 
     for node, nbytes in host.items():
         if nbytes > hardware.host.memory_bytes:
             fits = False
-            notes.append(f"node {node}: host RAM short even with the optimizer state on NVMe "
-                         f"({nbytes / GIB:.0f} of {hardware.host.memory_bytes / GIB:.0f} GiB)")
+            tier = ("even with the optimizer state on NVMe" if drive_bytes[node] else
+                    "(policy.nvme=off)" if policy.nvme == "off" else "")
+            notes.append(f"node {node}: host RAM short {tier} ({nbytes / GIB:.0f} GiB needed, the node has "
+                         f"{hardware.host.memory_bytes / GIB:.0f} GiB)".replace("  ", " "))
         if drive_bytes[node] > hardware.host.nvme_bytes:
             fits = False
             notes.append(f"node {node}: the optimizer state needs {drive_bytes[node] / GIB:.0f} GiB of NVMe, the "

@@ -23,10 +23,13 @@ softmax/layernorm are never split: 11-29 strategies per op. Costs:
   activations each op saves for its backward (linear/bmm/layernorm/gelu their inputs, softmax its
   output, add nothing).
 
-Prints the reduced ILP's size, the ILP solve time at 40/20/10 GiB (status, the plan's time and bytes),
-and MAP §5.3's ILP + rotor at the same budgets (32 block stages, 500 memory slots, alpha 0.25, n 10).
-HiGHS runs single-threaded here (scipy's milp has no threads option; its MIP search is serial); the
-script prints process CPU time next to wall time so a reader can see that.
+Prints the reduced ILP's size; at 40/20/10 GiB the solve time, status and plan (time, bytes) of both
+exact methods on the same problem: HiGHS on the whole ILP (``method="ilp"``, time limit
+MAP_ILP_LIMIT_S, default 10 s) and the block DP (planners/map_blocks.py, the default when the
+problem carries its 32 blocks); then MAP §5.3's ILP + rotor at the same budgets (32 block stages, 500
+memory slots, alpha 0.25, n 10), its eq. (1) solves done by the block DP. Both run on one core
+(scipy's milp has no threads option and its MIP search is serial; the DP is numpy on one thread);
+the script prints process CPU time next to wall time so a reader can see that.
 """
 from __future__ import annotations
 
@@ -180,6 +183,7 @@ def build():
 
 
 def problem(budget_bytes: int, costs, mats) -> IlpProblem:
+    """The whole graph, its nodes numbered block by block (``blocks``: 12 consecutive ops each)."""
     nodes, edges = [], []
     for blk in range(BLOCKS):
         for i, op in enumerate(OPS):
@@ -199,7 +203,8 @@ def problem(budget_bytes: int, costs, mats) -> IlpProblem:
             pair[key] = pair.get(key, 0) + 2 * m                      # forward + gradient backward
     for (u, v), m in pair.items():
         edges.append(IlpEdge(u, v, tuple(map(tuple, m.tolist()))))
-    return IlpProblem(tuple(nodes), tuple(edges), budget_bytes)
+    blocks = tuple(tuple(range(b * len(OPS), (b + 1) * len(OPS))) for b in range(BLOCKS))
+    return IlpProblem(tuple(nodes), tuple(edges), budget_bytes, blocks)
 
 
 def chain_of(sol, costs, mats, strats) -> Chain:
@@ -251,11 +256,13 @@ def main() -> None:
           f"{min(free, default=0)}-{max(free, default=0)} strategies, {len(red.edges)} edges, {pairs} edge pairs")
     print(f"formulation: {formulation}; HiGHS single-threaded (wall vs process CPU time below)")
     for gib in (40, 20, 10):
-        sol, wall, cpu = _timed(lambda: solve(problem(gib * GiB, costs, mats), time_limit_s=LIMIT_s, formulation=formulation))
-        gap = "" if sol.bound_s is None else f" gap={(sol.time_s - sol.bound_s) / sol.time_s:.4%}"
-        print(f"ILP  {gib:>3} GiB: {wall:6.2f} s wall, {cpu:6.2f} s cpu  status={sol.status:<10}{gap} "
-              f"time={sol.time_s * 1e3:8.1f} ms  memory={sol.memory_bytes / GiB:6.2f} GiB  "
-              f"(min achievable {sol.min_memory_bytes / GiB:.2f} GiB)")
+        for method in ("ilp", "blocks"):
+            sol, wall, cpu = _timed(lambda: solve(problem(gib * GiB, costs, mats), time_limit_s=LIMIT_s,
+                                                  formulation=formulation, method=method))
+            gap = "" if sol.bound_s is None else f" gap={(sol.time_s - sol.bound_s) / sol.time_s:.4%}"
+            print(f"{method:<6} {gib:>3} GiB: {wall:6.2f} s wall, {cpu:6.2f} s cpu  status={sol.status:<10}{gap:<13} "
+                  f"time={sol.time_s * 1e3:9.3f} ms  memory={sol.memory_bytes / GiB:6.2f} GiB  "
+                  f"(min achievable {sol.min_memory_bytes / GiB:.2f} GiB)")
     for gib in (40, 20, 10):
         res, wall, cpu = _timed(lambda: integrate(lambda b: problem(b, costs, mats),
                                                   lambda s: chain_of(s, costs, mats, strats), gib * GiB,

@@ -33,6 +33,13 @@ Exact reductions before the solve (none can change the optimum or the feasibilit
 * a node left with one strategy is fixed: its edges fold into its neighbours' costs, its cost and
   bytes become constants.
 
+When the problem carries ``blocks`` (a chain of layers), :func:`solve` hands it to the exact block DP
+of planners/map_blocks.py instead: one budget row over 32 repeated layers is where branch and bound
+stalls (GPT-3 2.7B-class graph at a binding 20 GiB: 67% gap after 10 s), while a DP over Pareto sets
+of (time, bytes) per boundary state prices the repeated layer once and proves the optimum in < 0.5 s.
+solve dispatches by itself, not the callers, so MAP §5.3's integrate (which calls solve up to 11
+times per budget) gets it without a change.
+
 Memory is additive over nodes, so the smallest achievable memory is the sum of per-node minima:
 an infeasible budget is reported with that minimum (no second solve). Deterministic: same input,
 same choice (single-threaded HiGHS, fixed options; the reductions keep the lowest index on ties).
@@ -72,9 +79,14 @@ class IlpEdge:
 
 @dataclass(frozen=True)
 class IlpProblem:
+    """``blocks`` (optional): node indices per block, in chain order (a transformer's layers); every
+    node in exactly one block, every edge inside a block or between consecutive blocks. When given,
+    :func:`solve` uses the exact block DP of planners/map_blocks.py instead of HiGHS."""
+
     nodes: tuple[IlpNode, ...]
     edges: tuple[IlpEdge, ...]
     budget_bytes: int
+    blocks: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.nodes)
@@ -85,6 +97,14 @@ class IlpProblem:
             want = (len(self.nodes[e.src].costs_s), len(self.nodes[e.dst].costs_s))
             if shape != want:
                 raise ValueError(f"edge {e.src}->{e.dst}: cost_s is {shape}, expected {want} (src x dst strategies)")
+        if self.blocks is not None:
+            where = {v: b for b, blk in enumerate(self.blocks) for v in blk}
+            if sorted(v for blk in self.blocks for v in blk) != list(range(n)):
+                raise ValueError(f"blocks must hold every node 0..{n - 1} exactly once")
+            for e in self.edges:
+                if abs(where[e.src] - where[e.dst]) > 1:
+                    raise ValueError(f"edge {e.src}->{e.dst}: blocks {where[e.src]} and {where[e.dst]} "
+                                     "are not the same or consecutive")
 
 
 @dataclass(frozen=True)
@@ -177,10 +197,17 @@ def _min_memory_choice(problem: IlpProblem) -> tuple[int, ...]:
 
 
 def solve(problem: IlpProblem, time_limit_s: float = 60.0, mip_rel_gap: float = 0.0,
-          formulation: str = "marginal") -> IlpSolution:
-    """Solve eq. (1). ``formulation``: "marginal" (default, see the module doc) or "product"
-    (e_ij >= s_i + s_j - 1, only for non-negative edge costs; kept to compare). Returns the choice
-    per node in original strategy indices, its time (s) and bytes recomputed exactly from the input."""
+          formulation: str = "marginal", method: str = "auto") -> IlpSolution:
+    """Solve eq. (1). ``method``: "auto" (the block DP when ``problem.blocks`` is given, else the
+    ILP), "ilp" or "blocks"; the block DP is exact and ignores the time limit, gap and formulation.
+    ``formulation``: "marginal" (default, see the module doc) or "product" (e_ij >= s_i + s_j - 1,
+    only for non-negative edge costs; kept to compare). Returns the choice per node in original
+    strategy indices, its time (s) and bytes recomputed exactly from the input."""
+    if method not in ("auto", "ilp", "blocks"):
+        raise ValueError(f"method {method!r}: 'auto', 'ilp' or 'blocks'")
+    if method == "blocks" or (method == "auto" and problem.blocks is not None):
+        from planners.map_blocks import solve_blocks   # here, not at the top: map_blocks imports this module
+        return solve_blocks(problem)
     min_choice = _min_memory_choice(problem)
     min_mem = evaluate(problem, min_choice)[1]
     if min_mem > problem.budget_bytes:

@@ -351,6 +351,14 @@ def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
           f"per-operator overhead {r.get('op_overhead_s', 0) * 1e6:.1f} us ({m['elapsed_s']:.0f} s)")
     print(f"wrote {path}\nuse it: python -m run +hardware={name} hydra.searchpath=[file://{outdir.resolve()}] "
           f"+model={cfg.model.name}")
+    # MAP §4.2 cluster detector: all-pairs alpha-beta, the mesh it implies, the YAML's links checked
+    # (after the hardware YAML is written, so a failure here never loses it)
+    from executor.cluster import cluster_json, summary_line
+
+    print(f"[calibrate] cluster detector: all {world * (world - 1) // 2} rank pairs, one at a time...", flush=True)
+    report = cluster_json(hw, world)
+    print(summary_line(report), flush=True)
+    print(f"wrote {write_json(outdir / 'cluster.json', report)}")
 
 
 def executable(cfg: RunConfig) -> RunConfig:

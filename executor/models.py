@@ -279,7 +279,7 @@ def init_layer(layer: nn.Module, seed: int, index: int) -> nn.Module:
 
 def build_layers(cfg, owned: range | None = None, device: torch.device | str = "cpu",
                  seed: int = 0, dtype: torch.dtype = torch.float32,
-                 rows: int | None = None) -> list[tuple[int, str, nn.Module]]:
+                 rows: int | None = None, host: frozenset[int] = frozenset()) -> list[tuple[int, str, nn.Module]]:
     """``[(global index, name, module)]`` for the layers in ``owned`` (all if None).
 
     A torch_module model (executor.user_model) is built once per process by its factory, with the
@@ -289,7 +289,10 @@ def build_layers(cfg, owned: range | None = None, device: torch.device | str = "
     Every layer is first built on the meta device; only owned ones are materialised on
     ``device`` and initialised (:func:`init_layer`), so a stage never allocates others' weights.
     ``dtype``: floating parameters and buffers are cast to it after the (fp32) init, so a float64
-    model starts from exactly the float32 model's weights (the numerics tests run in float64)."""
+    model starts from exactly the float32 model's weights (the numerics tests run in float64).
+    ``host``: layers materialised in host memory instead (a STRONGHOLD window streams them: a
+    model that does not fit the GPU must never be built there whole); init is device-independent
+    (a CPU generator), so they hold the same weights."""
     if cfg.family == "torch_module":
         from executor import user_model
 
@@ -300,7 +303,7 @@ def build_layers(cfg, owned: range | None = None, device: torch.device | str = "
     out = []
     for i in owned:
         name, mod = named[i]
-        mod = mod.to_empty(device=device)
+        mod = mod.to_empty(device="cpu" if i in host else device)
         mod = init_layer(mod, seed, i)
         out.append((i, name, mod if dtype == torch.float32 else mod.to(dtype)))
     if getattr(cfg, "tie_embeddings", False) and out and out[-1][0] == len(named) - 1:

@@ -139,7 +139,9 @@ class StageRuntime:
         self.m = plan.training.microbatches
         self.dp_group = groups.get(("dp", index, self.tp_rank))
         self.tp_group = groups.get(("tp", index, self.replica))
-        self.layers = build_layers(cfg, st.layers, torch_device, seed, dtype, rows=self.rows[1] - self.rows[0])
+        # a window's streamed layers are built in host memory (executor.window takes them from there)
+        self.layers = build_layers(cfg, st.layers, torch_device, seed, dtype, rows=self.rows[1] - self.rows[0],
+                                   host=frozenset(st.streamed_layers))
         # a user's own model (executor.user_model): any pytree crosses a boundary, one message per
         # leaf; tied weights on other stages/ranks get summed gradients (one TiedGrads per rank)
         self.bounds = self.ties = None

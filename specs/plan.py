@@ -140,10 +140,6 @@ class OffloadPolicy(Spec):
                              "optimizer_on_cpu; set one of them")
         return self
 
-    @property
-    def windowed(self) -> bool:
-        return self.window_layers is not None
-
 
 class LayerSharding(Spec):
     layer: int = Field(ge=0, lt=MAX_COUNT)

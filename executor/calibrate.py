@@ -175,19 +175,20 @@ def _reps_for(nbytes: int, quick: bool) -> int:
     return (3 if quick else 5) if nbytes >= 4 << 20 else (5 if quick else 20)
 
 
+def ping_pong(rank: int, peer: int, buf: torch.Tensor) -> None:
+    """One round trip of ``buf`` between ``rank`` and ``peer``: the lower rank sends first."""
+    if rank < peer:
+        dist.send(buf, peer)
+        dist.recv(buf, peer)
+    else:
+        dist.recv(buf, peer)
+        dist.send(buf, peer)
+
+
 def _pingpong_s(rank: int, peer: int, nbytes: int, reps: int, group=None) -> float:
     """One-way time from half a ping-pong between ``rank`` and ``peer`` (the lower rank pings)."""
     buf = torch.zeros(nbytes // 4, dtype=torch.float32)
-
-    def once() -> None:
-        if rank < peer:
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
-        else:
-            dist.recv(buf, peer)
-            dist.send(buf, peer)
-
-    return _timed(once, reps, group) / 2
+    return _timed(lambda: ping_pong(rank, peer, buf), reps, group) / 2
 
 
 def _ring_hop_s(rank: int, world: int, nbytes: int = 16 << 10, laps: int = 20, tokens: int = 2) -> tuple[float, float]:

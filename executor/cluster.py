@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from executor.calibrate import fit_alpha_beta, fit_residuals, free_port
+from executor.calibrate import fit_alpha_beta, fit_residuals, free_port, ping_pong
 from executor.liveness import die_with
 from reports.files import write_text
 
@@ -63,12 +63,7 @@ def _round_trip_s(rank: int, peer: int, buf: torch.Tensor, reps: int, cuda: bool
     times = []
     for i in range(reps + 1):
         start = time.perf_counter()
-        if rank < peer:
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
-        else:
-            dist.recv(buf, peer)
-            dist.send(buf, peer)
+        ping_pong(rank, peer, buf)
         if cuda:  # NCCL p2p is asynchronous to the host: the trip ends when the recv's kernel does
             torch.cuda.synchronize()
         if i:

@@ -213,21 +213,23 @@ def _bottleneck(choice_price: WindowPrice | None, times: dict, nvme: bool) -> tu
 
 
 def _host_tier(policy, model, plan, hardware, residents) -> tuple[dict, dict, dict, list[str]]:
-    """Which stages keep their optimizer state on NVMe, and the host/NVMe bytes per node (§III-G)."""
-    w_b, g_b, o_b = plan.training.bytes_per_param()
+    """Which stages keep their optimizer state on NVMe, and the host/NVMe bytes per node (§III-G),
+    from the window's closed form (specs.window.window_static: what the simulator counts)."""
+    def tiers(s: int, nvme: bool) -> tuple[int, int]:  # (host RAM, NVMe) bytes of stage s
+        one = _with_window(plan, s, 1, residents[s], nvme)
+        return win.window_static(model, one, one.stages[s])[3:]
+
     nodes: dict[int, list[int]] = {}
     for s, st in enumerate(plan.stages):
         nodes.setdefault(hardware.node_of(st.devices[0]), []).append(s)
     nvme, host, drive_bytes, notes = {}, {}, {}, []
     for node, stages in nodes.items():
-        streamed = {s: sum(win.streamed_params(model, _with_window(plan, s, 1, residents[s], False).stages[s]).values())
-                    for s in stages}
-        ram = sum(n * (w_b + g_b + o_b) for n in streamed.values())
+        ram = sum(tiers(s, False)[0] for s in stages)
         use = policy.nvme == "on" or (policy.nvme == "auto" and ram > hardware.host.memory_bytes)
         for s in stages:
             nvme[s] = use
-        host[node] = ram - (sum(streamed.values()) * o_b if use else 0)
-        drive_bytes[node] = sum(streamed.values()) * o_b if use else 0
+        host[node] = sum(tiers(s, use)[0] for s in stages)
+        drive_bytes[node] = sum(tiers(s, use)[1] for s in stages)
         if use and policy.nvme == "auto":
             notes.append(f"node {node}: the streamed state needs {ram / GIB:.0f} GiB of host RAM, the node has "
                          f"{hardware.host.memory_bytes / GIB:.0f} GiB: optimizer state to NVMe (§III-G)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import simpy
 
-from simulator.links import Links
+from simulator.links import Links, pcie_switch
 from simulator.memory import ACTS, BUFFERS, GRADS, OPTIM, PARAMS, STASHED, SWAPPED, Timeline
 from simulator.stagecost import SWAPS, StageCost, host_link, ns, stage_cost, stage_costs
 from simulator.trace import TraceBuilder
@@ -426,9 +426,7 @@ class Engine:
         return out
 
     def _switch(self, device: int) -> int:
-        """The host PCIe uplink ``device`` copies over: devices of one switch share it (MPress
-        §III-D: GPU-CPU swap bandwidth is shared by the GPUs that swap at once)."""
-        return device // self.hardware.host.gpus_per_pcie_switch
+        return pcie_switch(self.hardware, device)
 
     def _swap_out(self, pos: int, sc: StageCost, k: int, layer: int) -> None:
         lc = sc.layers[layer - sc.layers[0].layer]

@@ -56,3 +56,9 @@ class Links:
         for r in resources:
             busy[r] = end
         return start, end
+
+
+def pcie_switch(hardware: HardwareSpec, device: int) -> int:
+    """The host PCIe uplink ``device`` copies over: the ``host.gpus_per_pcie_switch`` devices of one
+    switch share it (MPress §III-D: GPU-CPU swap bandwidth is shared by the GPUs that swap at once)."""
+    return device // hardware.host.gpus_per_pcie_switch

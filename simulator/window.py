@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from simulator.links import Links
+from simulator.links import Links, pcie_switch
 from simulator.stagecost import LayerCost, StageCost
 from specs.plan import MemoryAction
 
@@ -186,7 +186,7 @@ def resources(hardware, sc: StageCost) -> tuple[tuple, tuple, tuple]:
     """(h2d, d2h, cpu) resources of a window on ``sc``'s representative: the PCIe uplink per
     direction, shared by ``host.gpus_per_pcie_switch`` devices (MPress §III-D, STRONGHOLD §VI-A:
     the GPUs of a server share its PCIe and host), the node's CPU cores, and its drive with NVMe."""
-    switch = sc.rep // hardware.host.gpus_per_pcie_switch
+    switch = pcie_switch(hardware, sc.rep)
     node = hardware.node_of(sc.rep)
     cpu = (("cpu", node), ("nvme", node)) if sc.nvme_bytes else (("cpu", node),)
     return (("h2d", switch),), (("d2h", switch),), cpu

@@ -92,9 +92,3 @@ def default_resident(model: ModelSpec, stage: StagePlan) -> list[int]:
 def max_window(stage: StagePlan, resident: list[int]) -> int:
     """The most slots a window can have: one per streamed layer."""
     return max(stage.num_layers - len(resident), 0)
-
-
-def host_bytes_needed(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
-    """Host bytes the stage's streamed layers need per device with everything in RAM (no NVMe)."""
-    w_b, g_b, o_b = plan.training.bytes_per_param()
-    return sum(streamed_params(model, stage).values()) * (w_b + g_b + o_b)

@@ -104,7 +104,7 @@ def test_nvme_holds_the_optimizer_state_and_bounds_the_step():
 def test_host_ram_of_a_node_is_shared_by_its_devices():
     stages = [windowed(1, resident=(0,), layers=(0, 3), device=0), windowed(1, resident=(5,), layers=(3, 6), device=1)]
     plan = plan_of(stages, devices=2)
-    need = sum(win.host_bytes_needed(MODEL, plan, st) for st in stages)
+    need = sum(win.window_static(MODEL, plan, st)[3] for st in stages)  # all in host RAM (no NVMe)
     _, ok = run(plan, hw(devices=2, host_bytes=need))
     _, over = run(plan, hw(devices=2, host_bytes=need - 1))
     assert not any(d.host_oom for d in ok.devices) and all(d.host_oom for d in over.devices)

@@ -123,11 +123,25 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
             from specs.profile import apply_profile
 
             model = apply_profile(model, symbolic_profile(cfg))
+        if cfg.policy.kind == "map":
+            model = with_op_graphs(cfg, model)
         return model
     except CostsError:
         raise
     except ValueError as exc:
         raise CostsError(str(exc)) from None
+
+
+def with_op_graphs(cfg: RunConfig, model: ModelSpec) -> ModelSpec:
+    """``model`` with MAP's operator graphs (MAP §4.1) traced at the run's microbatch and precision,
+    one trace per distinct layer (executor.op_graph.model_op_graphs; FakeTensor, seconds)."""
+    from executor.op_graph import model_op_graphs
+
+    mb, dtype = cfg.training.samples_per_microbatch, cfg.training.precision.value
+    graphs, keys = model_op_graphs(cfg.model, mb, dtype, progress=lambda k, i, name: print(
+        f"[map] tracing the operator graph of layer {i} ({name}), distinct #{k}", flush=True))
+    layers = [layer.model_copy(update={"op_graph": key}) for layer, key in zip(model.layers, keys)]
+    return model.model_copy(update={"op_graphs": graphs, "op_graph_microbatch": mb, "layers": layers})
 
 
 # ---------------------------------------------------------------- CAPTURE's profile (§III-A)

@@ -105,6 +105,8 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
                 return model, _plan_mpress(cfg, model, outdir, progress)
             if cfg.policy.kind == "stronghold":
                 return model, _plan_stronghold(cfg, model, outdir)
+            if cfg.policy.kind == "map":
+                return model, _plan_map(cfg, model, outdir, progress)
             plan = make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile, progress)
     except (PlanningError, PlanError) as exc:
         raise UsageError(f"policy {cfg.policy.kind!r} cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
@@ -158,6 +160,17 @@ def _plan_stronghold(cfg: RunConfig, model: ModelSpec, outdir: Path) -> Plan:
     outcome = stronghold_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
     return _publish(cfg, model, outdir, outcome, "stronghold.json", report(outcome), summary_lines(outcome),
                     "even the smallest window (or the host tier) does not fit")
+
+
+def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
+    """policy=map: writes map.json (per stage the mesh, the solve, §5.3's budgets tried, the rounds
+    against the simulator) and prints its summary. ``model`` carries its op graphs (model_spec
+    attaches them for policy=map)."""
+    from planners.map_plan import map_search, report, summary_lines
+
+    outcome = map_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress)
+    return _publish(cfg, model, outdir, outcome, "map.json", report(outcome), summary_lines(outcome),
+                    "no strategy choice with checkpointing meets the memory budget")
 
 
 def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
@@ -380,10 +393,10 @@ def executable(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def measure(cfg: RunConfig, plan: Plan, outdir: Path, model: ModelSpec) -> tuple[Result, dict, list]:
+def measure(cfg: RunConfig, plan: Plan, outdir: Path, model: ModelSpec) -> tuple[Result, dict, list, list]:
     """Run the plan; writes measured.json and trace_measured.json (the timed iteration of median
     time, in the simulator's trace schema). Returns (result, measured trace, every timed
-    iteration's slices, for per-action means)."""
+    iteration's slices, for per-action means, the loss of every iteration)."""
     from executor import execute_run, measured_timeline
     from simulator.trace import TraceBuilder
 
@@ -402,7 +415,7 @@ def measure(cfg: RunConfig, plan: Plan, outdir: Path, model: ModelSpec) -> tuple
             builder.slice(pid, stream, name, start, dur, cat)
     trace = builder.build(names, {})
     write_json(outdir / "trace_measured.json", trace)
-    return measured, trace, every
+    return measured, trace, every, out.losses
 
 
 def preflight(cfg: RunConfig, plan: Plan, sim: Result) -> None:
@@ -458,7 +471,7 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
     sim = simulate(plan, model, cfg.hardware)
     written = write_run(outdir, plan, sim.result, sim.trace) + write_executor_inputs(cfg, outdir)
     preflight(cfg, plan, sim.result)
-    measured, measured_trace, measured_slices = measure(cfg, plan, outdir, model)
+    measured, measured_trace, measured_slices, losses = measure(cfg, plan, outdir, model)
     comparison = compare(sim.result, measured)
     comparison = comparison.model_copy(update={"actions": slice_action_errors(x_slices(sim.trace), measured_slices)})
     written += [outdir / "measured.json", outdir / "trace_measured.json",
@@ -468,6 +481,13 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
                 write_compare_figure(outdir / "compare.png", sim.result, measured)]
     print(action_table(comparison.actions))
     print(comparison_table(comparison))
+    if cfg.model.family != "torch_module":  # a user's factory need not be deterministic across processes
+        from executor.reference import check_losses
+
+        ok, line = check_losses(cfg.model, plan.training, losses)
+        print(line)
+        if not ok:
+            print("NUMERICS DIFFER from the single-process reference (see above)", flush=True)
     if any(st.offload.window_layers is not None for st in plan.stages):
         written.append(_window_compare(cfg, plan, model, sim.result, measured, outdir))
     print("wrote " + ", ".join(str(p) for p in written))

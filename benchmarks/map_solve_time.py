@@ -1,7 +1,9 @@
 """Solve time of MAP's two solvers (planners/map_ilp.py, planners/map_rotor.py) on a GPT-3 2.7B-class
 graph: issue 14 asks the ILP to solve in <= 10 s on one core.
 
-    python benchmarks/map_solve_time.py [--product]
+    python benchmarks/map_solve_time.py [--product] [--traced-only]
+
+First the planner's real problem (the traced graph, see ``traced``), then the synthetic one below.
 
 The graph and every number in it are SYNTHETIC (no profiler, no hardware spec): hidden 2560, 32 heads
 of 80, sequence 2048, microbatch 2, 32 blocks of 12 ops (linear qkv, bmm scores, softmax, bmm context,
@@ -243,7 +245,55 @@ def _timed(fn):
     return out, time.perf_counter() - w, time.process_time() - c
 
 
+def traced() -> None:
+    """The planner's own problem (planners/map_plan.py): gpt3_2b6 traced from the torch modules
+    (executor.op_graph, merged groups), fp16, microbatch 2, on map_8xa100's 8 GPUs as a 2 x 4 mesh
+    priced from the YAML's links; strategies and costs from planners.map_strategies and
+    simulator.sharded; the block DP at its default memory quantum (budget / map_plan.QUANTA)."""
+    import yaml
+
+    from executor.op_graph import model_op_graphs
+    from planners.map_plan import _StageModel
+    from planners.policy import MapPolicy
+    from specs.families import build_model, parse_model_config
+    from specs.hardware import HardwareSpec
+    from specs.training import TrainingSpec
+
+    conf = Path(__file__).resolve().parent.parent / "conf"
+    cfg = parse_model_config(yaml.safe_load((conf / "model" / "gpt3_2b6.yaml").read_text()))
+    hw = HardwareSpec.model_validate(yaml.safe_load((conf / "hardware" / "map_8xa100.yaml").read_text()))
+    (graphs, keys), t_trace, _ = _timed(lambda: model_op_graphs(cfg, 2, "fp16"))
+    model = build_model(cfg, 2)
+    model = model.model_copy(update={"op_graphs": graphs, "op_graph_microbatch": 2,
+                                     "layers": [l.model_copy(update={"op_graph": k}) for l, k in zip(model.layers, keys)]})
+    tr = TrainingSpec(global_batch=64, microbatch_size=2, precision="fp16")
+    pol = MapPolicy()
+
+    def build():
+        sm = _StageModel(model, hw, tr, range(model.num_layers), tuple(range(8)), (2, 4))
+        sm.build()
+        return sm
+    sm, t_build, _ = _timed(build)
+    print(f"traced gpt3_2b6: {len(sm.nodes)} operator groups over {model.num_layers} layers, "
+          f"{sum(len(u) for u in sm._unary)} strategies (trace {t_trace:.2f} s, costs {t_build:.2f} s)")
+    for gib in (40, 20, 10):
+        sm.quantum_of = gib * GiB      # as map_plan._solve_stage does
+        res, wall, cpu = _timed(lambda: integrate(sm.problem, sm.chain, gib * GiB, alpha=pol.alpha, n=pol.budgets,
+                                                  memory_slots=pol.memory_slots, ilp_time_limit_s=LIMIT_s))
+        if res.k is None:
+            print(f"traced ILP+rotor {gib:>3} GiB: {wall:6.2f} s wall, {cpu:6.2f} s cpu  no plan fits")
+            continue
+        segs = sum(g.checkpointed for g in res.rotor.segments)
+        print(f"traced ILP+rotor {gib:>3} GiB: {wall:6.2f} s wall, {cpu:6.2f} s cpu  k={res.k} total="
+              f"{res.total_s * 1e3:8.1f} ms  ILP={res.ilp.time_s * 1e3:8.1f} ms  recompute="
+              f"{res.rotor.recompute_s * 1e3:7.1f} ms  peak={res.rotor.peak_bytes / GiB:6.2f} GiB  "
+              f"checkpointed segments={segs}")
+
+
 def main() -> None:
+    traced()
+    if "--traced-only" in sys.argv:
+        return
     formulation = "product" if "--product" in sys.argv else "marginal"
     (strats, costs, mats), t_build, _ = _timed(build)
     p = problem(40 * GiB, costs, mats)

@@ -39,7 +39,29 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
     for i, st in enumerate(plan.stages):
         out += _offload_unsupported(plan, i, model_cfg)
         if st.sharding:
-            out.append(f"stages[{i}].sharding: per-layer MAP strategies are not implemented")
+            out += _map_unsupported(plan, i, model_cfg)
+    return out
+
+
+def _map_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
+    """What executor.map_exec cannot run of a MAP stage: memory actions (swaps: it recomputes by
+    checkpoint segments only), offload, layers of several mesh shapes (one DeviceMesh per stage),
+    and families whose layers are not plain functions of (x, batch) (BatchNorm statistics, a
+    user's own modules)."""
+    st, out = plan.stages[i], []
+    where = f"stages[{i}]"
+    if st.memory:
+        out.append(f"{where}.memory: {sorted({m.action.value for m in st.memory})} on a MAP-sharded stage (the MAP "
+                   "executor recomputes by checkpoint segments only; swaps are not implemented)")
+    if st.offload.window_layers is not None or st.offload.optimizer_on_cpu or st.offload.optimizer_swap:
+        out.append(f"{where}.offload: offloading a MAP-sharded stage is not implemented")
+    shapes = sorted({tuple(s.mesh) for s in st.sharding})
+    if len(shapes) > 1:
+        out.append(f"{where}.sharding: layers use meshes {shapes}; the MAP executor runs one mesh per stage")
+    cfg = _config(model_cfg) if model_cfg is not None else None
+    if cfg is not None and cfg.family not in ("gpt", "bert"):
+        out.append(f"{where}.sharding: family {cfg.family!r} (the MAP executor runs GPT and BERT: "
+                   "stateless layers of (x, batch))")
     return out
 
 

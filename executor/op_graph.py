@@ -373,4 +373,32 @@ def model_layer_graph(cfg, index: int, microbatch: int = 1, dtype: str = "bf16",
         return _layer_graph(named[index][1], (inp, fb), torch_dtype, named[index][0], attention)
 
 
-__all__ = ["layer_graph", "model_layer_graph"]
+def model_op_graphs(cfg, microbatch: int, dtype: str, progress=None) -> tuple[dict[str, OpGraph], list[str]]:
+    """Every layer's graph with trivial nodes merged (MAP §5.1), traced once per distinct layer:
+    layers of one module type with equal parameter shapes and equal input shape share a graph
+    (a GPT's blocks: one trace). Returns ({key: graph}, key per layer); keys are ``g<k>_<Module>``."""
+    from specs.op_graph import merge_trivial
+
+    with torch.device("meta"):
+        named = _layers(cfg)
+        batch = {k: v.to("meta") for k, v in make_batch(cfg, microbatch, 0).items()}
+        shapes, x = [], None
+        for _, mod in named:
+            shapes.append(None if x is None else tuple(x.shape))
+            x = mod(x, batch)
+    graphs: dict[str, OpGraph] = {}
+    by_sig: dict[tuple, str] = {}
+    keys: list[str] = []
+    for i, (name, mod) in enumerate(named):
+        sig = (type(mod).__name__, shapes[i], tuple((n, tuple(p.shape)) for n, p in mod.named_parameters()))
+        key = by_sig.get(sig)
+        if key is None:
+            key = by_sig[sig] = f"g{len(graphs)}_{type(mod).__name__}"
+            if progress is not None:
+                progress(len(graphs), i, name)
+            graphs[key] = merge_trivial(model_layer_graph(cfg, i, microbatch, dtype)).model_copy(update={"layer": key})
+        keys.append(key)
+    return graphs, keys
+
+
+__all__ = ["layer_graph", "model_layer_graph", "model_op_graphs"]

@@ -155,7 +155,15 @@ class StageRuntime:
         # than per microbatch (an action with microbatch_period n applies to every n-th microbatch)
         self._run_as: dict[int, list] = {}  # k mod the periods' lcm -> its list
         self._period = math.lcm(*(item.microbatch_period for item in st.memory)) if st.memory else 1
-        self.vocab_parallel = st.tp > 1 and tensor_parallel(self.layers, self.tp_group, torch_device.type)
+        # a MAP stage (st.sharding) runs its planned per-operator layouts on one DeviceMesh
+        # (executor.map_exec; its parameters become DTensor shards here); plain tp > 1 is Megatron's
+        self.map = None
+        if st.sharding:
+            from executor.map_exec import MapStage
+
+            self.map = MapStage(plan, cfg, index, self.layers, rank_of, groups, torch_device.type, dtype)
+        self.vocab_parallel = st.tp > 1 and not st.sharding and tensor_parallel(self.layers, self.tp_group,
+                                                                                 torch_device.type)
         self.tied = tied_embedding_weight(self, groups)
         # distinct parameters: a tied LM head shares the embedding's weight (one grad, one step).
         # With a STRONGHOLD window only the resident layers' (executor.window has the others)
@@ -270,6 +278,8 @@ class StageRuntime:
         self.outputs[k] = y
 
     def _layers_forward(self, k: int, y, mb: dict):
+        if self.map is not None:  # MAP: rotor's checkpoint segments over DTensor layers (executor.map_exec)
+            return self.map.forward(y, mb)
         for i, mod, action in self.run_as(k):
             if self.window is not None and self.window.streams(i):  # executor.window
                 recompute = action is MemoryAction.recompute
@@ -363,7 +373,12 @@ class StageRuntime:
             if self.replica or self.tp_rank:
                 full.zero_()
             dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
-            local.copy_(torch.chunk(full, self.stage.tp, dim=0)[self.tp_rank] if self.stage.tp > 1 else full)
+            if self.map is not None:  # a MAP layout: this rank's shard of it (a local split, no communication)
+                from torch.distributed.tensor import distribute_tensor
+
+                local.copy_(distribute_tensor(full, g.device_mesh, g.placements, src_data_rank=None).to_local())
+            else:
+                local.copy_(torch.chunk(full, self.stage.tp, dim=0)[self.tp_rank] if self.stage.tp > 1 else full)
         del full
 
     def step(self) -> None:

@@ -13,6 +13,7 @@ torch's schedule IR so that both sides run the same action order.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 from specs.plan import Plan, StagePlan
@@ -62,11 +63,22 @@ def routes(plan: Plan, src: int, dst: int) -> list[Route]:
     return out
 
 
+def mesh_lines(devices: list[int], shape: tuple[int, ...], axis: int) -> list[list[int]]:
+    """The devices along mesh ``axis`` (one list per line), ``devices`` laid out row-major on a
+    mesh of ``shape`` (the last axis fastest: ``devices[i]`` sits at ``unravel(i, shape)``)."""
+    stride = math.prod(shape[axis + 1:])
+    starts = [i for i in range(len(devices)) if (i // stride) % shape[axis] == 0]
+    return [[devices[i + j * stride] for j in range(shape[axis])] for i in starts]
+
+
 def process_groups(plan: Plan) -> list[tuple[str, int, int, list[int]]]:
     """Every sub-group the run needs, in one fixed order (``new_group`` is collective: all ranks
     create all groups in the same order): ("tp", stage, replica, ranks) per replica with tp > 1,
     ("dp", stage, tp_rank, ranks) per TP rank with dp > 1, ("embed", 0, 0, ranks) over the first
-    and last stage when they hold different devices."""
+    and last stage when they hold different devices. A MAP stage with an N-D mesh (N > 1) also
+    gets ("map", stage, axis, ranks) for every line along every axis (its DeviceMesh's dim groups,
+    executor.map_exec.build_mesh; a rank keeps the one line per axis it is on). A 1-D MAP mesh is
+    the stage's "tp" group (tp = all its devices)."""
     rank = rank_of_device(plan)
     out = []
     for s, st in enumerate(plan.stages):
@@ -76,6 +88,12 @@ def process_groups(plan: Plan) -> list[tuple[str, int, int, list[int]]]:
         if st.dp > 1:
             for t in range(st.tp):
                 out.append(("dp", s, t, [rank[st.devices[r * st.tp + t]] for r in range(st.dp)]))
+        shapes = {tuple(x.mesh) for x in st.sharding}
+        if len(shapes) == 1 and len(next(iter(shapes))) > 1:  # several shapes: map_exec refuses the stage
+            shape = next(iter(shapes))
+            for axis in range(len(shape)):
+                for line in mesh_lines(st.devices, shape, axis):
+                    out.append(("map", s, axis, [rank[d] for d in line]))
     first, last = set(plan.stages[0].devices), set(plan.stages[-1].devices)
     if not first & last:  # Megatron's embedding group: first and last stage (tied embeddings)
         out.append(("embed", 0, 0, sorted(rank[d] for d in first | last)))

@@ -188,6 +188,10 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         "host_peak_bytes": int(tracker.host_peak_bytes),  # swapped-out copies in host memory (executor.swap)
         "nvme_peak_bytes": int(tracker.nvme_peak_bytes),  # a window's file-backed optimizer state
     }
+    maps = {s: {k: {f"{layer}.{node}": v for (layer, node), v in d.items()} for k, d in st.map.stats.items()}
+            for s, st in stages.items() if st.map is not None}
+    if maps:  # MAP stages: where DTensor's propagation differed from the plan (executor.map_exec)
+        report["map"] = maps
     windows = {s: st.window.events for s, st in stages.items() if st.window is not None and st.window.events is not None}
     if windows:
         report["window_events"] = windows

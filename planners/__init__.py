@@ -39,6 +39,10 @@ def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, tr
         from planners.stronghold import plan_stronghold  # prices windows with the simulator's mechanism
 
         plan = plan_stronghold(policy, model, hardware, training, schedule)
+    elif policy.kind == "map":
+        from planners.map_plan import plan_map  # simulates its plan (MAP §5.3 refinement against the simulator)
+
+        plan = plan_map(policy, model, hardware, training, schedule)
     else:
         plan = PLANNERS[policy.kind](policy, model, hardware, training, schedule)
     return validate_plan(plan, model, hardware)

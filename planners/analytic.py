@@ -18,8 +18,25 @@ def _add(a: MemoryBreakdown, **extra: int) -> MemoryBreakdown:
     return a.model_copy(update={k: getattr(a, k) + v for k, v in extra.items()})
 
 
-def device_memory(plan: Plan, model: ModelSpec) -> dict[int, tuple[MemoryBreakdown, int]]:
-    """Peak breakdown and host bytes for every device the plan uses.
+def _sharded(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None) -> dict[int, object]:
+    """The MAP stages of ``plan`` priced by simulator.sharded (rotor's walk of their checkpoint
+    tree, MAP §5.2), by stage index: their closed form is that walk, not specs.costs' per-layer
+    formulas (which know nothing of intra-op strategies). Needs the hardware (the mesh's links)."""
+    if not any(stage.sharding for stage in plan.stages):
+        return {}
+    if hardware is None:
+        raise ValueError(f"plan {plan.id} has MAP-sharded stages: their memory depends on the mesh, so pass the "
+                         "hardware (device_memory(plan, model, hardware))")
+    from simulator.sharded import sharded_stage  # lazy: simulator.sharded imports planners.map_*
+
+    return {i: sharded_stage(plan, model, hardware, stage) for i, stage in enumerate(plan.stages) if stage.sharding}
+
+
+def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = None
+                  ) -> dict[int, tuple[MemoryBreakdown, int]]:
+    """Peak breakdown and host bytes for every device the plan uses. ``hardware`` is needed only
+    for a plan with MAP-sharded stages (ValueError without it); their activations and workspace
+    are rotor's walk (simulator.sharded.ShardedStage), their static bytes the stored shards.
 
     Peak = static + boundary gradient buffers + stashed weights (PipeDream) + the larger of
     (a) the activation peak of the device's pipeline position — the microbatches held per stage at
@@ -32,7 +49,13 @@ def device_memory(plan: Plan, model: ModelSpec) -> dict[int, tuple[MemoryBreakdo
     """
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
     acts, work, swap_in, allreduce, sent = {}, {}, {}, {}, {}
+    sharded = _sharded(plan, model, hardware)
     for i, stage in enumerate(plan.stages):
+        if i in sharded:
+            sh = sharded[i]
+            acts[i], work[i], sent[i], swap_in[i] = sh.act_bytes, sh.run.workspace_bytes, sh.sent_output_bytes, 0
+            allreduce[i] = costs.tied_sync_buffer_bytes(model, plan, stage)
+            continue
         # actions with a microbatch_period apply to some microbatches: the mean activation bytes
         # over one period (the simulator walks each microbatch's own), the worst transient
         variants = _variants(plan, stage)
@@ -42,7 +65,7 @@ def device_memory(plan: Plan, model: ModelSpec) -> dict[int, tuple[MemoryBreakdo
         allreduce[i] = costs.allreduce_buffer_bytes(model, plan, stage)
     peaks = {pos: costs.activation_peak(plan, pos, acts, work, sent) for pos in range(plan.pipeline_depth)}
     for i, stage in enumerate(plan.stages):
-        static, host = costs.stage_static(model, plan, stage)
+        static, host = (sharded[i].static, 0) if i in sharded else costs.stage_static(model, plan, stage)
         in_flight = peaks[plan.device_group_of(i)][1][i]
         stashed = costs.stashed_versions(plan, i) * static.parameters_bytes
         buffers = costs.comm_buffer_bytes(model, plan, stage)
@@ -131,8 +154,11 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     work = [0.0] * p
     p2p = [0.0] * p
+    sharded = _sharded(plan, model, hardware)
     for i, stage in enumerate(plan.stages):
-        fwd, bwd = costs.stage_pass_times_s(model, plan, hardware, stage)
+        # a MAP stage: rotor's walk (its backward includes the recomputed forwards)
+        fwd, bwd = ((sharded[i].run.fwd_s, sharded[i].run.bwd_s) if i in sharded
+                    else costs.stage_pass_times_s(model, plan, hardware, stage))
         work[i % p] += fwd + bwd
         if i + 1 < len(plan.stages):
             nxt = plan.stages[i + 1]
@@ -148,9 +174,12 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
     else:
         pipe = sum(work) + sum(p2p) + (m - 1) * slowest
     per_device_sync: dict[int, float] = {}
-    for stage in plan.stages:
-        t = (costs.dp_allreduce_s(model, plan, hardware, stage) + costs.optimizer_step_s(model, plan, hardware, stage)
-             + costs.embedding_group_allreduce_s(model, plan, hardware, stage))
+    for i, stage in enumerate(plan.stages):
+        # a MAP stage has no dp all-reduce (its batch split's gradient reduction is among its
+        # strategies' backward collectives) and steps only the shards it stores
+        sync = ((0.0, sharded[i].optimizer_s) if i in sharded else
+                (costs.dp_allreduce_s(model, plan, hardware, stage), costs.optimizer_step_s(model, plan, hardware, stage)))
+        t = sum(sync) + costs.embedding_group_allreduce_s(model, plan, hardware, stage)
         for d in stage.devices:
             per_device_sync[d] = per_device_sync.get(d, 0.0) + t
     return pipe + max(per_device_sync.values())
@@ -160,7 +189,7 @@ def estimate(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Result:
     """The plan's closed-form Result (source ``predicted-by-analytic``)."""
     capacity = hardware.device.memory_bytes
     devices = []
-    for device, (mem, host) in sorted(device_memory(plan, model).items()):
+    for device, (mem, host) in sorted(device_memory(plan, model, hardware).items()):
         stages = plan.stages_on(device)
         peak = mem.total_bytes
         devices.append(DeviceResult(

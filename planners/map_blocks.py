@@ -51,6 +51,8 @@ construction order.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from planners.map_ilp import IlpProblem, IlpSolution, _min_memory_choice, _Reduced, evaluate
@@ -275,6 +277,26 @@ def _signature(red: _Reduced, nbr, local, sigma, tau) -> bytes:
     return b"|".join(parts)
 
 
+#: frontiers across calls: signature -> (cap, frontier). MAP §5.3 solves one graph at up to 11
+#: budgets; a block's frontier at a smaller cap is the larger cap's filtered to bytes <= cap (a
+#: point Pareto-optimal among all combinations stays so among those under the cap, and one optimal
+#: under the cap cannot be dominated by a combination that uses fewer bytes), so it is computed once.
+_FRONTIERS: dict[bytes, tuple[int, tuple]] = {}
+_FRONTIERS_MAX = 64
+
+
+def _cached_frontier(sig: bytes, red, nbr, blk, sigma, tau, cap: int):
+    hit = _FRONTIERS.get(sig)
+    if hit is not None and hit[0] >= cap:
+        keep = np.nonzero(hit[1][3] <= cap)[0]
+        return tuple(a[keep] for a in hit[1])
+    front = _frontier(red, nbr, blk, sigma, tau, cap)
+    if len(_FRONTIERS) >= _FRONTIERS_MAX:
+        _FRONTIERS.pop(next(iter(_FRONTIERS)))
+    _FRONTIERS[sig] = (cap, front)
+    return front
+
+
 def solve_blocks(problem: IlpProblem) -> IlpSolution:
     """Eq. (1) on ``problem.blocks`` (see the module doc). Same contract as map_ilp.solve: the choice
     per node in original strategy indices, its time (s) and bytes recomputed from the input; status
@@ -286,6 +308,11 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
     if min_mem > problem.budget_bytes:
         return IlpSolution(min_choice, t_min, min_mem, "infeasible", min_mem)
     red = _Reduced(problem)
+    q = problem.memory_quantum_bytes
+    if q > 0:   # nodes at q/16: a block of <= 16 free nodes is off by < q before its own rounding
+        qn = max(q // 16, 1)
+        red.mem = {n: -(-m // qn) * qn for n, m in red.mem.items()} if isinstance(red.mem, dict) else \
+            [-(-m // qn) * qn for m in red.mem]
     nbr = _neighbours(red)
     rhs = problem.budget_bytes - sum(int(red.mem[n][0]) for n in red.fixed)
     blocks = [[n for n in blk if n not in red.fixed] for blk in problem.blocks]
@@ -304,10 +331,15 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
     for b, blk in enumerate(blocks):
         sigma = taus[b - 1] if b else []
         cap = rhs - (total_min - bmin[b])
-        sig = _signature(red, nbr, blk, sigma, taus[b]) + repr(cap).encode()
+        sig = _signature(red, nbr, blk, sigma, taus[b])
         if sig not in cache:
-            cache[sig] = _frontier(red, nbr, blk, sigma, taus[b], cap)
+            cache[sig] = _cached_frontier(sig, red, nbr, blk, sigma, taus[b], cap)
         fronts.append(cache[sig])
+    if q > 0:   # round each frontier point's bytes up (see IlpProblem.memory_quantum_bytes)
+        fronts = [(f[0], f[1], f[2], -(-f[3] // q) * q, f[4]) for f in fronts]
+        if any(len(f[2]) == 0 for f in fronts) or sum(int(f[3].min()) for f in fronts) > rhs:
+            # rounding up made a (barely) feasible budget infeasible: solve it exactly
+            return solve_blocks(dataclasses.replace(problem, memory_quantum_bytes=0))
     lam, h_lam, h_0, lb, ub = _lagrange(fronts, nstate, rhs)
     tol = 1e-9 * (abs(ub) + lam * rhs + 1e-12)      # far above float noise, far below any real difference
     # Fewer labels survive a lower threshold; a run whose best label is <= its threshold kept every
@@ -319,6 +351,8 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
         best, at, back = _chain(fronts, rhs, bmin, (lam, h_lam, h_0), theta)
         if best <= theta:
             break
+    if at < 0 and q > 0:
+        return solve_blocks(dataclasses.replace(problem, memory_quantum_bytes=0))
     if at < 0:       # cannot happen: the incumbent's labels meet the last threshold
         raise AssertionError("block DP lost every label although a solution fits")
     choice = list(range(len(problem.nodes)))

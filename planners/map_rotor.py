@@ -119,23 +119,30 @@ class RotorSolution:
 def simulate_peak(chain: Chain, sequence: tuple[tuple[str, int], ...]) -> int:
     """Peak live bytes of ``sequence`` by Table 1, walked op by op (independent of the DP). Raises
     ValueError when an op's inputs are not live."""
+    return max((peak for _, peak in walk(chain, sequence)), default=chain.fixed_bytes + chain.w_input)
+
+
+def walk(chain: Chain, sequence: tuple[tuple[str, int], ...]) -> list[tuple[int, int]]:
+    """Per op of ``sequence``: (live bytes after it, peak bytes during it), both including the fixed
+    bytes and the chain's input (Table 1). Raises ValueError when an op's inputs are not live."""
     live: dict[tuple[str, int], int] = {}
     base = chain.fixed_bytes + chain.w_input
-    peak = base
+    out = []
 
     def has_input(l: int) -> bool:
         return l == 0 or ("a", l - 1) in live or ("abar", l - 1) in live
 
     for op, l in sequence:
         cur = base + sum(live.values())
+        peak = cur
         if op in ("F_all", "F_ck", "F_none"):
             if not has_input(l):
                 raise ValueError(f"{op}^{l}: a^{l - 1} is not live")
-            out = chain.w_abar[l] if op == "F_all" else chain.w_a[l]
-            peak = max(peak, cur + out + chain.o_f[l] + chain.o_fcomm[l])
+            size = chain.w_abar[l] if op == "F_all" else chain.w_a[l]
+            peak = max(peak, cur + size + chain.o_f[l] + chain.o_fcomm[l])
             if op == "F_none" and l > 0:
                 live.pop(("a", l - 1), None)
-            live[("abar", l) if op == "F_all" else ("a", l)] = out
+            live[("abar", l) if op == "F_all" else ("a", l)] = size
             if op == "F_all":
                 live.pop(("a", l), None)
         elif op == "B":
@@ -151,8 +158,36 @@ def simulate_peak(chain: Chain, sequence: tuple[tuple[str, int], ...]) -> int:
             live[("delta", l - 1)] = chain.delta_in(l)
         else:
             raise ValueError(f"unknown op {op!r}")
-        peak = max(peak, base + sum(live.values()))
-    return peak
+        after = base + sum(live.values())
+        out.append((after, max(peak, after)))
+    return out
+
+
+def sequence_of(segments: tuple[Segment, ...] | list[Segment], length: int) -> tuple[tuple[str, int], ...]:
+    """The op sequence a segment tree runs (the inverse of the DP's backtrack): a stored segment
+    runs F_all per stage, the rest, then B per stage in reverse; a checkpointed one F_ck, F_none...,
+    the rest, then its recomputation as its ``children`` say (none: recompute storing everything).
+    An empty tree stores everything. Segments must tile 0..length-1."""
+    segs = list(segments) or [Segment(0, length, False)]
+
+    def run(items: list[Segment]) -> list[tuple[str, int]]:
+        if not items:
+            return []
+        g, rest = items[0], items[1:]
+        if not g.checkpointed:
+            return ([("F_all", l) for l in range(g.start, g.stop)] + run(rest)
+                    + [("B", l) for l in reversed(range(g.start, g.stop))])
+        fwd = [("F_ck", g.start)] + [("F_none", l) for l in range(g.start + 1, g.stop)]
+        return fwd + run(rest) + run(list(g.children) or [Segment(g.start, g.stop, False)])
+
+    at = 0
+    for g in segs:
+        if g.start != at:
+            raise ValueError(f"segments must tile 0..{length - 1}: [{g.start}, {g.stop}) starts at {g.start}, not {at}")
+        at = g.stop
+    if at != length:
+        raise ValueError(f"segments end at {at}, the chain has {length} stages")
+    return tuple(run(segs))
 
 
 class _Table:

@@ -110,8 +110,32 @@ class StrongholdPolicy(Spec):
                                                                    "short (auto), always, never")
 
 
+class MapPolicy(Spec):
+    """MAP (Liu et al.): per-operator sharding strategies on a logical mesh of each stage's devices,
+    the fastest under ``memory_budget_gib`` per device (eq. 1 ILP + rotor checkpointing, §5.3).
+    ``mesh``: the logical mesh (null: detected from the hardware's links, §4.2, folded to 2-D);
+    ``pp``: pipeline stages (each stage's devices form its mesh); ``alpha``/``budgets``: §5.3's
+    ILP budgets B(1+alpha)^k, k < budgets; ``refine``: re-solves when the simulated peak exceeds
+    the budget. ``constrain=params`` bounds parameter state only, as the solvers MAP compares
+    with do, to show what ignoring activations costs (rotor and the refinement are then off)."""
+
+    kind: Literal["map"] = "map"
+    memory_budget_gib: float | None = Field(None, gt=0, le=1 << 20, description="per device; null: device memory")
+    mesh: list[int] | None = Field(None, min_length=1, max_length=3)
+    pp: int = Field(1, ge=1)
+    alpha: float = Field(0.25, gt=0, le=4)
+    budgets: int = Field(10, ge=1, le=40)
+    memory_slots: int = Field(500, ge=10, le=5000)
+    ilp_time_limit_s: float = Field(60.0, gt=0, le=3600)
+    refine: int = Field(4, ge=0, le=20)
+    devices: int | None = Field(None, ge=1, description="use the first N devices (MAP §7's weak scaling); null: all")
+    constrain: Literal["all", "params"] = Field(
+        "all", description="what eq. 1's budget row counts: parameter state and saved activations (MAP), or "
+                           "parameter state only (what autoparallel / ColossalAI's auto_parallel bound)")
+
+
 PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy, CapturePolicy, ThroughputPolicy,
-                               MPressPolicy, StrongholdPolicy],
+                               MPressPolicy, StrongholdPolicy, MapPolicy],
                          Field(discriminator="kind")]
 _adapter: TypeAdapter = TypeAdapter(PolicyConfig)
 

@@ -25,7 +25,7 @@ from planners.analytic import device_memory
 from planners.layout import PlanningError, recompute_actions
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import Plan, PlanError, ScheduleSpec
+from specs.plan import CheckpointSegment, Plan, PlanError, ScheduleSpec
 from specs.training import TrainingSpec
 
 GIB = float(1 << 30)
@@ -59,9 +59,17 @@ class Verdict:
         return "\n".join([head, "  what would help:", *(f"  - {k}" for k in self.knobs)])
 
 
-def peaks(plan: Plan, model: ModelSpec) -> dict[int, int]:
-    """Per-device peak bytes of ``plan`` (analytic memory model)."""
-    return {d: mem.total_bytes for d, (mem, _) in device_memory(plan, model).items()}
+def peaks(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = None) -> dict[int, int]:
+    """Per-device peak bytes of ``plan`` (analytic memory model; ``hardware`` needed for MAP stages)."""
+    return {d: mem.total_bytes for d, (mem, _) in device_memory(plan, model, hardware).items()}
+
+
+def _checkpoint_all(plan: Plan) -> Plan:
+    """``plan`` with every layer of its MAP stages a checkpoint segment of its own (the least
+    activation memory rotor's sequences reach without nesting, MAP §5.2)."""
+    return plan.model_copy(update={"stages": [
+        s.model_copy(update={"checkpoint": [CheckpointSegment(start=l, stop=l + 1) for l in s.layers]})
+        if s.sharding else s for s in plan.stages]})
 
 
 def _state(peak: int, capacity: int) -> str:
@@ -78,7 +86,7 @@ def fit_verdict(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     is its finding; else only this plan is said not to fit.
     """
     capacity = hardware.device.memory_bytes
-    by_device = peaks(plan, model)
+    by_device = peaks(plan, model, hardware)
     device, peak = max(by_device.items(), key=lambda e: (e[1], -e[0]))
     oom = sum(1 for v in by_device.values() if v > capacity)
     verdict = Verdict(peak <= capacity, peak, device, capacity, oom, hardware.num_devices, searched=searched)
@@ -86,7 +94,11 @@ def fit_verdict(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
         return verdict
     knobs = []
     recompute = getattr(policy, "recompute", "none")
-    if recompute == "none":
+    sharded = any(s.sharding for s in plan.stages)
+    if sharded:  # MAP: recomputation is rotor's checkpoint tree, not per-layer memory actions
+        knobs.append("checkpointing (MAP: rotor's segments): every layer checkpointed, this plan would peak at "
+                     f"{_state(max(peaks(_checkpoint_all(plan), model, hardware).values()), capacity)}")
+    elif recompute == "none":
         rc = None
         if replan is not None:
             try:
@@ -98,11 +110,14 @@ def fit_verdict(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
             rc = plan.model_copy(update={"stages": [s.model_copy(update={"memory": recompute_actions(
                 model, s.layer_start, s.layer_stop, "full")}) for s in plan.stages]})
             what = "recompute (policy.recompute=full): this plan would peak at"
-        knobs.append(f"{what} {_state(max(peaks(rc, model).values()), capacity)}")
-    if any(s.dp > 1 for s in plan.stages) and plan.zero_stage < 3:
+        knobs.append(f"{what} {_state(max(peaks(rc, model, hardware).values()), capacity)}")
+    if sharded:
+        knobs.append("ZeRO: not for MAP-sharded stages (their strategies already split weights, gradients and "
+                     "optimizer state over the mesh)")
+    elif any(s.dp > 1 for s in plan.stages) and plan.zero_stage < 3:
         z3 = plan.model_copy(update={"zero_stage": 3})
         knobs.append(f"ZeRO-3 over each stage's data-parallel replicas (policy.zero_stage=3 with even/balanced/manual): "
-                     f"this plan would peak at {_state(max(peaks(z3, model).values()), capacity)}")
+                     f"this plan would peak at {_state(max(peaks(z3, model, hardware).values()), capacity)}")
     else:
         knobs.append("ZeRO: no help for this plan (no stage is data-parallel); with policy.dp > 1 it shards "
                      "optimizer state, gradients and weights over the replicas")
@@ -126,7 +141,7 @@ def fit_verdict(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
                 other = replan(policy, bigger)
             except (PlanningError, PlanError, ValueError):
                 continue
-            top = max(peaks(other, model).values())
+            top = max(peaks(other, model, bigger).values())
             if top <= capacity:
                 line += f"; re-planned on hardware.nodes={bigger.nodes}: {_state(top, capacity)}"
                 break

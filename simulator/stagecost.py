@@ -82,6 +82,8 @@ def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[St
 def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, stage) -> StageCost:
     """Stage ``s``'s costs with its layers' actions as in ``stage`` (``plan.stages[s]``, or the
     variant one microbatch sees: specs.plan.stage_for_microbatch)."""
+    if stage.sharding:
+        return sharded_stage_cost(plan, model, hardware, s, stage)
     b = costs.samples_per_replica(plan, stage)
     fwd_s, bwd_s = costs.stage_pass_times_s(model, plan, hardware, stage)
     streamed = window.streamed_params(model, stage)
@@ -132,4 +134,38 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         opt_chunks=tuple(chunks := costs.optimizer_swap_chunks(model, plan, stage)),
         opt_chunk_ns=tuple(ns(costs.transfer_s(c, host_link(hardware))) for c in chunks),
         window=stage.offload.window_layers, nvme_bytes=nvme, offload_ns=offload,
+    )
+
+
+def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, stage) -> StageCost:
+    """A MAP stage (MAP §5; simulator.sharded prices it): one pass per microbatch, its time and
+    bytes from rotor's walk of the plan's checkpoint tree (the backward includes the recomputed
+    forwards). Its layers are listed as kept (their recomputation is inside the stage's backward
+    time, not a per-layer action). No data-parallel all-reduce: a batch split is one of the
+    strategies, and its gradient reduction is among their backward collectives (u_bcomm). Only a
+    tied weight whose other side is on another stage still syncs after the flush (Megatron's
+    embedding group, specs.costs.embedding_group_allreduce_s: an approximation for MAP, which
+    prices the copy's gradient as split over the stage's devices)."""
+    from simulator.sharded import sharded_stage  # imports the MAP strategy generator
+
+    sh = sharded_stage(plan, model, hardware, stage)
+    chain = sh.chain
+    layers = tuple(LayerCost(
+        layer=l, action=MemoryAction.keep, targets=(), saved_bytes=chain.w_abar[i],
+        recompute_ns=ns(chain.t_fwd(i)), bwd_ns=ns(chain.t_bwd(i)), fwd_ns=ns(chain.t_fwd(i)))
+        for i, l in enumerate(sh.layers))
+    tied_s = costs.embedding_group_allreduce_s(model, plan, hardware, stage)
+    return StageCost(
+        index=s, position=plan.device_group_of(s), rep=stage.devices[0],
+        fwd_ns=ns(sh.run.fwd_s), bwd_ns=ns(sh.run.bwd_s), layers=layers, simple=True,
+        # the stage input is held from forward to backward (rotor's walk counts it as the caller's);
+        # a released output lives until its send is done (engine._send frees it)
+        fwd_alloc_bytes=sh.act_bytes + sh.sent_output_bytes, act_bytes=sh.act_bytes,
+        sent_output_bytes=sh.sent_output_bytes,
+        workspace_bytes=sh.run.workspace_bytes,
+        allreduce_buffer_bytes=costs.tied_sync_buffer_bytes(model, plan, stage),
+        act_out_bytes=sh.output_bytes, grad_out_bytes=sh.input_bytes,
+        static=sh.static, host_bytes=0, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage),
+        allreduce_ns=ns(tied_s), dp_allreduce_ns=0, ar_buckets_ns=(),
+        optimizer_ns=ns(sh.optimizer_s), opt_chunks=(), opt_chunk_ns=(),
     )

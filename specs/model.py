@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from specs._base import Spec, finite_in
+from specs.op_graph import OpGraph
 
 #: most layers a model may have: 1,000-layer models plan in seconds; 10,000 bounds every loop over
 #: layers (the deepest published LLMs have ~200) so no input can make planning take minutes
@@ -88,6 +89,9 @@ class LayerSpec(Spec):
         None, description="name of an earlier layer whose weights ``tied_params`` of this layer's params share "
                           "(GPT's LM head and word embedding): one copy where both sit on the same devices")
     tied_params: int = Field(0, ge=0, le=1 << 46, description="params (within ``params``) shared with ``tied_to``")
+    # ---- MAP (issue #14) ----
+    op_graph: str | None = Field(None, description="key of this layer's operator graph in ModelSpec.op_graphs "
+                                                   "(MAP §4.1); identical layers share one")
 
 
 class ModelSpec(Spec):
@@ -103,6 +107,10 @@ class ModelSpec(Spec):
     seq_len: int | None = None
     hidden: int | None = None
     heads: int | None = None
+    #: MAP's per-layer operator graphs (trivial nodes merged), traced at ``op_graph_microbatch``
+    #: samples; filled by model_costs.with_op_graphs for policy=map, empty otherwise
+    op_graphs: dict[str, OpGraph] = Field(default_factory=dict)
+    op_graph_microbatch: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _unique_names(self) -> ModelSpec:
@@ -115,6 +123,9 @@ class ModelSpec(Spec):
             if layer.tied_params and (index.get(layer.tied_to, i) >= i or layer.tied_params > layer.params):
                 raise ValueError(f"layers.{i}.tied_to: {layer.tied_to!r} must name an earlier layer and "
                                  f"tied_params ({layer.tied_params}) be at most params ({layer.params})")
+            if layer.op_graph is not None and layer.op_graph not in self.op_graphs:
+                raise ValueError(f"layers.{i}.op_graph: {layer.op_graph!r} is not in op_graphs "
+                                 f"({sorted(self.op_graphs)})")
         return self
 
     @property

@@ -33,10 +33,12 @@ class ShardingSpec:
 
     @classmethod
     def parse(cls, text: str) -> ShardingSpec:
-        """``"S0R"``, ``"RS01"``, ``"S1S0"``, ``"RR"``; spaces are ignored."""
+        """``"S0R"``, ``"RS01"``, ``"S1S0"``, ``"RR"``; ``""`` is a 0-d tensor (a loss); spaces are ignored."""
         body = text.replace(" ", "")
+        if body == "":
+            return cls(())
         tokens = _DIM.findall(body)
-        if "".join(tokens) != body or not tokens:
+        if "".join(tokens) != body:
             raise ValueError(f"sharding spec {text!r}: expected one R or S<axes> per tensor dim, e.g. 'S0R', 'RS01'")
         return cls(tuple(() if t == "R" else tuple(int(c) for c in t[1:]) for t in tokens))
 

@@ -15,6 +15,8 @@ from specs import (
 )
 from specs.families import parse_model_config
 
+from executor.reference import longest_reduction, reorder_rtol  # noqa: F401,E402  (tests import them from here)
+
 GIB = 1 << 30
 
 
@@ -80,31 +82,6 @@ def run_plan_float64(plan, cfg, iterations: int, timeout_s: float = 90.0):
     opts = {"iterations": iterations, "collect": True, "memory_iteration": None, "track_memory": False,
             "fault": None, "seed": 0, "device": "cpu", "threads": 1, "capacity_bytes": None, "dtype": "float64"}
     return launch(plan, cfg, opts, timeout_s)
-
-
-def longest_reduction(cfg, training: TrainingSpec) -> int:
-    """An upper bound on the number of terms of any one sum in a training step: matmul inner
-    dims (h, f), the softmax over the vocabulary, and weight gradients / norm
-    statistics, which sum over every token (pixel) of the global batch."""
-    if cfg.family == "wresnet":
-        widest = cfg.base_channels * 2 ** (len(cfg.blocks_per_stage) - 1)
-        return max(9 * widest * cfg.width_factor, 4 * widest, training.global_batch * (cfg.image_size // 2) ** 2)
-    f = cfg.ffn_width if hasattr(cfg, "ffn_width") else cfg.ffn_mult * cfg.hidden  # MoE: ffn_mult
-    return max(f, cfg.vocab, training.global_batch * cfg.seq_len)
-
-
-def reorder_rtol(terms: int, dtype=np.float64, amplification: float = 1e4) -> float:
-    """Relative tolerance between two runs of the same arithmetic whose sums run in different
-    orders (tensor-parallel partial sums + all-reduce, data-parallel splits, another CPU's
-    kernels). Any order of an n-term sum is within γ_n·Σ|x_i| of the exact sum, γ_n = n·u/(1 − n·u),
-    u = eps/2 the unit roundoff (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed.,
-    §4.2, eq. 4.4): float64, n = 256: γ_n = 2.8e-14. ``amplification`` covers what the bound does
-    not: cancellation (Σ|x_i| ≫ |Σx_i|), propagation through layers, the backward pass and two Adam
-    steps. The worst element seen in float32 (block_03.mlp.fc2.weight, 1.18e-5 off on an AMD EPYC,
-    γ_256(fp32) = 1.5e-5) maps to ~2e-14 in float64, so 1e4·γ_n leaves ~1e4 of headroom — while the
-    same formula in float32 gives 0.15, which is why these tests run in float64."""
-    u = np.finfo(dtype).eps / 2
-    return amplification * terms * u / (1 - terms * u)
 
 
 @contextlib.contextmanager

@@ -159,3 +159,22 @@ def test_integrate_prefers_a_faster_ilp_plan_that_recomputes():
     assert res.ilp.choice == (0,) and res.rotor.peak_bytes <= budget and res.rotor.recompute_s > 0
     assert res.total_s == pytest.approx(4.0 + res.rotor.recompute_s) and res.total_s < 8.0
     assert [t for _, _, t in res.tried][:2] == [8.0, 8.0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_sequence_of_inverts_the_segments(seed):
+    """The plan carries rotor's segment tree, not its sequence: sequence_of must rebuild the very
+    sequence the DP chose (the simulator and the executor run the tree)."""
+    from planners.map_rotor import min_feasible_budget, sequence_of, walk
+
+    rng = random.Random(seed)
+    chain = _chain(rng, rng.randint(1, 7))
+    lo = min_feasible_budget(chain, memory_slots=200)
+    for budget in (lo, int(lo * 1.3), lo * 4):
+        sol = solve(chain, budget, memory_slots=200, find_min=False)
+        assert sol.feasible
+        assert sequence_of(sol.segments, len(chain)) == sol.sequence
+        steps = walk(chain, sol.sequence)
+        assert max(p for _, p in steps) == sol.peak_bytes
+        # after the whole sequence only delta^{-1} (and the fixed bytes and input) are live
+        assert steps[-1][0] == chain.fixed_bytes + chain.w_input + chain.w_delta_input

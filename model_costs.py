@@ -117,7 +117,8 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
                 _NOTED.append("closed_form")
                 print(f"note: model_costs=closed_form: {cfg.model.name} is a torch_module model, which has no "
                       "closed-form costs; using its traced (symbolic) costs")
-            return model_from_profile(symbolic_profile(cfg))
+            model = model_from_profile(symbolic_profile(cfg))
+            return with_op_graphs(cfg, model) if cfg.policy.kind == "map" else model
         model = closed_form_spec(cfg)
         if costs_source(cfg) == "symbolic":
             from specs.profile import apply_profile
@@ -132,15 +133,41 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
         raise CostsError(str(exc)) from None
 
 
+#: what executor.op_graph measures per node: a cached graph set of another revision is traced again
+OP_GRAPH_REVISION = 1
+
+
 def with_op_graphs(cfg: RunConfig, model: ModelSpec) -> ModelSpec:
     """``model`` with MAP's operator graphs (MAP §4.1) traced at the run's microbatch and precision,
-    one trace per distinct layer (executor.op_graph.model_op_graphs; FakeTensor, seconds)."""
+    one trace per distinct layer (executor.op_graph.model_op_graphs; FakeTensor, seconds), cached
+    beside the symbolic profiles (keyed like them: model config, factory source, microbatch, dtype,
+    torch version, and this revision)."""
     from executor.op_graph import model_op_graphs
+    from reports.files import write_text
+    from specs.op_graph import OpGraph
 
     mb, dtype = cfg.training.samples_per_microbatch, cfg.training.precision.value
-    graphs, keys = model_op_graphs(cfg.model, mb, dtype, progress=lambda k, i, name: print(
-        f"[map] tracing the operator graph of layer {i} ({name}), distinct #{k}", flush=True))
-    layers = [layer.model_copy(update={"op_graph": key}) for layer, key in zip(model.layers, keys)]
+    key = symbolic_cache_key(cfg, attention=f"op_graphs-r{OP_GRAPH_REVISION}")
+    path = profile_cache_dir(cfg) / f"op_graphs-{key}.json"
+    graphs = keys = None
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            graphs = {k: OpGraph.model_validate(v) for k, v in data["graphs"].items()}
+            keys = list(data["keys"])
+            if len(keys) != model.num_layers or set(keys) - set(graphs):
+                raise ValueError(f"{len(keys)} layer keys for {model.num_layers} layers")
+        except (ValueError, KeyError, TypeError) as exc:
+            print(f"note: ignoring the cached operator graphs {path} ({' '.join(str(exc).split())[:200]}); "
+                  "tracing again", flush=True)
+            graphs = keys = None
+    if graphs is None:
+        graphs, keys = model_op_graphs(cfg.model, mb, dtype, progress=lambda k, i, name: print(
+            f"[map] tracing the operator graph of layer {i} ({name}), distinct #{k}", flush=True))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps({"graphs": {k: g.model_dump(mode="json") for k, g in graphs.items()},
+                                     "keys": keys}))
+    layers = [layer.model_copy(update={"op_graph": k}) for layer, k in zip(model.layers, keys)]
     return model.model_copy(update={"op_graphs": graphs, "op_graph_microbatch": mb, "layers": layers})
 
 

@@ -19,11 +19,19 @@ graph with those layouts and letting the SPMD machinery insert the communication
   the gradient buffers and the memory tracker see the shards;
 * forward interprets the exported graph on DTensors: before a group's ops read an activation from
   outside the group it is ``redistribute``d to the planned input layout (the conversions MAP
-  Algorithm 1 prices); after the group's last op DTensor's sharding propagation is compared with
-  the planned output layout. A pending ``Partial`` sum on an axis the plan replicates is the
-  all-reduce the strategy includes (name suffix "(AR..)"): counted in ``reductions``. Any other
-  difference is a disagreement between the planner's strategy model and DTensor: redistributed,
-  and recorded in ``mismatches`` (tests assert on it);
+  Algorithm 1 prices; the group's k-th outside read, over all its ops, gets its k-th planned
+  input layout, as merge_trivial lists them); after the group's last op DTensor's sharding
+  propagation is compared with the planned output layout. A pending ``Partial`` sum on an axis
+  the plan replicates is the all-reduce the strategy includes (name suffix "(AR..)"): counted
+  in ``reductions``. Any other difference is a disagreement between the planner's strategy
+  model and DTensor: redistributed, and recorded in ``mismatches`` (tests assert on it);
+* a group's core linear / embedding runs on the local shards exactly as the planned einsum
+  strategy says (``ShardedLayer._linear`` / ``_embedding``), its partial sum all-reduced right
+  after it, where the strategy prices it (before a folded bias, residual add or GELU). DTensor's
+  own rules cannot run some planned strategies: its linear flattens (b, s) and cannot unflatten a
+  sequence dim split over two mesh axes (nested ``_StridedShard``), and its vocabulary-parallel
+  embedding cannot split the vocabulary over two mesh axes (both axes' ``_MaskPartial`` share
+  one ``MaskBuffer``: "materialized with conflicting data");
 * rotor's checkpoint segments (``StagePlan.checkpoint``) run under nested non-reentrant
   ``torch.utils.checkpoint`` calls: a checkpointed segment keeps only its input, its children say
   how its recomputation is split (MAP §5.2).
@@ -216,6 +224,9 @@ class ShardedLayer(nn.Module):
         params = dict(self.inner.named_parameters(remove_duplicate=False))
         buffers = dict(self.inner.named_buffers())
         env: dict[str, object] = {}
+        # per group: how many of its inputs from outside it its ops have read so far (a folded op's
+        # other input, the residual of ``linear -> add``, is the group's 2nd input, not its op's 1st)
+        counters: dict[str | None, list[int]] = {}
         for name, kind, what in self.placeholders:
             if kind == "PARAMETER":
                 env[name] = params[what]
@@ -234,13 +245,15 @@ class ShardedLayer(nn.Module):
             if isinstance(n.target, torch._ops.OpOverload) and n.target._opname.startswith("_assert"):
                 continue  # export's metadata asserts (a dtype check of .to()): no DTensor rule, nothing to run
             group = self.group_of.get(n.name)
-            counter = [0]
+            counter = counters.setdefault(group, [0])
             read = lambda a, group=group, counter=counter: self._read(a, group, env, counter)  # noqa: E731
             args = torch.fx.node.map_arg(n.args, read)
             kwargs = torch.fx.node.map_arg(n.kwargs, read)
             try:
                 if n.target is torch.ops.aten.scaled_dot_product_attention.default:
                     out = self._attention(args, kwargs)
+                elif n.target in _LOCAL and n.name == group:  # a group's core contraction: local
+                    out = _LOCAL[n.target](self, group, args, kwargs)
                 else:
                     out = n.target(*args, **kwargs)
             except (RuntimeError, NotImplementedError) as exc:  # name the planned strategy DTensor refused
@@ -276,6 +289,100 @@ class ShardedLayer(nn.Module):
         out = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, *args[3:], **kwargs)
         return DTensor.from_local(out, self.mesh, pl, run_check=False)
 
+    def _settle(self, group: str, y_local, placements: list, shape, stride):
+        """The core op's local result as a DTensor with ``placements``; a ``Partial`` (a split
+        contraction dim) is all-reduced right away: the strategy's "(AR..)" is priced on the core
+        op's output, before any folded bias / residual add / activation (MAP §5.1), and DTensor,
+        left alone, would settle it later at the folded op in its own way (a reduce-scatter at an
+        add, then a gather to the planned layout)."""
+        from torch.distributed.tensor import DTensor
+
+        y = DTensor.from_local(y_local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
+        partial = tuple(a for a, p in enumerate(placements) if p.is_partial())
+        if partial:
+            self.stats["reductions"][(self.index, group)] = partial
+            y = y.redistribute(self.mesh, [_replicate() if p.is_partial() else p for p in placements])
+        return y
+
+    def _linear(self, group: str, args, kwargs):
+        """``aten.linear`` of a group's core op on the local shards, as MAP's einsum strategy
+        (``...k,nk->...n``) says: per mesh axis a batch dim of x, the out dim n (w's dim 0, the
+        bias) or the contraction k (x's last dim and w's dim 1: a partial sum) is split, or none.
+        DTensor would decompose the op into flatten -> addmm -> unflatten, and cannot unflatten a
+        sequence dim split over two mesh axes (nested ``_StridedShard``s); here no view happens.
+        The gradients get the placements of the strategy's backward: dx partial over the axes
+        that split n, dw / db partial over those that split a batch dim (the all-reduces the
+        strategy prices; DTensor runs them where the gradients meet their planned layouts).
+        Inputs in any other layout (not from a planner strategy) go to DTensor's own rule."""
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        x, w, b = (list(args) + [None])[:3]
+        tensors = (x, w) if b is None else (x, w, b)
+        if kwargs or not all(hasattr(t, "placements") for t in tensors) or w.ndim != 2:
+            return torch.ops.aten.linear.default(*args, **kwargs)
+        nd = x.ndim
+        out_pl, gx, gw, gb = [], [], [], []
+        for a, (px, pw) in enumerate(zip(x.placements, w.placements)):
+            pb = b.placements[a] if b is not None else Replicate()
+            if type(px) is Shard and px.dim % nd < nd - 1 and pw.is_replicate() and pb.is_replicate():  # batch
+                out_pl.append(Shard(px.dim % nd)), gx.append(px), gw.append(Partial()), gb.append(Partial())
+            elif type(px) is Shard and px.dim % nd == nd - 1 and type(pw) is Shard and pw.dim % 2 == 1 \
+                    and pb.is_replicate():  # k: partial sum
+                out_pl.append(Partial()), gx.append(px), gw.append(pw), gb.append(Replicate())
+            elif px.is_replicate() and type(pw) is Shard and pw.dim % 2 == 0 and (b is None or type(pb) is Shard):  # n
+                out_pl.append(Shard(nd - 1)), gx.append(Partial()), gw.append(pw), gb.append(pb)
+            elif px.is_replicate() and pw.is_replicate() and pb.is_replicate():
+                out_pl.append(Replicate()), gx.append(px), gw.append(pw), gb.append(pb)
+            else:
+                return torch.ops.aten.linear.default(*args, **kwargs)
+        xl, wl = x.to_local(grad_placements=gx), w.to_local(grad_placements=gw)
+        partial = any(p.is_partial() for p in out_pl)
+        bl = b.to_local(grad_placements=gb) if b is not None and not partial else None
+        shape = tuple(x.shape[:-1]) + (w.shape[0],)
+        y = self._settle(group, F.linear(xl, wl, bl), out_pl, torch.Size(shape), _contiguous_stride(shape))
+        return y + b if b is not None and partial else y  # the bias once, after the sum
+
+    def _embedding(self, group: str, args, kwargs):
+        """``aten.embedding`` of a group's core op on the local shards (MAP's ``ab,vh->abh``): per
+        mesh axis a dim of the ids, the vocabulary (w's dim 0: each rank looks up the ids in its
+        rows, zeros elsewhere, a partial sum) or the hidden dim is split, or none. DTensor's own
+        vocabulary-parallel rule keeps the mask in its ``_MaskPartial`` placement, one
+        ``MaskBuffer`` shared by the placements of all mesh axes: with the vocabulary split over
+        two axes (S01) the second axis' mask differs from the first's and the lookup fails
+        ("MaskBuffer has been materialized with conflicting data"); here the mask is local."""
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Partial, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        w, ids = args[:2]
+        rest = list(args[2:]) + [kwargs.get(k) for k in ("padding_idx", "scale_grad_by_freq", "sparse") if k in kwargs]
+        if any(r not in (None, -1, False) for r in rest) or not all(hasattr(t, "placements") for t in (w, ids)) \
+                or w.ndim != 2:
+            return torch.ops.aten.embedding.default(*args, **kwargs)
+        nd = ids.ndim
+        out_pl, gw = [], []
+        for pw, pi in zip(w.placements, ids.placements):
+            if type(pi) is Shard and pw.is_replicate():
+                out_pl.append(Shard(pi.dim % nd)), gw.append(Partial())
+            elif pi.is_replicate() and type(pw) is Shard and pw.dim % 2 == 0:
+                out_pl.append(Partial()), gw.append(pw)
+            elif pi.is_replicate() and type(pw) is Shard and pw.dim % 2 == 1:
+                out_pl.append(Shard(nd)), gw.append(pw)
+            elif pi.is_replicate() and pw.is_replicate():
+                out_pl.append(Replicate()), gw.append(pw)
+            else:
+                return torch.ops.aten.embedding.default(*args, **kwargs)
+        wl, il = w.to_local(grad_placements=gw), ids.to_local()
+        if any(p.is_partial() for p in out_pl):
+            (rows, _), (start, _) = compute_local_shape_and_global_offset(w.shape, self.mesh, w.placements)
+            mask = (il >= start) & (il < start + rows)
+            yl = F.embedding(torch.where(mask, il - start, 0), wl) * mask.unsqueeze(-1).to(wl.dtype)
+        else:
+            yl = F.embedding(il, wl)
+        shape = tuple(ids.shape) + (w.shape[1],)
+        return self._settle(group, yl, out_pl, torch.Size(shape), _contiguous_stride(shape))
+
     def _dt(self, t):
         from torch.distributed.tensor import DTensor
 
@@ -298,6 +405,9 @@ class ShardedLayer(nn.Module):
             return value
         k = counter[0]
         counter[0] += 1
+        if k >= len(self.in_place[group]):
+            raise MapPlanError(f"layer {self.index} group {group!r} reads more inputs than its "
+                               f"{len(self.in_place[group])} planned layouts (executor and op graph disagree)")
         want = self.in_place[group][k]
         return value if tuple(value.placements) == want else value.redistribute(self.mesh, want)
 
@@ -336,6 +446,19 @@ class _ContiguousGrad(torch.autograd.Function):
     def backward(ctx, g):
         local = getattr(g, "_local_tensor", g)
         return g if local.is_contiguous() else g.clone(memory_format=torch.contiguous_format)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+#: core ops run on the local shards (ShardedLayer._linear / _embedding)
+_LOCAL = {torch.ops.aten.linear.default: ShardedLayer._linear,
+          torch.ops.aten.embedding.default: ShardedLayer._embedding}
 
 
 def _replicate():

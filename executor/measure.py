@@ -150,7 +150,7 @@ def execute_run(plan: Plan, model_cfg, hardware: HardwareSpec, iterations: int =
     problems = unsupported(plan, cfg)
     if problems:
         out = RunOutput(failure="the executor cannot run this plan: " + "; ".join(problems))
-        return result_from_run(plan, cfg, hardware, out, warmup), out
+        return result_from_run(plan, cfg, hardware, out, warmup, model_spec), out
     out = run_plan(plan, cfg, iterations=warmup + 1 + iterations, timeout_s=timeout_s,
                    memory_iteration=warmup, fault=fault, device=device,
                    capacity_bytes=hardware.device.memory_bytes)

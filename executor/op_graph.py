@@ -369,8 +369,18 @@ def model_layer_graph(cfg, index: int, microbatch: int = 1, dtype: str = "bf16",
                   for k, v in make_batch(cfg, microbatch, 0).items()}
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fb = {k: mode.from_tensor(v) for k, v in real_batch.items()}
-        inp = None if x is None else torch.empty(tuple(x.shape), dtype=torch_dtype, requires_grad=True)
+        inp = torch.utils._pytree.tree_map(lambda t: _fake_like(t, torch_dtype), x)  # a user layer passes pytrees
         return _layer_graph(named[index][1], (inp, fb), torch_dtype, named[index][0], attention)
+
+
+def _fake_like(t, dtype: torch.dtype):
+    """A leaf of a layer input made inside FakeTensorMode: floating tensors in ``dtype`` needing
+    grad (activations), integer ones as they are (ids, positions), non-tensors unchanged."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.is_floating_point():
+        return torch.empty(tuple(t.shape), dtype=dtype, requires_grad=True)
+    return torch.zeros(tuple(t.shape), dtype=t.dtype)
 
 
 def model_op_graphs(cfg, microbatch: int, dtype: str, progress=None) -> tuple[dict[str, OpGraph], list[str]]:
@@ -384,7 +394,7 @@ def model_op_graphs(cfg, microbatch: int, dtype: str, progress=None) -> tuple[di
         batch = {k: v.to("meta") for k, v in make_batch(cfg, microbatch, 0).items()}
         shapes, x = [], None
         for _, mod in named:
-            shapes.append(None if x is None else tuple(x.shape))
+            shapes.append(str(torch.utils._pytree.tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, x)))
             x = mod(x, batch)
     graphs: dict[str, OpGraph] = {}
     by_sig: dict[tuple, str] = {}

@@ -496,3 +496,37 @@ def prediction_error_figure(errors: dict[str, tuple[list[float], list[float]]],
     if title:
         fig.suptitle(title, fontsize=10)
     return fig
+
+
+def budget_curve_figure(rows: list[dict]):
+    """MAP's trade-off (benchmarks/map_eval.py): iteration time against the per-device memory budget
+    (left), and each plan's simulated peak against its budget (right, the diagonal is the budget),
+    for policy=map and for the same ILP bounding parameter state only (autoparallel / ColossalAI's
+    constraint). Rows: {"budget_gib", "map": {...}, "params_only": {...}} with iteration_s,
+    peak_gib, fits."""
+    fig = _new_figure(11.0, 4.2)
+    ax1, ax2 = fig.subplots(1, 2)
+    for key, label, colour in (("map", "MAP: params + activations", "C0"),
+                               ("params_only", "bound on parameters only", "C3")):
+        pts = sorted((r["budget_gib"], r[key]) for r in rows)
+        ok = [(b, v) for b, v in pts if v["fits"]]
+        bad = [(b, v) for b, v in pts if not v["fits"]]
+        if key == "map":
+            ax1.plot([b for b, _ in ok], [v["iteration_s"] for _, v in ok], "o-", color=colour, label=label)
+            if bad:
+                ax1.plot([b for b, _ in bad], [v["iteration_s"] for _, v in bad], "x", color=colour,
+                         label="MAP: does not fit (closest plan)")
+        ax2.plot([b for b, _ in pts], [v["peak_gib"] for _, v in pts], "o-" if key == "map" else "s--",
+                 color=colour, label=label)
+    top = max(r["budget_gib"] for r in rows)
+    ax2.plot([0, top], [0, top], ":", color=GREYS[1], label="peak = budget")
+    ax1.set_xlabel("memory budget per device (GiB)")
+    ax1.set_ylabel("simulated iteration time (s)")
+    ax1.set_title("time vs budget (policy=map)")
+    ax2.set_xlabel("memory budget per device (GiB)")
+    ax2.set_ylabel("simulated peak per device (GiB)")
+    ax2.set_title("peak vs budget")
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig

@@ -75,8 +75,9 @@ def node_compute_s(node: OpNode, strategy: Strategy, mesh: Mesh, hardware: Hardw
     overhead = max(len(node.ops), 1) * dev.op_overhead_s
     if node.kind in GEMM_KINDS and node.fwd_flops > 0:
         rate = dev.peak_tflops[dtype] * 1e12
-        f = strategy.flops_per_device
-        b = node.bwd_flops * f / node.fwd_flops
+        # the generator's flops_per_device is forward + backward over the devices sharing the work
+        share = strategy.flops_per_device / (node.fwd_flops + node.bwd_flops)
+        f, b = node.fwd_flops * share, node.bwd_flops * share
         fwd = f / (rate * gemm.efficiency(dev, dtype, f)) if f > 0 else 0.0
         # backward: two GEMMs (data and weight gradient) of about the forward's size each
         bwd = b / (rate * gemm.efficiency(dev, dtype, b / 2)) if b > 0 else 0.0

@@ -108,3 +108,28 @@ def test_fixed_mesh_and_pipeline(tiny):
     validate_plan(out.plan, model, hw)
     with pytest.raises(Exception, match="policy.mesh"):
         _run(tiny, None, mesh=[3])
+
+
+def test_a_users_model_with_pytree_boundaries_plans():
+    """A torch_module model whose layers pass dicts and tuples (tests/byom_models.py): its operator
+    graphs trace (pytree inputs), and policy=map plans and simulates it within the budget."""
+    from executor.profile_symbolic import profile_model
+    from specs.profile import model_from_profile
+
+    cfg = parse_model_config({"family": "torch_module", "name": "tiny_rope_layers",
+                              "factory": "tests.byom_models:layered"})
+    tr = TrainingSpec(global_batch=8, microbatch_size=4, precision="fp32")
+    model = model_from_profile(profile_model(cfg, microbatch=4, dtype="fp32"))
+    graphs, keys = model_op_graphs(cfg, 4, "fp32")
+    assert len(keys) == 4  # embed, two blocks (one reads a dict, one a tuple: two graphs), head
+    model = model.model_copy(update={"op_graphs": graphs, "op_graph_microbatch": 4,
+                                     "layers": [l.model_copy(update={"op_graph": k}) for l, k in zip(model.layers, keys)]})
+    hw = _hw("local_cpu")
+    free = map_search(MapPolicy(), model, hw, tr, ScheduleSpec())
+    assert free.fits
+    tight = map_search(MapPolicy(memory_budget_gib=max(free.peak_bytes) * 0.9 / (1 << 30)), model, hw, tr, ScheduleSpec())
+    sim = simulate(validate_plan(tight.plan, model, hw), model, hw).result
+    if tight.fits:
+        assert max(d.peak_bytes for d in sim.devices) <= tight.budget_bytes
+    else:
+        assert "does not fit" in " ".join(tight.notes)

@@ -159,7 +159,7 @@ class StageRuntime:
         # (executor.map_exec; its parameters become DTensor shards here); plain tp > 1 is Megatron's
         self.map = None
         if st.sharding:
-            from executor.map_exec import MapStage
+            from executor.map_stage import MapStage
 
             self.map = MapStage(plan, cfg, index, self.layers, rank_of, groups, torch_device.type, dtype)
         self.vocab_parallel = st.tp > 1 and not st.sharding and tensor_parallel(self.layers, self.tp_group,

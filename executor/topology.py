@@ -77,7 +77,7 @@ def process_groups(plan: Plan) -> list[tuple[str, int, int, list[int]]]:
     ("dp", stage, tp_rank, ranks) per TP rank with dp > 1, ("embed", 0, 0, ranks) over the first
     and last stage when they hold different devices. A MAP stage with an N-D mesh (N > 1) also
     gets ("map", stage, axis, ranks) for every line along every axis (its DeviceMesh's dim groups,
-    executor.map_exec.build_mesh; a rank keeps the one line per axis it is on). A 1-D MAP mesh is
+    executor.map_stage.build_mesh; a rank keeps the one line per axis it is on). A 1-D MAP mesh is
     the stage's "tp" group (tp = all its devices)."""
     rank = rank_of_device(plan)
     out = []

@@ -25,6 +25,8 @@ from pydantic import Field, field_validator, model_validator
 from specs._base import MAX_COUNT, Spec, finite_in
 from specs.hardware import MAX_DEVICES, HardwareSpec
 from specs.model import ModelSpec
+from specs.plan_sharding import (  # noqa: F401  (NodeSharding: re-exported, the plan's types are imported from here)
+    CheckpointSegment, LayerSharding, NodeSharding, check_stage_sharding, check_tiling)
 from specs.training import TrainingSpec
 
 #: the plan.json format this memwall reads and writes
@@ -141,97 +143,6 @@ class OffloadPolicy(Spec):
         return self
 
 
-class NodeSharding(Spec):
-    """One operator group's intra-op strategy (MAP §5.1): the layout each activation input is read in
-    (aligned with the op graph node's ``inputs``), each parameter's layout (by its name in the
-    layer module) and the output's. Layouts are sharding specs on the layer's mesh, one letter
-    group per tensor dim: ``R`` replicated, ``S0`` split over mesh axis 0, ``S01`` over axes 0 and
-    1 (specs.sharding; one-to-one with DTensor placements). The executor redistributes each input
-    to its layout before the node runs; the simulator prices each conversion (MAP Algorithm 1)."""
-
-    node: str = Field(min_length=1, description="op graph node (group head) name, e.g. 'linear'")
-    inputs: list[str] = Field(default_factory=list)
-    params: dict[str, str] = Field(default_factory=dict)
-    output: str
-
-    @model_validator(mode="after")
-    def _parse(self) -> NodeSharding:
-        from specs.sharding import ShardingSpec
-
-        for where, text in ([(f"inputs[{i}]", t) for i, t in enumerate(self.inputs)]
-                            + [(f"params[{k!r}]", t) for k, t in self.params.items()] + [("output", self.output)]):
-            try:
-                ShardingSpec.parse(text)
-            except ValueError as exc:
-                raise ValueError(f"{where}: {text!r} is not a sharding spec ({exc}); use R / S<axes> per "
-                                 "tensor dim, e.g. 'S0R' or 'RS01'") from None
-        return self
-
-    def max_axis(self) -> int:
-        """The largest mesh axis any layout names (-1: all replicated)."""
-        from specs.sharding import ShardingSpec
-
-        axes = [a for t in [*self.inputs, *self.params.values(), self.output] for a in ShardingSpec.parse(t).mesh_axes()]
-        return max(axes, default=-1)
-
-
-class LayerSharding(Spec):
-    """A layer's MAP assignment: one strategy per operator group of its op graph
-    (``ModelSpec.op_graphs[layers[layer].op_graph]``, trivial nodes merged), on the stage's devices
-    viewed as a logical mesh of shape ``mesh`` (row-major, the last axis fastest: device
-    ``devices[i]`` has coordinates ``unravel(i, mesh)``). Data parallelism is a split of the batch
-    dim (S on dim 0), so a sharded stage has dp 1 and tp = its device count."""
-
-    layer: int = Field(ge=0, lt=MAX_COUNT)
-    mesh: list[Annotated[int, Field(ge=1, le=MAX_DEVICES)]] = Field(min_length=1, max_length=4)
-    nodes: list[NodeSharding] = Field(min_length=1)
-
-    @model_validator(mode="after")
-    def _axes(self) -> LayerSharding:
-        names = [n.node for n in self.nodes]
-        if len(set(names)) != len(names):
-            raise ValueError(f"nodes: a node is listed twice: {sorted(n for n in names if names.count(n) > 1)}")
-        for n in self.nodes:
-            if n.max_axis() >= len(self.mesh):
-                raise ValueError(f"nodes[{n.node!r}]: names mesh axis {n.max_axis()} but the mesh {self.mesh} has "
-                                 f"{len(self.mesh)} axes")
-        return self
-
-
-class CheckpointSegment(Spec):
-    """Layers [start, stop) run under ``torch.utils.checkpoint`` when ``checkpointed`` (only the
-    segment's input is kept; the forward is re-run in backward); ``children`` then tile
-    [start, stop) and say how the recomputation is itself split (nested checkpoints). Rotor's
-    solution (MAP §5.2, planners.map_rotor.Segment) in plan form."""
-
-    start: int = Field(ge=0, lt=MAX_COUNT)
-    stop: int = Field(ge=1, le=MAX_COUNT)
-    checkpointed: bool = True
-    children: list[CheckpointSegment] = Field(default_factory=list)
-
-    @model_validator(mode="after")
-    def _tiles(self) -> CheckpointSegment:
-        if self.stop <= self.start:
-            raise ValueError(f"stop: {self.stop} must exceed start {self.start}")
-        if self.children:
-            if not self.checkpointed:
-                raise ValueError(f"children: segment [{self.start}, {self.stop}) is not checkpointed; only a "
-                                 "checkpointed segment's recomputation is split")
-            _check_tiling(self.children, self.start, self.stop, f"segment [{self.start}, {self.stop}).children")
-        return self
-
-
-def _check_tiling(segments: list[CheckpointSegment], start: int, stop: int, where: str) -> None:
-    at = start
-    for seg in segments:
-        if seg.start != at:
-            raise ValueError(f"{where}: segments must tile [{start}, {stop}) in order; [{seg.start}, {seg.stop}) "
-                             f"starts at {seg.start}, expected {at}")
-        at = seg.stop
-    if at != stop:
-        raise ValueError(f"{where}: segments end at {at}, expected {stop}")
-
-
 class StagePlan(Spec):
     layer_start: int = Field(ge=0, lt=MAX_COUNT, description="first layer (inclusive)")
     layer_stop: int = Field(ge=1, le=MAX_COUNT, description="one past the last layer")
@@ -308,7 +219,7 @@ class StagePlan(Spec):
         if self.memory:
             raise ValueError("memory: a MAP-sharded stage recomputes by checkpoint segments (rotor); use checkpoint")
         if self.checkpoint:
-            _check_tiling(self.checkpoint, self.layer_start, self.layer_stop, "checkpoint")
+            check_tiling(self.checkpoint, self.layer_start, self.layer_stop, "checkpoint")
 
     def sharding_of(self, layer: int) -> LayerSharding | None:
         for s in self.sharding:
@@ -471,7 +382,7 @@ def validate_plan(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Plan:
         _check_targets(plan, hardware, err)
     for i, stage in enumerate(plan.stages):
         if layers_ok and stage.sharding:
-            _check_sharding(plan, i, stage, model, err)
+            check_stage_sharding(i, stage, model, plan.training.samples_per_microbatch, plan.zero_stage, err)
         elif layers_ok:
             for layer in stage.layers:
                 cap = model.layers[layer].max_tp
@@ -483,49 +394,6 @@ def validate_plan(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Plan:
     if errors:
         raise PlanError(errors)
     return plan
-
-
-def _check_sharding(plan: Plan, i: int, stage: StagePlan, model: ModelSpec, err) -> None:
-    """A MAP stage's strategies name the nodes of each layer's op graph, with one valid layout per
-    input and parameter for the traced shapes (MAP §4.3: a dim splits only over axes dividing it)."""
-    from specs.sharding import ShardingSpec
-
-    if plan.zero_stage:
-        err("zero_stage", f"{plan.zero_stage}: a MAP-sharded stage shards its states by its strategies; use 0")
-    mb = plan.training.samples_per_microbatch
-    if model.op_graph_microbatch is not None and mb != model.op_graph_microbatch:
-        err(f"stages[{i}].sharding", f"the op graphs were traced at microbatch {model.op_graph_microbatch}, the plan "
-            f"uses {mb}; plan again (policy=map) for this batch")
-        return
-    for s in stage.sharding:
-        where = f"stages[{i}].sharding[layer {s.layer}]"
-        key = model.layers[s.layer].op_graph
-        if key is None:
-            err(where, f"layer {s.layer} ({model.layers[s.layer].name}) has no op graph (ModelSpec.op_graphs is "
-                "filled for policy=map)")
-            continue
-        graph = model.op_graphs[key]
-        nodes = {n.name: n for n in graph.nodes}
-        listed = {n.node for n in s.nodes}
-        if listed != set(nodes):
-            err(where, f"nodes must be the op graph's: missing {sorted(set(nodes) - listed)}, unknown "
-                f"{sorted(listed - set(nodes))}")
-            continue
-        mesh = tuple(s.mesh)
-        for ns in s.nodes:
-            node = nodes[ns.node]
-            params = {p.name: p.shape for p in node.params}
-            if len(ns.inputs) != len(node.inputs) or set(ns.params) != set(params):
-                err(f"{where}.{ns.node}", f"needs {len(node.inputs)} input layouts and params {sorted(params)}, "
-                    f"got {len(ns.inputs)} and {sorted(ns.params)}")
-                continue
-            shapes = ([(f"inputs[{k}]", t, sh) for k, (t, sh) in enumerate(zip(ns.inputs, node.input_shapes))]
-                      + [(f"params[{n!r}]", t, params[n]) for n, t in ns.params.items()]
-                      + [("output", ns.output, node.output_shapes[0])])
-            for loc, text, shape in shapes:
-                if not ShardingSpec.parse(text).valid_for(tuple(shape), mesh):
-                    err(f"{where}.{ns.node}.{loc}", f"{text!r} does not fit shape {tuple(shape)} on mesh {list(mesh)} "
-                        "(one letter group per dim; a split dim must divide by its axes' sizes)")
 
 
 def _check_layers(plan: Plan, model: ModelSpec, err) -> bool:

@@ -59,25 +59,11 @@ class MapPlanError(ValueError):
 # ---- tracing (as executor.op_graph does for the planner) --------------------------------------------
 
 def _export(cfg, index: int, microbatch: int, dtype: torch.dtype):
-    """``torch.export`` of layer ``index`` at the microbatch's global shapes: the same module type,
-    input structure and tracer as executor.op_graph.model_layer_graph, so node names match the
-    plan's. Traced on a meta copy under FakeTensorMode (no memory, no arithmetic)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """``torch.export`` of layer ``index`` at the microbatch's global shapes, traced as the
+    planner's op graph was (executor.op_graph.export_layer), so node names match the plan's."""
+    from executor.op_graph import export_layer
 
-    from executor.models import _layers, make_batch
-    from executor.profile_symbolic import _fake_module
-
-    with torch.device("meta"):
-        named = _layers(cfg)
-        batch = {k: v.to("meta") for k, v in make_batch(cfg, microbatch, 0).items()}
-        x = None
-        for _, mod in named[:index]:
-            x = mod(x, batch)
-    real = {k: v.to(dtype) if v.is_floating_point() else v for k, v in make_batch(cfg, microbatch, 0).items()}
-    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        fb = {k: mode.from_tensor(v) for k, v in real.items()}
-        inp = None if x is None else torch.empty(tuple(x.shape), dtype=dtype, requires_grad=True)
-        return torch.export.export(_fake_module(named[index][1], dtype), (inp, fb))
+    return export_layer(cfg, index, microbatch, dtype)
 
 
 def _groups(ep) -> tuple[OpGraph, dict[str, str]]:

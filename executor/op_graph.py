@@ -354,11 +354,9 @@ def _nodes(gm, replay: _Replay, state: dict, bwd: dict, param_of: dict, user_nam
     return out
 
 
-def model_layer_graph(cfg, index: int, microbatch: int = 1, dtype: str = "bf16",
-                      attention: str = "default") -> OpGraph:
-    """The graph of layer ``index`` of a model config (specs.families), fed a fake input shaped
-    like the previous layer's output (found on the meta device) and the microbatch's fake batch."""
-    torch_dtype = DTYPES[dtype]
+def _layer_inputs(cfg, index: int, microbatch: int, torch_dtype: torch.dtype):
+    """((name, module) of layer ``index``, its input as the previous layers produce it on the meta
+    device (a tensor, a pytree, or None for the first layer), the microbatch's real batch)."""
     with torch.device("meta"):
         named = _layers(cfg)
         batch = {k: v.to("meta") for k, v in make_batch(cfg, microbatch, 0).items()}
@@ -367,10 +365,29 @@ def model_layer_graph(cfg, index: int, microbatch: int = 1, dtype: str = "bf16",
             x = mod(x, batch)
     real_batch = {k: v.to(torch_dtype) if v.is_floating_point() else v
                   for k, v in make_batch(cfg, microbatch, 0).items()}
+    return named[index], x, real_batch
+
+
+def model_layer_graph(cfg, index: int, microbatch: int = 1, dtype: str = "bf16",
+                      attention: str = "default") -> OpGraph:
+    """The graph of layer ``index`` of a model config (specs.families), fed a fake input shaped
+    like the previous layer's output (found on the meta device) and the microbatch's fake batch."""
+    torch_dtype = DTYPES[dtype]
+    (name, module), x, real_batch = _layer_inputs(cfg, index, microbatch, torch_dtype)
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fb = {k: mode.from_tensor(v) for k, v in real_batch.items()}
         inp = torch.utils._pytree.tree_map(lambda t: _fake_like(t, torch_dtype), x)  # a user layer passes pytrees
-        return _layer_graph(named[index][1], (inp, fb), torch_dtype, named[index][0], attention)
+        return _layer_graph(module, (inp, fb), torch_dtype, name, attention)
+
+
+def export_layer(cfg, index: int, microbatch: int, torch_dtype: torch.dtype):
+    """``torch.export`` of layer ``index`` exactly as :func:`model_layer_graph` traces it (same
+    module, inputs and tracer, so node names match a plan made from its graph), on FakeTensor."""
+    (_, module), x, real_batch = _layer_inputs(cfg, index, microbatch, torch_dtype)
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fb = {k: mode.from_tensor(v) for k, v in real_batch.items()}
+        inp = torch.utils._pytree.tree_map(lambda t: _fake_like(t, torch_dtype), x)
+        return torch.export.export(_fake_module(module, torch_dtype), (inp, fb))
 
 
 def _fake_like(t, dtype: torch.dtype):
@@ -411,4 +428,4 @@ def model_op_graphs(cfg, microbatch: int, dtype: str, progress=None) -> tuple[di
     return graphs, keys
 
 
-__all__ = ["layer_graph", "model_layer_graph", "model_op_graphs"]
+__all__ = ["export_layer", "layer_graph", "model_layer_graph", "model_op_graphs"]

@@ -223,7 +223,8 @@ def _segments(segs, start: int) -> list[CheckpointSegment]:
                               children=_segments(g.children, start)) for g in segs]
 
 
-def _solve_stage(sm: _StageModel, budget_bytes: int, policy, choice: StageChoice) -> tuple[list[LayerSharding], list[CheckpointSegment]]:
+def _solve_stage(sm: _StageModel, budget_bytes: int, policy, choice: StageChoice,
+                 progress=None) -> tuple[list[LayerSharding], list[CheckpointSegment]]:
     """§5.3 at ``budget_bytes``; when nothing fits, the minimum-memory choice and its minimum budget."""
     t0 = time.perf_counter()
     choice.min_budget_bytes = 0
@@ -238,7 +239,7 @@ def _solve_stage(sm: _StageModel, budget_bytes: int, policy, choice: StageChoice
         return sm.shardings(sol.choice), []
     sm.quantum_of = budget_bytes
     res = integrate(sm.problem, sm.chain, budget_bytes, alpha=policy.alpha, n=policy.budgets,
-                    memory_slots=policy.memory_slots, ilp_time_limit_s=policy.ilp_time_limit_s)
+                    memory_slots=policy.memory_slots, ilp_time_limit_s=policy.ilp_time_limit_s, progress=progress)
     choice.solve_s += time.perf_counter() - t0
     choice.tried = [{"k": k, "ilp_budget_bytes": b, "total_s": (t if math.isfinite(t) else None)} for k, b, t in res.tried]
     if res.ilp is not None and res.rotor is not None and math.isfinite(res.total_s):
@@ -307,11 +308,12 @@ def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Train
     for rnd in range(policy.refine + 1):
         stages = []
         for sm, ch in zip(models, choices):
-            shard, segs = _solve_stage(sm, target, policy, ch)
+            done = (rnd * len(models) + ch.stage) * policy.budgets
+            total = (policy.refine + 1) * len(models) * policy.budgets
+            step = (lambda k, n, done=done, total=total: progress(done + k, total)) if progress is not None else None
+            shard, segs = _solve_stage(sm, target, policy, ch, step)
             stages.append(StagePlan(layer_start=sm.layers.start, layer_stop=sm.layers.stop, devices=list(sm.devices),
                                     dp=1, tp=len(sm.devices), sharding=shard, checkpoint=segs))
-            if progress is not None:
-                progress(rnd * len(models) + ch.stage + 1, (policy.refine + 1) * len(models))
         plan = Plan(planner="map", model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
                     training=training,
                     schedule=schedule, stages=stages)

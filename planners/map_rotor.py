@@ -318,7 +318,7 @@ class Integrated:
 
 def integrate(ilp_problem_builder: Callable[[int], IlpProblem], chain_builder: Callable[[IlpSolution], Chain],
               budget_bytes: int, alpha: float = 0.25, n: int = 10, memory_slots: int = 500,
-              ilp_time_limit_s: float = 60.0) -> Integrated:
+              ilp_time_limit_s: float = 60.0, progress: Callable[[int, int], None] | None = None) -> Integrated:
     """MAP §5.3: the ILP alone would squeeze its strategies into the budget and leave rotor nothing to
     do, so it is solved at inflated budgets budget*(1+alpha)^k, k = 0..n-1; each solution's chain
     (``chain_builder``) is checkpointed by rotor within the *real* budget; the fastest ILP time +
@@ -344,5 +344,7 @@ def integrate(ilp_problem_builder: Callable[[int], IlpProblem], chain_builder: C
                 if total < best[0]:
                     best = (total, k, sol, chain, rot)
         tried.append((k, ilp_budget, total))
+        if progress is not None:
+            progress(k + 1, n)
     total, k, sol, chain, rot = best
     return Integrated(k, sol, chain, rot, total, tuple(tried))

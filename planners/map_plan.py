@@ -290,6 +290,9 @@ def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Train
     pp = policy.pp
     if n_dev % pp:
         raise PlanningError(f"policy.pp: {pp} does not divide the {n_dev} devices")
+    if pp > model.num_layers:
+        raise PlanningError(f"policy.pp: {pp} stages for {model.name}'s {model.num_layers} layers; use at most "
+                            f"{model.num_layers}")
     per = n_dev // pp
     budget = int(policy.memory_budget_gib * GIB) if policy.memory_budget_gib is not None else hardware.device.memory_bytes
     ranges = _stage_ranges(model, pp) if pp > 1 else [range(0, model.num_layers)]

@@ -121,7 +121,7 @@ class MapPolicy(Spec):
 
     kind: Literal["map"] = "map"
     memory_budget_gib: float | None = Field(None, gt=0, le=1 << 20, description="per device; null: device memory")
-    mesh: list[int] | None = Field(None, min_length=1, max_length=3)
+    mesh: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(None, min_length=1, max_length=3)
     pp: int = Field(1, ge=1)
     alpha: float = Field(0.25, gt=0, le=4)
     budgets: int = Field(10, ge=1, le=40)

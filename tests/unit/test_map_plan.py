@@ -133,3 +133,14 @@ def test_a_users_model_with_pytree_boundaries_plans():
         assert max(d.peak_bytes for d in sim.devices) <= tight.budget_bytes
     else:
         assert "does not fit" in " ".join(tight.notes)
+
+
+def test_bad_policy_values_name_the_field(tiny):
+    from planners.layout import PlanningError
+
+    for kw, field in (({"pp": 7}, "policy.pp"), ({"pp": 3}, "policy.pp"), ({"devices": 9}, "policy.devices"),
+                      ({"mesh": [2, 3]}, "policy.mesh")):
+        with pytest.raises(PlanningError, match=field.replace(".", r"\.")):
+            _run(tiny, None, **kw)
+    with pytest.raises(ValueError, match="mesh"):
+        MapPolicy(mesh=[-2, -2])

@@ -11,6 +11,8 @@ Measured (torch, times from ``time.perf_counter``):
   GEMM rate per dtype.
 * per-operator framework overhead: forward + backward of a tiny transformer block
   (:func:`op_overhead_s`), the ``DeviceSpec.op_overhead_s`` that ``LayerSpec.fwd_ops/bwd_ops`` price;
+  and DTensor's extra cost per operator dispatched on DTensors, the same block under the
+  executor's Megatron TP against plain (executor.calibrate_dtensor, ``DeviceSpec.dtensor_op_overhead_s``);
 * memory bandwidth: ``dst.copy_(src)`` of a large tensor, counting read + write (STREAM copy);
 * host<->device copy bandwidth: pinned host memory to the GPU and back (CUDA); on CPU a rank's
   "host" copy is a memcpy in the same DRAM, i.e. the copy rate above;
@@ -39,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from executor import calibrate_gemm
+from executor.calibrate_dtensor import dtensor_op_overhead_s
 from executor.liveness import die_with
 from reports.files import write_text
 
@@ -308,6 +311,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str, quick: bool, compute
         if active:  # median of 3 windows: the typical cost under this host's load, which the runs share
             runs = sorted(op_overhead_s(secs / 2) for _ in range(3))
             res["op_overhead_s"], res["ops_per_block_pass"] = runs[1]
+        # DTensor's extra per-operator cost: each rank on a mesh of itself (new_group is
+        # collective: every rank makes every rank's group, in one order)
+        singles = [dist.new_group([r]) for r in range(world)]
+        dist.barrier()
+        if active:
+            (res["dtensor_op_overhead_s"], res["dtensor_ops_per_block_pass"],
+             res["dtensor_plain_op_s"]) = dtensor_op_overhead_s(singles[rank], secs / 2)
         dist.barrier()
     # point-to-point: ranks 0 and 1 ping-pong (one message in flight, as at a pipeline boundary)
     # while busy_ranks(world) others compute, as a pipeline's other ranks do while a message travels:
@@ -353,7 +363,9 @@ def summarize(world: int, ranks: list[dict]) -> dict:
     """Per-rank medians and alpha-beta fits of one ``run_ranks`` result."""
     s: dict = {"world": world}
     for key in ranks[0]:
-        if key.endswith(("_flops_per_s", "_gbps", "_n")) or key in ("op_overhead_s", "ops_per_block_pass"):
+        if key.endswith(("_flops_per_s", "_gbps", "_n")) or key in (
+                "op_overhead_s", "ops_per_block_pass", "dtensor_op_overhead_s", "dtensor_ops_per_block_pass",
+                "dtensor_plain_op_s"):
             s[key] = statistics.median(r[key] for r in ranks if key in r)
     p2p = [max(r["p2p_s"][i] for r in ranks if "p2p_s" in r) for i in range(len(MESSAGE_BYTES))]
     ar = [max(r["allreduce_s"][i] for r in ranks) for i in range(len(MESSAGE_BYTES))]
@@ -394,6 +406,7 @@ device:
   peak_tflops: {{fp32: {tf(big['matmul_fp32_1024_flops_per_s'])}, bf16: {tf(big['matmul_bf16_1024_flops_per_s'])}, fp16: {tf(big['matmul_fp16_256_flops_per_s'])}}}
   compute_efficiency: 1.0
   op_overhead_s: {big.get('op_overhead_s', 0.0):.3g}
+  dtensor_op_overhead_s: {big.get('dtensor_op_overhead_s', 0.0):.3g}
   hbm_gbps: {big['copy_gbps']:.2f}
 host:
   memory_bytes: {host_tier_bytes(host_bytes, ranks, budget_bytes)}
@@ -509,6 +522,8 @@ def hardware_yaml(base: dict, m: dict, name: str) -> str:
     dev["gemm_efficiency"] = calibrate_gemm.curves_for(m, dev["peak_tflops"])  # shape fall-off (issue #11)
     if "op_overhead_s" in r:  # per-operator framework cost, compute_ranks(world) ranks dispatching at once
         dev["op_overhead_s"] = float(f"{r['op_overhead_s']:.3g}")
+    if "dtensor_op_overhead_s" in r:  # DTensor's extra per operator (Megatron TP's and MAP's stages)
+        dev["dtensor_op_overhead_s"] = float(f"{r['dtensor_op_overhead_s']:.3g}")
     host["cpu_adam_params_per_s"] = float(f"{m['cpu_adam_params_per_s']:.4g}")
     # latency: a pipeline message's (the ring of computing ranks, _ring_hop_s) where measured,
     # else the ping-pong's alpha; bandwidth: the ping-pong fit's
@@ -531,6 +546,10 @@ def hardware_yaml(base: dict, m: dict, name: str) -> str:
         + (f"; no fast kernels here for {', '.join(slow)} (>= 8x below fp32)" if slow else ""),
         f"# per-operator overhead {r.get('op_overhead_s', 0) * 1e6:.1f} us "
         f"(fwd+bwd of a tiny transformer block, {r.get('ops_per_block_pass', 0):.0f} operators, median of 3)",
+        f"# DTensor extra per operator {r.get('dtensor_op_overhead_s', 0) * 1e6:.1f} us (the same block under "
+        f"Megatron TP on a one-rank mesh minus plain, {r.get('dtensor_ops_per_block_pass', 0):.0f} DTensor "
+        f"operators, medians of 3 alternating windows; plain {r.get('dtensor_plain_op_s', 0) * 1e6:.1f} us per "
+        "operator then)",
         "# point-to-point fit t = alpha + bytes/beta over "
         + ", ".join(f"{b >> 10} KiB" for b in MESSAGE_BYTES),
         f"#   alpha {r['p2p_alpha_s'] * 1e6:.1f} us, beta {r['p2p_beta'] / 1e9:.3f} GB/s; "

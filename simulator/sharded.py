@@ -70,9 +70,12 @@ def stage_mesh(hardware: HardwareSpec, devices: tuple[int, ...], shape: tuple[in
 
 def node_compute_s(node: OpNode, strategy: Strategy, mesh: Mesh, hardware: HardwareSpec,
                    dtype: str) -> tuple[float, float]:
-    """(forward, backward) seconds of ``node``'s own compute on one device under ``strategy``."""
+    """(forward, backward) seconds of ``node``'s own compute on one device under ``strategy``.
+    Per operator of the node, each pass pays ``op_overhead_s`` plus ``dtensor_op_overhead_s``: the
+    executor runs every operator of a MAP stage on DTensors (executor.map_exec), whose dispatch
+    (sharding propagation, wrapping) is host work on top of the plain framework cost."""
     dev = hardware.device
-    overhead = max(len(node.ops), 1) * dev.op_overhead_s
+    overhead = max(len(node.ops), 1) * (dev.op_overhead_s + dev.dtensor_op_overhead_s)
     if node.kind in GEMM_KINDS and node.fwd_flops > 0:
         rate = dev.peak_tflops[dtype] * 1e12
         # the generator's flops_per_device is forward + backward over the devices sharing the work

@@ -9,7 +9,7 @@ import math
 
 from specs import gemm
 from specs.hardware import HardwareSpec, LinkSpec
-from specs.model import LayerSpec, ModelSpec
+from specs.model import LayerKind, LayerSpec, ModelSpec
 from specs.plan import MemoryAction, Plan, ScheduleKind, StagePlan
 from specs.result import MemoryBreakdown
 
@@ -377,15 +377,40 @@ def _rest_flops_s(layer: LayerSpec, samples: int, tp: int, hardware: HardwareSpe
     return max(rest, 0.0) / hardware.device.flops_per_s(dtype)
 
 
+#: (forward, backward) aten operators one pass of a layer dispatches on DTensors under Megatron
+#: TP (executor.stage.tensor_parallel, tp > 1), counted on gpt/bert/moe_tiny with a
+#: TorchDispatchMode over 2 gloo ranks (2026-11-24; views and detaches included: DTensor
+#: propagates and wraps those too). Only what parallelize_module makes DTensor runs there:
+#: a column/row-parallel Linear is 4 forward (view, t, addmm, view) and 12 backward (t x4, mm x2,
+#: sum, add_ x2 into .grad, views x3); a transformer block has 6 (q, k, v, proj, fc1, fc2), an
+#: MoE block its attention's 4 (the experts stay replicated: plain); the vocabulary-parallel
+#: embedding its lookup (1; backward: embedding_dense_backward, add_); the LM head its decoder
+#: plus the loss_parallel cross-entropy (8; 16 backward with a decoder bias, GPT's bias-free 13).
+#: Everything else in those layers (layernorms, attention, GeLU, residual adds) runs on the
+#: local outputs, plain. Wide-ResNet and user layers stay replicated: none.
+TP_DTENSOR_OPS = {LayerKind.transformer_block: (24, 72), LayerKind.moe_block: (16, 48),
+                  LayerKind.embedding: (1, 2), LayerKind.head: (8, 16)}
+
+
+def tp_dtensor_ops(layer: LayerSpec, tp: int) -> tuple[int, int]:
+    """(forward, backward) operators of ``layer`` dispatched on DTensors at tensor-parallel
+    degree ``tp`` (:data:`TP_DTENSOR_OPS`; (0, 0) at tp 1, where nothing is a DTensor)."""
+    if tp <= 1:
+        return 0, 0
+    return TP_DTENSOR_OPS.get(layer.kind, (0, 0))
+
+
 def layer_fwd_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
     """Forward compute seconds of one layer for one microbatch on one device (no communication):
     each GEMM at its own shape's efficiency (specs/gemm.py), the memory-bound ops at HBM bandwidth,
-    any FLOPs outside the listed GEMMs at the best GEMM rate, and ``fwd_ops`` x the device's
-    per-operator overhead."""
+    any FLOPs outside the listed GEMMs at the best GEMM rate, ``fwd_ops`` x the device's
+    per-operator overhead, and under TP the DTensor operators' extra dispatch cost
+    (:func:`tp_dtensor_ops` x ``dtensor_op_overhead_s``)."""
     spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device
     b, tp = samples_per_replica(plan, stage), stage.tp
     return (gemm.gemms_fwd_s(dev, dtype, spec.gemms, b, tp) + _mem_s(spec, b, tp, hardware)
-            + _rest_flops_s(spec, b, tp, hardware, dtype) + spec.fwd_ops * dev.op_overhead_s)
+            + _rest_flops_s(spec, b, tp, hardware, dtype) + spec.fwd_ops * dev.op_overhead_s
+            + tp_dtensor_ops(spec, tp)[0] * dev.dtensor_op_overhead_s)
 
 
 def accumulate_bytes_per_param(plan: Plan) -> int:
@@ -404,13 +429,15 @@ def layer_bwd_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: Sta
     """Backward compute seconds of one layer (no recompute, no communication): the dgrad and wgrad
     GEMM of every forward GEMM at their own shapes (``gemm.backward_shapes``), the elementwise
     backward at ``BWD_MEM_FACTOR`` x the forward traffic, the gradient accumulation, twice the
-    unlisted FLOPs, and ``bwd_ops`` x the per-operator overhead."""
+    unlisted FLOPs, ``bwd_ops`` x the per-operator overhead, and under TP the DTensor operators'
+    extra dispatch cost (:func:`tp_dtensor_ops`)."""
     spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device
     b, tp = samples_per_replica(plan, stage), stage.tp
     dgrad, wgrad = gemm.gemms_bwd_s(dev, dtype, spec.gemms, b, tp)
     accumulate = accumulate_bytes_per_param(plan) * layer_params_on_device(spec, tp) / dev.hbm_bytes_per_s
     return (dgrad + wgrad + BWD_MEM_FACTOR * _mem_s(spec, b, tp, hardware) + accumulate
-            + 2 * _rest_flops_s(spec, b, tp, hardware, dtype) + spec.bwd_ops * dev.op_overhead_s)
+            + 2 * _rest_flops_s(spec, b, tp, hardware, dtype) + spec.bwd_ops * dev.op_overhead_s
+            + tp_dtensor_ops(spec, tp)[1] * dev.dtensor_op_overhead_s)
 
 
 def layer_tp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:

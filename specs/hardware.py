@@ -103,6 +103,14 @@ class DeviceSpec(Spec):
     op_overhead_s: Latency = Field(
         0.0, description="host-side cost per operator launched (framework dispatch / kernel launch) that the "
                          "device does not hide; dominant for tiny layers on CPU (issue #11)")
+    dtensor_op_overhead_s: Latency = Field(
+        0.0, description="extra host-side cost per aten operator dispatched on DTensors (sharding propagation, "
+                         "placement checks, local/global wrapping, the TP hooks' from_local/to_local), on top of "
+                         "op_overhead_s: charged for every operator of a MAP-sharded stage (executor/map_exec.py "
+                         "runs all of them on DTensor) and for the DTensor operators of a tp > 1 layer (Megatron TP "
+                         "through parallelize_module: the parallelized Linears and the vocabulary-parallel "
+                         "embedding / loss; specs.costs.TP_DTENSOR_OPS). Measured by mode=calibrate "
+                         "(executor.calibrate.dtensor_op_overhead_s); 0: not measured")
 
     @model_validator(mode="after")
     def _dtypes(self) -> DeviceSpec:

@@ -3,7 +3,12 @@
 MAP (§5) plans one intra-op strategy per operator group of every layer — a layout (specs.sharding:
 R / S<axes> per tensor dim) for each activation input, parameter and the output — on the stage's
 devices viewed as one logical mesh. §6 turns that into a runnable program by annotating the traced
-graph with those layouts and letting the SPMD machinery insert the communication. Here:
+graph with those layouts and letting the SPMD machinery insert the communication. Not
+``parallelize_module``: its ParallelStyles fix one input/output layout and parameter placement per
+*module*, while MAP's plan is per *operator* inside modules (q, k, v, attention, the projection and
+the residual add of one Attention each have their own layouts), so the executor applies what those
+styles apply underneath — ``distribute_tensor`` per parameter, ``redistribute`` per input — at the
+granularity the plan has. Here:
 
 * the stage's devices become one ``DeviceMesh`` (row-major: ``devices[i]`` has coordinate
   ``unravel(i, mesh)``), built from sub-groups every rank created up front

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from executor import calibrate_gemm
-from executor.calibrate_dtensor import dtensor_op_overhead_s
+from executor.calibrate_dtensor import dtensor_op_overhead_s, tiny_block_pass
 from executor.liveness import die_with
 from reports.files import write_text
 
@@ -137,20 +137,9 @@ def op_overhead_s(seconds: float = 1.0) -> tuple[float, int]:
     cost (dispatch, autograd, allocator) that ``DeviceSpec.op_overhead_s`` prices. ``.grad`` is
     pre-allocated as the executor does. Out: (seconds per operator, operators per fwd+bwd),
     operators counted as ``specs.op_counts`` counts them (executor.profile_symbolic.OpCount)."""
-    from executor.models import Block
     from executor.profile_symbolic import OpCount
 
-    block = Block(16, 2, 64, pre_ln=True, causal=True)
-    for p in block.parameters():
-        p.grad = torch.zeros_like(p)
-    x = torch.randn(1, 4, 16, requires_grad=True)
-
-    def once() -> None:
-        y = block(x, {})
-        y.backward(torch.ones_like(y))
-        x.grad = None
-
-    once()
+    once = tiny_block_pass()
     with OpCount() as count:
         once()
     n, start = 0, time.perf_counter()
@@ -542,7 +531,7 @@ def hardware_yaml(base: dict, m: dict, name: str) -> str:
         f"# {name}: measured by `python -m run mode=calibrate` (MAP §4.2 cluster detector)",
         f"# torch {m['torch']}, {m['world']} gloo ranks at once, load average {m['load_average']:.2f}, "
         f"{m['elapsed_s']:.0f} s; compute rates with {r.get('compute_ranks', n)} ranks computing at once",
-        f"# GEMM n: " + ", ".join(f"{k} {int(r.get(f'matmul_{k}_n', 1024))}" for k in DTYPES)
+        "# GEMM n: " + ", ".join(f"{k} {int(r.get(f'matmul_{k}_n', 1024))}" for k in DTYPES)
         + (f"; no fast kernels here for {', '.join(slow)} (>= 8x below fp32)" if slow else ""),
         f"# per-operator overhead {r.get('op_overhead_s', 0) * 1e6:.1f} us "
         f"(fwd+bwd of a tiny transformer block, {r.get('ops_per_block_pass', 0):.0f} operators, median of 3)",

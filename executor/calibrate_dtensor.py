@@ -9,6 +9,31 @@ import time
 import torch
 
 
+def tiny_block_pass(group=None):
+    """Forward + backward of a transformer block so small (h=16, 2 heads, 4 tokens) that FLOPs and
+    bytes are negligible (what is left is per-operator cost), ``.grad`` pre-allocated as the
+    executor does; with ``group``, the block under the executor's Megatron TP on a mesh over it
+    (executor.stage.tensor_parallel). Returns the pass as a function, run once already."""
+    from executor.models import Block
+    from executor.stage import tensor_parallel
+
+    torch.manual_seed(0)
+    block = Block(16, 2, 64, pre_ln=True, causal=True)
+    if group is not None:
+        tensor_parallel([(0, "block", block)], group, "cpu")
+    for p in block.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(1, 4, 16, requires_grad=True)
+
+    def once() -> None:
+        y = block(x, {})
+        y.backward(torch.ones_like(y))
+        x.grad = None
+
+    once()
+    return once
+
+
 def dtensor_op_count():
     """A TorchDispatchMode whose ``ops`` counts the aten operators dispatched with a DTensor among
     their arguments while active (views and detaches included: DTensor propagates and wraps those
@@ -43,28 +68,9 @@ def dtensor_op_overhead_s(group, seconds: float = 1.0, windows: int = 3) -> tupl
     same and contend for the cores as in a run. Out: ((t_dtensor - t_plain) / DTensor operators,
     DTensor operators per fwd+bwd (:func:`dtensor_op_count`), t_plain per :func:`op_overhead_s`
     operator, the same moment's plain rate)."""
-    from executor.models import Block
     from executor.profile_symbolic import OpCount
-    from executor.stage import tensor_parallel
 
-    def make(dtensor: bool):
-        torch.manual_seed(0)
-        block = Block(16, 2, 64, pre_ln=True, causal=True)
-        if dtensor:
-            tensor_parallel([(0, "block", block)], group, "cpu")
-        for p in block.parameters():
-            p.grad = torch.zeros_like(p)
-        x = torch.randn(1, 4, 16, requires_grad=True)
-
-        def once() -> None:
-            y = block(x, {})
-            y.backward(torch.ones_like(y))
-            x.grad = None
-
-        once()
-        return once
-
-    plain, dt = make(False), make(True)
+    plain, dt = tiny_block_pass(), tiny_block_pass(group)
     with OpCount() as count:
         plain()
     with dtensor_op_count() as dcount:
@@ -86,4 +92,4 @@ def dtensor_op_overhead_s(group, seconds: float = 1.0, windows: int = 3) -> tupl
     return max(td - tp, 0.0) / dcount.ops, dcount.ops, tp / count.ops
 
 
-__all__ = ["dtensor_op_count", "dtensor_op_overhead_s"]
+__all__ = ["dtensor_op_count", "dtensor_op_overhead_s", "tiny_block_pass"]

@@ -13,10 +13,10 @@ torch's schedule IR so that both sides run the same action order.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 from specs.plan import Plan, StagePlan
+from specs.sharding import mesh_lines
 
 
 class Route(NamedTuple):
@@ -61,14 +61,6 @@ def routes(plan: Plan, src: int, dst: int) -> list[Route]:
             if start < stop:
                 out.append(Route(a.devices[r_src * a.tp + t_dst % a.tp], dst_device, start, stop))
     return out
-
-
-def mesh_lines(devices: list[int], shape: tuple[int, ...], axis: int) -> list[list[int]]:
-    """The devices along mesh ``axis`` (one list per line), ``devices`` laid out row-major on a
-    mesh of ``shape`` (the last axis fastest: ``devices[i]`` sits at ``unravel(i, shape)``)."""
-    stride = math.prod(shape[axis + 1:])
-    starts = [i for i in range(len(devices)) if (i // stride) % shape[axis] == 0]
-    return [[devices[i + j * stride] for j in range(shape[axis])] for i in starts]
 
 
 def process_groups(plan: Plan) -> list[tuple[str, int, int, list[int]]]:

@@ -38,7 +38,7 @@ from specs.op_graph import OpGraph, OpNode
 from specs.plan import CheckpointSegment, LayerSharding, NodeSharding, Plan, StagePlan
 from specs.result import MemoryBreakdown
 from specs.training import TrainingSpec
-from specs.sharding import Mesh, MeshAxis, ShardingSpec
+from specs.sharding import Mesh, MeshAxis, ShardingSpec, mesh_lines
 
 #: kinds whose FLOPs run as GEMM kernels (priced on the device's GEMM efficiency curve)
 GEMM_KINDS = frozenset({"linear", "matmul", "bmm", "sdpa", "conv2d", "moe_dispatch"})
@@ -51,16 +51,12 @@ def stage_mesh(hardware: HardwareSpec, devices: tuple[int, ...], shape: tuple[in
     if math.prod(shape) != len(devices):
         raise ValueError(f"mesh {list(shape)} has {math.prod(shape)} devices, the stage {len(devices)}")
     axes = []
-    strides = [math.prod(shape[k + 1:]) for k in range(len(shape))]
     for k, size in enumerate(shape):
         if size == 1:
             axes.append(MeshAxis(1, 0.0, math.inf))
             continue
         worst_bw, worst_lat = math.inf, 0.0
-        for flat in range(len(devices)):
-            if (flat // strides[k]) % size:
-                continue  # one ring per line of the axis: start where this coordinate is 0
-            ring = [devices[flat + j * strides[k]] for j in range(size)]
+        for ring in mesh_lines(list(devices), shape, k):  # one ring per line of the axis
             link = allreduce_link(hardware, ring)
             lat = link.collective_latency_s if link.collective_latency_s is not None else link.latency_s
             worst_bw, worst_lat = min(worst_bw, link.total_bw_gbps * 1e9), max(worst_lat, lat)

@@ -139,3 +139,13 @@ class Mesh:
         if ax.size == 1:
             return 0.0
         return ax.alpha_s * (ax.size - 1) + nbytes * (ax.size - 1) / ax.size / ax.beta_bytes_per_s
+
+
+def mesh_lines(items: list, shape: tuple[int, ...], axis: int) -> list[list]:
+    """The items along mesh ``axis``, one list per line, ``items`` laid out row-major on a mesh of
+    ``shape`` (the last axis fastest: ``items[i]`` sits at ``unravel(i, shape)``). The executor makes
+    one process group per line (executor.topology); the simulator prices one ring per line."""
+    stride = math.prod(shape[axis + 1:])
+    starts = [i for i in range(len(items)) if (i // stride) % shape[axis] == 0]
+    return [[items[i + j * stride] for j in range(shape[axis])] for i in starts]
+

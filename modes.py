@@ -361,7 +361,8 @@ def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
           f"{r['matmul_bf16_1024_flops_per_s'] / 1e9:.1f}, fp16 {r['matmul_fp16_256_flops_per_s'] / 1e9:.2f}; copy "
           f"{r['copy_gbps']:.2f} GB/s; p2p alpha {r['p2p_alpha_s'] * 1e6:.0f} us beta {r['p2p_beta'] / 1e9:.2f} GB/s; "
           f"all-reduce busbw {r['ar_busbw_gbps']:.2f} GB/s, {r['ar_ring_latency_s'] * 1e6:.0f} us per ring step; "
-          f"per-operator overhead {r.get('op_overhead_s', 0) * 1e6:.1f} us ({m['elapsed_s']:.0f} s)")
+          f"per-operator overhead {r.get('op_overhead_s', 0) * 1e6:.1f} us, DTensor extra "
+          f"{r.get('dtensor_op_overhead_s', 0) * 1e6:.1f} us ({m['elapsed_s']:.0f} s)")
     print(f"wrote {path}\nuse it: python -m run +hardware={name} hydra.searchpath=[file://{outdir.resolve()}] "
           f"+model={cfg.model.name}")
     # MAP §4.2 cluster detector: all-pairs alpha-beta, the mesh it implies, the YAML's links checked

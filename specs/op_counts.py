@@ -13,7 +13,9 @@ forward's Python side: a forward operator costs ~2x a backward one); the backwar
 head in 2-byte precision one extra cast each way (logits to fp32 for the loss).
 ``tests/unit/test_op_counts.py`` checks these constants against the profiler on the tiny models,
 so a change to a module that changes its operator count fails there instead of drifting.
-Tensor parallelism (DTensor) adds operators these counts do not include.
+Tensor parallelism (DTensor) adds its own per-operator cost on top of these counts: charged apart,
+per DTensor operator of a tp > 1 layer (``specs.costs.TP_DTENSOR_OPS``) at
+``DeviceSpec.dtensor_op_overhead_s``.
 """
 from __future__ import annotations
 

@@ -8,7 +8,9 @@ of its release through a weakref finalizer on the storage (torch keeps one Pytho
 storage, so the finalizer fires when the memory is freed). Categories come from the phase the
 tensor was born in (forward/backward: activations, recv/send: buffers, optimizer step: optimizer)
 and are corrected by :meth:`tag` for parameters, gradients and optimizer state.
-DTensor outputs are counted through their local shard (what the rank really holds).
+DTensor ops are left to DTensor (the mode returns NotImplemented for them), so the local ops its
+sharding rules run, temporaries included, are counted on their local tensors (what the rank really
+holds).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import weakref
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -141,6 +143,13 @@ class LiveTensorTracker(TorchDispatchMode):
             self.category = before
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass(t) for t in tree_flatten((args, kwargs))[0]):
+            # a DTensor op: let DTensor run it first, so that the local ops it runs come back
+            # through this mode and every storage they make is counted. Run from here they would
+            # not be (a mode is off inside its own dispatch): the temporaries of a sharding rule
+            # went unseen, e.g. loss_parallel's backward, which holds three logits shards at once
+            # (zeros, exp, their sum) where only its one-shard result was counted (issue #11)
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         if func.is_view:  # a view allocates nothing: its storage is counted where it was made, or,
             return out    # made before tracking (the host-side global batch a rank slices), not at all

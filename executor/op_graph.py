@@ -212,7 +212,8 @@ def _layer_graph(module, inputs, dtype, name, attention) -> OpGraph:
         else:
             raise NotImplementedError(f"op graph: input kind {kind} of {name}")
 
-    param_keys = {StorageWeakRef(p.untyped_storage()) for p in module.parameters()}
+    # module state, never an activation: parameters and buffers (as profile_symbolic counts saved bytes)
+    param_keys = {StorageWeakRef(t.untyped_storage()) for t in (*module.parameters(), *module.buffers())}
     param_ids = {id(p) for p in module.parameters()}
     for p in module.parameters():
         if p.requires_grad:

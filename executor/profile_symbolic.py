@@ -9,8 +9,9 @@ under ``FakeTensorMode``: tensors carry shape, dtype and device but no storage, 
 * parameters (numel of the module's parameters),
 * forward and backward FLOPs (``torch.utils.flop_counter.FlopCounterMode``; we register the
   CPU flash-attention ops it lacks, with its own SDPA formulas),
-* bytes saved for backward (``saved_tensors_hooks``; unique storages, parameters excluded, so a
-  tensor saved by q, k and v is counted once and a weight's transposed view not at all),
+* bytes saved for backward (``saved_tensors_hooks``; unique storages, parameters and buffers
+  excluded, so a tensor saved by q, k and v is counted once and a weight's transposed view or
+  BatchNorm's running statistics not at all),
 * boundary output bytes, and
 * the transient peak inside the layer: a small dispatch-mode tracker of live storages (each new
   storage counted once, released by a weakref finalizer on the storage). We use our own ~30-line
@@ -45,8 +46,10 @@ from specs.profile import LayerProfile, Profile
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: bumped when a profile gains a measurement (part of the cache key, model_costs.symbolic_cache_key):
 #: 2 = operator counts fwd_ops/bwd_ops (issue #11; a cached revision-1 profile would read them as 0),
-#: 3 = those counts include nn.Module calls
-PROFILE_REVISION = 3
+#: 3 = those counts include nn.Module calls, 4 = saved bytes exclude module buffers (BatchNorm's
+#: running statistics were counted as activations of every microbatch), 5 = the transient is
+#: tracked above FlopCounterMode (its decompositions of fused backward kernels were counted)
+PROFILE_REVISION = 5
 
 # ---- FLOP formulas FlopCounterMode lacks: CPU flash attention (same math as the CUDA one) ----
 _aten = torch.ops.aten
@@ -185,7 +188,10 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
                  attention: str) -> tuple[dict, torch.Tensor]:
     """Forward + backward of one fake layer: (measurements, output). Call inside FakeTensorMode."""
     module = _fake_module(module, dtype)
-    param_keys = {StorageWeakRef(p.untyped_storage()) for p in module.parameters()}
+    # the module's state is not an activation: parameters, and buffers too (BatchNorm's running
+    # mean and variance, which its backward saves beside the batch statistics) live once per rank,
+    # not once per microbatch, and the executor files neither under activations
+    param_keys = {StorageWeakRef(t.untyped_storage()) for t in (*module.parameters(), *module.buffers())}
     saved: dict[StorageWeakRef, int] = {}
 
     saved_attn: dict[StorageWeakRef, int] = {}  # saved inside an ``attn`` submodule (TP-sharded there)
@@ -212,8 +218,13 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
             p.grad = torch.zeros_like(p)
     kernel = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
     tracker = LiveBytes()
-    with kernel, tracker:
-        with flop_counter.FlopCounterMode(display=False) as fwd_count, OpCount() as fwd_ops:
+    # the tracker is the innermost mode of each pass (entered last, so it sees each op first):
+    # FlopCounterMode runs the CompositeImplicitAutograd decomposition of ops it has no formula
+    # for, also of ops with a fused kernel of their own (silu_backward: sigmoid, 1 - s, x(1 - s),
+    # 1 + ..., three muls), and a tracker below it counted those temporaries, five activation-sized
+    # tensors the real kernel never allocates (LLaMA's backward transient read 2x too high)
+    with kernel:
+        with flop_counter.FlopCounterMode(display=False) as fwd_count, OpCount() as fwd_ops, tracker:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = module(x, batch)
         # a layer may return any pytree of tensors (a user's torch_module: tuples, dicts)
@@ -221,10 +232,11 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
         out_keys = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs}
         out_bytes = sum(out_keys.values())
         diff = [t for t in outs if t.requires_grad]
-        grad = [torch.ones_like(t) for t in diff]
+        with tracker:
+            grad = [torch.ones_like(t) for t in diff]
         before = tracker.current
         tracker.reset_peak()
-        with flop_counter.FlopCounterMode(display=False) as bwd_count, OpCount() as bwd_ops:
+        with flop_counter.FlopCounterMode(display=False) as bwd_count, OpCount() as bwd_ops, tracker:
             torch.autograd.backward(diff, grad)
         # the backward's peak above what is live when it starts (saved tensors, output, its gradient):
         # weight-gradient scratch, the input gradient, intermediate gradients. The forward's own

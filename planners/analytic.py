@@ -38,19 +38,21 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     for a plan with MAP-sharded stages (ValueError without it); their activations and workspace
     are rotor's walk (simulator.sharded.ShardedStage), their static bytes the stored shards.
 
-    Peak = static + boundary gradient buffers + stashed weights (PipeDream) + the larger of
+    Peak = static + received-gradient buffers + stashed weights (PipeDream) + the larger of
     (a) the activation peak of the device's pipeline position — the microbatches held per stage at
     the moment the schedule holds the most bytes, plus that backward's workspace (scratch,
     recomputed activations; or the output of the last forward still being sent, when stage outputs
-    are released once sent; specs.costs.activation_peak) — and (b) the flat gradient copy of a
-    data-parallel all-reduce (after the last backward, when activations are gone); plus the
+    are released once sent; specs.costs.activation_peak; with the input gradient each stage sends
+    back once its first backward has ended) — and (b) the flat gradient copy of a data-parallel
+    all-reduce (after the last backward, when activations are gone, the sent gradients not); plus the
     largest swap-in copy and bytes peers D2D-swapped here (held for the in-flight microbatches,
     striped by weight, MPress §IV-C).
     """
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
-    acts, work, swap_in, allreduce, sent = {}, {}, {}, {}, {}
+    acts, work, swap_in, allreduce, sent, grads = {}, {}, {}, {}, {}, {}
     sharded = _sharded(plan, model, hardware)
     for i, stage in enumerate(plan.stages):
+        grads[i] = costs.sent_grad_buffer_bytes(model, plan, stage)  # from the first backward's end on
         if i in sharded:
             sh = sharded[i]
             acts[i], work[i], sent[i], swap_in[i] = sh.act_bytes, sh.run.workspace_bytes, sh.sent_output_bytes, 0
@@ -63,12 +65,12 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
         sent[i] = max(costs.sent_output_bytes(model, plan, v) for v in variants)
         work[i], swap_in[i] = (max(x) for x in zip(*(costs.backward_transient_bytes(model, plan, v) for v in variants)))
         allreduce[i] = costs.allreduce_buffer_bytes(model, plan, stage)
-    peaks = {pos: costs.activation_peak(plan, pos, acts, work, sent) for pos in range(plan.pipeline_depth)}
+    peaks = {pos: costs.activation_peak(plan, pos, acts, work, sent, grads) for pos in range(plan.pipeline_depth)}
     for i, stage in enumerate(plan.stages):
         static, host = (sharded[i].static, 0) if i in sharded else costs.stage_static(model, plan, stage)
         in_flight = peaks[plan.device_group_of(i)][1][i]
         stashed = costs.stashed_versions(plan, i) * static.parameters_bytes
-        buffers = costs.comm_buffer_bytes(model, plan, stage)
+        buffers = costs.comm_buffer_bytes(model, plan, stage) - grads[i]  # grads[i]: in the walk
         for device in stage.devices:
             mem, h = out[device]
             mem = _add(mem, parameters_bytes=static.parameters_bytes, gradients_bytes=static.gradients_bytes,
@@ -78,19 +80,20 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
         for target, nbytes in _d2d_held(model, plan, stage, in_flight).items():
             mem, h = out.setdefault(target, (MemoryBreakdown(), 0))
             out[target] = (_add(mem, swapped_in_bytes=nbytes), h)
-    for pos, (act_peak, _) in peaks.items():
+    for pos, (act_peak, _, grad_peak) in peaks.items():
         stages = range(pos, len(plan.stages), plan.pipeline_depth)
         flat = max(allreduce[s] for s in stages)
+        sent_grads = sum(grads[s] for s in stages)  # made by the backwards, kept through the step
         for device in plan.stages[pos].devices:
             mem, h = out[device]
             # after the last backward (activations gone): the all-reduce's flat copy, or a
             # swapped-in optimizer state for the step (MPress optimizer swap)
             opt_in = max(costs.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(costs.optimizer_swap_chunks(
                 model, plan, plan.stages[s]), default=0) for s in stages)
-            if act_peak >= flat + opt_in:
-                extra = {"activations_bytes": act_peak}
+            if act_peak >= flat + opt_in + sent_grads:
+                extra = {"activations_bytes": act_peak - grad_peak, "buffers_bytes": grad_peak}
             else:
-                extra = {"buffers_bytes": flat, "optimizer_bytes": opt_in}
+                extra = {"buffers_bytes": flat + sent_grads, "optimizer_bytes": opt_in}
             out[device] = (_add(mem, **extra), h)
     return out
 

@@ -64,8 +64,9 @@ class StageCost:
     act_bytes: int           # resident activations of one microbatch
     transient_bytes: int     # workspace (scratch, recomputed activations) + swap-in during one backward
     allreduce_bytes: int     # flat gradient copy during the dp all-reduce (0 without dp)
-    buffer_bytes: int
+    buffer_bytes: int        # boundary gradient buffers, the sent one (grad_bytes) included
     out_bytes: int           # boundary activation sent downstream per microbatch (per replica)
+    grad_bytes: int = 0      # the input gradient sent back: from the end of the first backward on
 
 
 def stage_plan(p: Placed, model: ModelSpec, recompute: str = "none") -> StagePlan:
@@ -266,9 +267,11 @@ class StageTable:
                                                                                     lay.tp)
             static = static_per_param(n)
             out = lay.samples * out_bytes[stop - 1]
-            buffer = (lay.samples * out_bytes[start - 1] if start > 0 else 0) + (out if stop < L else 0)
+            grad = costs.layer_input_bytes(self.model, start, lay.samples) if start > 0 else 0
+            buffer = out if stop < L else 0  # the received gradient; the sent one is in _act_peak
             flat = max(g_b * n if dp > 1 else 0, self._tied_sync(start, stop))  # specs.costs.allreduce_buffer_bytes
-            return (static + max(self.in_flight(0, after + 1) * act(start, stop) + transient(start, stop), flat)
+            return (static + self._act_peak(self.in_flight(0, after + 1), act(start, stop), transient(start, stop),
+                                            grad, flat)
                     + buffer + (after * weight_per_param(n) if stash else 0))
 
         return work, peak
@@ -312,6 +315,7 @@ class StageTable:
             buffer_bytes=((costs.layer_input_bytes(m, a, lay.samples) if a > 0 else 0)
                           + (out if b < m.num_layers else 0)),
             out_bytes=out,
+            grad_bytes=costs.layer_input_bytes(m, a, lay.samples) if a > 0 else 0,
         )
 
     def _tied_sync(self, a: int, b: int) -> int:
@@ -331,14 +335,24 @@ class StageTable:
         m = self._m
         return m if self._kind is ScheduleKind.gpipe else min(p - i, m)
 
+    def _act_peak(self, n: int, act: int, transient: int, grad: int, flat: int) -> int:
+        """specs.costs.activation_peak of one non-interleaved stage holding ``n`` microbatches: the
+        sent-gradient buffer ``grad`` exists at a backward or forward that holds n only when a
+        backward came before it, i.e. under 1F1B / PipeDream with m > n (GPipe, and m <= n, peak
+        in or before the first backward, when a held microbatch outweighs it); it is also there
+        at the all-reduce's flat copy, after the last backward."""
+        later = self._kind is not ScheduleKind.gpipe and self._m > n
+        return max(n * act + transient + (grad if later else 0), flat + grad)
+
     def peak_bytes(self, c: StageCost, stages_after: int) -> int:
         """Peak of a stage with ``stages_after`` stages behind it: in-flight microbatches
         min(p − i, m) = min(1 + stages_after, m) under 1F1B (m under GPipe), plus PipeDream's
         p − i − 1 stashed weight versions."""
         p = stages_after + 1
         stash = stages_after if self._kind is ScheduleKind.pipedream_async else 0
-        return (c.static_bytes + max(self.in_flight(0, p) * c.act_bytes + c.transient_bytes, c.allreduce_bytes)
-                + c.buffer_bytes + stash * c.weights_bytes)
+        return (c.static_bytes + self._act_peak(self.in_flight(0, p), c.act_bytes, c.transient_bytes, c.grad_bytes,
+                                                c.allreduce_bytes)
+                + c.buffer_bytes - c.grad_bytes + stash * c.weights_bytes)
 
     def evaluate(self, stages: list[Placed]) -> tuple[float, list[int]]:
         """(iteration time s, peak bytes per stage) with analytic.estimate's formulas

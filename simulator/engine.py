@@ -143,6 +143,7 @@ class Engine:
         env, mem, trace, costs_ = self.env, self.mem[pos], self.trace, self.costs
         rep = costs_[pos].rep
         in_flight: dict[int, int] = {}
+        graded: set[int] = set()  # stages whose first backward has ended
         busy = 0
         for a in self.schedule[pos]:
             kind, s, k = a.kind, a.stage, a.microbatch
@@ -189,6 +190,9 @@ class Engine:
                 else:
                     busy += yield from self._layered_backward(pos, sc, k)
                 trace.slice(rep, "compute", f"B s{s} mb{k}", t0, env.now - t0, "backward")
+                if s not in graded:  # the input gradient to send back exists from now on
+                    graded.add(s)    # (specs.costs.sent_grad_buffer_bytes)
+                    mem.add(env.now, BUFFERS, costs_[s].grad_buffer_bytes)
                 if self.overlap_dp_allreduce and sc.dp_allreduce_ns:
                     self._bwd_count[s] = self._bwd_count.get(s, 0) + 1
                     if self._bwd_count[s] == self.plan.training.microbatches:

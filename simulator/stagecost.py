@@ -66,6 +66,7 @@ class StageCost:
     window: int | None = None     # STRONGHOLD slots (offload.window_layers)
     nvme_bytes: int = 0           # the streamed layers' optimizer state on NVMe
     offload_ns: tuple[int, int, int] = (0, 0, 0)  # ZeRO-Offload step: grads out, CPU step, weights in
+    grad_buffer_bytes: int = 0    # the input gradient sent back: allocated when the first backward ends
 
 
 def host_link(hardware: HardwareSpec):
@@ -116,6 +117,7 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     sent = costs.sent_output_bytes(model, plan, stage)
     fwd_alloc = act + sent + sum(lc.saved_bytes for lc in layers if lc.action in SWAPS)
     dp_s = costs.dp_allreduce_s(model, plan, hardware, stage)
+    grad_buf = costs.sent_grad_buffer_bytes(model, plan, stage)  # from the end of the first backward
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],
         fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
@@ -125,7 +127,8 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         allreduce_buffer_bytes=costs.allreduce_buffer_bytes(model, plan, stage),
         act_out_bytes=b * model.layers[stage.layer_stop - 1].output_bytes_per_sample,
         grad_out_bytes=costs.layer_input_bytes(model, stage.layer_start, b),
-        static=static, host_bytes=host, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage),
+        static=static, host_bytes=host, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage) - grad_buf,
+        grad_buffer_bytes=grad_buf,
         dp_allreduce_ns=ns(dp_s),
         ar_buckets_ns=tuple(ns(t) for t in costs.dp_allreduce_buckets_s(model, plan, hardware, stage)),
         allreduce_ns=ns(dp_s + costs.embedding_group_allreduce_s(model, plan, hardware, stage)),
@@ -155,6 +158,7 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
         recompute_ns=ns(chain.t_fwd(i)), bwd_ns=ns(chain.t_bwd(i)), fwd_ns=ns(chain.t_fwd(i)))
         for i, l in enumerate(sh.layers))
     tied_s = costs.embedding_group_allreduce_s(model, plan, hardware, stage)
+    grad_buf = costs.sent_grad_buffer_bytes(model, plan, stage)
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],
         fwd_ns=ns(sh.run.fwd_s), bwd_ns=ns(sh.run.bwd_s), layers=layers, simple=True,
@@ -165,7 +169,8 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
         workspace_bytes=sh.run.workspace_bytes,
         allreduce_buffer_bytes=costs.tied_sync_buffer_bytes(model, plan, stage),
         act_out_bytes=sh.output_bytes, grad_out_bytes=sh.input_bytes,
-        static=sh.static, host_bytes=0, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage),
+        static=sh.static, host_bytes=0, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage) - grad_buf,
+        grad_buffer_bytes=grad_buf,
         allreduce_ns=ns(tied_s), dp_allreduce_ns=0, ar_buckets_ns=(),
         optimizer_ns=ns(sh.optimizer_s), opt_chunks=(), opt_chunk_ns=(),
     )

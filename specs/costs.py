@@ -154,7 +154,8 @@ def stage_activation_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
 def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
     """Largest excess over the held microbatches during one backward of ``stage``, walking its
     layers last to first: a layer's backward scratch (``workspace_bytes_per_sample``: weight-
-    gradient and intermediate gradients), the activations a recomputed layer re-materialises, and
+    gradient and intermediate gradients; for a head under tp > 1 at least its vocabulary-parallel
+    loss's, :func:`vocab_parallel_loss_bytes`), the activations a recomputed layer re-materialises, and
     the gradient flowing in from the layer above (the top layer's is the receive buffer), less what
     the layers above have already freed."""
     b, tp = samples_per_replica(plan, stage), stage.tp
@@ -169,6 +170,7 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
         fixed = spec.workspace_fixed_bytes * frac
         need = math.ceil(b * (per_sample / tp + spec.workspace_bytes_per_sample - per_sample)
                          + fixed / tp + spec.workspace_fixed_bytes - fixed)
+        need = max(need, vocab_parallel_loss_bytes(spec, b, tp))
         if stage.action_of(l).action is MemoryAction.recompute:
             need += layer_saved_bytes(spec, b, tp) - (layer_input_bytes(model, l, b) if spec.saves_input else 0)
         if n:
@@ -176,6 +178,26 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
         best = max(best, need - freed)
         freed += layer_freed_bytes(model, stage, l, b)
     return best
+
+
+#: logits-sized tensors torch's vocab-parallel cross-entropy (``loss_parallel``, which the executor
+#: runs for an LM head under tp > 1) holds at once in its backward: it builds the fused log-softmax +
+#: NLL gradient as (zeros with -1 at the targets + exp(log-probabilities)) x grad, so the zeros, the
+#: exp and their sum are live together (torch.distributed.tensor.parallel.loss.
+#: _nll_loss_and_log_softmax_backward). A profile traced at tp = 1 sees plain cross-entropy instead:
+#: two full-vocabulary gradients (nll_loss_backward, then _log_softmax_backward_data).
+VOCAB_PARALLEL_LOSS_TENSORS = 3
+
+
+def vocab_parallel_loss_bytes(layer: LayerSpec, samples: int, tp: int) -> int:
+    """Backward transient of a head's loss when it runs vocabulary-parallel (tp > 1): three shards
+    of the fp32 logits (:data:`VOCAB_PARALLEL_LOSS_TENSORS`), the logits being the head's
+    TP-sharded saved bytes (``tp_sharded_saved_fraction``: what cross-entropy keeps of them). 0 for
+    other layers, at tp = 1, and for a head the executor leaves replicated (fraction 0)."""
+    if layer.kind is not LayerKind.head or tp <= 1 or layer.tp_sharded_saved_fraction <= 0:
+        return 0
+    logits = samples * layer.saved_bytes_per_sample * layer.tp_sharded_saved_fraction
+    return math.ceil(VOCAB_PARALLEL_LOSS_TENSORS * logits / tp)
 
 
 def layer_freed_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
@@ -201,15 +223,23 @@ def backward_transient_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
 
 def comm_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
     """Gradient buffers of the pipeline boundaries: the received output gradient (not on the last
-    stage: it starts backward from its own loss) and the input gradient sent back (not on the first
-    stage), which stays allocated until the next backward replaces it. Received activations are
-    the stage's held input (:func:`stage_activation_bytes`)."""
+    stage: it starts backward from its own loss) and the input gradient sent back
+    (:func:`sent_grad_buffer_bytes`). Received activations are the stage's held input
+    (:func:`stage_activation_bytes`)."""
     b = samples_per_replica(plan, stage)
     grad_in = b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
     if stage.layer_stop == model.num_layers:
         grad_in = 0
-    grad_out = layer_input_bytes(model, stage.layer_start, b) if stage.layer_start > 0 else 0
-    return grad_out + grad_in
+    return sent_grad_buffer_bytes(model, plan, stage) + grad_in
+
+
+def sent_grad_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """The input gradient a stage sends back (0 on the first stage): made by its first backward
+    (the received input's ``.grad``), then kept until the next backward replaces it. It does not
+    exist before the stage's first backward ends, so a peak inside that backward (GPipe's, with all
+    m microbatches held) is without it."""
+    b = samples_per_replica(plan, stage)
+    return layer_input_bytes(model, stage.layer_start, b) if stage.layer_start > 0 else 0
 
 
 def allreduce_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
@@ -286,14 +316,17 @@ def stashed_versions(plan: Plan, stage_index: int) -> int:
 
 def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = None,
                     transient_bytes: dict[int, int] | None = None,
-                    sent_bytes: dict[int, int] | None = None) -> tuple[int, dict[int, int]]:
-    """(activation bytes, held microbatches per stage) at the peak of pipeline ``position``, found
-    by walking its pass order (specs.schedule.compute_order, the order the simulator and the
-    executor walk): a forward adds ``act_bytes[stage]``; a backward peaks at everything held plus
-    ``transient_bytes[stage]`` and then frees its microbatch; a forward's end also peaks at what is
-    held plus ``sent_bytes[stage]``, a released output still being sent (:func:`sent_output_bytes`;
-    assumed sent before the next pass ends, as the simulator finds it unless links are slower than
-    a pass). Unit bytes by default, so the counts are those of the most microbatches held (first
+                    sent_bytes: dict[int, int] | None = None,
+                    grad_bytes: dict[int, int] | None = None) -> tuple[int, dict[int, int], int]:
+    """(bytes, held microbatches per stage, of the bytes the sent-gradient buffers) at the peak of
+    pipeline ``position``, found by walking its pass order (specs.schedule.compute_order, the order
+    the simulator and the executor walk): a forward adds ``act_bytes[stage]``; a backward peaks at
+    everything held plus ``transient_bytes[stage]`` and then frees its microbatch; a forward's end
+    also peaks at what is held plus ``sent_bytes[stage]``, a released output still being sent
+    (:func:`sent_output_bytes`; assumed sent before the next pass ends, as the simulator finds it
+    unless links are slower than a pass); ``grad_bytes[stage]`` (:func:`sent_grad_buffer_bytes`)
+    counts from the end of the stage's first backward on (so not in GPipe's peak, inside the first
+    backward). Unit bytes by default, so the counts are those of the most microbatches held (first
     such moment).
 
     GPipe holds all m; 1F1B and PipeDream min(p - i, m) (PipeDream-2BW §3); interleaved 1F1B the
@@ -303,22 +336,26 @@ def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None 
 
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     held: dict[int, int] = {s: 0 for s in range(position, len(plan.stages), p)}
-    now = best = 0
+    now = best = grads = best_grads = 0
     best_held = dict(held)
+    graded: set[int] = set()
     for pass_, s, _ in compute_order(plan.schedule.kind, p, m, v, position):
         a = act_bytes[s] if act_bytes is not None else 1
         if pass_ == "F":
             held[s] += 1
             now += a
-            if sent_bytes is not None and now + sent_bytes[s] > best:
-                best, best_held = now + sent_bytes[s], dict(held)
+            if sent_bytes is not None and now + grads + sent_bytes[s] > best:
+                best, best_held, best_grads = now + grads + sent_bytes[s], dict(held), grads
             continue
-        peak = now + (transient_bytes[s] if transient_bytes is not None else 0)
+        peak = now + grads + (transient_bytes[s] if transient_bytes is not None else 0)
         if peak > best:
-            best, best_held = peak, dict(held)
+            best, best_held, best_grads = peak, dict(held), grads
         held[s] -= 1
         now -= a
-    return best, best_held
+        if grad_bytes is not None and s not in graded:
+            graded.add(s)
+            grads += grad_bytes[s]
+    return best, best_held, best_grads
 
 
 def in_flight_microbatches(plan: Plan, stage_index: int) -> int:

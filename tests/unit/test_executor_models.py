@@ -104,6 +104,41 @@ def test_process_groups_are_listed_per_replica_and_tp_rank():
                                     ("dp", 0, 0, [0, 2]), ("dp", 0, 1, [1, 3])]
 
 
+def test_tracker_counts_what_dtensor_allocates_inside_an_op():
+    """A DTensor op's sharding rule runs local ops whose temporaries are real memory: torch's
+    loss_parallel backward builds the fused log-softmax + NLL gradient from a zeros tensor, exp of
+    the log-probabilities and their sum, three logits-sized tensors live at once
+    (torch.distributed.tensor.parallel.loss._nll_loss_and_log_softmax_backward). The tracker must
+    see them, not only the one-logits result the DTensor op hands back. One gloo rank: the shard
+    is the whole vocabulary, the same code path as under tp > 1."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from executor.calibrate import free_port
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        tokens, vocab = 64, 256
+        logits_bytes = tokens * vocab * 4
+        mesh = DeviceMesh("cpu", [0])
+        x = distribute_tensor(torch.randn(tokens, vocab), mesh, [Shard(-1)]).requires_grad_(True)
+        targets = torch.randint(0, vocab, (tokens,))
+        tracker = LiveTensorTracker()
+        with tracker, loss_parallel():
+            loss = F.cross_entropy(x, targets)
+            tracker.reset_peak()
+            before = tracker.total_bytes
+            loss.backward()
+    finally:
+        dist.destroy_process_group()
+    assert tracker.peak_bytes - before >= 3 * logits_bytes
+
+
 def test_tracker_counts_live_storages_once_and_sees_frees():
     tracker = LiveTensorTracker()
     w = torch.zeros(256)  # made outside: only counted once tagged

@@ -74,3 +74,32 @@ def test_model_spec_takes_costs_from_profile():
     assert spec.total_params == prof.total_params
     with pytest.raises(ValueError, match="4-byte|2-byte"):
         apply_profile(build_model(c, 4), prof)
+
+
+def test_saved_bytes_leave_out_module_buffers():
+    """BatchNorm's backward saves its running mean and variance beside the batch statistics, but
+    those are the module's state (one copy per rank, not an activation of each microbatch; the
+    executor does not count them as activations either). Saved per microbatch: the input (for the
+    normalisation's backward), the batch mean and inverse std (C each) and the ReLU's output."""
+    import torch
+    import torch.nn as nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from executor.profile_symbolic import _trace_layer
+
+    class BnRelu(nn.Module):
+        def __init__(self, c: int):
+            super().__init__()
+            self.bn = nn.BatchNorm2d(c)
+
+        def forward(self, x, batch):
+            return torch.relu(self.bn(x))
+
+    b, c, hw = 2, 16, 8
+    with torch.device("meta"):
+        module = BnRelu(c)
+    with FakeTensorMode():
+        x = torch.empty(b, c, hw, hw, requires_grad=True)
+        stats, _ = _trace_layer(module, x, {}, torch.float32, "default")
+    act = b * c * hw * hw * 4
+    assert stats["saved_bytes"] == act + 2 * c * 4 + act

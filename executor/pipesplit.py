@@ -8,10 +8,13 @@ splitter copies a parameter two stages use).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import operator
 import re
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
 
@@ -107,6 +110,81 @@ def _repoint(piece: nn.Module, root: nn.Module) -> None:
                     table[name] = orig
 
 
+@contextlib.contextmanager
+def _grad_regions_inlined():
+    """torch.distributed.pipelining with every ``torch.no_grad()`` / ``enable_grad()`` region of
+    the exported graph inlined (:func:`inline_grad_regions`): torch.export keeps such a region as a
+    ``wrap_with_set_grad_enabled`` call on a body GraphModule, and pipelining's outliner
+    (``_outline_submodules``) turns that body into a call of the enclosing module without
+    arguments, so the piece fails at run time ("forward() missing 2 required positional
+    arguments") — every Hugging Face rotary embedding (Llama, Qwen2, Mistral, ...) is one."""
+    from torch.distributed.pipelining._IR import Pipe
+
+    export = Pipe._trace_with_export
+
+    def traced(mod, example_args, example_kwargs=None):
+        ep = export(mod, example_args, example_kwargs)
+        inline_grad_regions(ep.graph_module)
+        return ep
+
+    Pipe._trace_with_export = staticmethod(traced)
+    try:
+        yield
+    finally:
+        Pipe._trace_with_export = staticmethod(export)
+
+
+def inline_grad_regions(gm: fx.GraphModule) -> int:
+    """Replace each ``wrap_with_set_grad_enabled(enabled, body, *args)`` node of ``gm`` by the body's
+    operators, in place; returns how many were inlined. The pieces run in training, with grad on,
+    so an ``enable_grad`` region needs nothing more, and a ``no_grad`` region is the same
+    computation with its outputs detached: equal values, no gradient through them, and the graph
+    autograd builds inside it dies with its intermediates."""
+    hop = torch.ops.higher_order.wrap_with_set_grad_enabled
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not hop:
+            continue
+        enabled, body_node, *args = node.args
+        body = getattr(gm, body_node.target)
+        count += inline_grad_regions(body)  # nested regions first
+        env: dict = {}
+        inputs = iter(args)
+        with gm.graph.inserting_before(node):
+            for bn in body.graph.nodes:
+                if bn.op == "placeholder":
+                    env[bn] = next(inputs)
+                elif bn.op == "output":
+                    outs = list(fx.map_arg(bn.args[0], env.__getitem__))
+                elif bn.op == "get_attr":  # a constant of the body: move it onto gm
+                    name = f"{body_node.target}_{bn.target}".replace(".", "_")
+                    setattr(gm, name, getattr(body, bn.target))
+                    env[bn] = gm.graph.get_attr(name)
+                    env[bn].meta = {**node.meta, **bn.meta}
+                else:
+                    env[bn] = gm.graph.node_copy(bn, env.__getitem__)
+                    env[bn].meta = {**node.meta, **bn.meta}  # the region's module scope (nn_module_stack)
+            if not enabled:
+                for i, out in enumerate(outs):
+                    if isinstance(out, fx.Node) and isinstance(out.meta.get("val"), torch.Tensor):
+                        outs[i] = gm.graph.call_function(torch.ops.aten.detach.default, (out,))
+                        outs[i].meta = {**out.meta, "val": out.meta["val"].detach()}
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                gm.graph.erase_node(user)
+            else:
+                raise ValueError(f"model.split_points: cannot inline the grad-mode region {node.format_node()}")
+        gm.graph.erase_node(node)
+        if not body_node.users:
+            gm.graph.erase_node(body_node)
+            delattr(gm, body_node.target)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
 def split(model: nn.Module, split_points: list[str], batch: dict) -> list[tuple[str, nn.Module]]:
     """``model`` cut into ``(name, Piece)`` layers at ``split_points`` with torch's splitter; the
     pieces hold ``model``'s own parameters and buffers. torch's splitter wraps the forward of the
@@ -124,7 +202,8 @@ def split(model: nn.Module, split_points: list[str], batch: dict) -> list[tuple[
     split_points = sorted(dict.fromkeys(split_points), key=order.__getitem__)
     spec = {f"m.{p}": SplitPoint.BEGINNING for p in split_points}
     try:
-        pipe = pipeline(traced, mb_args=tuple(batch[k] for k in keys), split_spec=spec or None)
+        with _grad_regions_inlined():
+            pipe = pipeline(traced, mb_args=tuple(batch[k] for k in keys), split_spec=spec or None)
     except Exception as exc:  # noqa: BLE001 - torch.export's reasons are many; say which step failed
         raise ValueError(f"model.split_points: torch.distributed.pipelining could not trace the model "
                          f"({type(exc).__name__}: {str(exc)[:300]})") from None
@@ -134,6 +213,7 @@ def split(model: nn.Module, split_points: list[str], batch: dict) -> list[tuple[
         _repoint(piece, root)
         for mod in piece.modules():  # run the generated Python code, not fx.Interpreter (~10x slower per op)
             if hasattr(mod, "_run_with_interpreter"):
+                _unshadow_self(mod)
                 mod._run_with_interpreter = False
         name = _piece_name(i, piece, split_points)
         layers.append((name if all(name != n for n, _ in layers) else f"{name}#{i}", piece))
@@ -141,6 +221,20 @@ def split(model: nn.Module, split_points: list[str], batch: dict) -> list[tuple[
         raise ValueError(f"model.split_points: {len(split_points)} points gave {len(layers)} layers, not "
                          f"{len(split_points) + 1}: is every named module called in forward (and only once)?")
     return layers
+
+
+def _unshadow_self(mod: nn.Module) -> None:
+    """Rename graph values called ``self`` (the output of a submodule named ``self``, as BERT's
+    ``attention.self``): the generated ``forward(self, ...)`` would rebind ``self`` to that tensor
+    and fail at the next submodule call ("'Tensor' object has no attribute 'output'"); torch's
+    interpreter, which pipelining runs by default, does not generate code and never noticed."""
+    renamed = False
+    for node in mod.graph.nodes:
+        if node.name == "self":
+            node._rename("self_value")
+            renamed = True
+    if renamed:
+        mod.finalize()
 
 
 def _piece_name(i: int, piece: nn.Module, split_points: list[str]) -> str:

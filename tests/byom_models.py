@@ -137,3 +137,67 @@ class MarkedLM(TinyLM):
 def marked(vocab: int = 64, d: int = 16, s: int = 8, n: int = 2):
     """Split by its own pipe_split() calls: no split_points in the config."""
     return MarkedLM(vocab, d, s, n), _make_batch(vocab, s)
+
+
+# ---- what Hugging Face models do that the tiny LM above does not ----------------------------------
+
+class NoGradRotary(nn.Module):
+    """Hugging Face's rotary embedding: cos/sin computed under ``torch.no_grad()`` (torch.export
+    keeps that as a ``wrap_with_set_grad_enabled`` region), plus a weight-derived scale computed
+    under no_grad too, whose gradient must stay zero (a stop-gradient)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x, pos):
+        ang = pos[..., None].float() * self.inv_freq  # (1, s, d/2)
+        return ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, h, cos, sin):
+        q, k, v = self.qkv(h).chunk(3, -1)
+        q1, q2, k1, k2 = q[..., ::2], q[..., 1::2], k[..., ::2], k[..., 1::2]
+        q = torch.cat([q1 * cos - q2 * sin, q1 * sin + q2 * cos], -1)
+        k = torch.cat([k1 * cos - k2 * sin, k1 * sin + k2 * cos], -1)
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+class Attention(nn.Module):
+    """BERT's naming: the attention sits in a submodule called ``self``."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.self = SelfAttention(d)
+        self.output = nn.LayerNorm(d)
+
+    def forward(self, h, cos, sin):
+        return self.output(h + self.self(h, cos, sin))
+
+
+class HFStyleLM(nn.Module):
+    def __init__(self, vocab: int, d: int, n: int):
+        super().__init__()
+        self.embed, self.rotary = nn.Embedding(vocab, d), NoGradRotary(d)
+        self.layers = nn.ModuleList(Attention(d) for _ in range(n))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids, pos, targets):
+        x = self.embed(ids)
+        cos, sin = self.rotary(x, pos)
+        with torch.no_grad():  # a stop-gradient on a weight: no gradient may reach head.bias from here
+            shift = self.head.bias.mean()
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return F.cross_entropy(self.head(x).flatten(0, 1) - shift, targets.flatten())
+
+
+def hf_style(vocab: int = 64, d: int = 16, s: int = 8, n: int = 2):
+    """Split with split_points [layers.0, layers.1, head]."""
+    return HFStyleLM(vocab, d, n), _make_batch(vocab, s)

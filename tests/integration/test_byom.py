@@ -93,6 +93,35 @@ def test_pipe_split_markers_split_like_split_points():
     torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
 
 
+HF_STYLE = {"family": "torch_module", "name": "hf_style", "factory": "tests.byom_models:hf_style",
+            "split_points": ["layers.0", "layers.1", "head"]}
+
+
+def test_no_grad_regions_and_a_submodule_named_self_split_and_train_like_the_model():
+    """What Hugging Face models do (tests.byom_models.HFStyleLM): a rotary embedding under
+    ``@torch.no_grad()`` (torch.export keeps it as a grad-mode region that pipelining's outliner
+    mis-calls), a stop-gradient on a weight, and an attention submodule named ``self`` (BERT's),
+    which the generated forward(self, ...) must not shadow. The split layers give the model's loss
+    and the same gradients, the stop-gradient included."""
+    from tests import byom_models
+
+    cfg = cfg_of(HF_STYLE)
+    batch = make_batch(cfg, 4, step=0)
+    torch.manual_seed(0)  # the factory's seed: the same initial weights
+    model = byom_models.HFStyleLM(64, 16, 2)
+    model(**batch).backward()
+    want = {n: p.grad for n, p in model.named_parameters()}
+    x, mods = None, build_layers(cfg, rows=4)
+    for _, _, mod in mods:
+        x = mod(x, batch)
+    torch.testing.assert_close(x, model(**batch))
+    x.backward()
+    got = {n.split(".", 2)[2]: p.grad for _, _, mod in mods for n, p in mod.named_parameters()}
+    assert sorted(got) == sorted(want)
+    for name, grad in want.items():
+        torch.testing.assert_close(got[name], grad, msg=name)
+
+
 @pytest.mark.parametrize("points,match", [
     (["blocks.7"], r"no module named \['blocks.7'\]"),
     ([], "name the modules where layers start"),

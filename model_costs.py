@@ -134,7 +134,8 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
 
 
 #: what executor.op_graph measures per node: a cached graph set of another revision is traced again
-OP_GRAPH_REVISION = 1
+#: (2: backward scratch measured below FlopCounterMode's decompositions, e.g. silu_backward)
+OP_GRAPH_REVISION = 2
 
 
 def with_op_graphs(cfg: RunConfig, model: ModelSpec) -> ModelSpec:

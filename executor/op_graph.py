@@ -231,8 +231,11 @@ def _layer_graph(module, inputs, dtype, name, attention) -> OpGraph:
 
     tracker = LiveBytes()
     kernel = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
-    with kernel, tracker:
-        with flop_counter.FlopCounterMode(display=False) as fwd_count:
+    # the tracker innermost in each pass, as in profile_symbolic._trace_layer: below
+    # FlopCounterMode it would count the temporaries of that mode's decompositions of fused
+    # kernels (silu_backward), which the real kernel never allocates
+    with kernel:
+        with flop_counter.FlopCounterMode(display=False) as fwd_count, tracker:
             replay = _Replay(gm, tracker, fwd_count, param_keys, state)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 flat_out = replay.run(*args)
@@ -269,7 +272,7 @@ def _backward(replay: _Replay, tracker: LiveBytes, outs: list, param_ids: set) -
         tracker.reset_peak()
 
     diff = [t for t in outs if isinstance(t, torch.Tensor) and t.requires_grad]
-    with flop_counter.FlopCounterMode(display=False) as counter:
+    with flop_counter.FlopCounterMode(display=False) as counter, tracker:
         handles = []
         for fn, node in replay.fns.items():
             handles.append(fn.register_prehook(lambda g, node=node: switch(node, counter)))

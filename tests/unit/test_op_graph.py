@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from executor.op_graph import model_layer_graph
+from executor.op_graph import layer_graph, model_layer_graph
 from executor.profile_symbolic import profile_model
 from planners.map_strategies import strategies
 from specs.families import parse_model_config
@@ -95,3 +95,19 @@ def test_every_merged_gpt_node_has_strategies_on_a_2x4_mesh(gpt3_block):
     fc1 = merged.node("linear_4")  # + GeLU: column-parallel keeps the out dim split through it
     col = [s for s in strategies(fc1, mesh, 2) if str(s.param_specs[0]) == "S1R" and str(s.output_spec) == "RRS1"]
     assert col and col[0].u_fcomm == 0
+
+
+def test_silu_backward_scratch_is_the_fused_kernels():
+    """One aten.silu_backward makes the input gradient and no scratch (see
+    test_profile_symbolic's SiLU test: FlopCounterMode's decomposition is not what runs)."""
+    import torch
+    import torch.nn as nn
+
+    class Silu(nn.Module):
+        def forward(self, x, batch):
+            return torch.nn.functional.silu(x)
+
+    x = torch.empty(2, 8, 64, device="meta", requires_grad=True)
+    g = layer_graph(Silu(), (x, {}), torch.float32)
+    node = next(n for n in g.nodes if n.target == "aten.silu.default")
+    assert node.bwd_out == 2 * 8 * 64 * 4 and node.bwd_tmp == 0

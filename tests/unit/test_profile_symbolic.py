@@ -103,3 +103,27 @@ def test_saved_bytes_leave_out_module_buffers():
         stats, _ = _trace_layer(module, x, {}, torch.float32, "default")
     act = b * c * hw * hw * 4
     assert stats["saved_bytes"] == act + 2 * c * 4 + act
+
+
+def test_backward_transient_counts_the_fused_kernel_not_a_flop_counter_decomposition():
+    """SiLU's backward is one CPU kernel (``aten.silu_backward``) that allocates its output, the
+    input gradient, and nothing else. FlopCounterMode, which the profiler runs beside its memory
+    tracker, replaces such an op by its CompositeImplicitAutograd decomposition (sigmoid, 1 - s,
+    x(1 - s), 1 + ..., two muls); a tracker below it counted those five x-sized temporaries, so
+    LLaMA's and Qwen2's SiLU MLPs read a backward transient 2x the executor's. The transient of a
+    bare SiLU is exactly one input-sized tensor."""
+    import torch
+    import torch.nn as nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from executor.profile_symbolic import _trace_layer
+
+    class Silu(nn.Module):
+        def forward(self, x, batch):
+            return torch.nn.functional.silu(x)
+
+    b, s, f = 2, 8, 64
+    with FakeTensorMode():
+        x = torch.empty(b, s, f, requires_grad=True)
+        stats, _ = _trace_layer(Silu(), x, {}, torch.float32, "default")
+    assert stats["temp_peak_bytes"] == b * s * f * 4  # the input gradient alone

@@ -434,7 +434,7 @@ class Engine:
 
     def _swap_out(self, pos: int, sc: StageCost, k: int, layer: int) -> None:
         lc = sc.layers[layer - sc.layers[0].layer]
-        env, mem, now = self.env, self.mem[pos], self.env.now
+        now = self.env.now
         nbytes = lc.saved_bytes
         if lc.action is MemoryAction.d2d_swap:
             end = now

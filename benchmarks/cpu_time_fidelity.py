@@ -113,10 +113,9 @@ def main(argv: list[str] | None = None) -> float:
     # local_cpu.yaml (2026-11-23) was scaled by that reference run too, like --fit-run: plans of its
     # shape are reported but not counted in the held-out median
     fitted_on = REFERENCE
+    ref_cfg, ref_spec, _ = build(REFERENCE, hw)
     if args.fit_run:
-
-        cfg, spec, _ = build(REFERENCE, hw)
-        hw, factors = fit_from_run(hw, cfg, spec, iterations=args.iterations)
+        hw, factors = fit_from_run(hw, ref_cfg, ref_spec, iterations=args.iterations)
         print(f"fitted on {label(REFERENCE)}: measured/simulated " + ", ".join(f"{k} x{v:.2f}" for k, v in factors.items()),
               flush=True)
     chosen = [PLANS[i] for i in args.plans] if args.plans else PLANS
@@ -125,7 +124,6 @@ def main(argv: list[str] | None = None) -> float:
     measured: list[list[float]] = [[] for _ in chosen]
     predicted: list[list[float]] = [[] for _ in chosen]  # per round: refitted rates (--no-refit: as loaded)
     last_actions = [None] * len(chosen)
-    ref_cfg, ref_spec, _ = build(REFERENCE, hw)
     t0 = time.perf_counter()
     for r in range(args.rounds):
         # This VM's speed drifts with its neighbours by tens of percent within an hour (docs/

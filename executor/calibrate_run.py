@@ -15,7 +15,8 @@ each kind of action:
 
 Point-to-point sends are left as calibrated: their measured durations include waiting for the
 peer. So is ``dtensor_op_overhead_s``: it is measured on the executor's own Megatron TP code
-(executor.calibrate_dtensor.dtensor_op_overhead_s), which this DTensor-free reference run does not run. The reference plan is pipeline-free (pp 1 x dp 4) so that no wait enters the compute means.
+(executor.calibrate_dtensor.dtensor_op_overhead_s), which this DTensor-free reference run does not
+run. The reference plan is pipeline-free (pp 1 x dp 4) so that no wait enters the compute means.
 The factors are medians over the ranks' actions; the validation in cpu_time_fidelity.py reports
 which plans were fitted on.
 """

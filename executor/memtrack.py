@@ -20,7 +20,7 @@ import weakref
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -143,7 +143,7 @@ class LiveTensorTracker(TorchDispatchMode):
             self.category = before
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(is_traceable_wrapper_subclass(t) for t in tree_flatten((args, kwargs))[0]):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):  # dispatch lists the subclasses
             # a DTensor op: let DTensor run it first, so that the local ops it runs come back
             # through this mode and every storage they make is counted. Run from here they would
             # not be (a mode is off inside its own dispatch): the temporaries of a sharding rule

@@ -52,7 +52,7 @@ from torch.utils import flop_counter
 from torch.utils._pytree import tree_flatten
 
 from executor.models import _layers, make_batch
-from executor.profile_symbolic import DTYPES, LiveBytes, _fake_module
+from executor.profile_symbolic import DTYPES, LiveBytes, _fake_module, state_storages
 from specs.op_graph import GraphInput, OpGraph, OpNode, ParamRef
 
 _KIND = {
@@ -212,8 +212,7 @@ def _layer_graph(module, inputs, dtype, name, attention) -> OpGraph:
         else:
             raise NotImplementedError(f"op graph: input kind {kind} of {name}")
 
-    # module state, never an activation: parameters and buffers (as profile_symbolic counts saved bytes)
-    param_keys = {StorageWeakRef(t.untyped_storage()) for t in (*module.parameters(), *module.buffers())}
+    param_keys = state_storages(module)  # never an activation (profile_symbolic's saved-bytes rule)
     param_ids = {id(p) for p in module.parameters()}
     for p in module.parameters():
         if p.requires_grad:

@@ -184,14 +184,19 @@ def _tp_fractions(module: nn.Module, saved: dict, saved_attn: dict) -> dict:
     return {"tp_param_fraction": 0.0, "tp_saved_fraction": 0.0}
 
 
+def state_storages(module: nn.Module) -> set:
+    """Storages of the module's state, which a saved tensor of it is not counted as: parameters, and
+    buffers too (BatchNorm's running mean and variance, which its backward saves beside the batch
+    statistics) live once per rank, not once per microbatch, and the executor files neither under
+    activations."""
+    return {StorageWeakRef(t.untyped_storage()) for t in (*module.parameters(), *module.buffers())}
+
+
 def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: torch.dtype,
                  attention: str) -> tuple[dict, torch.Tensor]:
     """Forward + backward of one fake layer: (measurements, output). Call inside FakeTensorMode."""
     module = _fake_module(module, dtype)
-    # the module's state is not an activation: parameters, and buffers too (BatchNorm's running
-    # mean and variance, which its backward saves beside the batch statistics) live once per rank,
-    # not once per microbatch, and the executor files neither under activations
-    param_keys = {StorageWeakRef(t.untyped_storage()) for t in (*module.parameters(), *module.buffers())}
+    param_keys = state_storages(module)
     saved: dict[StorageWeakRef, int] = {}
 
     saved_attn: dict[StorageWeakRef, int] = {}  # saved inside an ``attn`` submodule (TP-sharded there)

@@ -70,7 +70,7 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
         static, host = (sharded[i].static, 0) if i in sharded else costs.stage_static(model, plan, stage)
         in_flight = peaks[plan.device_group_of(i)][1][i]
         stashed = costs.stashed_versions(plan, i) * static.parameters_bytes
-        buffers = costs.comm_buffer_bytes(model, plan, stage) - grads[i]  # grads[i]: in the walk
+        buffers = costs.received_grad_buffer_bytes(model, plan, stage)  # the sent one (grads[i]) is in the walk
         for device in stage.devices:
             mem, h = out[device]
             mem = _add(mem, parameters_bytes=static.parameters_bytes, gradients_bytes=static.gradients_bytes,

@@ -64,7 +64,7 @@ class StageCost:
     act_bytes: int           # resident activations of one microbatch
     transient_bytes: int     # workspace (scratch, recomputed activations) + swap-in during one backward
     allreduce_bytes: int     # flat gradient copy during the dp all-reduce (0 without dp)
-    buffer_bytes: int        # boundary gradient buffers, the sent one (grad_bytes) included
+    buffer_bytes: int        # the received boundary gradient (the sent one is grad_bytes)
     out_bytes: int           # boundary activation sent downstream per microbatch (per replica)
     grad_bytes: int = 0      # the input gradient sent back: from the end of the first backward on
 
@@ -312,8 +312,7 @@ class StageTable:
             act_bytes=lay.act(a, b),
             transient_bytes=lay.transient(a, b),
             allreduce_bytes=max(g_b * params if dp > 1 else 0, self._tied_sync(a, b)),
-            buffer_bytes=((costs.layer_input_bytes(m, a, lay.samples) if a > 0 else 0)
-                          + (out if b < m.num_layers else 0)),
+            buffer_bytes=out if b < m.num_layers else 0,
             out_bytes=out,
             grad_bytes=costs.layer_input_bytes(m, a, lay.samples) if a > 0 else 0,
         )
@@ -352,7 +351,7 @@ class StageTable:
         stash = stages_after if self._kind is ScheduleKind.pipedream_async else 0
         return (c.static_bytes + self._act_peak(self.in_flight(0, p), c.act_bytes, c.transient_bytes, c.grad_bytes,
                                                 c.allreduce_bytes)
-                + c.buffer_bytes - c.grad_bytes + stash * c.weights_bytes)
+                + c.buffer_bytes + stash * c.weights_bytes)
 
     def evaluate(self, stages: list[Placed]) -> tuple[float, list[int]]:
         """(iteration time s, peak bytes per stage) with analytic.estimate's formulas

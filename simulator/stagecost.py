@@ -2,7 +2,8 @@
 
 Nothing here re-derives a formula: times come from ``stage_pass_times_s`` / ``layer_pass_times_s``
 / ``dp_allreduce_s`` / ``optimizer_step_s``, bytes from ``stage_static`` /
-``layer_saved_bytes`` / ``stage_activation_bytes`` / ``comm_buffer_bytes``, so the simulator and
+``layer_saved_bytes`` / ``stage_activation_bytes`` / ``received_grad_buffer_bytes`` /
+``sent_grad_buffer_bytes``, so the simulator and
 the analytic estimator agree on static memory and per-microbatch activations by construction.
 """
 from __future__ import annotations
@@ -56,7 +57,7 @@ class StageCost:
     grad_out_bytes: int           # boundary gradient sent to the previous stage
     static: MemoryBreakdown
     host_bytes: int
-    buffer_bytes: int
+    buffer_bytes: int             # the received boundary gradient, all iteration
     allreduce_ns: int
     dp_allreduce_ns: int          # of allreduce_ns, the data-parallel gradient all-reduce
     ar_buckets_ns: tuple[int, ...]  # that all-reduce as one bucket per layer (stage order)
@@ -117,7 +118,6 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     sent = costs.sent_output_bytes(model, plan, stage)
     fwd_alloc = act + sent + sum(lc.saved_bytes for lc in layers if lc.action in SWAPS)
     dp_s = costs.dp_allreduce_s(model, plan, hardware, stage)
-    grad_buf = costs.sent_grad_buffer_bytes(model, plan, stage)  # from the end of the first backward
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],
         fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
@@ -127,8 +127,8 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         allreduce_buffer_bytes=costs.allreduce_buffer_bytes(model, plan, stage),
         act_out_bytes=b * model.layers[stage.layer_stop - 1].output_bytes_per_sample,
         grad_out_bytes=costs.layer_input_bytes(model, stage.layer_start, b),
-        static=static, host_bytes=host, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage) - grad_buf,
-        grad_buffer_bytes=grad_buf,
+        static=static, host_bytes=host, buffer_bytes=costs.received_grad_buffer_bytes(model, plan, stage),
+        grad_buffer_bytes=costs.sent_grad_buffer_bytes(model, plan, stage),
         dp_allreduce_ns=ns(dp_s),
         ar_buckets_ns=tuple(ns(t) for t in costs.dp_allreduce_buckets_s(model, plan, hardware, stage)),
         allreduce_ns=ns(dp_s + costs.embedding_group_allreduce_s(model, plan, hardware, stage)),
@@ -158,7 +158,6 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
         recompute_ns=ns(chain.t_fwd(i)), bwd_ns=ns(chain.t_bwd(i)), fwd_ns=ns(chain.t_fwd(i)))
         for i, l in enumerate(sh.layers))
     tied_s = costs.embedding_group_allreduce_s(model, plan, hardware, stage)
-    grad_buf = costs.sent_grad_buffer_bytes(model, plan, stage)
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],
         fwd_ns=ns(sh.run.fwd_s), bwd_ns=ns(sh.run.bwd_s), layers=layers, simple=True,
@@ -169,8 +168,8 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
         workspace_bytes=sh.run.workspace_bytes,
         allreduce_buffer_bytes=costs.tied_sync_buffer_bytes(model, plan, stage),
         act_out_bytes=sh.output_bytes, grad_out_bytes=sh.input_bytes,
-        static=sh.static, host_bytes=0, buffer_bytes=costs.comm_buffer_bytes(model, plan, stage) - grad_buf,
-        grad_buffer_bytes=grad_buf,
+        static=sh.static, host_bytes=0, buffer_bytes=costs.received_grad_buffer_bytes(model, plan, stage),
+        grad_buffer_bytes=costs.sent_grad_buffer_bytes(model, plan, stage),
         allreduce_ns=ns(tied_s), dp_allreduce_ns=0, ar_buckets_ns=(),
         optimizer_ns=ns(sh.optimizer_s), opt_chunks=(), opt_chunk_ns=(),
     )

@@ -222,15 +222,19 @@ def backward_transient_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
 
 
 def comm_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
-    """Gradient buffers of the pipeline boundaries: the received output gradient (not on the last
-    stage: it starts backward from its own loss) and the input gradient sent back
+    """Gradient buffers of the pipeline boundaries: the received output gradient
+    (:func:`received_grad_buffer_bytes`) and the input gradient sent back
     (:func:`sent_grad_buffer_bytes`). Received activations are the stage's held input
     (:func:`stage_activation_bytes`)."""
-    b = samples_per_replica(plan, stage)
-    grad_in = b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+    return received_grad_buffer_bytes(model, plan, stage) + sent_grad_buffer_bytes(model, plan, stage)
+
+
+def received_grad_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """The gradient of the stage's output received from downstream (0 on the last stage: it starts
+    backward from its own loss), counted for the whole iteration."""
     if stage.layer_stop == model.num_layers:
-        grad_in = 0
-    return sent_grad_buffer_bytes(model, plan, stage) + grad_in
+        return 0
+    return samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
 
 
 def sent_grad_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:

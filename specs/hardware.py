@@ -110,7 +110,7 @@ class DeviceSpec(Spec):
                          "runs all of them on DTensor) and for the DTensor operators of a tp > 1 layer (Megatron TP "
                          "through parallelize_module: the parallelized Linears and the vocabulary-parallel "
                          "embedding / loss; specs.costs.TP_DTENSOR_OPS). Measured by mode=calibrate "
-                         "(executor.calibrate.dtensor_op_overhead_s); 0: not measured")
+                         "(executor.calibrate_dtensor.dtensor_op_overhead_s); 0: not measured")
 
     @model_validator(mode="after")
     def _dtypes(self) -> DeviceSpec:

@@ -1,7 +1,7 @@
 """A config's way to its costs, in one place: the ModelSpec a run plans with, and the profiles
 that feed it.
 
-    model_spec(cfg)                   closed forms (specs.families), or model_costs=symbolic / a
+    model_spec(cfg)                   closed forms (costs.families), or model_costs=symbolic / a
                                       torch_module model: costs from the symbolic profile
     symbolic_profile(cfg)             the symbolic (FakeTensor) profile, cached on disk by content
     capture_profile_for(cfg, outdir)  CAPTURE's profile (M_i/M_a), cached by capture_fingerprint
@@ -10,7 +10,7 @@ that feed it.
 It sits at the shell level beside modes.py (which calls it): it reads and writes the profile
 cache through reports.profile_io, traces modules with executor.profile_symbolic and runs
 CAPTURE's profiling plans on the executor or the simulator. The pure halves stay below it:
-specs.families (closed forms) and specs.profile (the profile types, apply_profile,
+costs.families (closed forms) and specs.profile (the profile types, apply_profile,
 model_from_profile, cache_key). Bad model input raises CostsError (a ValueError), which
 modes.run reports as a usage error.
 """
@@ -21,12 +21,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specs.families import build_model
+from costs.families import build_model
 from specs.model import ModelSpec
 from specs.profile import Profile
 
-if TYPE_CHECKING:  # modes imports this module; the type is only named here
-    from modes import RunConfig
+if TYPE_CHECKING:  # only the type is named here
+    from runconfig import RunConfig
 
 
 class CostsError(ValueError):
@@ -86,7 +86,7 @@ def symbolic_profile(cfg: RunConfig, attention: str = "default") -> Profile:
 
 
 def closed_form_spec(cfg: RunConfig, act_dtype_bytes: int | None = None) -> ModelSpec:
-    """The closed-form model spec (specs.families) at the run's activation width, or at
+    """The closed-form model spec (costs.families) at the run's activation width, or at
     ``act_dtype_bytes`` when given (the executor trains in fp32: 4)."""
     return build_model(cfg.model, act_dtype_bytes or cfg.training.act_dtype_bytes)
 
@@ -183,7 +183,7 @@ def capture_backend_name(cfg: RunConfig) -> str:
 
 def capture_fingerprint(cfg: RunConfig) -> str:
     """Everything that decides a CAPTURE profile (not the planner knobs)."""
-    from planners.capture_profile import PROFILER_VERSION
+    from planners.capture.profile import PROFILER_VERSION
 
     ident = {"model": cfg.model.model_dump(mode="json"), "hardware": cfg.hardware.model_dump(mode="json", exclude={"nodes"}),
              "training": cfg.training.model_dump(mode="json"), "schedule": cfg.schedule.model_dump(mode="json"),
@@ -229,11 +229,11 @@ def capture_profile_for(cfg: RunConfig, outdir: Path) -> Profile:
 
 
 def capture_profiling_runs(cfg: RunConfig, outdir: Path):
-    """CAPTURE's profiling runs for cfg (planners.capture_profile.profile_capture) on the executor
+    """CAPTURE's profiling runs for cfg (planners.capture.profile.profile_capture) on the executor
     or the simulator -> a specs.profile.CaptureProfile. Resumable: each finished run is appended
     to ``<outdir>/capture_runs.jsonl`` and a rerun skips the runs recorded there."""
     from planners import PlanningError
-    from planners.capture_profile import profile_capture
+    from planners.capture.profile import profile_capture
     from reports import profile_io
     from specs.plan import validate_plan
 

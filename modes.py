@@ -15,58 +15,22 @@ spec and profiles come from model_costs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
-
-from pydantic import Field
 
 from model_costs import (
     CostsError, capture_profile_for, capture_profiling_runs, closed_form_spec, model_spec, symbolic_profile,
 )
-from planners import PlanningError, PolicyConfig, make_plan, verdict
-from planners.capture import capture_space_check
-from planners.analytic import estimate
+from planners import PlanningError, make_plan, verdict
+from planners.capture.planner import capture_space_check
+from simulator.analytic import estimate
 from reports.figures import human_bytes
 from reports.progress import after
 from reports.outputs import summary, write_compare_figure, write_json, write_run
-from specs._base import Spec
-from specs.families import ModelConfig
+from runconfig import RunConfig
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import Plan, PlanError, ScheduleSpec
+from specs.plan import Plan, PlanError
 from specs.result import Result
-from specs.training import Precision, TrainingSpec
-
-
-class ExperimentInfo(Spec):
-    name: str
-    description: str = ""
-
-
-class ExecuteOptions(Spec):
-    """How mode=execute / mode=compare run the plan on this machine."""
-
-    iterations: int = Field(5, ge=1, description="timed iterations (median reported)")
-    warmup: int = Field(1, ge=0)
-    timeout_s: float = Field(300.0, gt=0, description="the whole run is torn down after this")
-    force: bool = Field(False, description="run even when the pre-flight check (executor.preflight) refuses")
-
-
-class RunConfig(Spec):
-    """The whole composed config, validated once."""
-
-    mode: Literal["simulate", "execute", "compare", "profile", "calibrate"] = "simulate"
-    estimator: Literal["analytic", "simulator"] = "simulator"
-    training: TrainingSpec
-    model: ModelConfig
-    hardware: HardwareSpec
-    policy: PolicyConfig
-    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
-    experiment: ExperimentInfo | None = None
-    execute: ExecuteOptions = Field(default_factory=ExecuteOptions)
-    # symbolic: from the torch modules (issue #5); auto: symbolic when this run executes those
-    # modules (execute, compare), closed forms otherwise (model_costs.costs_source)
-    model_costs: Literal["auto", "closed_form", "symbolic"] = "auto"
-    profile_cache: str | None = None  # symbolic-profile cache dir; None: ~/.cache/memwall/profiles
+from specs.training import Precision
 
 
 class UsageError(Exception):
@@ -125,11 +89,11 @@ def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Pl
     """policy=mpress: its emulator already simulated the plan, so the fit comes from the simulated
     timelines (a D2D target's peak and its held stripes need not coincide; the closed-form verdict
     would add them). Writes mpress.json: per stage, which layers got which technique and why."""
-    from planners.mpress import mpress_search, report, summary_lines
+    from planners.mpress.planner import mpress_search, report, summary_lines
 
     profile = None
     if cfg.policy.partition == "capture":  # CAPTURE's partition: its profile first (cached)
-        from planners.mpress import capture_policy
+        from planners.mpress.planner import capture_policy
 
         profile = capture_profile_for(cfg.model_copy(update={"policy": capture_policy()}), outdir)
     outcome = mpress_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress, profile)
@@ -155,7 +119,7 @@ def _publish(cfg: RunConfig, model: ModelSpec, outdir: Path, outcome, name: str,
 def _plan_stronghold(cfg: RunConfig, model: ModelSpec, outdir: Path) -> Plan:
     """policy=stronghold: writes stronghold.json (per stage the window, every window priced, the
     per-layer times behind it and the bottleneck) and prints its summary."""
-    from planners.stronghold import report, stronghold_search, summary_lines
+    from planners.stronghold.planner import report, stronghold_search, summary_lines
 
     outcome = stronghold_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
     return _publish(cfg, model, outdir, outcome, "stronghold.json", report(outcome), summary_lines(outcome),
@@ -166,7 +130,7 @@ def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
     """policy=map: writes map.json (per stage the mesh, the solve, §5.3's budgets tried, the rounds
     against the simulator) and prints its summary. ``model`` carries its op graphs (model_spec
     attaches them for policy=map)."""
-    from planners.map_plan import map_search, report, summary_lines
+    from planners.map.plan import map_search, report, summary_lines
 
     outcome = map_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress)
     return _publish(cfg, model, outdir, outcome, "map.json", report(outcome), summary_lines(outcome),
@@ -203,7 +167,7 @@ def planner_report(cfg: RunConfig, model: ModelSpec, plan: Plan, result: Result,
     """CAPTURE's plan against the throughput-centric baseline on one footing (CAPTURE Fig. 6/8):
     peaks, the peak reduction and the throughput loss; with policy.smallest_hardware also the
     fewest nodes on which each planner's plan still fits (Fig. 9). Writes planners.json."""
-    from planners.capture import predict_devices, stats_from_profile
+    from planners.capture.planner import predict_devices, stats_from_profile
     from planners.policy import ThroughputPolicy
 
     pol = cfg.policy
@@ -325,12 +289,12 @@ def run_profile(cfg: RunConfig, outdir: Path) -> None:
 
 
 def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
-    """mode=calibrate: measure this machine (executor.calibrate) and write
+    """mode=calibrate: measure this machine (calibration.calibrate) and write
     ``<outdir>/hardware/<name>_calibrated.yaml``, selectable next run with
     ``+hardware=<name>_calibrated hydra.searchpath=[file://<outdir>]``."""
     import yaml
 
-    from executor.calibrate import calibrate, hardware_yaml
+    from calibration.calibrate import calibrate, hardware_yaml
     from reports import profile_io
 
     hw = cfg.hardware
@@ -342,7 +306,7 @@ def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
     if hw.device.model.startswith("cpu") and hw.devices_per_node >= 2:
         # the microbenchmarks miss how the executor's own ranks contend for the cores: run the
         # model data-parallel, pipeline-free, and scale the rates by measured / simulated actions
-        from executor.calibrate_run import fit_from_run
+        from calibration.contention import fit_from_run
 
         run_cfg = executable(cfg.model_copy(update={"mode": "compare", "hardware": measured_hw}))
         print(f"[calibrate] reference run: {cfg.model.name} data-parallel over {hw.devices_per_node} ranks...",
@@ -352,7 +316,7 @@ def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
         print(f"[calibrate] measured / simulated in the reference run: {said}", flush=True)
         head = [line for line in text.splitlines() if line.startswith("#")]
         text = "\n".join(head + [f"# then scaled by a reference run of {cfg.model.name} (pp 1 x dp "
-                                  f"{hw.devices_per_node}, executor.calibrate_run): measured / simulated {said}",
+                                  f"{hw.devices_per_node}, calibration.contention): measured / simulated {said}",
                                   yaml.safe_dump(scaled.model_dump(mode="json"), sort_keys=False)])
         HardwareSpec.model_validate(yaml.safe_load(text))
     path = profile_io.write_text(outdir / "hardware" / f"{name}.yaml", text)
@@ -367,7 +331,7 @@ def run_calibrate(cfg: RunConfig, outdir: Path) -> None:
           f"+model={cfg.model.name}")
     # MAP §4.2 cluster detector: all-pairs alpha-beta, the mesh it implies, the YAML's links checked
     # (after the hardware YAML is written, so a failure here never loses it)
-    from executor.cluster import cluster_json, summary_line
+    from calibration.cluster import cluster_json, summary_line
 
     print(f"[calibrate] cluster detector: all {world * (world - 1) // 2} rank pairs, one at a time...", flush=True)
     report = cluster_json(hw, world)

@@ -3,7 +3,7 @@
     python -m run +hardware=dgx1 +model=gpt                  # plan + estimate, write outputs
     python -m run -m +hardware=dgx1,dgx2 +model=gpt,bert     # sweep: one output dir per job
 
-It composes the config once, validates it into pydantic once (modes.RunConfig), and hands objects
+It composes the config once, validates it into pydantic once (runconfig.RunConfig), and hands objects
 and an explicit output directory to modes.run; nothing below this file knows about Hydra.
 
 Every input ends in a Result or one line on stderr (issue #10): bad input (a Hydra override, an
@@ -30,7 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import ValidationError
 
-from modes import RunConfig, UsageError, run
+from modes import UsageError, run
+from runconfig import RunConfig
 from reports.files import write_text
 from reports.outputs import GIB, find_jobs, write_sweep_summary
 

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from planners.capture import merged_stats, recommend, recommend_exhaustive, stats_from_profile
+from planners.capture.planner import merged_stats, recommend, recommend_exhaustive, stats_from_profile
 from specs.profile import Profile
 
 

@@ -13,7 +13,7 @@ plan rather than every round of one plan). Prediction: the simulator on the same
 run of the reference plan, as mode=calibrate scales them (``--no-refit``: the YAML as loaded; the
 median of both is printed); a plan's prediction is the median over rounds. Prints per plan predicted, measured (median, min-max over
 rounds), error, and per-action errors of the last round (specs.compare.action_errors), then the
-median |error| over the held-out plans (those not shaped like executor.calibrate_run.REFERENCE,
+median |error| over the held-out plans (those not shaped like calibration.contention.REFERENCE,
 the run local_cpu.yaml's rates were scaled by): the issue #11 goal is <= 25 %.
 Last line: median_abs_time_error_pct=<x>.
 """
@@ -39,7 +39,7 @@ from simulator import simulate  # noqa: E402
 from simulator.trace import x_slices  # noqa: E402
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec  # noqa: E402
 from specs.compare import pct, slice_action_errors  # noqa: E402
-from specs.families import build_model, parse_model_config  # noqa: E402
+from costs.families import build_model, parse_model_config  # noqa: E402
 
 #: (model, schedule kind, virtual stages, pp, dp, tp, global batch, microbatch): pp x dp x tp mixes
 #: over the four tiny families and the three flushing schedules
@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> float:
                          "(same load as the runs: a shared host's load moves every rate)")
     ap.add_argument("--no-refit", dest="refit", action="store_false",
                     help="predict every round with the hardware as loaded; by default each round first re-runs "
-                         "the reference plan (executor.calibrate_run.REFERENCE, what mode=calibrate scales "
+                         "the reference plan (calibration.contention.REFERENCE, what mode=calibrate scales "
                          "local_cpu.yaml by) and predicts that round's plans with the rates scaled by it")
     ap.add_argument("--fit-run", action="store_true",
-                    help="then run the reference plan (executor.calibrate_run.REFERENCE) through the executor and "
+                    help="then run the reference plan (calibration.contention.REFERENCE) through the executor and "
                          "scale the rates by its measured/simulated action means; plans of its shape are left out "
                          "of the median")
     args = ap.parse_args(argv)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> float:
     if args.calibrate:
         import yaml
 
-        from executor.calibrate import calibrate, hardware_yaml
+        from calibration.calibrate import calibrate, hardware_yaml
 
         t = time.perf_counter()
         m = calibrate(hw.devices_per_node, quick=True, progress=lambda line: print("  " + line, flush=True))
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> float:
               f"{hw.device.peak_tflops['fp32'] * 1e3:.1f} GFLOP/s, op overhead {hw.device.op_overhead_s * 1e6:.1f} us, "
               f"pipeline hop {r.get('ring_hop_s', 0) * 1e6:.0f} us, all-reduce step "
               f"{r['ar_ring_latency_s'] * 1e6:.0f} us", flush=True)
-    from executor.calibrate_run import REFERENCE, fit_from_run
+    from calibration.contention import REFERENCE, fit_from_run
 
     # local_cpu.yaml (2026-11-23) was scaled by that reference run too, like --fit-run: plans of its
     # shape are reported but not counted in the held-out median

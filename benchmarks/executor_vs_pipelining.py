@@ -58,7 +58,7 @@ from executor.stage import LR  # noqa: E402
 from planners import make_plan, parse_policy  # noqa: E402
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec  # noqa: E402
 from specs.training import Optimizer  # noqa: E402
-from specs.families import build_model, parse_model_config  # noqa: E402
+from costs.families import build_model, parse_model_config  # noqa: E402
 
 CASES = ("pp2-1f1b", "pp2-gpipe", "pp4-1f1b", "pp4-gpipe")
 

@@ -345,7 +345,7 @@ def plan_violation(p: dict, text: str | None, model, hardware) -> str | None:
 def plan_case(rng: random.Random, base, kill_s: float, simulate: bool) -> tuple[str, str]:
     from pydantic import ValidationError
 
-    from planners.analytic import estimate
+    from simulator.analytic import estimate
     from reports.outputs import load_plan
     from specs.plan import PlanError, validate_plan
 

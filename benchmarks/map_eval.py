@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._conf import load  # noqa: E402
 from executor.op_graph import model_op_graphs  # noqa: E402
 from planners import make_plan, parse_policy  # noqa: E402
-from planners.map_plan import map_search  # noqa: E402
+from planners.map.plan import map_search  # noqa: E402
 from planners.policy import MapPolicy  # noqa: E402
 from simulator import simulate  # noqa: E402
-from specs.families import build_model, parse_model_config  # noqa: E402
+from costs.families import build_model, parse_model_config  # noqa: E402
 from specs.hardware import HardwareSpec  # noqa: E402
 from specs.plan import ScheduleSpec  # noqa: E402
 from specs.training import TrainingSpec  # noqa: E402

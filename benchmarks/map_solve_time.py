@@ -1,4 +1,4 @@
-"""Solve time of MAP's two solvers (planners/map_ilp.py, planners/map_rotor.py) on a GPT-3 2.7B-class
+"""Solve time of MAP's two solvers (planners/map/ilp.py, planners/map/rotor.py) on a GPT-3 2.7B-class
 graph: issue 14 asks the ILP to solve in <= 10 s on one core.
 
     python benchmarks/map_solve_time.py [--product] [--traced-only]
@@ -27,7 +27,7 @@ softmax/layernorm are never split: 11-29 strategies per op. Costs:
 
 Prints the reduced ILP's size; at 40/20/10 GiB the solve time, status and plan (time, bytes) of both
 exact methods on the same problem: HiGHS on the whole ILP (``method="ilp"``, time limit
-MAP_ILP_LIMIT_S, default 10 s) and the block DP (planners/map_blocks.py, the default when the
+MAP_ILP_LIMIT_S, default 10 s) and the block DP (planners/map/blocks.py, the default when the
 problem carries its 32 blocks); then MAP §5.3's ILP + rotor at the same budgets (32 block stages, 500
 memory slots, alpha 0.25, n 10), its eq. (1) solves done by the block DP. Both run on one core
 (scipy's milp has no threads option and its MIP search is serial; the DP is numpy on one thread);
@@ -49,8 +49,10 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from planners.map_ilp import IlpEdge, IlpNode, IlpProblem, _Reduced, solve  # noqa: E402
-from planners.map_rotor import Chain, integrate  # noqa: E402
+from planners.map.ilp import solve  # noqa: E402
+from planners.map.problem import IlpEdge, IlpNode, IlpProblem, Reduced  # noqa: E402
+from costs.rotor import Chain  # noqa: E402
+from planners.map.rotor import integrate  # noqa: E402
 
 GiB = 1 << 30
 LIMIT_s = float(os.environ.get("MAP_ILP_LIMIT_S", "10"))   # HiGHS time limit per ILP solve
@@ -246,16 +248,16 @@ def _timed(fn):
 
 
 def traced() -> None:
-    """The planner's own problem (planners/map_plan.py): gpt3_2b6 traced from the torch modules
+    """The planner's own problem (planners/map/plan.py): gpt3_2b6 traced from the torch modules
     (executor.op_graph, merged groups), fp16, microbatch 2, on map_8xa100's 8 GPUs as a 2 x 4 mesh
-    priced from the YAML's links; strategies and costs from planners.map_strategies and
+    priced from the YAML's links; strategies and costs from costs.map_strategies and
     simulator.sharded; the block DP at its default memory quantum (budget / map_plan.QUANTA)."""
     import yaml
 
     from executor.op_graph import model_op_graphs
-    from planners.map_plan import _StageModel
+    from planners.map.plan import _StageModel
     from planners.policy import MapPolicy
-    from specs.families import build_model, parse_model_config
+    from costs.families import build_model, parse_model_config
     from specs.hardware import HardwareSpec
     from specs.training import TrainingSpec
 
@@ -297,7 +299,7 @@ def main() -> None:
     formulation = "product" if "--product" in sys.argv else "marginal"
     (strats, costs, mats), t_build, _ = _timed(build)
     p = problem(40 * GiB, costs, mats)
-    red, t_red, _ = _timed(lambda: _Reduced(p))
+    red, t_red, _ = _timed(lambda: Reduced(p))
     k = [len(s) for s in strats]
     free = [len(c) for n, c in enumerate(red.cost) if n not in red.fixed]
     pairs = sum(m.size for m in red.edges.values())

@@ -34,9 +34,9 @@ import yaml  # noqa: E402
 from _conf import load  # noqa: E402
 
 from planners import make_plan, parse_policy  # noqa: E402
-from planners.prediction_error import relative_error, shares  # noqa: E402
+from calibration.prediction_error import relative_error, shares  # noqa: E402
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec  # noqa: E402
-from specs.families import build_model, parse_model_config  # noqa: E402
+from costs.families import build_model, parse_model_config  # noqa: E402
 from specs.plan import PlanError  # noqa: E402
 
 TOLERANCE = 0.03  # issue #11: per-rank peak within 3 % of measured

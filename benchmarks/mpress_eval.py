@@ -40,7 +40,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import mpress_paper as paper  # noqa: E402
 from planners import PlanningError, make_plan  # noqa: E402
 from planners.policy import BalancedPolicy, MPressPolicy  # noqa: E402
-from specs import costs  # noqa: E402
+import costs.activations  # noqa: E402
+import costs.params  # noqa: E402
+import costs.static  # noqa: E402
 from specs.plan import PlanError, validate_plan  # noqa: E402
 
 GIB = float(1 << 30)
@@ -66,7 +68,7 @@ class Case:
     series: str
     system: str
     model_name: str
-    cfg: object     # modes.RunConfig
+    cfg: object     # runconfig.RunConfig
     model: object   # specs.ModelSpec
 
 
@@ -149,18 +151,18 @@ def describe(plan, model) -> tuple[str, dict, dict]:
     stage's optimizer state."""
     stages, layers, saved = {}, {}, {}
     for s, stage in enumerate(plan.stages):
-        held = costs.in_flight_microbatches(plan, s)
-        b = costs.samples_per_replica(plan, stage)
+        held = costs.activations.in_flight_microbatches(plan, s)
+        b = costs.params.samples_per_replica(plan, stage)
         for item in stage.memory:
             a = item.action.value
             if a == "keep":
                 continue
             stages.setdefault(a, set()).add(s)
             layers[a] = layers.get(a, 0) + 1
-            saved[a] = saved.get(a, 0.0) + held * costs.layer_saved_bytes(model.layers[item.layer], b, stage.tp) / GIB
+            saved[a] = saved.get(a, 0.0) + held * costs.activations.layer_saved_bytes(model.layers[item.layer], b, stage.tp) / GIB
         if getattr(stage.offload, "optimizer_swap", False):
             stages.setdefault("optimizer_swap", set()).add(s)
-            saved["optimizer_swap"] = saved.get("optimizer_swap", 0.0) + costs.stage_static(model, plan, stage)[1] / GIB
+            saved["optimizer_swap"] = saved.get("optimizer_swap", 0.0) + costs.static.stage_static(model, plan, stage)[1] / GIB
     text = " ".join(f"{SHORT[a]}:{_ranges(sorted(stages[a]))}" + (f"({layers[a]})" if a in layers else "")
                     for a in SHORT if a in stages)
     return text or "-", saved, {a: sorted(v) for a, v in stages.items()}
@@ -169,7 +171,7 @@ def describe(plan, model) -> tuple[str, dict, dict]:
 def run_variant(case: Case, variant: str, **mpress) -> Row:
     """Plan ``variant`` for ``case`` and simulate it (the emulator's plan is simulated again: the
     row's numbers come from the same simulate() every planner is judged by)."""
-    from planners.mpress import mpress_search
+    from planners.mpress.planner import mpress_search
     from simulator import simulate
 
     row = Row(case.series, case.system, case.model_name, variant)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_conf.py,
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _conf import load  # noqa: E402
 
-from planners.mpress_mapping import search_mapping  # noqa: E402
+from planners.mpress.mapping import search_mapping  # noqa: E402
 from specs.hardware import HardwareSpec  # noqa: E402
 
 GIB = float(1 << 30)

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _conf import load  # noqa: E402
 from mpress_mapping_time import dgx1, mesh16  # noqa: E402
 
-from planners.mpress import mpress_search  # noqa: E402
+from planners.mpress.planner import mpress_search  # noqa: E402
 from planners.policy import MPressPolicy  # noqa: E402
-from specs.families import build_model, parse_model_config  # noqa: E402
+from costs.families import build_model, parse_model_config  # noqa: E402
 from specs.plan import ScheduleSpec  # noqa: E402
 from specs.training import TrainingSpec  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     python benchmarks/plan_search.py [--model gpt3_6b7] [--hardware capture_cluster] [--plans 20000]
 
-Evaluations come from the stage table (planners/stagetable.py), which tests show equal to
+Evaluations come from the stage table (planners/baselines/stagetable.py), which tests show equal to
 analytic.estimate on whole plans; the table is built first and its build time reported apart.
 Last line: plans_per_s=<n>
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_conf.py, wherever this runs from
 from _conf import load  # noqa: E402
-from planners.stagetable import Placed, StageTable
-from planners.throughput import best_throughput  # noqa: E402
+from planners.baselines.stagetable import Placed, StageTable
+from planners.baselines.throughput import best_throughput  # noqa: E402
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 
 def random_plan(rng: random.Random, layers: int, nodes: int, k: int) -> list[Placed]:
     """A uniformly-drawn walk through the plan space (retries until all GPUs and layers are used)."""
@@ -52,7 +52,7 @@ def main() -> None:
     rng = random.Random(0)
     plans = [random_plan(rng, model.num_layers, hw.nodes, hw.devices_per_node) for _ in range(args.plans)]
     t0 = time.perf_counter()
-    for p in plans:  # first pass fills the table (each stage config costed once with specs.costs)
+    for p in plans:  # first pass fills the table (each stage config costed once with costs)
         table.evaluate(p)
     build_s = time.perf_counter() - t0
     t0 = time.perf_counter()

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _conf import load
 
 from planners import PlanningError, make_plan, parse_policy, verdict
-from planners.capture import CaptureStats, recommend_for
+from planners.capture.planner import CaptureStats, recommend_for
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 
 GIB = float(1 << 30)
 

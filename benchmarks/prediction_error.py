@@ -7,10 +7,10 @@
    (default: the measuring backend). The profile is cached as JSON under ``--profile-cache``
    (printed); every finished profiling run is appended to a JSONL log beside it, so an
    interrupted profile resumes and a finished one is not run again.
-2. ``--plans`` distinct plans drawn uniformly from CAPTURE's plan space (planners.prediction_error),
+2. ``--plans`` distinct plans drawn uniformly from CAPTURE's plan space (calibration.prediction_error),
    keeping those ``specs.validate_plan`` accepts.
 3. Each plan measured with ``--backend`` (the executor: real gloo ranks, fp32), predicted by the
-   simulator and by CAPTURE's predictor (planners.capture.predict_devices); measurements are
+   simulator and by CAPTURE's predictor (planners.capture.planner.predict_devices); measurements are
    appended to ``<out>/measurements.jsonl`` so a rerun with the same ``--out`` skips them.
 4. ``<out>/prediction_error.json`` (PredictionErrorReport) and ``<out>/prediction_error.png``
    (Fig. 7-style histograms); the shares table is printed.
@@ -37,15 +37,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_conf.py
 
 from _conf import load  # noqa: E402
 
-from planners.capture import predict_devices, stats_from_profile  # noqa: E402
-from planners.capture_profile import PROFILER_VERSION, SCENARIO_DEGREES, profile_capture  # noqa: E402
-from planners.prediction_error import (  # noqa: E402
+from planners.capture.planner import predict_devices, stats_from_profile  # noqa: E402
+from planners.capture.profile import PROFILER_VERSION, SCENARIO_DEGREES, profile_capture  # noqa: E402
+from calibration.prediction_error import (  # noqa: E402
     PlanMeasurement, build_report, count_plans, describe, sample_plans, shares_table,
 )
-from planners.stagetable import StageTable  # noqa: E402
+from planners.baselines.stagetable import StageTable  # noqa: E402
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec  # noqa: E402
 from reports import profile_io  # noqa: E402
-from specs.families import build_model, parse_model_config  # noqa: E402
+from costs.families import build_model, parse_model_config  # noqa: E402
 from reports.outputs import write_prediction_error  # noqa: E402
 from specs.plan import PlanError, validate_plan  # noqa: E402
 from specs.profile import CaptureProfile  # noqa: E402

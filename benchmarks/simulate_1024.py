@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from simulator import simulate  # noqa: E402
 from specs import HardwareSpec, Plan, ScheduleSpec, StagePlan, TrainingSpec, validate_plan  # noqa: E402
-from specs.families import build_model, parse_model_config  # noqa: E402
+from costs.families import build_model, parse_model_config  # noqa: E402
 
 PP, TP, DP, M = 16, 8, 8, 64
 

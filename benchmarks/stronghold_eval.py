@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import stronghold_paper as paper  # noqa: E402
 from planners import PlanningError, make_plan  # noqa: E402
 from planners.policy import BalancedPolicy, StrongholdPolicy  # noqa: E402
-from planners.stronghold import PLATEAU, stronghold_search  # noqa: E402
+from planners.stronghold.planner import PLATEAU, stronghold_search  # noqa: E402
 from specs.plan import OffloadPolicy, PlanError, ScheduleSpec, validate_plan  # noqa: E402
 
 GIB = float(1 << 30)
@@ -131,7 +131,7 @@ def compose(experiment: str, *overrides: str):
 def gpt(layers: int, hidden: int):
     """Table I's GPT: ``layers`` blocks of ``hidden``, 16 heads, seq 1024, GPT-2's vocabulary (as
     conf/model/stronghold_gpt_*.yaml)."""
-    from specs.families import build_model, parse_model_config
+    from costs.families import build_model, parse_model_config
 
     return build_model(parse_model_config(dict(
         family="gpt", name=f"stronghold_gpt_h{hidden}_l{layers}", num_layers=layers, hidden=hidden, heads=16,

@@ -29,10 +29,10 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planners.analytic import iteration_time_s  # noqa: E402
+from simulator.analytic import iteration_time_s  # noqa: E402
 from planners.layout import assemble, device_groups, megatron_split  # noqa: E402
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec, validate_plan  # noqa: E402
-from specs.families import build_model, parse_model_config  # noqa: E402
+from costs.families import build_model, parse_model_config  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200
 #: Narayanan et al. SC'21 Table 1: (params B, heads, hidden, layers, TP, PP, GPUs, batch, TFLOP/s per GPU)

@@ -42,9 +42,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._conf import load  # noqa: E402
 from planners import make_plan, parse_policy  # noqa: E402
-from planners.analytic import device_memory  # noqa: E402
-from specs import HardwareSpec, ScheduleSpec, TrainingSpec, costs  # noqa: E402
-from specs.families import build_model, parse_model_config  # noqa: E402
+from simulator.analytic import device_memory  # noqa: E402
+from specs import HardwareSpec, ScheduleSpec, TrainingSpec  # noqa: E402
+import costs.activations
+import costs.params
+import costs.static
+from costs.families import build_model, parse_model_config  # noqa: E402
 
 GIB = 2 ** 30
 SEQ, VOCAB = 2048, 51200  # GPT-2 BPE padded to a multiple of 128·t (Megatron's default padding)
@@ -118,7 +121,7 @@ def selene(gpus: int) -> HardwareSpec:
 
 def memwall_first_stage(heads, hidden, layers, t, p, gpus, batch, micro, recompute, v=1):
     """Plan with policy=manual and no layers_per_stage (Megatron's layout is the default), and
-    return (model, plan, first-stage numbers from specs.costs / the analytic estimate)."""
+    return (model, plan, first-stage numbers from costs / the analytic estimate)."""
     cfg = parse_model_config({"family": "gpt", "name": f"gpt_h{hidden}_l{layers}", "num_layers": layers,
                               "hidden": hidden, "heads": heads, "seq_len": SEQ, "vocab": VOCAB})
     model = build_model(cfg, 2)
@@ -130,17 +133,17 @@ def memwall_first_stage(heads, hidden, layers, t, p, gpus, batch, micro, recompu
                      model, hw, training, schedule)
     device = plan.stages[0].devices[0]
     chunks = plan.stages_on(device)
-    resident = sum(costs.in_flight_microbatches(plan, c) * costs.stage_activation_bytes(model, plan, plan.stages[c])
+    resident = sum(costs.activations.in_flight_microbatches(plan, c) * costs.activations.stage_activation_bytes(model, plan, plan.stages[c])
                    for c in chunks)
-    static = sum(costs.stage_static(model, plan, plan.stages[c])[0].total_bytes for c in chunks)
+    static = sum(costs.static.stage_static(model, plan, plan.stages[c])[0].total_bytes for c in chunks)
     # the stage output per in-flight microbatch: Megatron frees its storage once sent
     # (deallocate_pipeline_outputs=True, megatron/training/arguments.py core_transformer_config_from_args)
-    out = sum(costs.in_flight_microbatches(plan, c) * costs.samples_per_replica(plan, plan.stages[c])
+    out = sum(costs.activations.in_flight_microbatches(plan, c) * costs.params.samples_per_replica(plan, plan.stages[c])
               * model.layers[plan.stages[c].layer_stop - 1].output_bytes_per_sample
               for c in chunks if plan.stages[c].layer_stop < model.num_layers)
     peak, _ = device_memory(plan, model)[device]
     pos = SEQ * hidden  # learned position table: first stage, replicated over TP
-    first_params = sum(costs.stage_params_on_device(model, plan, plan.stages[c]) for c in chunks)
+    first_params = sum(costs.params.stage_params_on_device(model, plan, plan.stages[c]) for c in chunks)
     return model, hw, plan, {"resident": resident, "stage_out": out, "static": static, "peak": peak.total_bytes,
                              "extra": peak.total_bytes - static - resident, "pos_share": pos / first_params,
                              "blocks": [sum(model.layers[i].kind.value == "transformer_block" for i in plan.stages[c].layers)
@@ -185,7 +188,7 @@ def main() -> None:
                 res = simulate(plan, model, hw).result
                 line += f" {max(d.peak_bytes for d in res.devices if d.device == 0) / GIB:>8.2f}"
         if v == 1:  # every stage's resident activations against the per-stage form (1F1B)
-            stage_err = [err(costs.in_flight_microbatches(plan, i) * costs.stage_activation_bytes(model, plan, st),
+            stage_err = [err(costs.activations.in_flight_microbatches(plan, i) * costs.activations.stage_activation_bytes(model, plan, st),
                              korthikanti_stage_activation_bytes(SEQ, micro, h, a, L, t, p, m, rc, i))
                          for i, st in enumerate(plan.stages)]
             line += f"   stages {min(stage_err):+.2f}..{max(stage_err):+.2f} %"

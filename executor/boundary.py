@@ -108,7 +108,7 @@ def release(y):
     mask) goes with the reference to it. Views (freeing them frees nothing of their base),
     DTensors and leaves made outside the stage's graph keep their data. A storage autograd saved
     (an op that saves its own output) stays alive through the saved copy, so the backward is still
-    exact, it just frees nothing (specs.costs.releases_output). An in-flight send still holds the
+    exact, it just frees nothing (costs.activations.releases_output). An in-flight send still holds the
     storage through its own view until the send completes."""
     leaves = grad_leaves(y)
     for t in leaves:

@@ -115,7 +115,7 @@ class ShardedLayer(nn.Module):
         super().__init__()
         from torch.distributed.tensor import distribute_tensor
 
-        from planners.map_layout import to_dtensor_placements
+        from executor.sharding import to_dtensor_placements
 
         self.index, self.inner, self.mesh, self.stats = index, module, mesh, stats
         self.gm, sig = ep.graph_module, ep.graph_signature

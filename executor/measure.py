@@ -8,8 +8,8 @@ import torch
 from executor import timeline
 from executor.launch import RunOutput, launch
 from executor.memtrack import CATEGORY_FIELDS
-from specs.costs import model_flops_per_iteration
-from specs.families import build_model, parse_model_config
+from costs.layer_time import model_flops_per_iteration
+from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import MemoryAction, Plan
 from specs.result import DeviceResult, MemoryBreakdown, Result

@@ -1,7 +1,7 @@
 """Torch modules for the model families, one module per spec layer.
 
 ``build_layers(cfg)`` returns the layers in the order and with the boundaries of
-``specs.families.build_model(cfg).layers`` (same count, same names, same parameter counts), so a
+``costs.families.build_model(cfg).layers`` (same count, same names, same parameter counts), so a
 pipeline stage ``[layer_start, layer_stop)`` builds exactly its slice. Layers are constructed on the
 meta device (no memory) and only the ones a rank owns are materialised and initialised; the init
 seeds a generator per *global layer index*, so every plan (any split, any degrees) starts from the

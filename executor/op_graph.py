@@ -373,7 +373,7 @@ def _layer_inputs(cfg, index: int, microbatch: int, torch_dtype: torch.dtype):
 
 def model_layer_graph(cfg, index: int, microbatch: int = 1, dtype: str = "bf16",
                       attention: str = "default") -> OpGraph:
-    """The graph of layer ``index`` of a model config (specs.families), fed a fake input shaped
+    """The graph of layer ``index`` of a model config (costs.families), fed a fake input shaped
     like the previous layer's output (found on the meta device) and the microbatch's fake batch."""
     torch_dtype = DTYPES[dtype]
     (name, module), x, real_batch = _layer_inputs(cfg, index, microbatch, torch_dtype)

@@ -1,7 +1,7 @@
 """MPress optimizer-state swap (``offload.optimizer_swap``, MPress §II-D: GPU-CPU swap applies to
 all model data, and optimizer state, used by the update alone, lives longest): between steps the
 state sits in host memory; the update streams it through the device one layer at a time, in,
-stepped, out again, so the device holds a few layers' state at a time (specs.costs.
+stepped, out again, so the device holds a few layers' state at a time (costs.
 optimizer_swap_chunks; simulator/engine.py ``_swapped_step`` times the same stream).
 
 One optimizer per layer, the torch way to step a subset of parameters (a parameter shared by two

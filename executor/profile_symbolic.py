@@ -293,7 +293,7 @@ def _fake_input(boundary: tuple):
 
 def profile_model(cfg, microbatch: int = 1, dtype: str = "bf16", attention: str = "default",
                   progress=None) -> Profile:
-    """Symbolic profile of every layer of ``cfg`` (a specs.families model config) at
+    """Symbolic profile of every layer of ``cfg`` (a costs.families model config) at
     ``microbatch`` samples and activation/weight dtype ``dtype`` (fp32 | bf16 | fp16).
 
     Out: a Profile whose ``layers`` hold totals for the microbatch (bytes, FLOPs, params).

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import Plan, PlanError, validate_plan
 

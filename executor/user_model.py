@@ -109,7 +109,7 @@ def _batch_fn(key: str, seed: int):
 
 
 def _call_factory(key: str, seed: int, meta: bool):
-    from specs.families import parse_model_config
+    from costs.families import parse_model_config
 
     cfg = parse_model_config(json.loads(key))
     fn = _factory(cfg)
@@ -186,7 +186,7 @@ def _typed(key: str, seed: int, meta: bool, dtype: torch.dtype):
 def _pieces(key: str, seed: int, meta: bool, rows: int, dtype: torch.dtype):
     """All layers at ``rows`` samples per microbatch and ``dtype`` (a whole module is traced for
     that shape; a list of modules is used as given)."""
-    from specs.families import parse_model_config
+    from costs.families import parse_model_config
 
     model = _typed(key, seed, meta, dtype)
     if not isinstance(model, nn.Module):
@@ -240,7 +240,7 @@ def _outputs(cfg, rows: int, seed: int, meta: bool) -> list:
 
 @functools.lru_cache(maxsize=4)
 def _boundaries(key: str, seed: int, meta: bool) -> tuple[Boundary, ...]:
-    from specs.families import parse_model_config
+    from costs.families import parse_model_config
 
     cfg = parse_model_config(json.loads(key))
     a, b = _outputs(cfg, 2, seed, meta), _outputs(cfg, 3, seed, meta)
@@ -333,7 +333,7 @@ class TiedGrads:
             group = self.groups.get(("tie", g, 0))
             if group is None and len(mine) == 1:
                 continue  # one copy on one rank: the layers share one Parameter, nothing to sync
-            # one temporary, the running sum (specs.costs.tied_sync_buffer_bytes): no stacked
+            # one temporary, the running sum (costs.buffers.tied_sync_buffer_bytes): no stacked
             # copies, and each copy's share is written into its gradient in place
             total = mine[0][0].grad.clone()
             for p, _ in mine[1:]:

@@ -22,7 +22,7 @@ from executor.models import make_batch, output_shapes
 from executor.stage import StageRuntime
 from executor.timeline import NoRecorder, Recorder
 from executor.topology import process_groups, rank_of_device
-from specs.families import parse_model_config
+from costs.families import parse_model_config
 from specs.plan import Plan
 from specs.schedule import ActionKind, build_schedule
 

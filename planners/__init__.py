@@ -4,9 +4,9 @@ The registry maps a policy's ``kind`` to its planner; configs never name code.
 """
 from __future__ import annotations
 
-from planners.baselines import plan_balanced, plan_even, plan_manual
-from planners.capture import plan_capture
-from planners.throughput import plan_throughput
+from planners.baselines.partition import plan_balanced, plan_even, plan_manual
+from planners.capture.planner import plan_capture
+from planners.baselines.throughput import plan_throughput
 from planners.verdict import Verdict, fit_verdict
 from planners.layout import PlanningError
 from planners.policy import PolicyConfig, parse_policy
@@ -32,15 +32,15 @@ def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, tr
     elif policy.kind == "throughput":
         plan = plan_throughput(policy, model, hardware, training, schedule, progress)
     elif policy.kind == "mpress":
-        from planners.mpress import plan_mpress  # imports the simulator (its emulator, MPress §III-B)
+        from planners.mpress.planner import plan_mpress  # imports the simulator (its emulator, MPress §III-B)
 
         plan = plan_mpress(policy, model, hardware, training, schedule, progress, profile)
     elif policy.kind == "stronghold":
-        from planners.stronghold import plan_stronghold  # prices windows with the simulator's mechanism
+        from planners.stronghold.planner import plan_stronghold  # prices windows with the simulator's mechanism
 
         plan = plan_stronghold(policy, model, hardware, training, schedule)
     elif policy.kind == "map":
-        from planners.map_plan import plan_map  # simulates its plan (MAP §5.3 refinement against the simulator)
+        from planners.map.plan import plan_map  # simulates its plan (MAP §5.3 refinement against the simulator)
 
         plan = plan_map(policy, model, hardware, training, schedule)
     else:

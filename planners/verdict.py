@@ -1,7 +1,7 @@
 """Does the plan fit? And if not, which knobs would help — computed, not guessed.
 
 Every planner returns its closest plan when none fits (the lowest peak it found); this module
-checks a plan against device memory with the analytic memory model (planners/analytic.py, the
+checks a plan against device memory with the analytic memory model (simulator/analytic.py, the
 same closed forms the simulator's memory follows) and, when it does not fit, prices the knobs:
 
 * recompute: a re-plan with full recompute of every transformer block (Megatron), or — for
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from planners.analytic import device_memory
+from simulator.analytic import device_memory
 from planners.layout import PlanningError, recompute_actions
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec

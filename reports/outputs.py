@@ -283,7 +283,7 @@ def find_jobs(sweep_dir: Path) -> list[tuple[str, Path]]:
 
 
 def write_prediction_error(outdir: Path, report: BaseModel) -> list[Path]:
-    """prediction_error.json (the report, a planners.prediction_error.PredictionErrorReport) and
+    """prediction_error.json (the report, a calibration.prediction_error.PredictionErrorReport) and
     prediction_error.png (Fig. 7-style histograms, reports.figures.prediction_error_figure)."""
     outdir = Path(outdir)
     errors = {name: (e.per_device_errors, e.per_plan_errors) for name, e in report.predictors.items()}

@@ -5,7 +5,7 @@ listing every device the plan uses, ``.trace`` a Chrome/Perfetto trace dict, ``.
 number of simpy events processed. Pure: no I/O, no clocks, no global state; same inputs give
 byte-identical ``result.model_dump_json()`` and ``json.dumps(trace, sort_keys=True)``.
 
-Modules: stagecost (ns/bytes from specs.costs), links (FIFO-booked links and copy engines),
+Modules: stagecost (ns/bytes from costs), links (FIFO-booked links and copy engines),
 memory (step functions, peak, OOM), engine (the simpy processes), trace, report (Result).
 """
 from __future__ import annotations

@@ -21,7 +21,10 @@ from simulator.memory import ACTS, BUFFERS, GRADS, OPTIM, PARAMS, STASHED, SWAPP
 from simulator.stagecost import SWAPS, StageCost, host_link, ns, stage_cost, stage_costs
 from simulator.trace import TraceBuilder
 from simulator.window import WindowWalk, resources as window_resources
-from specs import costs
+import costs.activations
+import costs.buffers
+import costs.collectives
+import costs.static
 from specs.hardware import RENDEZVOUS_KINDS, HardwareSpec, LinkSpec
 from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan, ScheduleKind, stage_for_microbatch
@@ -176,7 +179,7 @@ class Engine:
             elif kind is _B:
                 t0 = env.now
                 # the backward's workspace (scratch, recomputed activations) peaks on top of every
-                # held microbatch (specs.costs.backward_workspace_bytes); it and this microbatch's
+                # held microbatch (costs.activations.backward_workspace_bytes); it and this microbatch's
                 # activations are gone when the pass ends
                 mem.add(t0, ACTS, sc.workspace_bytes)
                 if sc.window is not None:
@@ -191,7 +194,7 @@ class Engine:
                     busy += yield from self._layered_backward(pos, sc, k)
                 trace.slice(rep, "compute", f"B s{s} mb{k}", t0, env.now - t0, "backward")
                 if s not in graded:  # the input gradient to send back exists from now on
-                    graded.add(s)    # (specs.costs.sent_grad_buffer_bytes)
+                    graded.add(s)    # (costs.buffers.sent_grad_buffer_bytes)
                     mem.add(env.now, BUFFERS, costs_[s].grad_buffer_bytes)
                 if self.overlap_dp_allreduce and sc.dp_allreduce_ns:
                     self._bwd_count[s] = self._bwd_count.get(s, 0) + 1
@@ -275,7 +278,7 @@ class Engine:
 
     def _swapped_step(self, pos: int, sc: StageCost):
         """The update streamed layer by layer: chunk j+1 comes in while chunk j is stepped, and
-        each stepped chunk goes back out (costs.optimizer_swap_chunks). The position waits for the
+        each stepped chunk goes back out (costs.static.optimizer_swap_chunks). The position waits for the
         last copy-out: the next iteration's forwards would otherwise peak with state on the device."""
         env, mem = self.env, self.mem[pos]
         total = sum(sc.opt_chunks)
@@ -377,7 +380,7 @@ class Engine:
         key = (a, b, nbytes)
         dur = self._xfer_ns.get(key)
         if dur is None:
-            dur = self._xfer_ns[key] = ns(costs.transfer_s(nbytes, link))
+            dur = self._xfer_ns[key] = ns(costs.collectives.transfer_s(nbytes, link))
         return dur, res
 
     def _send(self, a, sc: StageCost, rep: int) -> None:
@@ -446,7 +449,7 @@ class Engine:
                 end = max(end, e)
         else:
             link = self._nvme if lc.action is MemoryAction.nvme else self._pcie
-            dur = ns(costs.transfer_s(nbytes, link))
+            dur = ns(costs.collectives.transfer_s(nbytes, link))
             start, end = self.links.reserve((("d2h", self._switch(sc.rep)),), dur, now)
             self.trace.slice(sc.rep, "d2h", f"swap_out L{layer} mb{k}", start, dur, "swap")
             self._host(pos, nbytes)  # pinned host buffer reserved at enqueue
@@ -471,7 +474,7 @@ class Engine:
             done = self._later(end - now)
         else:
             link = self._nvme if lc.action is MemoryAction.nvme else self._pcie
-            dur = ns(costs.transfer_s(nbytes, link))
+            dur = ns(costs.collectives.transfer_s(nbytes, link))
             start, end = self.links.reserve((("h2d", self._switch(sc.rep)),), dur, earliest)
             self.trace.slice(sc.rep, "h2d", f"swap_in L{layer} mb{k}", start, dur, "swap")
             done = self._later(end - now, lambda _e: self._host(pos, -nbytes))

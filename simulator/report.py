@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from simulator.engine import Engine
 from simulator.memory import Summary, Timeline, counter_series, merged, summarize
-from specs import costs
+import costs.layer_time
 from specs.model import ModelSpec
 from specs.plan import ScheduleKind
 from specs.result import DeviceResult, Result
@@ -82,7 +82,7 @@ def build_result(engine: Engine, model: ModelSpec) -> tuple[Result, dict]:
                 names[d] = f"device {d} (d2d target)"
     t_ns = iteration_ns(engine)
     t = t_ns / 1e9
-    flops = costs.model_flops_per_iteration(model, plan)
+    flops = costs.layer_time.model_flops_per_iteration(model, plan)
     result = Result(
         source="simulated", plan_id=plan.id, model=plan.model, hardware=plan.hardware,
         devices=devices, iteration_time_s=t,

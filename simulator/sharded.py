@@ -1,14 +1,14 @@
 """Costs of a MAP-sharded layer and stage (MAP §5.1-5.3), shared by the MAP planner and the simulator.
 
 A layer's plan (specs.plan.LayerSharding) names one strategy per operator group of its op graph
-(specs.op_graph). Here each named strategy is found among ``planners.map_strategies``' generated
+(specs.op_graph). Here each named strategy is found among ``costs.map_strategies``' generated
 ones (so the planner's ILP and the simulator price the same object), and the layer becomes one
-stage of MAP's rotor chain (planners.map_rotor.Chain, Table 1-2 quantities):
+stage of MAP's rotor chain (costs.rotor.Chain, Table 1-2 quantities):
 
 * u_f / u_b: per-node compute on the device's share (GEMM kinds at the device's GEMM efficiency
   for the kernel size, the rest memory-bound), plus per-operator framework overhead;
 * u_fcomm / u_bcomm: the strategies' collectives (partial sums, eq. 1's c_v) plus the layout
-  conversions on the edges (Algorithm 1, planners.map_layout.convert; eq. 1's R_uv): forward
+  conversions on the edges (Algorithm 1, costs.map_layout.convert; eq. 1's R_uv): forward
   src -> dst, and in backward the gradient back dst -> src (DTensor's redistribute backward);
 * w_a / w_delta: the layer output's local bytes; w_abar: what the backward needs (MAP §4.1's
   fwd_in per node, scaled by the local share of the tensor each part belongs to), the output
@@ -17,7 +17,7 @@ stage of MAP's rotor chain (planners.map_rotor.Chain, Table 1-2 quantities):
   o_fcomm / o_bcomm: the largest collective / conversion buffer.
 
 The stage's time and activation bytes then come from walking rotor's sequence for the plan's
-checkpoint tree (planners.map_rotor.walk), so recomputation is timed and its memory counted the
+checkpoint tree (costs.rotor.walk), so recomputation is timed and its memory counted the
 way the planner's DP counted them. Pure: no I/O, no torch.
 """
 from __future__ import annotations
@@ -26,12 +26,16 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from planners.map_layout import convert
-from planners.map_rotor import Chain, Segment, sequence_of, walk
-from planners.map_strategies import Strategy, strategies
-from specs import costs as spec_costs
-from specs import gemm
-from specs.costs import BWD_MEM_FACTOR, allreduce_link
+from costs.map_layout import convert
+from costs.rotor import Chain, Segment, sequence_of, walk
+from costs.map_strategies import Strategy, strategies
+import costs.activations
+import costs.collectives
+import costs.layer_time
+import costs.params
+from costs import gemm
+from costs.collectives import allreduce_link
+from costs.layer_time import BWD_MEM_FACTOR
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.op_graph import OpGraph, OpNode
@@ -46,7 +50,7 @@ GEMM_KINDS = frozenset({"linear", "matmul", "bmm", "sdpa", "conv2d", "moe_dispat
 
 def stage_mesh(hardware: HardwareSpec, devices: tuple[int, ...], shape: tuple[int, ...]) -> Mesh:
     """The stage's devices as a mesh of ``shape`` (row-major, last axis fastest). Each axis is priced
-    by its slowest ring (specs.costs.allreduce_link: the collective's bus bandwidth and per-step
+    by its slowest ring (costs.collectives.allreduce_link: the collective's bus bandwidth and per-step
     latency), as MAP §4.2 prices an axis by its slowest pair."""
     if math.prod(shape) != len(devices):
         raise ValueError(f"mesh {list(shape)} has {math.prod(shape)} devices, the stage {len(devices)}")
@@ -82,7 +86,7 @@ def node_compute_s(node: OpNode, strategy: Strategy, mesh: Mesh, hardware: Hardw
         bwd = b / (rate * gemm.efficiency(dev, dtype, b / 2)) if b > 0 else 0.0
         return fwd + overhead, bwd + overhead
     # memory-bound: read the inputs and write the output, each at its local share; the backward
-    # moves about 1.5x that (specs.costs.BWD_MEM_FACTOR's reasoning: grad in, saved, grad out)
+    # moves about 1.5x that (costs.layer_time.BWD_MEM_FACTOR's reasoning: grad in, saved, grad out)
     ms = mesh.shape
     moved = sum(math.prod(s) * db * _share(sp, s, ms)
                 for s, db, sp in zip(node.input_shapes, node.input_dtype_bytes, strategy.input_specs))
@@ -298,9 +302,9 @@ class ShardedStage:
     ``output_bytes``: the replicated output the stage sends (the loss on the last stage); of it,
     ``held_output_bytes`` is kept to the backward (the pipeline's autograd root; rotor's walk has
     only its sharded a^{L-1}) and ``sent_output_bytes`` lives only until its send is done
-    (training.deallocate_pipeline_outputs, specs.costs.sent_output_bytes); the last stage's loss is
+    (training.deallocate_pipeline_outputs, costs.activations.sent_output_bytes); the last stage's loss is
     the walk's own a^{L-1}: neither;
-    ``optimizer_s``: the update of the stored shards (memory-bound, specs.costs.optimizer_step_s)."""
+    ``optimizer_s``: the update of the stored shards (memory-bound, costs.layer_time.optimizer_step_s)."""
 
     layers: tuple[int, ...]
     mesh: Mesh
@@ -320,7 +324,7 @@ class ShardedStage:
     def act_bytes(self) -> int:
         """Bytes one microbatch holds from the end of its forward to the end of its backward: what
         rotor's walk has live after the last forward, plus the stage input (the walk counts it as
-        the caller's; the executor keeps it for the backward, as specs.costs does) and the held
+        the caller's; the executor keeps it for the backward, as costs does) and the held
         replicated output."""
         return self.run.act_bytes + self.input_bytes + self.held_output_bytes
 
@@ -359,11 +363,11 @@ def _first_layout(graph: OpGraph, sharding: LayerSharding, numel: int) -> tuple[
 def tied_skip(model: ModelSpec, layers: range, layer: int, graph: OpGraph) -> frozenset[str]:
     """Parameters ``layer`` reads but does not store: a tied copy (an LM head tied to the word
     embedding) whose owner is in the same stage reads the owner's parameter (one Parameter on the
-    same devices, as specs.costs.stage_params_on_device counts it once). The op graph names the
+    same devices, as costs.params.stage_params_on_device counts it once). The op graph names the
     copy by the copy's module path, so it is found by size: the first parameter (graph order) with
     ``tied_params`` elements. None of that size: nothing skipped (counted twice: an over-count).
     An owner in another stage: the copy is stored here and its gradient all-reduced with the owner's
-    (specs.costs.embedding_group_allreduce_s)."""
+    (costs.collectives.embedding_group_allreduce_s)."""
     spec = model.layers[layer]
     owner = model.tied_owner(layer)
     if not spec.tied_params or owner is None or owner not in layers:
@@ -435,7 +439,7 @@ def stage_chain(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec
                              o_fcomm=max(last.o_fcomm, fwd.peak_bytes), o_bcomm=max(last.o_bcomm, back.peak_bytes),
                              output_spec=str(rep))
     fixed = sum(c.param_elems for c in costs_) * (w_b + g_b + o_b)
-    input_bytes = spec_costs.layer_input_bytes(model, layers.start, training.samples_per_microbatch)
+    input_bytes = costs.activations.layer_input_bytes(model, layers.start, training.samples_per_microbatch)
     return tuple(costs_), chain_of(costs_, fixed, input_bytes, input_bytes if layers.start > 0 else 0)
 
 
@@ -455,7 +459,7 @@ def sharded_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, stage: S
     static = MemoryBreakdown(parameters_bytes=elems * w_b, gradients_bytes=elems * g_b, optimizer_bytes=elems * o_b)
     segments = to_segments(stage.checkpoint, stage.layer_start)
     out_bytes = b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
-    sent = spec_costs.sent_output_bytes(model, plan, stage)
+    sent = costs.activations.sent_output_bytes(model, plan, stage)
     held = out_bytes if stage.layer_stop < model.num_layers and not sent else 0
     return ShardedStage(
         layers=tuple(stage.layers), mesh=mesh, costs=costs_, chain=chain, segments=segments,

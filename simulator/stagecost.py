@@ -1,4 +1,4 @@
-"""Per-stage numbers the simulator needs, in integer nanoseconds and bytes, all from specs.costs.
+"""Per-stage numbers the simulator needs, in integer nanoseconds and bytes, all from costs.
 
 Nothing here re-derives a formula: times come from ``stage_pass_times_s`` / ``layer_pass_times_s``
 / ``dp_allreduce_s`` / ``optimizer_step_s``, bytes from ``stage_static`` /
@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specs import costs, window
+from costs import window
+import costs.activations
+import costs.buffers
+import costs.collectives
+import costs.layer_time
+import costs.params
+import costs.static
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan
@@ -33,7 +39,7 @@ class LayerCost:
     recompute_ns: int     # one forward of the layer incl. its TP all-reduces
     bwd_ns: int           # its backward: dgrad + wgrad GEMMs, elementwise backward, TP all-reduces
     fwd_ns: int = 0       # its forward (the window walks passes layer by layer)
-    streamed: bool = False  # a window streams its weights (STRONGHOLD; specs.window)
+    streamed: bool = False  # a window streams its weights (STRONGHOLD; costs.window)
     fetch_ns: int = 0     # host -> device copy of its weights into a slot
     grad_ns: int = 0      # device -> host copy of its gradients after each backward
     cpu_step_ns: int = 0  # its CPU optimizer step (with NVMe: the drive's read + write)
@@ -86,56 +92,56 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     variant one microbatch sees: specs.plan.stage_for_microbatch)."""
     if stage.sharding:
         return sharded_stage_cost(plan, model, hardware, s, stage)
-    b = costs.samples_per_replica(plan, stage)
-    fwd_s, bwd_s = costs.stage_pass_times_s(model, plan, hardware, stage)
+    b = costs.params.samples_per_replica(plan, stage)
+    fwd_s, bwd_s = costs.layer_time.stage_pass_times_s(model, plan, hardware, stage)
     streamed = window.streamed_params(model, stage)
     link = host_link(hardware)
     layers = []
     for l in stage.layers:
         item = stage.action_of(l)
-        f_c, b_c, _ = costs.layer_pass_times_s(model, plan, hardware, stage, l)
+        f_c, b_c, _ = costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l)
         n = streamed.get(l)
         layers.append(LayerCost(
             layer=l, action=item.action, targets=tuple((t.device, t.weight) for t in item.targets),
-            saved_bytes=costs.layer_saved_bytes(model.layers[l], b, stage.tp),
+            saved_bytes=costs.activations.layer_saved_bytes(model.layers[l], b, stage.tp),
             recompute_ns=ns(f_c), bwd_ns=ns(b_c), fwd_ns=ns(f_c), streamed=n is not None,
-            fetch_ns=ns(costs.transfer_s(window.fetch_bytes(plan, n), link)) if n else 0,
-            grad_ns=ns(costs.transfer_s(window.grad_bytes(plan, n), link)) if n else 0,
+            fetch_ns=ns(costs.collectives.transfer_s(window.fetch_bytes(plan, n), link)) if n else 0,
+            grad_ns=ns(costs.collectives.transfer_s(window.grad_bytes(plan, n), link)) if n else 0,
             cpu_step_ns=ns(window.cpu_step_s(plan, hardware, stage, n)) if n else 0,
         ))
-    static, host = costs.stage_static(model, plan, stage)
+    static, host = costs.static.stage_static(model, plan, stage)
     windowed = stage.offload.window_layers is not None
     nvme = window.window_static(model, plan, stage)[4] if windowed else 0
     offload = (0, 0, 0)
     if stage.offload.optimizer_on_cpu and not windowed:  # ZeRO-Offload (Ren et al. ATC'21 §4)
-        params = costs.stage_params_on_device(model, plan, stage)
-        offload = (ns(costs.transfer_s(window.grad_bytes(plan, params), link)),
+        params = costs.params.stage_params_on_device(model, plan, stage)
+        offload = (ns(costs.collectives.transfer_s(window.grad_bytes(plan, params), link)),
                    ns(params / hardware.host.cpu_adam_params_per_s),
-                   ns(costs.transfer_s(window.fetch_bytes(plan, params), link)))
+                   ns(costs.collectives.transfer_s(window.fetch_bytes(plan, params), link)))
     # A swapped layer's activations stay resident until its copy-out finishes.
-    act = costs.stage_activation_bytes(model, plan, stage)
+    act = costs.activations.stage_activation_bytes(model, plan, stage)
     # A released output (training.deallocate_pipeline_outputs) lives until its send is done.
-    sent = costs.sent_output_bytes(model, plan, stage)
+    sent = costs.activations.sent_output_bytes(model, plan, stage)
     fwd_alloc = act + sent + sum(lc.saved_bytes for lc in layers if lc.action in SWAPS)
-    dp_s = costs.dp_allreduce_s(model, plan, hardware, stage)
+    dp_s = costs.collectives.dp_allreduce_s(model, plan, hardware, stage)
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],
         fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
         simple=all(lc.action not in SWAPS for lc in layers),
         fwd_alloc_bytes=fwd_alloc, act_bytes=act, sent_output_bytes=sent,
-        workspace_bytes=costs.backward_transient_bytes(model, plan, stage)[0],
-        allreduce_buffer_bytes=costs.allreduce_buffer_bytes(model, plan, stage),
+        workspace_bytes=costs.activations.backward_transient_bytes(model, plan, stage)[0],
+        allreduce_buffer_bytes=costs.buffers.allreduce_buffer_bytes(model, plan, stage),
         act_out_bytes=b * model.layers[stage.layer_stop - 1].output_bytes_per_sample,
-        grad_out_bytes=costs.layer_input_bytes(model, stage.layer_start, b),
-        static=static, host_bytes=host, buffer_bytes=costs.received_grad_buffer_bytes(model, plan, stage),
-        grad_buffer_bytes=costs.sent_grad_buffer_bytes(model, plan, stage),
+        grad_out_bytes=costs.activations.layer_input_bytes(model, stage.layer_start, b),
+        static=static, host_bytes=host, buffer_bytes=costs.buffers.received_grad_buffer_bytes(model, plan, stage),
+        grad_buffer_bytes=costs.buffers.sent_grad_buffer_bytes(model, plan, stage),
         dp_allreduce_ns=ns(dp_s),
-        ar_buckets_ns=tuple(ns(t) for t in costs.dp_allreduce_buckets_s(model, plan, hardware, stage)),
-        allreduce_ns=ns(dp_s + costs.embedding_group_allreduce_s(model, plan, hardware, stage)),
+        ar_buckets_ns=tuple(ns(t) for t in costs.collectives.dp_allreduce_buckets_s(model, plan, hardware, stage)),
+        allreduce_ns=ns(dp_s + costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)),
         optimizer_ns=ns(window.resident_step_s(model, plan, hardware, stage) if windowed
-                        else costs.optimizer_step_s(model, plan, hardware, stage)),
-        opt_chunks=tuple(chunks := costs.optimizer_swap_chunks(model, plan, stage)),
-        opt_chunk_ns=tuple(ns(costs.transfer_s(c, host_link(hardware))) for c in chunks),
+                        else costs.layer_time.optimizer_step_s(model, plan, hardware, stage)),
+        opt_chunks=tuple(chunks := costs.static.optimizer_swap_chunks(model, plan, stage)),
+        opt_chunk_ns=tuple(ns(costs.collectives.transfer_s(c, host_link(hardware))) for c in chunks),
         window=stage.offload.window_layers, nvme_bytes=nvme, offload_ns=offload,
     )
 
@@ -147,7 +153,7 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
     time, not a per-layer action). No data-parallel all-reduce: a batch split is one of the
     strategies, and its gradient reduction is among their backward collectives (u_bcomm). Only a
     tied weight whose other side is on another stage still syncs after the flush (Megatron's
-    embedding group, specs.costs.embedding_group_allreduce_s: an approximation for MAP, which
+    embedding group, costs.collectives.embedding_group_allreduce_s: an approximation for MAP, which
     prices the copy's gradient as split over the stage's devices)."""
     from simulator.sharded import sharded_stage  # imports the MAP strategy generator
 
@@ -157,7 +163,7 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
         layer=l, action=MemoryAction.keep, targets=(), saved_bytes=chain.w_abar[i],
         recompute_ns=ns(chain.t_fwd(i)), bwd_ns=ns(chain.t_bwd(i)), fwd_ns=ns(chain.t_fwd(i)))
         for i, l in enumerate(sh.layers))
-    tied_s = costs.embedding_group_allreduce_s(model, plan, hardware, stage)
+    tied_s = costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],
         fwd_ns=ns(sh.run.fwd_s), bwd_ns=ns(sh.run.bwd_s), layers=layers, simple=True,
@@ -166,10 +172,10 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
         fwd_alloc_bytes=sh.act_bytes + sh.sent_output_bytes, act_bytes=sh.act_bytes,
         sent_output_bytes=sh.sent_output_bytes,
         workspace_bytes=sh.run.workspace_bytes,
-        allreduce_buffer_bytes=costs.tied_sync_buffer_bytes(model, plan, stage),
+        allreduce_buffer_bytes=costs.buffers.tied_sync_buffer_bytes(model, plan, stage),
         act_out_bytes=sh.output_bytes, grad_out_bytes=sh.input_bytes,
-        static=sh.static, host_bytes=0, buffer_bytes=costs.received_grad_buffer_bytes(model, plan, stage),
-        grad_buffer_bytes=costs.sent_grad_buffer_bytes(model, plan, stage),
+        static=sh.static, host_bytes=0, buffer_bytes=costs.buffers.received_grad_buffer_bytes(model, plan, stage),
+        grad_buffer_bytes=costs.buffers.sent_grad_buffer_bytes(model, plan, stage),
         allreduce_ns=ns(tied_s), dp_allreduce_ns=0, ar_buckets_ns=(),
         optimizer_ns=ns(sh.optimizer_s), opt_chunks=(), opt_chunk_ns=(),
     )

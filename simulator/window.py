@@ -15,7 +15,7 @@ same one). Each pass walks the stage's layers; streamed ones must be in a slot f
 
 A pass is a generator of ``(kind, duration_ns, label)`` segments ("compute" or "stall") that reads
 the time from ``clock()``: the simpy engine drives it with timeouts, and the STRONGHOLD planner
-drives the same code with plain arithmetic to price every window size (planners/stronghold.py),
+drives the same code with plain arithmetic to price every window size (planners/stronghold/planner.py),
 so the planner's window and the simulated one cannot disagree about the mechanism. Copies and
 CPU steps are booked on ``Links`` resources (FIFO in issue order): the node's PCIe uplink per
 direction, shared by the GPUs behind one switch, and the node's CPU cores and NVMe drive, shared

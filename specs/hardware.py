@@ -95,7 +95,7 @@ class DeviceSpec(Spec):
     gemm_efficiency: dict[str, list[tuple[GemmFlops, Efficiency]]] = Field(
         default_factory=dict,
         description="per dtype: points (FLOPs of one GEMM kernel, achieved / peak), joined by power laws "
-                    "(log-log) and clamped at both ends (specs/gemm.py); a dtype without points runs at peak")
+                    "(log-log) and clamped at both ends (costs/gemm.py); a dtype without points runs at peak")
     hbm_gbps: Bandwidth = Field(description="device memory bandwidth")
     hbm_efficiency: Efficiency = Field(
         1.0, description="achieved streaming bandwidth / hbm_gbps (a copy or elementwise kernel never reaches "
@@ -109,8 +109,8 @@ class DeviceSpec(Spec):
                          "op_overhead_s: charged for every operator of a MAP-sharded stage (executor/map_exec.py "
                          "runs all of them on DTensor) and for the DTensor operators of a tp > 1 layer (Megatron TP "
                          "through parallelize_module: the parallelized Linears and the vocabulary-parallel "
-                         "embedding / loss; specs.costs.TP_DTENSOR_OPS). Measured by mode=calibrate "
-                         "(executor.calibrate_dtensor.dtensor_op_overhead_s); 0: not measured")
+                         "embedding / loss; costs.layer_time.TP_DTENSOR_OPS). Measured by mode=calibrate "
+                         "(calibration.dtensor.dtensor_op_overhead_s); 0: not measured")
 
     @model_validator(mode="after")
     def _dtypes(self) -> DeviceSpec:
@@ -148,7 +148,7 @@ class DeviceSpec(Spec):
 
     def flops_per_s(self, dtype: str) -> float:
         """Best achievable FLOP/s for ``dtype``: peak x the curve's largest efficiency x
-        ``compute_efficiency`` (the rate of a large GEMM; specs/gemm.py gives shape-aware rates).
+        ``compute_efficiency`` (the rate of a large GEMM; costs/gemm.py gives shape-aware rates).
         A dtype the device lacks is an error (ValueError), never a silent fall-back to another rate."""
         msg = self.missing_dtype(dtype)
         if msg is not None:

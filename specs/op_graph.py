@@ -1,7 +1,7 @@
 """Operator graph of one layer (MAP §4.1, §5.1): aten nodes with shapes, FLOPs and MAP's memory split.
 
 ``executor.op_graph.layer_graph`` traces a layer of ``executor.models`` to aten level on FakeTensor
-and fills these types; ``planners.map_strategies`` enumerates sharding strategies per node; the
+and fills these types; ``costs.map_strategies`` enumerates sharding strategies per node; the
 simulator and the MAP solver read them. Types and pure functions only (STYLE: no torch, no I/O);
 ``to_json`` / ``from_json`` give plain JSON.
 

@@ -71,7 +71,7 @@ class CheckpointSegment(Spec):
     """Layers [start, stop) run under ``torch.utils.checkpoint`` when ``checkpointed`` (only the
     segment's input is kept; the forward is re-run in backward); ``children`` then tile
     [start, stop) and say how the recomputation is itself split (nested checkpoints). Rotor's
-    solution (MAP §5.2, planners.map_rotor.Segment) in plan form."""
+    solution (MAP §5.2, costs.rotor.Segment) in plan form."""
 
     start: int = Field(ge=0, lt=MAX_COUNT)
     stop: int = Field(ge=1, le=MAX_COUNT)

@@ -13,7 +13,7 @@ from specs import (
     DeviceSpec, HardwareSpec, HostSpec, LayerKind, LayerSpec, LinkKind, LinkSpec, ModelSpec,
     NodeTopology, PairLink, TrainingSpec,
 )
-from specs.families import parse_model_config
+from costs.families import parse_model_config
 
 from executor.reference import longest_reduction, reorder_rtol  # noqa: F401,E402  (tests import them from here)
 

@@ -2,7 +2,7 @@
 
 A single GPU runs one stage of a 4-stage 1F1B plan (its layers, all microbatches, the plan's
 action order with synthetic boundary tensors) and its ``torch.cuda.max_memory_allocated`` is
-compared with the closed-form prediction of specs.costs (via the analytic estimate). Run with
+compared with the closed-form prediction of costs (via the analytic estimate). Run with
 ``pytest tests/gpu -s`` to see the numbers.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import yaml
 
 from executor.single import run_stage_alone
 from planners import make_plan, parse_policy
-from planners.analytic import estimate
-from specs.families import build_model, parse_model_config
+from simulator.analytic import estimate
+from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import ScheduleSpec
 from specs.training import TrainingSpec

@@ -16,8 +16,8 @@ import yaml
 from executor.single import run_stage_alone
 from executor.swap import MIN_CUDA_SWAP_BYTES
 from planners import make_plan, parse_policy
-from specs import costs
-from specs.families import build_model, parse_model_config
+import costs.activations
+from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import D2DTarget, LayerMemory, ScheduleSpec, validate_plan
 from specs.training import TrainingSpec
@@ -52,8 +52,8 @@ def test_gpu_swap_lowers_peak_and_keeps_gradients(action):
     a = run_stage_alone(keep, CFG, 1, iterations=2, device="cuda", collect=True)
     torch.cuda.empty_cache()
     b = run_stage_alone(swap, CFG, 1, iterations=2, device="cuda", collect=True)
-    in_flight = costs.in_flight_microbatches(swap, 1)
-    bound = in_flight * sum(costs.layer_saved_bytes(SPEC.layers[l], 4, 1) for l in swap.stages[1].layers)
+    in_flight = costs.activations.in_flight_microbatches(swap, 1)
+    bound = in_flight * sum(costs.activations.layer_saved_bytes(SPEC.layers[l], 4, 1) for l in swap.stages[1].layers)
     print(f"\n{action}: max_memory_allocated kept {a['peak_bytes']} B, swapped {b['peak_bytes']} B "
           f"({b['peak_bytes'] - a['peak_bytes']:+d}); host {b['host_peak_bytes']} B (closed-form bound {bound}); "
           f"iteration {a['iteration_time_s']:.3f} s -> {b['iteration_time_s']:.3f} s")

@@ -17,7 +17,7 @@ import yaml
 
 from executor.models import build_layers
 from executor.single import run_stage_alone
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import OffloadPolicy, Plan, ScheduleSpec, StagePlan, validate_plan
 from specs.training import TrainingSpec

@@ -18,7 +18,7 @@ from executor import user_model
 from executor.models import build_layers, make_batch
 from executor.profile_symbolic import profile_model
 from executor.reference import train_reference
-from specs.families import parse_model_config
+from costs.families import parse_model_config
 from specs.model import LayerKind, LayerSpec, ModelSpec
 from specs.plan import Plan, ScheduleSpec, StagePlan, validate_plan
 from specs.profile import model_from_profile

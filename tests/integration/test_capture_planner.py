@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from planners.capture import predict_devices, stats_from_profile
+from planners.capture.planner import predict_devices, stats_from_profile
 from specs import Plan
 from specs.profile import Profile
 

@@ -14,7 +14,7 @@ import pytest
 
 from executor import execute
 from planners import make_plan, parse_policy
-from specs.families import build_model
+from costs.families import build_model
 from specs.plan import ScheduleSpec
 from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU
 

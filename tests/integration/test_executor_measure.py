@@ -9,7 +9,7 @@ import pytest
 from executor import execute
 from executor.single import run_stage_alone
 from planners import make_plan, parse_policy
-from specs.families import build_model
+from costs.families import build_model
 from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU
 from specs.plan import ScheduleSpec
 from specs.result import Result
@@ -76,16 +76,16 @@ def test_1f1b_holds_fewer_microbatches_than_gpipe(one_f_one_b, gpipe):
     # completes a send once its receive is posted, so how many are in flight depends on timing: at
     # most the m microbatches of GPipe's stage plus the p - i that 1F1B's stage i has in flight
     from executor.profile_symbolic import profile_model
-    from specs import costs
+    import costs.activations
     from specs.profile import apply_profile
 
     plan, _ = one_f_one_b
     traced = apply_profile(SPEC, profile_model(CFG, microbatch=TRAINING.samples_per_microbatch, dtype="fp32"))
     for stage, fewer in ((1, 1), (2, 2)):
         st = plan.stages[stage]
-        per_mb = costs.stage_activation_bytes(traced, plan, st)
+        per_mb = costs.activations.stage_activation_bytes(traced, plan, st)
         m = plan.training.microbatches
-        in_flight = (m + len(plan.stages) - stage) * costs.sent_output_bytes(traced, plan, st)
+        in_flight = (m + len(plan.stages) - stage) * costs.activations.sent_output_bytes(traced, plan, st)
         diff = acts(gpipe, stage) - acts(ofob, stage)
         assert abs(diff - fewer * per_mb) <= in_flight, (stage, diff, fewer * per_mb, in_flight)
 

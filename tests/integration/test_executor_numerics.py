@@ -19,7 +19,7 @@ import torch
 from executor import run_plan
 from executor.reference import train_reference
 from planners import make_plan, parse_policy
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from tests.conftest import (
     CPU_TRAINING, GPT_TINY, LOCAL_CPU, conf, longest_reduction, reorder_rtol, run_plan_float64,
 )

@@ -1,5 +1,5 @@
 """One stage of a plan run alone in this process (the single-GPU path, here on CPU): its peak
-follows the closed form of specs.costs at a size where per-tensor overheads vanish, and it equals
+follows the closed form of costs at a size where per-tensor overheads vanish, and it equals
 what the same stage holds inside the 4-rank run."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import yaml
 
 from executor.single import run_stage_alone
 from planners import make_plan, parse_policy
-from planners.analytic import estimate
-from specs.families import build_model, parse_model_config
+from simulator.analytic import estimate
+from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import ScheduleSpec
 from specs.training import TrainingSpec

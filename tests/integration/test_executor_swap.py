@@ -3,7 +3,7 @@ block3 | head): cpu_swap moves stage 0's saved tensors to host memory, d2d_swap 
 0 and 1's over devices 2 and 3 (weights 1:3, MPress §III-C). A swap copies bytes, so every number
 of a training step equals the unswapped run's exactly; the memory moves where the plan says.
 
-Bounds come from the closed forms of specs.costs: a target holds at most, from each source stage
+Bounds come from the closed forms of costs: a target holds at most, from each source stage
 s, its in-flight microbatches (1F1B: min(p - i, m)) × the swapped layers' saved bytes × the
 target's weight share. That form over-counts this CPU's blocks (it includes dropout masks and the
 kept softmax, which CPU SDPA without dropout does not keep), so it is an upper bound here.
@@ -15,7 +15,9 @@ import pytest
 
 from executor.launch import launch
 from executor.measure import execute_run, unsupported
-from specs import costs
+import costs.activations
+import costs.params
+import costs.static
 from specs.plan import LayerMemory, MemoryAction
 from tests.conftest import GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol, CPU_TRAINING
 from tests.unit.test_swap_protocol import SPEC, d2d, pp4, with_memory
@@ -104,8 +106,8 @@ def measured():
 def _swapped_bytes(plan, stage: int) -> int:
     """Closed-form saved bytes of one microbatch of ``stage``'s swapped layers (fp32)."""
     st = plan.stages[stage]
-    return sum(costs.layer_saved_bytes(SPEC.layers[l], costs.samples_per_replica(plan, st), st.tp)
-               for l in st.layers if st.action_of(l).action in costs.SWAP_ACTIONS)
+    return sum(costs.activations.layer_saved_bytes(SPEC.layers[l], costs.params.samples_per_replica(plan, st), st.tp)
+               for l in st.layers if st.action_of(l).action in costs.activations.SWAP_ACTIONS)
 
 
 def _boundary(plan, stage: int) -> int:
@@ -113,8 +115,8 @@ def _boundary(plan, stage: int) -> int:
     send still in flight over gloo may add to a peak, depending on when the peer posts its
     receive."""
     st = plan.stages[stage]
-    b = costs.samples_per_replica(plan, st)
-    return max(b * SPEC.layers[st.layer_stop - 1].output_bytes_per_sample, costs.layer_input_bytes(SPEC, st.layer_start, b))
+    b = costs.params.samples_per_replica(plan, st)
+    return max(b * SPEC.layers[st.layer_stop - 1].output_bytes_per_sample, costs.activations.layer_input_bytes(SPEC, st.layer_start, b))
 
 
 def test_cpu_swap_moves_stage0_activations_to_host(measured):
@@ -124,7 +126,7 @@ def test_cpu_swap_moves_stage0_activations_to_host(measured):
         before, after = keep.devices[stage], swap.devices[stage]
         assert after.peak_bytes < before.peak_bytes
         assert after.host_bytes > 0 and before.host_bytes == 0
-        assert after.host_bytes <= costs.in_flight_microbatches(plan, stage) * _swapped_bytes(plan, stage)
+        assert after.host_bytes <= costs.activations.in_flight_microbatches(plan, stage) * _swapped_bytes(plan, stage)
         assert after.peak_bytes + after.host_bytes >= before.peak_bytes  # moved, not lost
     for stage in (2, 3):  # untouched, up to one boundary tensor gloo had not yet released (timing)
         assert abs(swap.devices[stage].peak_bytes - keep.devices[stage].peak_bytes) <= _boundary(plan, stage)
@@ -141,7 +143,7 @@ def test_d2d_swap_moves_memory_from_sources_to_targets(measured):
     for dst, w in WEIGHTS.items():
         held = reports[dst]["d2d_held_peak_bytes"]
         received[dst] = reports[dst]["d2d_received_bytes"]
-        predicted = sum(costs.in_flight_microbatches(plan, s) * _swapped_bytes(plan, s) for s in (0, 1)) * w / total_w
+        predicted = sum(costs.activations.in_flight_microbatches(plan, s) * _swapped_bytes(plan, s) for s in (0, 1)) * w / total_w
         assert 0 < held <= predicted
         before, after = keep.devices[dst], swap.devices[dst]
         rise = after.peak_bytes - before.peak_bytes
@@ -150,8 +152,8 @@ def test_d2d_swap_moves_memory_from_sources_to_targets(measured):
         # its own boundary tensors are freed when gloo completes their sends (timing): one
         # activation out and one gradient out may be live or not at its peak
         st = plan.stages[dst]
-        b = costs.samples_per_replica(plan, st)
-        jitter = b * SPEC.layers[st.layer_stop - 1].output_bytes_per_sample + costs.layer_input_bytes(SPEC, st.layer_start, b)
+        b = costs.params.samples_per_replica(plan, st)
+        jitter = b * SPEC.layers[st.layer_stop - 1].output_bytes_per_sample + costs.activations.layer_input_bytes(SPEC, st.layer_start, b)
         # its peak rises by what it holds: no more (its own bytes are those of the kept run), and
         # no less than the stripes minus its own dynamic bytes (it holds them over its static state)
         assert held - own <= rise <= held + jitter
@@ -200,13 +202,13 @@ def test_optimizer_swap_trains_bit_for_bit_and_moves_the_state_to_host(kept):
     keep, _ = execute_run(pp4(), GPT_TINY, LOCAL_CPU, iterations=1, warmup=1, timeout_s=180, device="cpu")
     assert swap.failure is None and keep.failure is None
     for stage in (0, 3):
-        opt = costs.stage_static(SPEC, pp4(), pp4().stages[stage])[0].optimizer_bytes  # fp32 Adam: m, v
+        opt = costs.static.stage_static(SPEC, pp4(), pp4().stages[stage])[0].optimizer_bytes  # fp32 Adam: m, v
         before, after = keep.devices[stage], swap.devices[stage]
         assert after.host_bytes >= opt                   # the state lives on the host...
         assert after.breakdown.optimizer_bytes < before.breakdown.optimizer_bytes
         # ...and the device peak falls unless the peak is the step itself, where at most the
-        # largest layer's state comes in (costs.optimizer_swap_chunks)
-        chunks = costs.optimizer_swap_chunks(SPEC, plan, plan.stages[stage])
-        assert after.peak_bytes <= before.peak_bytes - opt + costs.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(chunks)
+        # largest layer's state comes in (costs.static.optimizer_swap_chunks)
+        chunks = costs.static.optimizer_swap_chunks(SPEC, plan, plan.stages[stage])
+        assert after.peak_bytes <= before.peak_bytes - opt + costs.static.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(chunks)
     for stage in (1, 2):  # untouched, up to one boundary tensor that gloo had not yet released
         assert abs(swap.devices[stage].peak_bytes - keep.devices[stage].peak_bytes) <= _boundary(plan, stage)

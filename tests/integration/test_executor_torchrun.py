@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specs.families import parse_model_config
+from costs.families import parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import Plan, ScheduleSpec, StagePlan
 from specs.result import Result

@@ -20,7 +20,7 @@ from executor.measure import execute_run, unsupported
 from executor.models import build_layers
 from executor.reference import train_reference
 from executor.single import run_stage_alone
-from specs.families import build_model
+from costs.families import build_model
 from specs.plan import OffloadPolicy, Plan, ScheduleSpec, StagePlan, validate_plan
 from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol
 

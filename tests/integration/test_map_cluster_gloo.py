@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from executor.cluster import measure_pairs
-from planners.map_cluster import cluster_report, detect_mesh
+from calibration.cluster import measure_pairs
+from planners.map.cluster import cluster_report, detect_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_four_gloo_ranks_measure_every_pair_with_positive_alpha_and_beta():
 
 
 def test_cli_writes_cluster_json_with_the_yaml_check(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "executor.cluster", "--world", "2", "--hardware",
+    proc = subprocess.run([sys.executable, "-m", "calibration.cluster", "--world", "2", "--hardware",
                            str(ROOT / "conf" / "hardware" / "map_8xa100.yaml"), "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

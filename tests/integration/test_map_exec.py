@@ -1,7 +1,7 @@
 """MAP-sharded stages executed on DTensor (executor.map_exec, MAP §6) vs the single-process reference.
 
 gpt_tiny on 4 (or 2) gloo ranks: every node of every layer gets a strategy from
-planners.map_strategies (seeded random choices, a Megatron-like and a pure data-parallel
+costs.map_strategies (seeded random choices, a Megatron-like and a pure data-parallel
 assignment), the plan runs through the executor (plan -> DeviceMesh -> exported graph on DTensors
 -> rotor's checkpoint segments), and the loss, last-step gradients and updated weights must equal
 train_reference's to the reduction-order tolerance of tests.conftest (float64, as
@@ -19,8 +19,8 @@ import pytest
 from executor.launch import launch
 from executor.op_graph import model_op_graphs
 from executor.reference import train_reference
-from planners.map_strategies import strategies
-from specs.families import build_model
+from costs.map_strategies import strategies
+from costs.families import build_model
 from specs.plan import CheckpointSegment, LayerSharding, NodeSharding, Plan, ScheduleSpec, StagePlan, validate_plan
 from specs.sharding import Mesh, MeshAxis
 from specs.training import TrainingSpec

@@ -1,4 +1,4 @@
-"""MAP layout conversions (planners.map_layout) executed by DTensor on 4 gloo ranks (a 2x2 CPU mesh).
+"""MAP layout conversions (costs.map_layout) executed by DTensor on 4 gloo ranks (a 2x2 CPU mesh).
 
 For each (src, dst): distribute a known tensor as src, apply the planned path one step at a time
 with ``redistribute`` to each intermediate spec's placements, and compare every rank's shard with
@@ -18,7 +18,8 @@ import traceback
 
 import pytest
 
-from planners.map_layout import convert, to_dtensor_placements, valid_specs
+from costs.map_layout import convert, valid_specs
+from executor.sharding import to_dtensor_placements
 from specs.sharding import Mesh, MeshAxis, ShardingSpec
 
 pytestmark = pytest.mark.slow

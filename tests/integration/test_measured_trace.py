@@ -16,7 +16,7 @@ from planners import make_plan, parse_policy
 from simulator import simulate
 from simulator.trace import TraceBuilder, side_by_side, x_slices
 from specs.compare import ACTIONS, slice_action_errors
-from specs.families import build_model
+from costs.families import build_model
 from specs.plan import ScheduleSpec
 from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU
 

@@ -18,7 +18,7 @@ import memory_fidelity as mf  # noqa: E402
 
 from simulator import simulate  # noqa: E402
 from specs import HardwareSpec  # noqa: E402
-from specs.families import parse_model_config  # noqa: E402
+from costs.families import parse_model_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from planners.capture import predict_devices, stats_from_profile
-from planners.capture_profile import profile_capture
-from planners.prediction_error import (
+from planners.capture.planner import predict_devices, stats_from_profile
+from planners.capture.profile import profile_capture
+from calibration.prediction_error import (
     PlanMeasurement, PredictionErrorReport, build_report, count_plans, describe, plan_errors, sample_plans, shares,
     uniform_plan,
 )
-from planners.stagetable import StageTable
+from planners.baselines.stagetable import StageTable
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from specs.plan import PlanError, validate_plan
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

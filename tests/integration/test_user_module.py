@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 MODEL = '+model={family: torch_module, name: user_mlp, factory: "user_model_example:build", kwargs: {width: 64, depth: 4}}'

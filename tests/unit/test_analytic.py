@@ -4,8 +4,11 @@ from __future__ import annotations
 import pytest
 
 from planners import make_plan, parse_policy
-from planners.analytic import estimate, iteration_time_s
-from specs import ScheduleKind, ScheduleSpec, TrainingSpec, costs
+from simulator.analytic import estimate, iteration_time_s
+from specs import ScheduleKind, ScheduleSpec, TrainingSpec
+import costs.activations
+import costs.collectives
+import costs.layer_time
 from tests.conftest import make_hardware, make_model
 
 
@@ -44,11 +47,11 @@ def test_in_flight_activations(kind):
     res = estimate(plan, model, hw)
     for i, d in enumerate(res.devices):
         st = plan.stages[i]
-        per_mb = costs.stage_activation_bytes(model, plan, st)
+        per_mb = costs.activations.stage_activation_bytes(model, plan, st)
         expect = m if kind == "gpipe" else min(p - i, m)
         # on top of the held microbatches: the first backward's workspace, or the last forward's
         # output while it is sent (released once sent, training.deallocate_pipeline_outputs)
-        on_top = max(costs.backward_workspace_bytes(model, plan, st), costs.sent_output_bytes(model, plan, st))
+        on_top = max(costs.activations.backward_workspace_bytes(model, plan, st), costs.activations.sent_output_bytes(model, plan, st))
         assert d.breakdown.activations_bytes == expect * per_mb + on_top
 
 
@@ -65,8 +68,8 @@ def test_bubble_fraction_without_communication(p, m):
     model = make_model(num_layers=8)
     hw = make_hardware(devices=p, bw_gbps=1e12, latency_s=0.0)
     plan, _, _ = plan_for("gpipe", p=p, m=m, model=model, hardware=hw)
-    fwd, bwd = costs.stage_pass_times_s(model, plan, hw, plan.stages[0])
-    sync = costs.optimizer_step_s(model, plan, hw, plan.stages[0])
+    fwd, bwd = costs.layer_time.stage_pass_times_s(model, plan, hw, plan.stages[0])
+    sync = costs.layer_time.optimizer_step_s(model, plan, hw, plan.stages[0])
     pipe = iteration_time_s(plan, model, hw) - sync
     bubble = 1 - m * (fwd + bwd) / pipe
     assert bubble == pytest.approx((p - 1) / (m + p - 1), rel=1e-9)
@@ -76,7 +79,7 @@ def test_ring_allreduce_closed_form():
     link = make_hardware().intra_node.fallback
     n, nbytes = 4, 1e9
     expect = 2 * (n - 1) / n * nbytes / (link.total_bw_gbps * 1e9) + 2 * (n - 1) * link.latency_s
-    assert costs.ring_allreduce_s(nbytes, n, link) == pytest.approx(expect)
+    assert costs.collectives.ring_allreduce_s(nbytes, n, link) == pytest.approx(expect)
 
 
 def test_recompute_lowers_peak_and_costs_time():

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from executor import calibrate_gemm
-from specs import gemm
+from calibration import gemm as calibrate_gemm
+from costs import gemm
 from specs.hardware import DeviceSpec
 
 

@@ -1,9 +1,9 @@
-"""executor.calibrate_run: contention factors from a measured run, folded into the CPU rates."""
+"""calibration.contention: contention factors from a measured run, folded into the CPU rates."""
 from __future__ import annotations
 
 import pytest
 
-from executor.calibrate_run import apply_factors, contention_factors
+from calibration.contention import apply_factors, contention_factors
 from specs import HardwareSpec
 from specs.compare import ActionError
 from tests.conftest import LOCAL_CPU

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planners.capture_profile import extract, partitionings, profile_capture, profiling_hardware
+from planners.capture.profile import extract, partitionings, profile_capture, profiling_hardware
 from specs.result import DeviceResult, Result
 from specs.plan import ScheduleSpec
 from specs.training import TrainingSpec
@@ -94,7 +94,7 @@ def test_profile_capture_all_scenarios_and_resume_after_interrupt():
 
 
 def test_default_profiling_batches_are_the_papers_half_and_quarter_when_whole():
-    from planners.capture_profile import profiling_batches
+    from planners.capture.profile import profiling_batches
 
     table1 = TrainingSpec(global_batch=1024, num_microbatches=32)  # CAPTURE Table I, GPT-3 6.7B
     batches, m = profiling_batches(None, None, table1, ["pp", "dp2", "dp4", "tp2", "tp4"])

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from planners.capture import (
+from planners.capture.planner import (
     CaptureStats, line_at, log_at, merge_layers, recommend, recommend_exhaustive, stage_prediction,
 )
 

@@ -11,7 +11,7 @@ import run
 from planners import PlanningError, make_plan, parse_policy
 from planners.policy import ThroughputPolicy
 from specs import ScheduleSpec, TrainingSpec
-from specs.families import build_model
+from costs.families import build_model
 
 CONF = Path(run.__file__).resolve().parent / "conf"
 

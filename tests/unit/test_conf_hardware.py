@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from specs.costs import group_link, ring_allreduce_s
+from costs.collectives import group_link, ring_allreduce_s
 from specs.hardware import HardwareSpec, LinkKind
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from specs.families import FAMILIES, build_model, parse_model_config, published_params
+from costs.families import FAMILIES, build_model, parse_model_config, published_params
 from specs.model import LayerKind
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -1,6 +1,6 @@
 """DeviceSpec.dtensor_op_overhead_s (issue #11, "Time on CPU"): DTensor's extra per-operator
 dispatch cost is charged for every operator of a MAP stage (simulator.sharded.node_compute_s) and
-for the DTensor operators of tp > 1 layers (specs.costs.TP_DTENSOR_OPS), nowhere else; the field
+for the DTensor operators of tp > 1 layers (costs.layer_time.TP_DTENSOR_OPS), nowhere else; the field
 validates; mode=calibrate's YAML carries it."""
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import yaml
 from pydantic import ValidationError
 
 from planners import make_plan
-from planners.analytic import iteration_time_s
+from simulator.analytic import iteration_time_s
 from planners.policy import ManualPolicy
 from simulator import simulate
 from simulator.sharded import layer_cost, stage_mesh
-from specs import costs
-from specs.families import build_model, parse_model_config
+import costs.layer_time
+from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.model import LayerKind
 from specs.plan import ScheduleSpec
@@ -76,7 +76,7 @@ def test_plans_without_dtensor_predict_exactly_as_with_the_term_zero(pp, tp, dp)
     assert a.iteration_time_s == b.iteration_time_s
     assert iteration_time_s(plan, model, plain) == iteration_time_s(plan, model, dt)
     for st in plan.stages:
-        assert costs.stage_pass_times_s(model, plan, plain, st) == costs.stage_pass_times_s(model, plan, dt, st)
+        assert costs.layer_time.stage_pass_times_s(model, plan, plain, st) == costs.layer_time.stage_pass_times_s(model, plan, dt, st)
 
 
 def test_tp_layers_pay_exactly_their_dtensor_operators():
@@ -85,13 +85,13 @@ def test_tp_layers_pay_exactly_their_dtensor_operators():
     plan = plan_of(2, 2, 1, plain)
     for st in plan.stages:
         for layer in st.layers:
-            f0, b0, _ = costs.layer_pass_times_s(model, plan, plain, st, layer)
-            f1, b1, _ = costs.layer_pass_times_s(model, plan, dt, st, layer)
-            nf, nb = costs.TP_DTENSOR_OPS[model.layers[layer].kind]
+            f0, b0, _ = costs.layer_time.layer_pass_times_s(model, plan, plain, st, layer)
+            f1, b1, _ = costs.layer_time.layer_pass_times_s(model, plan, dt, st, layer)
+            nf, nb = costs.layer_time.TP_DTENSOR_OPS[model.layers[layer].kind]
             assert f1 - f0 == pytest.approx(nf * D, rel=1e-9)
             assert b1 - b0 == pytest.approx(nb * D, rel=1e-9)
     # a block: 6 DTensor Linears of 4 forward and 12 backward operators (executor.stage.tensor_parallel)
-    assert costs.TP_DTENSOR_OPS[LayerKind.transformer_block] == (24, 72)
+    assert costs.layer_time.TP_DTENSOR_OPS[LayerKind.transformer_block] == (24, 72)
     # the simulator and the analytic estimate both see it, and still agree
     sim0, sim1 = simulate(plan, model, plain).result.iteration_time_s, simulate(plan, model, dt).result.iteration_time_s
     assert sim1 > sim0
@@ -101,9 +101,9 @@ def test_tp_layers_pay_exactly_their_dtensor_operators():
 def test_layers_tensor_parallelism_leaves_plain_are_not_charged():
     model = gpt_tiny()
     block = next(l for l in model.layers if l.kind is LayerKind.transformer_block)
-    assert costs.tp_dtensor_ops(block, 1) == (0, 0)
-    assert costs.tp_dtensor_ops(block.model_copy(update={"kind": LayerKind.residual_block}), 2) == (0, 0)
-    assert costs.tp_dtensor_ops(block.model_copy(update={"kind": LayerKind.generic}), 4) == (0, 0)
+    assert costs.layer_time.tp_dtensor_ops(block, 1) == (0, 0)
+    assert costs.layer_time.tp_dtensor_ops(block.model_copy(update={"kind": LayerKind.residual_block}), 2) == (0, 0)
+    assert costs.layer_time.tp_dtensor_ops(block.model_copy(update={"kind": LayerKind.generic}), 4) == (0, 0)
 
 
 # ---- MAP -------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def map_model():
 
 
 def test_every_map_node_pays_it_once_per_operator_per_pass():
-    from planners.map_strategies import strategies
+    from costs.map_strategies import strategies
     from specs.plan import LayerSharding, NodeSharding
 
     model = map_model()
@@ -161,7 +161,7 @@ def _measurements(**ranks) -> dict:
 
 
 def test_calibrated_yaml_carries_the_dtensor_rate():
-    from executor.calibrate import hardware_yaml
+    from calibration.calibrate import hardware_yaml
 
     base = yaml.safe_load((CONF / "hardware" / "local_cpu.yaml").read_text())
     base["device"].pop("dtensor_op_overhead_s")
@@ -179,8 +179,8 @@ def test_measurement_counts_the_blocks_dtensor_operators():
     """The calibration's DTensor block dispatches exactly what TP_DTENSOR_OPS charges a block."""
     import torch.distributed as dist
 
-    from executor.calibrate import free_port
-    from executor.calibrate_dtensor import dtensor_op_overhead_s
+    from calibration.calibrate import free_port
+    from calibration.dtensor import dtensor_op_overhead_s
 
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")
@@ -189,5 +189,5 @@ def test_measurement_counts_the_blocks_dtensor_operators():
         per_op, ops, plain = dtensor_op_overhead_s(dist.group.WORLD, seconds=0.01, windows=1)
     finally:
         dist.destroy_process_group()
-    assert ops == sum(costs.TP_DTENSOR_OPS[LayerKind.transformer_block])
+    assert ops == sum(costs.layer_time.TP_DTENSOR_OPS[LayerKind.transformer_block])
     assert per_op >= 0.0 and math.isfinite(per_op) and plain > 0.0

@@ -12,7 +12,7 @@ import yaml
 from executor.memtrack import LiveTensorTracker
 from executor.models import build_layers, layer_names_and_params, make_batch, output_shapes
 from executor.topology import process_groups, routes
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from specs.plan import Plan, StagePlan
 from specs.training import TrainingSpec
 
@@ -117,7 +117,7 @@ def test_tracker_counts_what_dtensor_allocates_inside_an_op():
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from executor.calibrate import free_port
+    from calibration.calibrate import free_port
 
     if dist.is_initialized():
         pytest.skip("a process group is already up in this process")

@@ -6,8 +6,9 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from specs.costs import layer_params_on_device, layer_saved_bytes
-from specs.families import build_model, parse_model_config, published_params
+from costs.activations import layer_saved_bytes
+from costs.params import layer_params_on_device
+from costs.families import build_model, parse_model_config, published_params
 from specs.model import LayerKind
 
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from planners import make_plan, parse_policy
-from planners.analytic import estimate
+from simulator.analytic import estimate
 from reports.outputs import load_plan
 from specs import ScheduleKind, ScheduleSpec, TrainingSpec
 from specs.plan import Plan, PlanError, validate_plan

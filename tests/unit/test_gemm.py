@@ -1,4 +1,4 @@
-"""Shape-aware GEMM time (specs/gemm.py) and the layer times built on it (specs/costs.py):
+"""Shape-aware GEMM time (costs/gemm.py) and the layer times built on it (costs/):
 roofline bounds, curve interpolation, tensor-parallel splits, backward shapes, and the closed form
 backward = 2 x forward where the efficiency does not depend on shape."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from specs import gemm
-from specs.family_transformer import block_layer
+from costs import gemm
+from costs.family_transformer import block_layer
 from specs.hardware import DeviceSpec
 from specs.model import GemmSpec
 
@@ -134,7 +134,7 @@ def test_family_gemms_cover_the_counted_flops(name, cover):
 
     import yaml
 
-    from specs.families import build_model, parse_model_config
+    from costs.families import build_model, parse_model_config
     root = pathlib.Path(__file__).resolve().parents[2]
     model = build_model(parse_model_config(yaml.safe_load((root / f"conf/model/{name}.yaml").read_text())), 2)
     for layer in model.layers:
@@ -154,9 +154,9 @@ def test_memory_bound_time_follows_achieved_bandwidth():
 def test_gradient_accumulation_traffic(precision, bpp, expect):
     """Bytes per parameter that accumulating a microbatch's gradients moves outside the GEMMs:
     none with Megatron's fused fp32 main grads, read + read + write of the gradient otherwise."""
-    from specs import costs
+    import costs.layer_time
     from specs.training import TrainingSpec
 
     class _Plan:  # accumulate_bytes_per_param reads only the training spec
         training = TrainingSpec(global_batch=8, num_microbatches=4, precision=precision, mixed_bytes_per_param=bpp)
-    assert costs.accumulate_bytes_per_param(_Plan()) == expect
+    assert costs.layer_time.accumulate_bytes_per_param(_Plan()) == expect

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from executor.liveness import SLOTS, Heartbeat, hang_report, snapshot
 from planners import make_plan, parse_policy
-from specs.families import build_model
+from costs.families import build_model
 from specs.plan import ScheduleSpec
 from specs.schedule import ActionKind, build_schedule
 from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU

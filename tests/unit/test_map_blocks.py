@@ -1,4 +1,4 @@
-"""The block DP for MAP eq. (1) (planners/map_blocks.py) against brute force and the ILP on small
+"""The block DP for MAP eq. (1) (planners/map/blocks.py) against brute force and the ILP on small
 chains of blocks: identical (the transformer case, frontiers shared) and all different."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from planners.map_blocks import solve_blocks
-from planners.map_ilp import IlpEdge, IlpNode, IlpProblem, solve
+from planners.map.blocks import solve_blocks
+from planners.map.ilp import solve
+from planners.map.problem import IlpEdge, IlpNode, IlpProblem
 
 
 def _matrix(rng, ku, kv):

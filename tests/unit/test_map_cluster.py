@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from planners.map_cluster import check_links, detect_mesh, hardware_matrices, mesh_from_hardware
+from planners.map.cluster import check_links, detect_mesh, hardware_matrices, mesh_from_hardware
 from specs.hardware import HardwareSpec
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "hardware"

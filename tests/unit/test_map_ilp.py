@@ -1,4 +1,4 @@
-"""MAP eq. (1) ILP (planners/map_ilp.py) against brute force on small random graphs."""
+"""MAP eq. (1) ILP (planners/map/ilp.py) against brute force on small random graphs."""
 from __future__ import annotations
 
 import itertools
@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from planners.map_ilp import IlpEdge, IlpNode, IlpProblem, solve
+from planners.map.ilp import solve
+from planners.map.problem import IlpEdge, IlpNode, IlpProblem
 
 
 def _random_problem(rng: random.Random, budget_kind: str) -> IlpProblem:

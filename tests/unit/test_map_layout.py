@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from planners.map_layout import (
-    convert, heuristic_path, one_step, path_cost_s, to_dtensor_placements, valid_specs,
+from costs.map_layout import (
+    convert, heuristic_path, one_step, path_cost_s, valid_specs,
 )
+from executor.sharding import to_dtensor_placements
 from specs.sharding import Mesh, MeshAxis, ShardingSpec
 
 S = ShardingSpec.parse
@@ -115,6 +116,6 @@ def test_dtensor_placements_refuse_what_dtensor_cannot_say():
 
 
 def test_planner_imports_without_torch():
-    code = "import sys, planners.map_layout; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, costs.map_layout; assert 'torch' not in sys.modules, 'torch imported'"
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)

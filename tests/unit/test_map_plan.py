@@ -1,4 +1,4 @@
-"""policy=map (planners/map_plan.py): budgets are met on every device as the simulator counts them,
+"""policy=map (planners/map/plan.py): budgets are met on every device as the simulator counts them,
 time rises as the budget falls, an honest "does not fit" below the minimum, and the baselines'
 parameter-only bound is shown to overshoot where MAP does not."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import yaml
 
 from executor.op_graph import model_op_graphs
-from planners.map_plan import map_search
+from planners.map.plan import map_search
 from planners.policy import MapPolicy
 from simulator import simulate
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import Plan, ScheduleSpec, validate_plan
 from specs.training import TrainingSpec

@@ -1,12 +1,13 @@
-"""rotor with MAP's communication terms (planners/map_rotor.py) against brute force on small chains."""
+"""rotor with MAP's communication terms (planners/map/rotor.py) against brute force on small chains."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from planners.map_ilp import IlpNode, IlpProblem
-from planners.map_rotor import Chain, Segment, integrate, simulate_peak, solve
+from planners.map.problem import IlpNode, IlpProblem
+from costs.rotor import Chain, Segment, simulate_peak
+from planners.map.rotor import integrate, solve
 
 
 def _chain(rng: random.Random, L: int) -> Chain:
@@ -165,7 +166,8 @@ def test_integrate_prefers_a_faster_ilp_plan_that_recomputes():
 def test_sequence_of_inverts_the_segments(seed):
     """The plan carries rotor's segment tree, not its sequence: sequence_of must rebuild the very
     sequence the DP chose (the simulator and the executor run the tree)."""
-    from planners.map_rotor import min_feasible_budget, sequence_of, walk
+    from costs.rotor import sequence_of, walk
+    from planners.map.rotor import min_feasible_budget
 
     rng = random.Random(seed)
     chain = _chain(rng, rng.randint(1, 7))

@@ -1,4 +1,4 @@
-"""MAP strategy generators (planners.map_strategies) against closed forms: Megatron's column- and
+"""MAP strategy generators (costs.map_strategies) against closed forms: Megatron's column- and
 row-parallel linear (no forward / one forward all-reduce), the data-parallel gradient all-reduce,
 work conservation, and validity on shapes a mesh axis cannot divide."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from planners.map_strategies import map_view, strategies
+from costs.map_strategies import map_view, strategies
 from specs.op_graph import OpNode, ParamRef
 from specs.sharding import Mesh, MeshAxis, ShardingSpec
 

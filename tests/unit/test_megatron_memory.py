@@ -7,7 +7,7 @@ import pytest
 from benchmarks.validate_megatron_memory import (
     SEQ, TABLE3, korthikanti_stage_activation_bytes, megatron_static_bytes, memwall_first_stage,
 )
-from specs import costs
+import costs.activations
 
 
 @pytest.mark.parametrize("row", TABLE3, ids=[r[0] for r in TABLE3])
@@ -30,8 +30,8 @@ def test_every_stage_holds_korthikantis_activations(row, recompute):
     model, _, plan, _ = memwall_first_stage(a, h, L, t, p, gpus, batch, micro, recompute)
     m = plan.training.microbatches
     for i, st in enumerate(plan.stages):
-        n = costs.in_flight_microbatches(plan, i)
-        got = n * costs.stage_activation_bytes(model, plan, st)
+        n = costs.activations.in_flight_microbatches(plan, i)
+        got = n * costs.activations.stage_activation_bytes(model, plan, st)
         want = korthikanti_stage_activation_bytes(SEQ, micro, h, a, L, t, p, m, recompute, i)
         out = n * micro * model.layers[st.layer_stop - 1].output_bytes_per_sample if i < p - 1 else 0
         assert got == pytest.approx(want, rel=1e-4) or got == pytest.approx(want + out, rel=1e-4), (i, got, want, out)

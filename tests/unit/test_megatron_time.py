@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 
 from benchmarks.validate_megatron import KORTHIKANTI, TABLE1, build, published_time_s
-from planners.analytic import iteration_time_s
+from simulator.analytic import iteration_time_s
 
 
 def _errors() -> list[float]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from planners.mpress_mapping import Mapping, search_mapping
+from planners.mpress.mapping import Mapping, search_mapping
 from specs.hardware import HardwareSpec
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

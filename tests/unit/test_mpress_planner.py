@@ -1,4 +1,4 @@
-"""policy=mpress (planners/mpress.py): the MPress planner on the shipped DGX-1 and the paper's GPTs.
+"""policy=mpress (planners/mpress/planner.py): the MPress planner on the shipped DGX-1 and the paper's GPTs.
 
 The claims tested are issue 12's goals: MPress fits a GPT that full recomputation does not, is
 faster where both fit, uses D2D swap without overfilling a target, and its stage->GPU mapping
@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 
 from planners import make_plan
-from planners.mpress import mpress_search, report
+from planners.mpress.planner import mpress_search, report
 from planners.policy import BalancedPolicy, MPressPolicy
 from simulator import simulate
 from specs import HardwareSpec, TrainingSpec
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from specs.plan import MemoryAction, ScheduleSpec, validate_plan
 from tests.conftest import conf
 

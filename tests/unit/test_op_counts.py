@@ -1,4 +1,4 @@
-"""The closed-form operator counts (specs.op_counts) equal what the symbolic profiler counts on
+"""The closed-form operator counts (costs.op_counts) equal what the symbolic profiler counts on
 the executor's modules, and the profiler's counts equal a real run's (issue #11 CPU time model),
 so neither can drift from the modules the executor trains."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from executor.models import build_layers, make_batch
 from executor.profile_symbolic import OpCount, profile_model
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from tests.conftest import conf
 
 TINY = ["gpt_tiny", "bert_tiny", "moe_tiny", "wresnet_tiny"]
@@ -52,7 +52,7 @@ def test_profiled_op_counts_equal_a_real_fp32_run(name):
 
 def test_calibration_helpers():
     """The p2p fit weighs small messages (relative residuals) and slow dtypes are named."""
-    from executor.calibrate import fit_alpha_beta, slow_dtypes
+    from calibration.calibrate import fit_alpha_beta, slow_dtypes
 
     sizes = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
     alpha, beta = 2e-4, 2e9

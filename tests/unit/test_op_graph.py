@@ -11,8 +11,8 @@ import yaml
 
 from executor.op_graph import layer_graph, model_layer_graph
 from executor.profile_symbolic import profile_model
-from planners.map_strategies import strategies
-from specs.families import parse_model_config
+from costs.map_strategies import strategies
+from costs.families import parse_model_config
 from specs.op_graph import OpGraph, merge_trivial
 from specs.sharding import Mesh, MeshAxis
 

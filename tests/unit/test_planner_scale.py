@@ -12,17 +12,17 @@ import pytest
 
 from benchmarks._conf import load as load_conf  # follows a config's `defaults`, as Hydra does
 from planners import make_plan, parse_policy, verdict
-from planners.analytic import estimate
-from planners.baselines import (
+from simulator.analytic import estimate
+from planners.baselines.partition import (
     _balanced_split_bisect,
     _balanced_split_dp,
     balanced_split,
 )
-from planners.capture import CaptureStats, recommend_for
-from planners.stagetable import Placed, StageTable
-from planners.throughput import search_throughput
+from planners.capture.planner import CaptureStats, recommend_for
+from planners.baselines.stagetable import Placed, StageTable
+from planners.baselines.throughput import search_throughput
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec, validate_plan
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from specs.plan import LayerMemory, MemoryAction, StagePlan
 from tests.conftest import make_hardware, make_model
 
@@ -102,7 +102,7 @@ def test_hybrid_stage_costs_equal_the_analytic_estimate():
 
 
 def test_uniform_search_at_scale_fits_when_a_uniform_plan_fits(monkeypatch):
-    import planners.throughput as tp
+    import planners.baselines.throughput as tp
 
     model, hw = make_model(num_layers=12), make_hardware(devices=4, nodes=2, memory_bytes=1 << 40)
     training = TrainingSpec(global_batch=32, microbatch_size=4)

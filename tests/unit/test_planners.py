@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from planners import PlanningError, make_plan, parse_policy
-from planners.baselines import balanced_split
+from planners.baselines.partition import balanced_split
 from planners.layout import even_split
 from specs import MemoryAction, ScheduleKind, ScheduleSpec, TrainingSpec
 from tests.conftest import make_hardware, make_model
@@ -106,7 +106,7 @@ def test_capture_without_a_profile_says_how_to_get_one(model, hardware, training
 # ---- Megatron's layout (issue #11): blocks evenly, embedding first, head last --------------------
 
 def _gpt(blocks: int):
-    from specs.families import build_model, parse_model_config
+    from costs.families import build_model, parse_model_config
 
     return build_model(parse_model_config(dict(family="gpt", name="g", num_layers=blocks, hidden=64, heads=4,
                                                seq_len=32, vocab=256)))

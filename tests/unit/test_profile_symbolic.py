@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from executor.profile_symbolic import megatron_saved_bytes, profile_model
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from specs.profile import apply_profile
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model"

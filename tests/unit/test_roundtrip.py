@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planners import make_plan, parse_policy
-from planners.analytic import estimate
+from simulator.analytic import estimate
 from specs import Plan, Result, ScheduleKind, ScheduleSpec, TrainingSpec
 from tests.conftest import make_hardware, make_model
 

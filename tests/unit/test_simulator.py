@@ -55,7 +55,7 @@ def test_bubble_fraction(kind, p, m):
     """Zero-cost communication, uniform stages: bubble = (p - 1)/(m + p - 1) (GPipe §2.2)."""
     pl = plan(kind, p, m)
     res = simulate(pl, model(), hardware(p)).result
-    fwd, bwd = costs.stage_pass_times_s(model(), pl, hardware(p), pl.stages[0])
+    fwd, bwd = costs.layer_time.stage_pass_times_s(model(), pl, hardware(p), pl.stages[0])
     busy = m * (fwd + bwd)
     bubble = 1 - busy / res.iteration_time_s
     assert bubble == pytest.approx((p - 1) / (m + p - 1), rel=1e-6)
@@ -71,10 +71,10 @@ def test_peak_in_flight_activations(kind):
     res = simulate(pl, mdl, hardware(p)).result
     for i, d in enumerate(res.devices):
         st = pl.stages[i]
-        per_mb = costs.stage_activation_bytes(mdl, pl, st)
+        per_mb = costs.activations.stage_activation_bytes(mdl, pl, st)
         expect = m if kind == "gpipe" else min(p - i, m)
-        on_top = max(costs.backward_workspace_bytes(mdl, pl, st), costs.sent_output_bytes(mdl, pl, st))
-        assert costs.sent_output_bytes(mdl, pl, st) == (0 if i == p - 1 else mdl.layers[0].output_bytes_per_sample)
+        on_top = max(costs.activations.backward_workspace_bytes(mdl, pl, st), costs.activations.sent_output_bytes(mdl, pl, st))
+        assert costs.activations.sent_output_bytes(mdl, pl, st) == (0 if i == p - 1 else mdl.layers[0].output_bytes_per_sample)
         assert d.breakdown.activations_bytes == expect * per_mb + on_top
 
 
@@ -89,8 +89,8 @@ def test_kept_outputs_count_until_their_backward():
     out = mdl.layers[0].output_bytes_per_sample * kept.training.samples_per_microbatch
     for i in range(p - 1):
         a, b = released.stages[i], kept.stages[i]
-        assert costs.stage_activation_bytes(mdl, kept, b) == costs.stage_activation_bytes(mdl, released, a) + out
-        assert costs.sent_output_bytes(mdl, kept, b) == 0
+        assert costs.activations.stage_activation_bytes(mdl, kept, b) == costs.activations.stage_activation_bytes(mdl, released, a) + out
+        assert costs.activations.sent_output_bytes(mdl, kept, b) == 0
     r_kept = simulate(kept, mdl, hardware(p)).result
     r_rel = simulate(released, mdl, hardware(p)).result
     for i in range(p - 1):  # min(p - i, m) outputs held instead of one in flight
@@ -114,7 +114,7 @@ def test_pipedream_stashes_p_minus_i_versions():
         b = d.breakdown
         assert b.stashed_weights_bytes % b.parameters_bytes == 0
         assert 1 + b.stashed_weights_bytes // b.parameters_bytes == p - i
-        assert b.stashed_weights_bytes == costs.stashed_versions(pl, i) * b.parameters_bytes
+        assert b.stashed_weights_bytes == costs.activations.stashed_versions(pl, i) * b.parameters_bytes
 
 
 def test_pipedream_has_no_flush_bubble():
@@ -147,26 +147,26 @@ def test_static_memory_equals_closed_form(kind, v, zero):
     res = simulate(pl, mdl, hardware(4)).result
     assert [d.device for d in res.devices] == pl.used_devices()
     for d in res.devices:
-        want = [costs.stage_static(mdl, pl, pl.stages[s])[0] for s in d.stages]
+        want = [costs.static.stage_static(mdl, pl, pl.stages[s])[0] for s in d.stages]
         b = d.breakdown
         assert b.parameters_bytes == sum(w.parameters_bytes for w in want)
         assert b.gradients_bytes == sum(w.gradients_bytes for w in want)
         assert b.optimizer_bytes == sum(w.optimizer_bytes for w in want)
-        comm = sum(costs.comm_buffer_bytes(mdl, pl, pl.stages[s]) for s in d.stages)
-        flat = max(costs.allreduce_buffer_bytes(mdl, pl, pl.stages[s]) for s in d.stages)
+        comm = sum(costs.buffers.comm_buffer_bytes(mdl, pl, pl.stages[s]) for s in d.stages)
+        flat = max(costs.buffers.allreduce_buffer_bytes(mdl, pl, pl.stages[s]) for s in d.stages)
         # the peak is either the activation peak or, when larger, the dp all-reduce's flat copy of
         # the gradients (after the last backward: no activations left)
         if b.activations_bytes:
             # GPipe peaks inside a stage's first backward, before the input gradient it sends back
-            # exists (specs.costs.sent_grad_buffer_bytes); 1F1B in a later one, with it
-            unsent = sum(costs.sent_grad_buffer_bytes(mdl, pl, pl.stages[s]) for s in d.stages) if kind == "gpipe" else 0
+            # exists (costs.buffers.sent_grad_buffer_bytes); 1F1B in a later one, with it
+            unsent = sum(costs.buffers.sent_grad_buffer_bytes(mdl, pl, pl.stages[s]) for s in d.stages) if kind == "gpipe" else 0
             assert b.buffers_bytes == comm - unsent and b.activations_bytes >= flat
         else:
             assert b.buffers_bytes == comm + flat and flat == b.gradients_bytes // len(d.stages)
 
 
 def test_agrees_with_analytic_on_peaks():
-    from planners.analytic import estimate
+    from simulator.analytic import estimate
     for kind in ("gpipe", "1f1b", "pipedream_async"):
         pl, mdl, hw = plan(kind, 4, 16), model(), hardware(4)
         sim, ana = simulate(pl, mdl, hw).result, estimate(pl, mdl, hw)
@@ -222,8 +222,8 @@ def test_vocab_parallel_loss_holds_three_logits_shards_in_its_backward():
         pl = Plan(planner="test", model="toy", hardware="toyhw", num_devices=tp,
                   training=TrainingSpec(global_batch=4, num_microbatches=1), schedule=ScheduleSpec(kind="1f1b"),
                   stages=[StagePlan(layer_start=0, layer_stop=2, devices=list(range(tp)), tp=tp)])
-        b = costs.samples_per_replica(pl, pl.stages[0])
-        ws = costs.backward_workspace_bytes(mdl, pl, pl.stages[0])
+        b = costs.params.samples_per_replica(pl, pl.stages[0])
+        ws = costs.activations.backward_workspace_bytes(mdl, pl, pl.stages[0])
         assert ws == (3 * b * logits // tp if tp > 1 else b * hidden)
 
 
@@ -233,17 +233,17 @@ def test_sent_gradient_buffer_exists_from_the_first_backward_on(kind):
     .grad) and kept until the next one replaces it. GPipe peaks inside the first backward, with
     all m microbatches held: without that buffer. 1F1B with m > p − i holds p − i again at its
     later backwards: with it. The analytic estimate walks the same order and agrees."""
-    from planners.analytic import estimate
+    from simulator.analytic import estimate
 
     p, m = 2, 6
     pl, mdl = plan(kind, p, m), model(out=1 << 18)
     sim, ana = simulate(pl, mdl, hardware(p)).result, estimate(pl, mdl, hardware(p))
     last = pl.stages[1]  # no received gradient: its buffers are the sent one alone
-    grad = costs.sent_grad_buffer_bytes(mdl, pl, last)
-    assert grad == costs.comm_buffer_bytes(mdl, pl, last) > 0
+    grad = costs.buffers.sent_grad_buffer_bytes(mdl, pl, last)
+    assert grad == costs.buffers.comm_buffer_bytes(mdl, pl, last) > 0
     n = m if kind == "gpipe" else min(p - 1, m)
     for res in (sim, ana):
         d = res.devices[1]
         assert d.breakdown.buffers_bytes == (0 if kind == "gpipe" else grad)
-        assert d.breakdown.activations_bytes == (n * costs.stage_activation_bytes(mdl, pl, last)
-                                                 + costs.backward_workspace_bytes(mdl, pl, last))
+        assert d.breakdown.activations_bytes == (n * costs.activations.stage_activation_bytes(mdl, pl, last)
+                                                 + costs.activations.backward_workspace_bytes(mdl, pl, last))

@@ -13,13 +13,13 @@ import pytest
 import yaml
 
 from executor.op_graph import model_op_graphs
-from planners.analytic import device_memory, estimate
-from planners.map_strategies import strategies
+from simulator.analytic import device_memory, estimate
+from costs.map_strategies import strategies
 from planners.verdict import peaks
 from simulator import simulate
 from simulator.sharded import sharded_stage, stage_mesh
 from simulator.stagecost import stage_cost
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import CheckpointSegment, LayerSharding, NodeSharding, Plan, ScheduleSpec, StagePlan, validate_plan
 from specs.training import TrainingSpec

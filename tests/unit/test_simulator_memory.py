@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 
 from simulator import simulate
-from specs import D2DTarget, LayerMemory, MemoryAction, costs
+from specs import D2DTarget, LayerMemory, MemoryAction
+import costs.activations
+import costs.params
 from tests.unit.test_simulator import hardware, model, plan
 
 P, M = 2, 4
@@ -25,9 +27,9 @@ def test_recompute_lowers_activation_peak_and_costs_a_forward():
     # their output but the layers above have freed their checkpoints by then: the top layer's is
     # the largest
     st = pl.stages[0]
-    b = costs.samples_per_replica(pl, st)
+    b = costs.params.samples_per_replica(pl, st)
     out = b * mdl.layers[0].output_bytes_per_sample
-    want = P * costs.stage_activation_bytes(mdl, pl, st) + costs.layer_saved_bytes(mdl.layers[0], b, 1) - out
+    want = P * costs.activations.stage_activation_bytes(mdl, pl, st) + costs.activations.layer_saved_bytes(mdl.layers[0], b, 1) - out
     assert rc.devices[0].breakdown.activations_bytes == want
     assert rc.iteration_time_s > base.iteration_time_s
 
@@ -106,9 +108,9 @@ def test_interleaved_holds_megatron_warmup_unevenly_per_chunk():
     backward (Narayanan et al. 2021 §2.2), 15 + 8 + 8 over its chunks — not ceil(31/3) = 11 each."""
     p, v, m = 8, 3, 16
     pl = plan("interleaved_1f1b", p, m, mdl=model(layers=24), v=v)
-    counts = [costs.in_flight_microbatches(pl, s) for s in (0, p, 2 * p)]
+    counts = [costs.activations.in_flight_microbatches(pl, s) for s in (0, p, 2 * p)]
     assert counts == [15, 8, 8] and sum(counts) == (p - 1) * 2 + (v - 1) * p + 1
-    last = [costs.in_flight_microbatches(pl, s) for s in (p - 1, 2 * p - 1, 3 * p - 1)]
+    last = [costs.activations.in_flight_microbatches(pl, s) for s in (p - 1, 2 * p - 1, 3 * p - 1)]
     assert sum(last) == (v - 1) * p + 1
 
 
@@ -117,8 +119,8 @@ def test_interleaved_holds_megatron_warmup_unevenly_per_chunk():
 def test_simulator_and_analytic_agree_with_workspace_and_boundaries(kind, v, recompute):
     """The event simulation and the closed form give the same per-device peak when layers have
     backward scratch, save their output or not their input, and recompute: both walk the same
-    schedule order with the same per-microbatch bytes (specs.costs)."""
-    from planners.analytic import estimate
+    schedule order with the same per-microbatch bytes (costs)."""
+    from simulator.analytic import estimate
 
     mdl, p = _mixed_model(), 4
     per = mdl.num_layers // (p * v)
@@ -136,18 +138,18 @@ def test_stage_holds_each_boundary_once():
     both = mdl.model_copy(update={"layers": [lay[0], lay[1].model_copy(update={"saves_output": True}), *lay[2:]]})
     pl = plan("1f1b", 2, 4, mdl=mdl)
     st = pl.stages[1]  # layers 2, 3
-    b = costs.samples_per_replica(pl, st)
+    b = costs.params.samples_per_replica(pl, st)
     out = b * (1 << 14)
-    saved = costs.layer_saved_bytes(lay[2], b, 1)
+    saved = costs.activations.layer_saved_bytes(lay[2], b, 1)
     # the input (saved by layer 2) + the rest of layer 2's saved + the 2->3 boundary (saved by
     # layer 3) + the rest of layer 3's + the stage's output (saved by nobody, kept for backward)
-    assert costs.stage_activation_bytes(mdl, pl, st) == out + (saved - out) + out + (saved - out) + out
+    assert costs.activations.stage_activation_bytes(mdl, pl, st) == out + (saved - out) + out + (saved - out) + out
     st0 = pl.stages[0]  # layers 0, 1: when layer 1's saved bytes include its output (the stage's
     # output) that tensor is counted once. Kept until the backward (deallocate_pipeline_outputs
     # false), the output is held anyway, so saving it adds nothing; released once sent (the
     # default), only a layer that saves it keeps it, so the two models hold the same bytes
     kept = pl.model_copy(update={"training": pl.training.model_copy(update={"deallocate_pipeline_outputs": False})})
-    assert costs.stage_activation_bytes(both, kept, st0) == costs.stage_activation_bytes(mdl, kept, st0) - out
-    assert costs.stage_activation_bytes(both, pl, st0) == costs.stage_activation_bytes(mdl, pl, st0)
-    assert costs.releases_output(mdl, pl, st0) and not costs.releases_output(both, pl, st0)
-    assert costs.stage_activation_bytes(mdl, kept, st0) == costs.stage_activation_bytes(mdl, pl, st0) + out
+    assert costs.activations.stage_activation_bytes(both, kept, st0) == costs.activations.stage_activation_bytes(mdl, kept, st0) - out
+    assert costs.activations.stage_activation_bytes(both, pl, st0) == costs.activations.stage_activation_bytes(mdl, pl, st0)
+    assert costs.activations.releases_output(mdl, pl, st0) and not costs.activations.releases_output(both, pl, st0)
+    assert costs.activations.stage_activation_bytes(mdl, kept, st0) == costs.activations.stage_activation_bytes(mdl, pl, st0) + out

@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 
 from planners import make_plan
-from planners.analytic import device_memory
+from simulator.analytic import device_memory
 from planners.policy import BalancedPolicy
 from simulator import simulate
 from specs import TrainingSpec
-from specs import costs
+import costs.activations
+import costs.static
 from specs.plan import D2DTarget, LayerMemory, MemoryAction, ScheduleSpec, validate_plan
 from tests.conftest import make_hardware, make_model
 
@@ -39,18 +40,18 @@ def test_optimizer_swap_streams_the_state_and_lowers_the_peak():
     plain = _plan(model, hw, training)
     swapped = _plan(model, hw, training, offload=plain.stages[0].offload.model_copy(update={"optimizer_swap": True}))
     a, b = simulate(plain, model, hw).result, simulate(swapped, model, hw).result
-    opt = costs.stage_static(model, plain, plain.stages[0])[0].optimizer_bytes
-    chunks = costs.optimizer_swap_chunks(model, swapped, swapped.stages[0])
+    opt = costs.static.stage_static(model, plain, plain.stages[0])[0].optimizer_bytes
+    chunks = costs.static.optimizer_swap_chunks(model, swapped, swapped.stages[0])
     assert sum(chunks) == opt and len(chunks) == plain.stages[0].num_layers
     # resident: at most three layers' state at once instead of all of it
-    assert _dev(a, 0).peak_bytes - _dev(b, 0).peak_bytes >= opt - costs.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(chunks)
+    assert _dev(a, 0).peak_bytes - _dev(b, 0).peak_bytes >= opt - costs.static.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(chunks)
     assert _dev(b, 0).host_bytes >= opt
     # every byte crosses the host link both ways; in and out use opposite directions, so at least
     # one direction's total is added to the position's critical path
     assert b.iteration_time_s - a.iteration_time_s >= opt / (hw.host.pcie_gbps * 1e9) * 0.99
     # the closed form agrees on the device peak within the chunks it cannot place in time
     closed = device_memory(swapped, model)[0][0].total_bytes
-    assert abs(closed - _dev(b, 0).peak_bytes) <= costs.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(chunks)
+    assert abs(closed - _dev(b, 0).peak_bytes) <= costs.static.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(chunks)
 
 
 def test_microbatch_period_swaps_every_nth_microbatch():
@@ -67,8 +68,8 @@ def test_microbatch_period_swaps_every_nth_microbatch():
         target = next((d.peak_bytes for d in result.devices if d.device == 4), 0)
         return target, _dev(result, 0).peak_bytes
 
-    one = costs.layer_saved_bytes(model.layers[layer], 2, 1)
-    n = costs.in_flight_microbatches(base, 0)  # 4 on stage 0 of 4
+    one = costs.activations.layer_saved_bytes(model.layers[layer], 2, 1)
+    n = costs.activations.in_flight_microbatches(base, 0)  # 4 on stage 0 of 4
     (t1, s1), (t2, s2), (_, s0) = peaks(1), peaks(2), peaks(None)
     # on the target's timeline: at least one stripe, never more than every in-flight microbatch's
     # (the closed form's bound: swap-ins are prefetched a pass ahead, so fewer coincide)
@@ -94,7 +95,7 @@ def test_a_forward_waits_for_the_previous_swap_outs_instead_of_piling_memory():
     assert waited(stall_s) > 100 * waited(stall_f)  # fast PCIe: only the copies' launch latency
     assert rs.iteration_time_s > rf.iteration_time_s
     # bounded: at most the microbatch being swapped out besides what the schedule holds anyway
-    swapped = sum(costs.layer_saved_bytes(model.layers[l], 2, 1) for l in range(4))
+    swapped = sum(costs.activations.layer_saved_bytes(model.layers[l], 2, 1) for l in range(4))
     assert _dev(rs, 0).peak_bytes <= _dev(rf, 0).peak_bytes + swapped
 
 

@@ -1,5 +1,5 @@
 """The simulator's STRONGHOLD window (simulator/window.py): the fetch / copy / CPU-step order the
-plan contract (specs.plan.OffloadPolicy) prescribes, device and host bytes from specs.window,
+plan contract (specs.plan.OffloadPolicy) prescribes, device and host bytes from costs.window,
 time that depends on the window, and the host tier (NVMe, host RAM shared by a node)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from simulator import simulate
 from simulator.engine import Engine
 from simulator.report import build_result
-from specs import window as win
+from costs import window as win
 from specs.plan import LayerMemory, OffloadPolicy, Plan, StagePlan
 from specs.training import TrainingSpec
 from tests.conftest import make_hardware, make_model

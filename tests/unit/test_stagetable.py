@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from planners.analytic import estimate
-from planners.stagetable import Placed, StageTable
-from planners.throughput import best_throughput, candidates
+from simulator.analytic import estimate
+from planners.baselines.stagetable import Placed, StageTable
+from planners.baselines.throughput import best_throughput, candidates
 from specs import ScheduleKind, ScheduleSpec, TrainingSpec, validate_plan
 from tests.conftest import make_hardware, make_model
 

@@ -1,4 +1,4 @@
-"""policy=stronghold (planners/stronghold.py): the window it picks is the one the simulator finds.
+"""policy=stronghold (planners/stronghold/planner.py): the window it picks is the one the simulator finds.
 
 The planner prices a window by walking the stage's passes with the simulator's own window
 mechanism (simulator/window.py) driven by plain arithmetic; on a single stage nothing else runs
@@ -11,10 +11,10 @@ import pytest
 
 from planners import make_plan, parse_policy
 from planners.layout import PlanningError
-from planners.stronghold import PLATEAU, stronghold_search
+from planners.stronghold.planner import PLATEAU, stronghold_search
 from simulator.engine import Engine
 from simulator.report import build_result
-from specs.families import build_model, parse_model_config
+from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import OffloadPolicy, ScheduleSpec
 from specs.training import TrainingSpec

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from planners import make_plan, parse_policy
-from specs import ScheduleSpec, TrainingSpec, costs
-from specs.families import build_model, parse_model_config
+from specs import ScheduleSpec, TrainingSpec
+import costs.collectives
+import costs.static
+from costs.families import build_model, parse_model_config
 from tests.conftest import make_hardware
 
 H, V = 64, 256
@@ -27,8 +29,8 @@ def plan(model, pp: int, tp: int = 1):
 def test_one_copy_when_embedding_and_head_share_a_stage(tp):
     tied, untied = gpt(True), gpt(False)
     (p1, _), (p2, _) = plan(tied, 1, tp), plan(untied, 1, tp)
-    w_tied = costs.stage_static(tied, p1, p1.stages[0])[0].parameters_bytes
-    w_untied = costs.stage_static(untied, p2, p2.stages[0])[0].parameters_bytes
+    w_tied = costs.static.stage_static(tied, p1, p1.stages[0])[0].parameters_bytes
+    w_untied = costs.static.stage_static(untied, p2, p2.stages[0])[0].parameters_bytes
     assert w_untied - w_tied == 2 * H * V // tp  # fp16 weights: the head's own h·V, vocab-parallel
     assert tied.total_params == untied.total_params - H * V
 
@@ -37,12 +39,12 @@ def test_pipeline_keeps_a_copy_on_the_last_stage_and_all_reduces_it():
     tied, untied = gpt(True), gpt(False)
     (pt, hw), (pu, _) = plan(tied, 2), plan(untied, 2)
     for s in (0, 1):  # the same bytes as untied: the last stage holds its copy
-        assert costs.stage_static(tied, pt, pt.stages[s]) == costs.stage_static(untied, pu, pu.stages[s])
+        assert costs.static.stage_static(tied, pt, pt.stages[s]) == costs.static.stage_static(untied, pu, pu.stages[s])
     link = hw.link(pt.stages[0].devices[0], pt.stages[1].devices[0])
-    want = costs.ring_allreduce_s(4 * H * V, 2, link)  # fp32 main grads of the h·V copy, group of 2
+    want = costs.collectives.ring_allreduce_s(4 * H * V, 2, link)  # fp32 main grads of the h·V copy, group of 2
     assert want > 0
     for s in (0, 1):
-        assert costs.embedding_group_allreduce_s(tied, pt, hw, pt.stages[s]) == pytest.approx(want)
-        assert costs.embedding_group_allreduce_s(untied, pu, hw, pu.stages[s]) == 0.0
+        assert costs.collectives.embedding_group_allreduce_s(tied, pt, hw, pt.stages[s]) == pytest.approx(want)
+        assert costs.collectives.embedding_group_allreduce_s(untied, pu, hw, pu.stages[s]) == 0.0
     p1, hw1 = plan(tied, 1)
-    assert costs.embedding_group_allreduce_s(tied, p1, hw1, p1.stages[0]) == 0.0
+    assert costs.collectives.embedding_group_allreduce_s(tied, p1, hw1, p1.stages[0]) == 0.0

@@ -8,13 +8,16 @@ import pathlib
 import pytest
 import yaml
 
-from planners.analytic import iteration_time_s
+from simulator.analytic import iteration_time_s
 from planners.layout import assemble, device_groups, megatron_split
 from simulator import simulate
 from simulator.engine import Engine
 from simulator.report import build_result
-from specs import HardwareSpec, ScheduleSpec, TrainingSpec, costs, validate_plan
-from specs.families import build_model, parse_model_config
+from specs import HardwareSpec, ScheduleSpec, TrainingSpec, validate_plan
+import costs.collectives
+import costs.layer_time
+import costs.params
+from costs.families import build_model, parse_model_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -42,17 +45,17 @@ def p2p_s(plan, model, hardware) -> float:
     """All boundary sends of one microbatch, both directions (what the analytic adds in full)."""
     total = 0.0
     for s, nxt in zip(plan.stages, plan.stages[1:]):
-        b = costs.samples_per_replica(plan, s)
+        b = costs.params.samples_per_replica(plan, s)
         nbytes = b * model.layers[s.layer_stop - 1].output_bytes_per_sample
         if s.devices[0] != nxt.devices[0]:
-            total += 2 * costs.transfer_s(nbytes, hardware.link(s.devices[0], nxt.devices[0]))
+            total += 2 * costs.collectives.transfer_s(nbytes, hardware.link(s.devices[0], nxt.devices[0]))
     return total
 
 
 @pytest.mark.parametrize("pp,dp,tp,m,kind,v", [(1, 4, 2, 4, "1f1b", 1), (2, 2, 2, 8, "1f1b", 1),
                                                (4, 2, 1, 8, "gpipe", 1), (2, 2, 2, 8, "interleaved_1f1b", 2)])
 def test_analytic_and_simulator_agree(pp, dp, tp, m, kind, v):
-    """Same per-layer costs (specs.costs), so the two differ only in how p2p copies overlap compute
+    """Same per-layer costs (costs), so the two differ only in how p2p copies overlap compute
     and by integer-ns rounding: bounded by one microbatch's sends plus 1 ns per simulated pass."""
     model, hw = gpt(), selene()
     plan = make(model, hw, pp, dp, tp, m, kind, v)
@@ -66,12 +69,12 @@ def test_backward_is_costlier_than_forward_and_recompute_adds_a_forward():
     model, hw = gpt(), selene()
     keep = make(model, hw, 1, 8, 1, 2, recompute="none")
     full = make(model, hw, 1, 8, 1, 2, recompute="full")
-    fk, bk = costs.stage_pass_times_s(model, keep, hw, keep.stages[0])
-    ff, bf = costs.stage_pass_times_s(model, full, hw, full.stages[0])
+    fk, bk = costs.layer_time.stage_pass_times_s(model, keep, hw, keep.stages[0])
+    ff, bf = costs.layer_time.stage_pass_times_s(model, full, hw, full.stages[0])
     assert fk == pytest.approx(ff)
     assert 1.8 * fk < bk < 2.6 * fk  # dgrad + wgrad ~ 2 forwards; elementwise backward 1.5x
     blocks = [i for i, l in enumerate(model.layers) if l.kind.value == "transformer_block"]
-    recomputed = sum(costs.layer_pass_times_s(model, full, hw, full.stages[0], i)[0] for i in blocks)
+    recomputed = sum(costs.layer_time.layer_pass_times_s(model, full, hw, full.stages[0], i)[0] for i in blocks)
     assert bf == pytest.approx(bk + recomputed)
 
 

@@ -1,0 +1,227 @@
+"""Activation bytes of a stage: what each layer saves for its backward, what its boundaries hold,
+the backward's workspace and transients, and how many microbatches are in flight (1F1B keeps at most
+p − i on stage i; PipeDream-2BW §3).
+
+Per device: one tensor-parallel rank of one data-parallel replica. Shared by the analytic
+estimator, the simulator and the planners, so each formula lives here once.
+"""
+from __future__ import annotations
+import math
+from specs.model import LayerKind, LayerSpec, ModelSpec
+from specs.plan import MemoryAction, Plan, ScheduleKind, StagePlan
+from costs.params import samples_per_replica
+
+
+SWAP_ACTIONS = frozenset({MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme})
+
+
+def layer_saved_bytes(layer: LayerSpec, samples: int, tp: int) -> int:
+    """Activations a layer keeps for backward on one TP rank: s·b·h·(10 + 24/t + 5as/(ht)) for a
+    GPT block (Korthikanti et al. 2022, eq. 2) — generally the sharded fraction divides by t."""
+    per_sample = layer.saved_bytes_per_sample
+    sharded = per_sample * layer.tp_sharded_saved_fraction
+    return math.ceil(samples * (sharded / tp + (per_sample - sharded)))
+
+
+def layer_input_bytes(model: ModelSpec, layer: int, samples: int) -> int:
+    """Bytes of a layer's input: the previous layer's output, or for the first layer the batch
+    tensors it keeps (``input_bytes_per_sample``: images, token ids; 0 in the closed forms, which
+    count ids in the embedding's saved bytes)."""
+    return samples * (model.layers[layer - 1].output_bytes_per_sample if layer > 0 else model.input_bytes_per_sample)
+
+
+def holds_input(stage: StagePlan, model: ModelSpec, layer: int) -> bool:
+    """Whether the layer keeps its input between forward and backward: a kept layer that saves it
+    (``saves_input``), or a recomputed one (its checkpoint)."""
+    action = stage.action_of(layer).action
+    return action is MemoryAction.recompute or (action is MemoryAction.keep and model.layers[layer].saves_input)
+
+
+def holds_output(stage: StagePlan, model: ModelSpec, layer: int) -> bool:
+    return stage.action_of(layer).action is MemoryAction.keep and model.layers[layer].saves_output
+
+
+def layer_own_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
+    """What a layer keeps between forward and backward besides its input and output tensors (the
+    boundaries, which :func:`stage_activation_bytes` counts once each): kept layers their saved
+    bytes less those two, recomputed and swapped layers nothing."""
+    if stage.action_of(layer).action is not MemoryAction.keep:
+        return 0
+    spec = model.layers[layer]
+    own = layer_saved_bytes(spec, samples, stage.tp)
+    if spec.saves_input:
+        own -= layer_input_bytes(model, layer, samples)
+    if spec.saves_output:
+        own -= samples * spec.output_bytes_per_sample
+    return max(own, 0)
+
+
+def boundary_held_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
+    """Output of ``layer`` when the next layer is in the same stage: kept (once) when either side
+    saves it, freed during the forward otherwise."""
+    if holds_output(stage, model, layer) or holds_input(stage, model, layer + 1):
+        return samples * model.layers[layer].output_bytes_per_sample
+    return 0
+
+
+def releases_output(model: ModelSpec, plan: Plan, stage: StagePlan) -> bool:
+    """Whether the stage's output stops counting once it is sent (``training.
+    deallocate_pipeline_outputs``, Megatron's ``deallocate_output_tensor``): not on the last stage
+    (its output is the loss, the backward's root), and not when the last layer saves its own output
+    (a final ReLU: autograd keeps that storage, so freeing the tensor frees no memory)."""
+    return (plan.training.deallocate_pipeline_outputs and stage.layer_stop < model.num_layers
+            and not holds_output(stage, model, stage.layer_stop - 1))
+
+
+def sent_output_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """The output a releasing stage (:func:`releases_output`) still holds while its send is in
+    flight: the send reads it, and gloo (or NCCL's stream) keeps it until the transfer is done.
+    The simulator frees it when the transfer ends (over gloo, once its receive is also posted);
+    the closed forms count it at the end of its forward only (:func:`activation_peak`)."""
+    if not releases_output(model, plan, stage):
+        return 0
+    return samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+
+
+def stage_activation_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """Activation bytes one microbatch of ``stage`` holds from its forward to its backward: every
+    layer's own saved bytes, the tensors between its layers that a layer saves, and the stage's
+    input and output, each once. The input is kept for the backward whether or not the first layer
+    saves it (the received tensor is the leaf whose gradient is sent back; Megatron keeps
+    ``input_tensors`` alike). The output is kept only where it is not released once sent
+    (:func:`releases_output`): otherwise the backward starts from it, and it is also the send
+    buffer, so a send costs no extra copy."""
+    b = samples_per_replica(plan, stage)
+    layers = stage.layers
+    total = sum(layer_own_bytes(model, stage, l, b) for l in layers)
+    total += sum(boundary_held_bytes(model, stage, l, b) for l in layers[:-1])
+    output = 0 if releases_output(model, plan, stage) else b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+    return total + layer_input_bytes(model, stage.layer_start, b) + output
+
+
+def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """Largest excess over the held microbatches during one backward of ``stage``, walking its
+    layers last to first: a layer's backward scratch (``workspace_bytes_per_sample``: weight-
+    gradient and intermediate gradients; for a head under tp > 1 at least its vocabulary-parallel
+    loss's, :func:`vocab_parallel_loss_bytes`), the activations a recomputed layer re-materialises, and
+    the gradient flowing in from the layer above (the top layer's is the receive buffer), less what
+    the layers above have already freed."""
+    b, tp = samples_per_replica(plan, stage), stage.tp
+    best = freed = 0
+    for n, l in enumerate(reversed(stage.layers)):
+        spec = model.layers[l]
+        # backward scratch is gradients: of the sharded weights (the fixed part) and of activations
+        # inside the TP region, which splits over t like the sharded weights do (the replicated
+        # layer input and output are kept, not scratch), so both follow the parameter fraction
+        frac = spec.tp_sharded_param_fraction
+        per_sample = spec.workspace_bytes_per_sample * frac
+        fixed = spec.workspace_fixed_bytes * frac
+        need = math.ceil(b * (per_sample / tp + spec.workspace_bytes_per_sample - per_sample)
+                         + fixed / tp + spec.workspace_fixed_bytes - fixed)
+        need = max(need, vocab_parallel_loss_bytes(spec, b, tp))
+        if stage.action_of(l).action is MemoryAction.recompute:
+            need += layer_saved_bytes(spec, b, tp) - (layer_input_bytes(model, l, b) if spec.saves_input else 0)
+        if n:
+            need += b * spec.output_bytes_per_sample
+        best = max(best, need - freed)
+        freed += layer_freed_bytes(model, stage, l, b)
+    return best
+
+
+#: logits-sized tensors torch's vocab-parallel cross-entropy (``loss_parallel``, which the executor
+#: runs for an LM head under tp > 1) holds at once in its backward: it builds the fused log-softmax +
+#: NLL gradient as (zeros with -1 at the targets + exp(log-probabilities)) x grad, so the zeros, the
+#: exp and their sum are live together (torch.distributed.tensor.parallel.loss.
+#: _nll_loss_and_log_softmax_backward). A profile traced at tp = 1 sees plain cross-entropy instead:
+#: two full-vocabulary gradients (nll_loss_backward, then _log_softmax_backward_data).
+VOCAB_PARALLEL_LOSS_TENSORS = 3
+
+
+def vocab_parallel_loss_bytes(layer: LayerSpec, samples: int, tp: int) -> int:
+    """Backward transient of a head's loss when it runs vocabulary-parallel (tp > 1): three shards
+    of the fp32 logits (:data:`VOCAB_PARALLEL_LOSS_TENSORS`), the logits being the head's
+    TP-sharded saved bytes (``tp_sharded_saved_fraction``: what cross-entropy keeps of them). 0 for
+    other layers, at tp = 1, and for a head the executor leaves replicated (fraction 0)."""
+    if layer.kind is not LayerKind.head or tp <= 1 or layer.tp_sharded_saved_fraction <= 0:
+        return 0
+    logits = samples * layer.saved_bytes_per_sample * layer.tp_sharded_saved_fraction
+    return math.ceil(VOCAB_PARALLEL_LOSS_TENSORS * logits / tp)
+
+
+def layer_freed_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
+    """What a layer's backward releases for good: its own saved bytes and its input when nothing
+    below needs that tensor again (the layer below does not save its own output). Not used for a
+    stage's first layer (its input is the stage's, kept until the backward ends)."""
+    freed = layer_own_bytes(model, stage, layer, samples)
+    if layer > 0 and holds_input(stage, model, layer) and not holds_output(stage, model, layer - 1):
+        freed += layer_input_bytes(model, layer, samples)
+    return freed
+
+
+def backward_transient_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int]:
+    """(workspace, swap-in) bytes during one backward: :func:`backward_workspace_bytes` (scratch and
+    recomputed activations) and the prefetched copies of swapped layers (two at a time)."""
+    b = samples_per_replica(plan, stage)
+    # double buffering (simulator/engine.py _layered_backward; executor/swap.py): the layer being
+    # run and the next one coming in, so the two largest swapped layers bound the copies
+    sizes = sorted((layer_saved_bytes(model.layers[l], b, stage.tp) for l in stage.layers
+                    if stage.action_of(l).action in SWAP_ACTIONS), reverse=True)
+    return backward_workspace_bytes(model, plan, stage), sum(sizes[:2])
+
+
+def stashed_versions(plan: Plan, stage_index: int) -> int:
+    """Weight versions PipeDream async keeps on pipeline position i of p: p - i (PipeDream §3.3),
+    i.e. p - i - 1 stashed copies besides the live weights; 0 for flushing schedules."""
+    if plan.schedule.kind is not ScheduleKind.pipedream_async:
+        return 0
+    return plan.pipeline_depth - plan.device_group_of(stage_index) - 1
+
+
+def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = None,
+                    transient_bytes: dict[int, int] | None = None,
+                    sent_bytes: dict[int, int] | None = None,
+                    grad_bytes: dict[int, int] | None = None) -> tuple[int, dict[int, int], int]:
+    """(bytes, held microbatches per stage, of the bytes the sent-gradient buffers) at the peak of
+    pipeline ``position``, found by walking its pass order (specs.schedule.compute_order, the order
+    the simulator and the executor walk): a forward adds ``act_bytes[stage]``; a backward peaks at
+    everything held plus ``transient_bytes[stage]`` and then frees its microbatch; a forward's end
+    also peaks at what is held plus ``sent_bytes[stage]``, a released output still being sent
+    (:func:`sent_output_bytes`; assumed sent before the next pass ends, as the simulator finds it
+    unless links are slower than a pass); ``grad_bytes[stage]`` (:func:`sent_grad_buffer_bytes`)
+    counts from the end of the stage's first backward on (so not in GPipe's peak, inside the first
+    backward). Unit bytes by default, so the counts are those of the most microbatches held (first
+    such moment).
+
+    GPipe holds all m; 1F1B and PipeDream min(p - i, m) (PipeDream-2BW §3); interleaved 1F1B the
+    Megatron warm-up count min((p-i-1)·2 + (v-1)·p + 1, m·v) of chunk-microbatches, unevenly over
+    the chunks (Narayanan et al. 2021 §2.2: p=8, v=3, i=0 holds 31 = 15 + 8 + 8)."""
+    from specs.schedule import compute_order  # specs.schedule imports specs.plan only
+
+    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+    held: dict[int, int] = {s: 0 for s in range(position, len(plan.stages), p)}
+    now = best = grads = best_grads = 0
+    best_held = dict(held)
+    graded: set[int] = set()
+    for pass_, s, _ in compute_order(plan.schedule.kind, p, m, v, position):
+        a = act_bytes[s] if act_bytes is not None else 1
+        if pass_ == "F":
+            held[s] += 1
+            now += a
+            if sent_bytes is not None and now + grads + sent_bytes[s] > best:
+                best, best_held, best_grads = now + grads + sent_bytes[s], dict(held), grads
+            continue
+        peak = now + grads + (transient_bytes[s] if transient_bytes is not None else 0)
+        if peak > best:
+            best, best_held, best_grads = peak, dict(held), grads
+        held[s] -= 1
+        now -= a
+        if grad_bytes is not None and s not in graded:
+            graded.add(s)
+            grads += grad_bytes[s]
+    return best, best_held, best_grads
+
+
+def in_flight_microbatches(plan: Plan, stage_index: int) -> int:
+    """Microbatches of ``stage_index`` held at its position's peak (see :func:`activation_peak`):
+    GPipe m, 1F1B min(p - i, m), interleaved exact per chunk (15, 8, 8 for p=8, v=3, i=0)."""
+    return activation_peak(plan, plan.device_group_of(stage_index))[1][stage_index]

@@ -1,0 +1,285 @@
+"""GPT and BERT: closed-form per-sample costs of embedding, transformer blocks and head.
+
+Symbols: s sequence length, h hidden, a heads, f FFN width (ffn_hidden, or ffn_mult·h), V vocabulary,
+act bytes per activation element (2 fp16/bf16, 4 fp32). Every cost is per sample (one sequence).
+
+Saved-activation counts follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", §4.1, eq. 1): a block keeps s·h·(34 + 5as/h) bytes in fp16, of which
+s·h·(24 + 5as/h) is split by tensor parallelism (eq. 2) and 10·s·h (layernorm inputs, the
+attention and MLP inputs, two dropout masks) is replicated. Their 1-byte dropout masks are counted
+like every other element, so the fp32 count is exactly twice the fp16 count (a slight overcount
+of 2·s·h + a·s² bytes per block in fp32, accepted to keep one closed form).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from specs._base import Spec
+from costs import op_counts
+from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec
+
+TOKEN_ID_BYTES = 8  # int64 token ids, as torch.nn.Embedding takes them
+LOSS_BYTES = 4  # one fp32 loss per sample leaves the head
+LOGIT_BYTES = 4  # cross-entropy runs on fp32 logits (Korthikanti et al. 2022 §4.3: "4sbv")
+
+
+class _TransformerConfig(Spec):
+    name: str = Field(min_length=1)
+    num_layers: int = Field(gt=0, le=MAX_LAYERS - 2, description="transformer blocks")
+    hidden: int = Field(gt=0, le=1 << 20)
+    heads: int = Field(gt=0, le=1 << 14)
+    seq_len: int = Field(gt=0, le=1 << 24)
+    vocab: int = Field(gt=0, le=1 << 24)
+    ffn_mult: int | None = Field(None, gt=0, le=256, description="FFN width f = ffn_mult · hidden (default 4)")
+    ffn_hidden: int | None = Field(None, gt=0, le=1 << 22, description="FFN width f as a size (Megatron's "
+                                   "--ffn-hidden-size, e.g. 11008 for h=4096); exclusive with ffn_mult")
+    tie_embeddings: bool = Field(True, description="LM head shares the word embedding's h·V weight "
+                                 "(Megatron's default; --untie-embeddings-and-output-weights is False)")
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self):
+        if self.hidden % self.heads:
+            raise ValueError(f"heads: {self.heads} does not divide hidden {self.hidden}")
+        if self.ffn_mult is not None and self.ffn_hidden is not None:
+            raise ValueError(f"ffn_hidden: give ffn_mult ({self.ffn_mult}) or ffn_hidden ({self.ffn_hidden}), "
+                             "not both")
+        return self
+
+    @property
+    def ffn_width(self) -> int:
+        """f: ``ffn_hidden``, else ``ffn_mult``·h, else 4h (GPT-2/3, Megatron's default)."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return (self.ffn_mult if self.ffn_mult is not None else 4) * self.hidden
+
+
+class GPTConfig(_TransformerConfig):
+    """Decoder-only GPT (Radford et al. 2019; GPT-3, Brown et al. 2020, Table 2.1): learned
+    position embeddings, pre-LN blocks, final layernorm, LM head."""
+
+    family: Literal["gpt"]
+
+
+class BertConfig(_TransformerConfig):
+    """BERT encoder (Devlin et al. 2019) with the masked-LM head, pre-training style."""
+
+    family: Literal["bert"]
+
+
+# ---- sublayers: (params, tp-sharded params, fwd flops, saved fp16 bytes, tp-sharded saved) ----
+
+def attention_costs(s: int, h: int, a: int) -> tuple[int, int, float, int, int]:
+    """Self-attention sublayer with its layernorm.
+
+    Params: QKV 3h²+3h, projection h²+h, layernorm 2h. TP (Megatron, Shoeybi et al. 2019 §3):
+    QKV is column-parallel (weight and bias split), the projection row-parallel (weight split, bias
+    replicated), layernorm replicated -> 4h²+3h sharded.
+    FLOPs: QKV 6sh², scores QKᵀ 2s²h, attention·V 2s²h, projection 2sh² (Narayanan et al. 2021 §5.1).
+    Saved fp16 (Korthikanti eq. 1): LN input 2sh, QKV input 2sh, Q,K 4sh, softmax output 2as²,
+    softmax dropout mask as², dropout output 2as², V 2sh, projection input 2sh, dropout mask sh
+    = 13sh + 5as²; sharded: Q, K, V, projection input and the three a·s² tensors = 8sh + 5as².
+    """
+    params = 4 * h * h + 6 * h
+    sharded_params = 4 * h * h + 3 * h
+    flops = 8.0 * s * h * h + 4.0 * s * s * h
+    saved = 13 * s * h + 5 * a * s * s
+    sharded_saved = 8 * s * h + 5 * a * s * s
+    return params, sharded_params, flops, saved, sharded_saved
+
+
+def mlp_costs(s: int, h: int, f: int) -> tuple[int, int, float, int, int]:
+    """MLP sublayer with its layernorm: h->f GeLU f->h.
+
+    Params: fc1 hf+f, fc2 fh+h, layernorm 2h; fc1 column-parallel (weight+bias split), fc2
+    row-parallel (weight split, bias replicated) -> 2hf+f sharded. FLOPs 4shf (16sh² for f=4h).
+    Saved fp16 (Korthikanti eq. 1, f=4h gives 19sh + LN 2sh): LN input 2sh, fc1 input 2sh,
+    GeLU input 2sf, fc2 input 2sf, dropout mask sh = 5sh + 4sf; sharded: the two f-wide tensors.
+    """
+    params = 2 * h * f + f + 3 * h
+    sharded_params = 2 * h * f + f
+    flops = 4.0 * s * h * f
+    return params, sharded_params, flops, 5 * s * h + 4 * s * f, 4 * s * f
+
+
+def attention_gemms(s: int, h: int, a: int) -> list[GemmSpec]:
+    """The four matmuls of self-attention, per sample (Megatron §3 splits): QKV column-parallel,
+    scores QKᵀ and attention·V one product per head (heads split over TP), projection row-parallel."""
+    d = h // a
+    return [
+        GemmSpec(name="qkv", m=s, n=3 * h, k=h, tp_split="n"),
+        GemmSpec(name="scores", m=s, n=s, k=d, batch=a, tp_split="batch"),
+        GemmSpec(name="attn_v", m=s, n=d, k=s, batch=a, tp_split="batch"),
+        GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
+    ]
+
+
+def attention_mem_bytes(s: int, h: int, a: int, act: int) -> int:
+    """Bytes the non-GEMM ops of attention move in one forward (read + write, fused as Megatron
+    fuses them): layernorm sh in/out, scale-mask-softmax as² in/out, dropout of the probabilities
+    as² in/out plus a 1-byte mask, bias-dropout-add (output and residual in, sum out, mask)."""
+    return (2 * s * h + 2 * a * s * s + 2 * a * s * s + 3 * s * h) * act + a * s * s + s * h
+
+
+def mlp_mem_bytes(s: int, h: int, f: int, act: int) -> int:
+    """As ``attention_mem_bytes`` for the MLP: layernorm, fused bias-GeLU (sf in/out),
+    bias-dropout-add."""
+    return (2 * s * h + 2 * s * f + 3 * s * h) * act + s * h
+
+
+def block_layer(name: str, s: int, h: int, a: int, f: int, act: int) -> LayerSpec:
+    """One transformer block (GPT pre-LN or BERT post-LN: the same counts).
+
+    f = 4h gives params 12h²+13h, FLOPs 24sh² + 4s²h (Narayanan et al. 2021 §5.1: their
+    96·B·s·l·h²(1 + s/6h) covers four passes with recompute, i.e. 24sh² + 4s²h per block and
+    forward) and saved bytes sh(34 + 5as/h) in fp16 (Korthikanti et al. 2022, eq. 1).
+    """
+    p_a, sp_a, fl_a, sv_a, ssv_a = attention_costs(s, h, a)
+    p_m, sp_m, fl_m, sv_m, ssv_m = mlp_costs(s, h, f)
+    saved_fp16, sharded_fp16 = sv_a + sv_m, ssv_a + ssv_m
+    return LayerSpec(
+        name=name,
+        kind=LayerKind.transformer_block,
+        params=p_a + p_m,
+        fwd_flops_per_sample=fl_a + fl_m,
+        saved_bytes_per_sample=saved_fp16 * act // 2,
+        output_bytes_per_sample=s * h * act,
+        # largest transient of the backward: the gradient of the a·s² attention scores (estimate)
+        workspace_bytes_per_sample=a * s * s * act,
+        tp_sharded_param_fraction=(sp_a + sp_m) / (p_a + p_m),
+        tp_sharded_saved_fraction=sharded_fp16 / saved_fp16,
+        tp_allreduces_per_pass=2,  # after the attention projection and after fc2 (Megatron §3)
+        max_tp=a,  # heads are split whole across TP ranks
+        gemms=[*attention_gemms(s, h, a),
+               GemmSpec(name="fc1", m=s, n=f, k=h, tp_split="n"),
+               GemmSpec(name="fc2", m=s, n=h, k=f, tp_split="k")],
+        fwd_mem_bytes_per_sample=attention_mem_bytes(s, h, a, act) + mlp_mem_bytes(s, h, f, act),
+        **op_counts.ops(op_counts.TRANSFORMER_BLOCK),
+    )
+
+
+def embedding_layer(name: str, s: int, h: int, V: int, act: int, extra_params: int = 0,
+                    extra_saved: int = 0, id_tensors: int = 1) -> LayerSpec:
+    """Token embedding V·h + learned positions s·h (+ ``extra_params`` such as BERT's token types
+    and layernorm). Megatron's vocab-parallel embedding splits V·h over TP and all-reduces its
+    output once per pass (Shoeybi et al. 2019 §3). Saved: the int64 ids and the dropout mask s·h
+    (Korthikanti et al. 2022 §4.3 counts the embedding dropout mask), plus ``extra_saved``.
+    FLOPs: the position add, s·h (lookups do no arithmetic)."""
+    params = V * h + s * h + extra_params
+    return LayerSpec(
+        name=name,
+        kind=LayerKind.embedding,
+        params=params,
+        fwd_flops_per_sample=float(s * h),
+        saved_bytes_per_sample=id_tensors * s * TOKEN_ID_BYTES + s * h + extra_saved,
+        output_bytes_per_sample=s * h * act,
+        # the word embedding's gradient is computed whole (a dense V x h scatter-add) and then added
+        # into the gradient buffer: V·h scratch at any batch size, split by t with the table
+        # (blocks have none: Megatron's wgrad GEMMs accumulate straight into main_grad)
+        workspace_fixed_bytes=V * h * act,
+        saves_input=False,
+        tp_sharded_param_fraction=V * h / params,
+        tp_sharded_saved_fraction=0.0,
+        tp_allreduces_per_pass=1,
+        # no GEMM: the row gather, the position add and dropout (+ mask) are memory-bound
+        fwd_mem_bytes_per_sample=6 * s * h * act + s * h + extra_saved,
+    )
+
+
+def head_layer(name: str, s: int, h: int, V: int, act: int, params: int, sharded_params: int,
+               flops: float, saved_inputs: int, tied_to: str | None = None,
+               gemms: list[GemmSpec] | None = None) -> LayerSpec:
+    """An LM head ending in the loss: ``saved_inputs`` bytes of hidden-size tensors plus the fp32
+    logits s·V·4 that cross-entropy keeps (Korthikanti et al. 2022 §4.3); the logits are split
+    over TP by Megatron's vocab-parallel cross-entropy. Workspace: the fp32 gradient of the
+    logits, s·V·4, allocated in the backward of the loss (estimate; Megatron computes it in place)."""
+    logits = s * V * LOGIT_BYTES
+    saved = saved_inputs + logits
+    return LayerSpec(
+        name=name,
+        kind=LayerKind.head,
+        params=params,
+        fwd_flops_per_sample=flops,
+        saved_bytes_per_sample=saved,
+        output_bytes_per_sample=LOSS_BYTES,
+        workspace_bytes_per_sample=logits,
+        tp_sharded_param_fraction=sharded_params / params,
+        tp_sharded_saved_fraction=logits / saved,
+        # the vocab-parallel loss all-reduces only s-sized max/sum vectors: negligible
+        tp_allreduces_per_pass=0,
+        tied_to=tied_to,
+        tied_params=h * V if tied_to is not None else 0,  # the decoder weight is the word embedding
+        gemms=gemms if gemms is not None else [GemmSpec(name="logits", m=s, n=V, k=h, tp_split="n")],
+        # final layernorm (sh in/out), logits cast to fp32 (sV in, 4sV out) and the softmax
+        # cross-entropy's passes over the fp32 logits (max, exp-sum, loss: ~3 reads + 1 write of 4sV)
+        fwd_mem_bytes_per_sample=2 * s * h * act + s * V * act + 5 * s * V * LOGIT_BYTES,
+    )
+
+
+def _blocks(cfg: _TransformerConfig, act: int) -> list[LayerSpec]:
+    f = cfg.ffn_width
+    return [block_layer(f"block_{i:02d}", cfg.seq_len, cfg.hidden, cfg.heads, f, act)
+            for i in range(cfg.num_layers)]
+
+
+def build_gpt(cfg: GPTConfig, act: int) -> ModelSpec:
+    """embed, block_00..block_{L-1}, head (final LN 2h + LM head h·V, and the loss).
+
+    ``tie_embeddings`` (Megatron's default): the head's h·V decoder *is* the word embedding
+    (``tied_to="embed"``, ``tied_params=h·V``). The head's ``params`` still include it because
+    where the head sits on other devices than the embedding (pp > 1) the last stage keeps a copy
+    and all-reduces its gradient with the first stage (Megatron's embedding group, Narayanan et
+    al. 2021); where both share devices (pp = 1) costs counts it once, and
+    ``ModelSpec.total_params`` always counts it once.
+    """
+    s, h, V = cfg.seq_len, cfg.hidden, cfg.vocab
+    head = head_layer(
+        "head", s, h, V, act,
+        params=2 * h + h * V, sharded_params=h * V,
+        flops=2.0 * s * h * V,  # logits GEMM (Narayanan et al. 2021 §5.1: the V/16lh term, 2shV)
+        saved_inputs=2 * s * h * act,  # final-LN input and LM-head input (Korthikanti §4.3)
+        tied_to="embed" if cfg.tie_embeddings else None,
+    )
+    head = head.model_copy(update=op_counts.head_ops(op_counts.HEAD["gpt"], act))
+    embed = embedding_layer("embed", s, h, V, act).model_copy(update=op_counts.ops(op_counts.EMBED["gpt"]))
+    layers = [embed, *_blocks(cfg, act), head]
+    return ModelSpec(name=cfg.name, family=cfg.family, layers=layers, act_dtype_bytes=act,
+                     seq_len=s, hidden=h, heads=cfg.heads)
+
+
+def build_bert(cfg: BertConfig, act: int) -> ModelSpec:
+    """embed (word + position + token type 2h + layernorm 2h), blocks, head (MLM head).
+
+    MLM head as in BERT's reference code (Devlin et al. 2019; google-research/bert
+    ``get_masked_lm_output``): dense h²+h with GeLU, layernorm 2h, decoder h·V (tied to the word
+    embedding as in ``build_gpt`` unless ``tie_embeddings`` is false) plus output bias V; logits
+    for all s positions. The
+    pooler and next-sentence head (h²+h+2h+2) are left out: MLM pre-training only.
+    """
+    s, h, V = cfg.seq_len, cfg.hidden, cfg.vocab
+    embed = embedding_layer(
+        "embed", s, h, V, act, extra_params=2 * h + 2 * h,
+        extra_saved=s * h * act,  # embedding-layernorm input
+        id_tensors=2,  # token ids and token-type ids
+    )
+    head = head_layer(
+        "head", s, h, V, act,
+        params=(h * h + h) + 2 * h + (h * V + V), sharded_params=h * V + V,
+        flops=2.0 * s * h * h + 2.0 * s * h * V,
+        saved_inputs=4 * s * h * act,  # inputs of dense, GeLU, layernorm, decoder
+        tied_to="embed" if cfg.tie_embeddings else None,
+        gemms=[GemmSpec(name="dense", m=s, n=h, k=h), GemmSpec(name="decoder", m=s, n=V, k=h, tp_split="n")],
+    )
+    embed = embed.model_copy(update=op_counts.ops(op_counts.EMBED["bert"]))
+    head = head.model_copy(update=op_counts.head_ops(op_counts.HEAD["bert"], act))
+    layers = [embed, *_blocks(cfg, act), head]
+    return ModelSpec(name=cfg.name, family=cfg.family, layers=layers, act_dtype_bytes=act,
+                     seq_len=s, hidden=h, heads=cfg.heads)
+
+
+def tied_params(cfg: _TransformerConfig) -> int:
+    """Params the spec counts that published sizes (tied input/output embedding) leave out: none
+    when tied (``ModelSpec.total_params`` counts the shared h·V once), the head's own h·V when
+    ``tie_embeddings`` is false."""
+    return 0 if cfg.tie_embeddings else cfg.vocab * cfg.hidden

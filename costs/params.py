@@ -1,0 +1,67 @@
+"""Parameters a device holds: per layer under tensor parallelism, per stage with tied embeddings,
+and the per-replica sample count every per-device cost starts from.
+
+Per device: one tensor-parallel rank of one data-parallel replica. Shared by the analytic
+estimator, the simulator and the planners, so each formula lives here once.
+"""
+from __future__ import annotations
+import math
+from specs.model import LayerSpec, ModelSpec
+from specs.plan import Plan, StagePlan
+
+
+def samples_per_replica(plan: Plan, stage: StagePlan) -> int:
+    """Samples one replica of ``stage`` processes per microbatch (microbatch split over dp)."""
+    return plan.training.samples_per_microbatch // stage.dp
+
+
+def layer_params_on_device(layer: LayerSpec, tp: int) -> int:
+    """Parameters one TP rank holds: the sharded fraction divides by tp (Megatron §3)."""
+    sharded = layer.params * layer.tp_sharded_param_fraction
+    return math.ceil(sharded / tp + (layer.params - sharded))
+
+
+def stage_holding(plan: Plan, layer: int) -> StagePlan:
+    return next(st for st in plan.stages if st.layer_start <= layer < st.layer_stop)
+
+
+def tied_copies(model: ModelSpec, plan: Plan, stage: StagePlan) -> list[tuple[int, int, bool]]:
+    """(owner layer, copy layer, shared) for every tied weight (a GPT LM head tied to the word
+    embedding) with owner or copy in ``stage``; ``shared`` when both sit on the same devices, so
+    one Parameter serves both (Megatron with pp = 1). Otherwise the copy's stage holds its own
+    and the two stages all-reduce the gradient (Megatron's embedding group, Narayanan et al. 2021)."""
+    out = []
+    for copy in model.tied_layers:
+        owner = model.tied_owner(copy)
+        here = stage.layer_start <= owner < stage.layer_stop or stage.layer_start <= copy < stage.layer_stop
+        if here:
+            shared = set(stage_holding(plan, owner).devices) == set(stage_holding(plan, copy).devices)
+            out.append((owner, copy, shared))
+    return out
+
+
+def tied_pairs(model: ModelSpec) -> list[tuple[int, int, int]]:
+    """(owner layer, copy layer, tied params) of every tied weight (GPT: embed, head, h·V)."""
+    return [(model.tied_owner(c), c, model.layers[c].tied_params) for c in model.tied_layers]
+
+
+def shared_tied_params_on_device(pairs: list[tuple[int, int, int]], start: int, stop: int, tp: int) -> int:
+    """Params of tied copies (``tied_pairs``) whose owner and copy both lie in layers [start, stop):
+    one stage holds one Parameter for both (as ``stage_params_on_device`` counts)."""
+    return sum(math.ceil(n / tp) for o, c, n in pairs if start <= o < stop and start <= c < stop)
+
+
+def stage_params_on_device(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """Parameters one device of ``stage`` holds: its layers' TP shards, minus the second copy of a
+    tied weight whose owner is on the same devices (counted once, at the owner)."""
+    params = sum(layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers)
+    for _, copy, shared in tied_copies(model, plan, stage):
+        if shared and stage.layer_start <= copy < stage.layer_stop:
+            params -= math.ceil(model.layers[copy].tied_params / stage.tp)  # vocab-parallel: split by t
+    return params
+
+
+def dp_grad_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """Gradient bytes one device of ``stage`` all-reduces over its dp replicas (its TP shard)."""
+    _, g_b, _ = plan.training.bytes_per_param()
+    return g_b * stage_params_on_device(model, plan, stage)

@@ -1,0 +1,367 @@
+"""MAP eq. (1) solved exactly on a chain of blocks (a transformer's layers) by dynamic programming over
+Pareto sets of (time, bytes): the single budget row that makes the ILP branch (planners/map/ilp.py)
+becomes one dimension of a label, and the 32 identical layers are priced once.
+
+Input: ``IlpProblem.blocks``, node indices per block in chain order, every edge inside one block or
+between two consecutive blocks (checked by IlpProblem). Steps, after map_ilp's exact reductions:
+
+1. Per block b its *out-boundary* tau_b: its free nodes with an edge into block b+1; the block's
+   *in-boundary* is tau_{b-1}. A boundary state is one strategy per boundary node.
+2. Per block, for every (in-state sigma, out-state tau), the Pareto set of (time, bytes) over the
+   block's assignments, with their per-node choice. Time counts the block's node costs, its inner
+   edges and the edges from tau_{b-1} into it, so every edge is counted exactly once (by the block
+   holding its later endpoint). Computed by variable elimination with Pareto sets as factor values
+   (Bertele & Brioschi's nonserial DP with a vector objective): the boundary nodes are kept, every
+   other node is eliminated in a greedy order (smallest joined table first) by joining the factors
+   that hold it and keeping, per assignment of the rest, the Pareto points; the eliminated node's
+   strategy rides along with each point. A transformer block has treewidth 2 (its two residual
+   cycles), so tables stay at three nodes' strategies.
+   Blocks with the same reduced data (node costs/bytes, edges, boundaries) share one computation:
+   in the benchmark, blocks 1..30 of 32 (block 0 has no in-edges, the last no out-edges, so the
+   reductions prune them differently).
+3. A DP over the blocks with labels (tau_b, time, bytes): a label of block b-1 with out-state sigma
+   joins every frontier point of block b with in-state sigma; per out-state only the Pareto set is
+   kept. Then the fastest final label, and its choice followed back.
+4. Bounds that prune labels (they do not change the answer): a label is dropped when its bytes plus
+   the least bytes of the later blocks exceed the budget, or when a lower bound on every completion's
+   time (Lagrangian: min over completions of time + lam * bytes, minus lam * the bytes left; lam at
+   the dual optimum, found on the frontiers in a few scalar DPs) puts it above a threshold theta.
+   theta is tried at lb + (ub - lb) / 16, / 4, then ub (lb: the dual bound; ub: the fastest
+   Lagrangian minimiser that fits, a real solution); a run whose best label is <= theta is exact.
+
+Exactness: eq. (1)'s objective and memory are sums over blocks once each edge is attributed to the
+block of its later endpoint; given the boundary state between two blocks, the two sides add up
+independently. So a solution whose restriction to a prefix is Pareto-dominated (same boundary state,
+no faster and no smaller) can be replaced on that prefix without losing time or bytes: keeping only
+Pareto labels per state (and per factor in step 2) loses no optimum -- the classic argument for
+resource-constrained shortest paths. The byte cut drops only labels with no feasible completion; the
+time cut only labels whose every feasible completion is slower than theta, and when the best final
+label is <= theta the optimum's own labels (bound <= optimum <= that label) were all kept.
+Memory is exact integer bytes: no discretisation, so no discretisation loss; the answer equals the
+ILP's optimum. Times are float sums: solutions within float rounding (~1e-15 relative) may tie
+either way (theta carries a 1e-9 relative margin so rounding never cuts the optimum); the returned
+choice's time and bytes are recomputed from the input by map_ilp.evaluate.
+
+Size: a Pareto set per state holds at most the distinct byte totals under the budget; the
+benchmark's bytes are multiples of 512 KiB and the bounds keep at most ~200 labels per block, so
+40/20/10 GiB each solve in under 0.5 s on one core (HiGHS on the whole ILP: 1.2 s, > 10 s, 4.4 s). Boundary
+states are the product of the boundary nodes' strategy counts: more than MAX_STATES is refused (cut
+the chain where few nodes link two blocks). Deterministic: stable sorts, ties to the first label in
+construction order.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from planners.map.problem import IlpProblem, IlpSolution, Reduced, evaluate, min_memory_choice
+
+MAX_STATES = 1 << 14    # boundary states per block: a frontier and a DP step cost about their square
+
+
+def _pareto(group: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Indices of the points that no other point of the same group beats (no slower and no larger,
+    one of them strictly); duplicates keep the first. Returned sorted by group, then bytes."""
+    if t.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    rank = np.unique(t, return_inverse=True)[1].astype(np.int64).ravel()   # exact order of the floats
+    order = np.lexsort((rank, m, group))
+    g = group[order].astype(np.int64)
+    # One running minimum over all groups: each earlier group is shifted above every later one, so the
+    # minimum of the points before i is the minimum over i's own group (if any), else too big to matter.
+    val = (int(g.max()) - g) * (t.size + 1) + rank[order]
+    before = np.minimum.accumulate(np.concatenate(([np.iinfo(np.int64).max], val[:-1])))
+    return order[val < before]
+
+
+def _neighbours(red: Reduced) -> dict[int, dict[int, np.ndarray]]:
+    """nbr[v][u]: the edge matrix with rows indexed by u's strategy, columns by v's."""
+    nbr: dict[int, dict[int, np.ndarray]] = {}
+    for (u, v), r in red.edges.items():
+        nbr.setdefault(v, {})[u] = r
+        nbr.setdefault(u, {})[v] = r.T
+    return nbr
+
+
+class _Table:
+    """A factor of the variable elimination: per assignment of ``scope`` (rows of ``key``, positions
+    in red.keep) a Pareto set of (time_s, bytes) points, flattened into rows; ``choice`` holds each
+    point's positions of the nodes already eliminated (``elim``); ``placed`` the nodes whose bytes
+    ``m`` includes."""
+
+    def __init__(self, scope, key, t, m, elim=(), choice=None, placed=frozenset()):
+        self.scope, self.key, self.t, self.m = list(scope), key, t, m
+        self.elim, self.placed = list(elim), frozenset(placed)
+        self.choice = np.zeros((len(t), 0), dtype=np.int64) if choice is None else choice
+
+
+def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: int) -> _Table:
+    """Every pair of rows that agree on the shared nodes, summed; then the points that cannot fit
+    (bytes + the least bytes of the nodes not yet placed > cap) and the dominated ones are dropped."""
+    shared = [v for v in a.scope if v in b.scope]
+    flat = lambda tab: (np.ravel_multi_index(tab.key[:, [tab.scope.index(v) for v in shared]].T, [size[v] for v in shared])
+                        if shared else np.zeros(len(tab.t), dtype=np.int64))
+    ga, gb = flat(a), flat(b)
+    order_b = np.argsort(gb, kind="stable")
+    start = np.searchsorted(gb[order_b], ga, side="left")
+    count = np.searchsorted(gb[order_b], ga, side="right") - start
+    ai = np.repeat(np.arange(len(ga)), count)
+    offset = np.arange(len(ai)) - np.repeat(np.cumsum(count) - count, count)
+    bi = order_b[np.repeat(start, count) + offset]
+    extra = [j for j, v in enumerate(b.scope) if v not in a.scope]
+    key = np.column_stack([a.key[ai], b.key[bi][:, extra]])
+    t, m = a.t[ai] + b.t[bi], a.m[ai] + b.m[bi]
+    placed = a.placed | b.placed
+    ok = np.nonzero(m + (total_min - sum(min_of[v] for v in placed)) <= cap)[0]
+    out = _Table(a.scope + [b.scope[j] for j in extra], key[ok], t[ok], m[ok], a.elim + b.elim,
+                 np.column_stack([a.choice[ai], b.choice[bi]])[ok], placed)
+    return _prune(out, size)
+
+
+def _prune(tab: _Table, size: dict) -> _Table:
+    group = (np.ravel_multi_index(tab.key.T, [size[v] for v in tab.scope]) if tab.scope
+             else np.zeros(len(tab.t), dtype=np.int64))
+    sel = _pareto(group, tab.t, tab.m)
+    return _Table(tab.scope, tab.key[sel], tab.t[sel], tab.m[sel], tab.elim, tab.choice[sel], tab.placed)
+
+
+def _frontier(red: Reduced, nbr, local: list[int], sigma: list[int], tau: list[int], cap: int):
+    """Pareto sets of one block keyed by (sigma state, tau state), both flattened (row-major over the
+    boundary nodes' strategy counts), by variable elimination over Pareto-set factors (greedy order:
+    the node whose factors join into the smallest table first). Returns (sigma_idx, tau_idx, time_s,
+    bytes, choice) where choice[i, j] is the position (in red.keep) of ``local[j]``. ``cap``: the
+    most bytes the block's nodes may take (budget minus the least the other blocks take)."""
+    size = {n: len(red.cost[n]) for n in sigma + local}
+    min_of = {n: int(red.mem[n].min()) for n in local}
+    total_min = sum(min_of.values())
+    inside = set(local) | set(sigma)
+    ar = lambda n: np.arange(size[n])[:, None]
+    tables = [_Table([s], ar(s), np.zeros(size[s]), np.zeros(size[s], dtype=np.int64)) for s in sigma]
+    tables += [_Table([n], ar(n), red.cost[n].copy(), red.mem[n].copy(), placed={n}) for n in local]
+    for n in local:
+        for u, r in nbr.get(n, {}).items():          # r: rows u, columns n; each edge once
+            if u in inside and (u in sigma or local.index(u) < local.index(n)):
+                key = np.array(np.unravel_index(np.arange(r.size), r.shape)).T
+                tables.append(_Table([u, n], key, r.ravel().copy(), np.zeros(r.size, dtype=np.int64)))
+    join = lambda a, b: _join(a, b, size, cap, min_of, total_min)
+    todo = [n for n in local if n not in tau]
+    while todo:
+        def width(v):
+            scope = {u for tab in tables if v in tab.scope for u in tab.scope}
+            return int(np.prod([size[u] for u in scope], dtype=np.int64)), local.index(v)
+        v = min(todo, key=width)
+        todo.remove(v)
+        mine = [tab for tab in tables if v in tab.scope]
+        tables = [tab for tab in tables if v not in tab.scope]
+        acc = mine[0]
+        for tab in mine[1:]:
+            acc = join(acc, tab)
+        j = acc.scope.index(v)                         # v leaves the key for the choice
+        rest = [i for i in range(len(acc.scope)) if i != j]
+        tables.append(_prune(_Table([acc.scope[i] for i in rest], acc.key[:, rest], acc.t, acc.m, acc.elim + [v],
+                                    np.column_stack([acc.choice, acc.key[:, j]]), acc.placed), size))
+    acc = _Table([], np.zeros((1, 0), dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64))
+    for tab in tables:
+        acc = join(acc, tab)
+    col = lambda nodes: (np.ravel_multi_index(acc.key[:, [acc.scope.index(u) for u in nodes]].T, [size[u] for u in nodes])
+                         if nodes else np.zeros(len(acc.t), dtype=np.int64))
+    choice = np.column_stack([acc.choice, acc.key])
+    names = acc.elim + acc.scope
+    return col(sigma), col(tau), acc.t, acc.m, choice[:, [names.index(n) for n in local]]
+
+
+def _scalar(fronts, nstate: list[int], lam: float):
+    """min sum(time + lam * bytes) over the chain of frontiers (one point per block, states matching):
+    returns (that minimum, h, time, bytes of the minimiser) with h[b][tau] the minimum over blocks
+    b+1.. given block b's out-state tau."""
+    mats, picks = [], []
+    for b, (f_sig, f_tau, f_t, f_m, _) in enumerate(fronts):
+        n_sig, n_tau = (nstate[b - 1] if b else 1), nstate[b]
+        w, flat = f_t + lam * f_m, f_sig * n_tau + f_tau
+        order = np.lexsort((w, flat))
+        first = order[np.r_[True, flat[order][1:] != flat[order][:-1]]]     # per (sigma, tau) its best point
+        mat, pick = np.full(n_sig * n_tau, np.inf), np.zeros(n_sig * n_tau, dtype=np.int64)
+        mat[flat[first]], pick[flat[first]] = w[first], first
+        mats.append(mat.reshape(n_sig, n_tau))
+        picks.append(pick.reshape(n_sig, n_tau))
+    h = [np.zeros(nstate[-1])]
+    for mat in mats[:0:-1]:
+        h.insert(0, (mat + h[0][None, :]).min(axis=1))
+    f, args = mats[0][0], []
+    for mat in mats[1:]:
+        tot = f[:, None] + mat
+        args.append(tot.argmin(axis=0))
+        f = tot.min(axis=0)
+    tau = int(np.argmin(f))
+    t = m = 0
+    for b in range(len(fronts) - 1, -1, -1):
+        sig = int(args[b - 1][tau]) if b else 0
+        point = picks[b][sig, tau]
+        t, m = t + fronts[b][2][point], m + int(fronts[b][3][point])
+        tau = sig
+    return float(f.min()), h, float(t), m
+
+
+def _lagrange(fronts, nstate: list[int], rhs: int):
+    """Lagrangian bounds for the chain DP: for any lam >= 0 and any completion that fits,
+    time >= (time + lam * bytes) - lam * (bytes left), so a label (tau, t, m) of block b can lead to
+    no better total than t + lam * (m - rhs) + h_lam[b][tau]; lam = 0 gives t + h_0[b][tau].
+    lam* (the best such bound, the dual optimum) is found by the breakpoint iteration: the lam at
+    which the last infeasible and the last feasible minimisers tie; a minimiser no better than that
+    tie proves lam optimal (the dual is concave piecewise linear). Every minimiser that fits is a
+    solution: the fastest is the incumbent. Returns (lam, h_lam, h_0, lower bound, incumbent), times
+    in s."""
+    _, h_0, t_lo, m_lo = _scalar(fronts, nstate, 0.0)
+    if m_lo <= rhs:
+        return 0.0, h_0, h_0, t_lo, t_lo
+    spread = sum(float(f[2].max() - f[2].min()) for f in fronts if len(f[2]))
+    lam = spread + 1.0                        # one byte outweighs every time difference: least bytes
+    val, h, t_hi, m_hi = _scalar(fronts, nstate, lam)
+    best = (val - lam * rhs, lam, h)
+    ub = t_hi
+    for _ in range(100):
+        lam = (t_hi - t_lo) / (m_lo - m_hi)
+        val, h, t, m = _scalar(fronts, nstate, lam)
+        if val - lam * rhs > best[0]:
+            best = (val - lam * rhs, lam, h)
+        if val >= t_lo + lam * m_lo - 1e-12 * (abs(t_lo) + lam * m_lo):
+            break                                 # nothing beats the tie: lam is the dual optimum
+        if m <= rhs:
+            t_hi, m_hi, ub = t, m, min(ub, t)
+        else:
+            t_lo, m_lo = t, m
+    return best[1], best[2], h_0, best[0], ub
+
+
+def _chain(fronts, rhs: int, bmin: list[int], bounds, theta: float):
+    """The chain DP keeping only labels whose bound is <= theta. Labels (state, time, bytes);
+    back[b] = (label of block b-1, frontier point of block b) per label. Returns (time of the best
+    final label, index of it, back); (inf, -1, back) when no label survives."""
+    lam, h_lam, h_0 = bounds
+    state, t, m = np.zeros(1, dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64)
+    back = []
+    rest = sum(bmin)
+    for b, (f_sig, f_tau, f_t, f_m, _) in enumerate(fronts):
+        rest -= bmin[b]
+        if t.size == 0:
+            return np.inf, -1, back
+        li, fi = [], []
+        for s in np.unique(state):          # join on the boundary state, sorted: deterministic
+            a, c = np.nonzero(state == s)[0], np.nonzero(f_sig == s)[0]
+            li.append(np.repeat(a, len(c)))
+            fi.append(np.tile(c, len(a)))
+        li, fi = np.concatenate(li), np.concatenate(fi)
+        tc, mc, tau = t[li] + f_t[fi], m[li] + f_m[fi], f_tau[fi]
+        # Drop labels with no completion that fits (bytes) or none at or under theta (time).
+        ok = (mc + rest <= rhs) & (tc + h_0[b][tau] <= theta) & (tc + lam * (mc - rhs) + h_lam[b][tau] <= theta)
+        ok = np.nonzero(ok)[0]
+        sel = ok[_pareto(tau[ok], tc[ok], mc[ok])]
+        state, t, m = tau[sel], tc[sel], mc[sel]
+        back.append((li[sel], fi[sel]))
+    if t.size == 0:
+        return np.inf, -1, back
+    at = int(np.argmin(t))
+    return float(t[at]), at, back
+
+
+def _signature(red: Reduced, nbr, local, sigma, tau) -> bytes:
+    """Everything the block's frontier depends on, in block-local positions."""
+    pos = {n: i for i, n in enumerate(sigma)} | {n: len(sigma) + i for i, n in enumerate(local)}
+    parts = [repr((len(sigma), len(local), [pos[n] for n in tau], [len(red.cost[n]) for n in sigma])).encode()]
+    for n in local:
+        parts += [red.cost[n].tobytes(), red.mem[n].tobytes()]
+        for u in sorted(nbr.get(n, {}), key=lambda x: pos.get(x, -1)):
+            if u in pos and pos[u] < pos[n]:
+                parts += [repr((pos[u], pos[n])).encode(), nbr[n][u].tobytes()]
+    return b"|".join(parts)
+
+
+#: frontiers across calls: signature -> (cap, frontier). MAP §5.3 solves one graph at up to 11
+#: budgets; a block's frontier at a smaller cap is the larger cap's filtered to bytes <= cap (a
+#: point Pareto-optimal among all combinations stays so among those under the cap, and one optimal
+#: under the cap cannot be dominated by a combination that uses fewer bytes), so it is computed once.
+_FRONTIERS: dict[bytes, tuple[int, tuple]] = {}
+_FRONTIERS_MAX = 64
+
+
+def _cached_frontier(sig: bytes, red, nbr, blk, sigma, tau, cap: int):
+    hit = _FRONTIERS.get(sig)
+    if hit is not None and hit[0] >= cap:
+        keep = np.nonzero(hit[1][3] <= cap)[0]
+        return tuple(a[keep] for a in hit[1])
+    front = _frontier(red, nbr, blk, sigma, tau, cap)
+    if len(_FRONTIERS) >= _FRONTIERS_MAX:
+        _FRONTIERS.pop(next(iter(_FRONTIERS)))
+    _FRONTIERS[sig] = (cap, front)
+    return front
+
+
+def solve_blocks(problem: IlpProblem) -> IlpSolution:
+    """Eq. (1) on ``problem.blocks`` (see the module doc). Same contract as map_ilp.solve: the choice
+    per node in original strategy indices, its time (s) and bytes recomputed from the input; status
+    "optimal" or "infeasible" (then the smallest-memory choice, as solve reports it)."""
+    if problem.blocks is None:
+        raise ValueError("solve_blocks needs problem.blocks")
+    min_choice = min_memory_choice(problem)
+    t_min, min_mem = evaluate(problem, min_choice)
+    if min_mem > problem.budget_bytes:
+        return IlpSolution(min_choice, t_min, min_mem, "infeasible", min_mem)
+    red = Reduced(problem)
+    q = problem.memory_quantum_bytes
+    if q > 0:   # nodes at q/16: a block of <= 16 free nodes is off by < q before its own rounding
+        qn = max(q // 16, 1)
+        red.mem = {n: -(-m // qn) * qn for n, m in red.mem.items()} if isinstance(red.mem, dict) else \
+            [-(-m // qn) * qn for m in red.mem]
+    nbr = _neighbours(red)
+    rhs = problem.budget_bytes - sum(int(red.mem[n][0]) for n in red.fixed)
+    blocks = [[n for n in blk if n not in red.fixed] for blk in problem.blocks]
+    block_of = {n: b for b, blk in enumerate(blocks) for n in blk}
+    taus = [[n for n in blk if any(block_of.get(u) == b + 1 for u in nbr.get(n, {}))]
+            for b, blk in enumerate(blocks)]
+    nstate = [int(np.prod([len(red.cost[n]) for n in tau], dtype=np.int64)) for tau in taus]
+    for b, k in enumerate(nstate):
+        if k > MAX_STATES:
+            raise ValueError(f"block {b}: its out-boundary {[problem.nodes[n].name for n in taus[b]]} has {k} "
+                             f"strategy combinations (> {MAX_STATES}); cut the chain where one node links the blocks")
+    bmin = [sum(int(red.mem[n].min()) for n in blk) for blk in blocks]
+    total_min = sum(bmin)
+    cache: dict[bytes, tuple] = {}
+    fronts = []
+    for b, blk in enumerate(blocks):
+        sigma = taus[b - 1] if b else []
+        cap = rhs - (total_min - bmin[b])
+        sig = _signature(red, nbr, blk, sigma, taus[b])
+        if sig not in cache:
+            cache[sig] = _cached_frontier(sig, red, nbr, blk, sigma, taus[b], cap)
+        fronts.append(cache[sig])
+    if q > 0:   # round each frontier point's bytes up (see IlpProblem.memory_quantum_bytes)
+        fronts = [(f[0], f[1], f[2], -(-f[3] // q) * q, f[4]) for f in fronts]
+        if any(len(f[2]) == 0 for f in fronts) or sum(int(f[3].min()) for f in fronts) > rhs:
+            # rounding up made a (barely) feasible budget infeasible: solve it exactly
+            return solve_blocks(dataclasses.replace(problem, memory_quantum_bytes=0))
+    lam, h_lam, h_0, lb, ub = _lagrange(fronts, nstate, rhs)
+    tol = 1e-9 * (abs(ub) + lam * rhs + 1e-12)      # far above float noise, far below any real difference
+    # Fewer labels survive a lower threshold; a run whose best label is <= its threshold kept every
+    # label of the optimum (their bounds are <= the optimum <= that label), so it is exact. The last
+    # threshold is the incumbent's time, which the incumbent's own labels (or ones dominating them)
+    # always meet.
+    for frac in (1 / 16, 1 / 4, 1.0):
+        theta = lb + frac * (ub - lb) + tol
+        best, at, back = _chain(fronts, rhs, bmin, (lam, h_lam, h_0), theta)
+        if best <= theta:
+            break
+    if at < 0 and q > 0:
+        return solve_blocks(dataclasses.replace(problem, memory_quantum_bytes=0))
+    if at < 0:       # cannot happen: the incumbent's labels meet the last threshold
+        raise AssertionError("block DP lost every label although a solution fits")
+    choice = list(range(len(problem.nodes)))
+    for n in red.fixed:
+        choice[n] = int(red.keep[n][0])
+    for b in range(len(blocks) - 1, -1, -1):
+        prev, point = back[b][0][at], back[b][1][at]
+        for n, p in zip(blocks[b], fronts[b][4][point]):
+            choice[n] = int(red.keep[n][p])
+        at = int(prev)
+    tt, mm = evaluate(problem, tuple(choice))
+    return IlpSolution(tuple(choice), tt, mm, "optimal", min_mem, tt)

@@ -1,0 +1,379 @@
+"""policy=map: MAP's intra-operator parallelism under a memory budget (Liu et al., MAP §5).
+
+Per stage (the whole machine by default; ``policy.pp`` > 1 cuts a balanced pipeline first and
+each stage's devices form its own mesh, so MAP is an intra-stage policy):
+
+1. the mesh: ``policy.mesh``, or the cluster detector on the hardware's links (§4.2,
+   planners.map.cluster), folded to two axes (the fastest kept, the slower ones joined) because
+   the strategy count grows with the axes and MAP §7 plans on 2-D meshes;
+2. eq. 1's ILP over every operator group of every layer (specs.op_graph, traced from the real
+   modules): per strategy its compute + collectives (simulator.sharded prices both, so the
+   simulator times exactly what the ILP chose), per edge the layout conversion both ways
+   (Algorithm 1, costs.map_layout), per strategy the bytes it keeps (saved activations and
+   parameter state); ``blocks`` = the layers, so planners.map.blocks solves it exactly;
+3. §5.3: the ILP at budgets B(1+alpha)^k, each solution's layer chain checkpointed by rotor
+   (§5.2, planners.map.rotor) within the real budget B; the fastest ILP time + recomputation wins;
+4. the plan is simulated; if the simulator's peak (which also counts what the ILP's sum leaves
+   out: a tied weight read in two layouts, conversion buffers, the gradient in flight) exceeds
+   B, the solve is repeated with the internal budget scaled down by the overshoot (at most
+   ``policy.refine`` times). Below the smallest feasible budget the answer is an honest "does not
+   fit" with that minimum and the minimum-memory plan.
+Pure: no I/O (the caller writes the report).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from planners.layout import PlanningError
+from planners.map.cluster import mesh_from_hardware
+from planners.map.problem import IlpEdge, IlpNode, IlpProblem, IlpSolution
+from costs.map_layout import convert
+from costs.rotor import INF, Chain
+from planners.map.rotor import integrate, min_feasible_budget
+from planners.map.rotor import solve as solve_rotor
+from costs.map_strategies import Strategy, strategies
+from simulator.sharded import act_dtype_bytes, node_compute_s, stage_chain, stage_mesh
+from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
+from specs.plan import CheckpointSegment, LayerSharding, NodeSharding, Plan, ScheduleSpec, StagePlan
+from specs.sharding import Mesh, ShardingSpec
+from specs.training import TrainingSpec
+
+GIB = 1 << 30
+#: the block DP rounds each layer's bytes up to budget / QUANTA (planners.map.ilp.IlpProblem):
+#: at most layers / QUANTA of the budget is given away (34 layers: 0.8 %)
+QUANTA = 1024
+
+
+@dataclass
+class StageChoice:
+    stage: int
+    layers: tuple[int, int]
+    devices: tuple[int, ...]
+    mesh: tuple[int, ...]
+    ilp_time_s: float = INF          # eq. 1's objective per microbatch (fwd + bwd + comm)
+    recompute_s: float = 0.0         # rotor's recomputation per microbatch
+    budget_k: int | None = None      # §5.3's winning exponent
+    strategies: int = 0              # candidate strategies over all nodes
+    nodes: int = 0
+    solve_s: float = 0.0             # wall time of ILP + rotor for this stage
+    min_budget_bytes: int = 0        # the smallest budget any strategy choice + rotor accepts
+    tried: list = field(default_factory=list)
+
+
+@dataclass
+class MapOutcome:
+    plan: Plan
+    fits: bool
+    budget_bytes: int
+    stages: list[StageChoice]
+    peak_bytes: list[int]            # simulated per-device peak of the final plan
+    iteration_s: float
+    rounds: list[dict]
+    notes: list[str]
+
+
+def _fold(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Detected axes slowest first; keep the fastest, join the rest (row-major order is kept)."""
+    return shape if len(shape) <= 2 else (math.prod(shape[:-1]), shape[-1])
+
+
+def choose_mesh(mesh: list[int] | None, hardware: HardwareSpec, devices: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(mesh shape, devices in row-major mesh order)."""
+    if mesh:
+        if math.prod(mesh) != len(devices):
+            raise PlanningError(f"policy.mesh: {mesh} has {math.prod(mesh)} devices, the stage {len(devices)}")
+        return tuple(mesh), devices
+    if len(devices) == 1:
+        return (1,), devices
+    found = mesh_from_hardware(hardware, devices)
+    return _fold(tuple(found.shape)), tuple(found.devices)
+
+
+class _StageModel:
+    """The ILP of one stage: candidate strategies per (layer, node), the edge matrices, and the
+    mapping back to a plan. Identical layers share graphs, so candidates and matrices are computed
+    once per graph (the cache keys are the graph keys)."""
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, layers: range,
+                 devices: tuple[int, ...], shape: tuple[int, ...], constrain: str = "all") -> None:
+        self.constrain = constrain
+        self.quantum_of = 0          # the budget the memory quantum derives from (0: each problem's own)
+        self.model, self.hardware, self.layers, self.devices, self.shape = model, hardware, layers, devices, shape
+        self.mesh: Mesh = stage_mesh(hardware, devices, shape)
+        self.dtype = training.precision.value
+        self.bpp = float(sum(training.bytes_per_param()))
+        self.graphs = [model.op_graphs[model.layers[l].op_graph] for l in layers]
+        self.training = training
+        self._cands: dict[tuple[str, str], list[Strategy]] = {}
+        self.nodes: list[tuple[int, str]] = []       # (layer, node name) per ILP node
+        for l, g in zip(layers, self.graphs):
+            for n in g.nodes:
+                self.nodes.append((l, n.name))
+        self.index = {key: i for i, key in enumerate(self.nodes)}
+        self._unary = self._edges = None
+
+    def cands(self, layer: int, name: str) -> list[Strategy]:
+        key = (self.model.layers[layer].op_graph, name)
+        hit = self._cands.get(key)
+        if hit is None:
+            graph = self.model.op_graphs[key[0]]
+            hit = self._cands[key] = strategies(graph.node(name), self.mesh, act_dtype_bytes(graph), self.bpp)
+        return hit
+
+    def _conv_s(self, src: ShardingSpec, dst: ShardingSpec, shape, db) -> float:
+        if src == dst or src.ndim != dst.ndim:
+            return 0.0
+        return convert(src, dst, tuple(shape), db, self.mesh).cost_s + convert(dst, src, tuple(shape), db, self.mesh).cost_s
+
+    def build(self) -> None:
+        """Node costs (compute + collectives + conversions from fixed layouts: the stage input and
+        batch fields arrive replicated, the stage output leaves replicated) and edges."""
+        unary: list[list[float]] = []
+        edges: dict[tuple[int, int], list[list[float]]] = {}
+        last = len(self.layers) - 1
+        mat_cache: dict[tuple, list[list[float]]] = {}
+        for li, (l, g) in enumerate(zip(self.layers, self.graphs)):
+            key = self.model.layers[l].op_graph
+            names = {n.name for n in g.nodes}
+            for n in g.nodes:
+                cands = self.cands(l, n.name)
+                cost = []
+                for s in cands:
+                    f, b = node_compute_s(n, s, self.mesh, self.hardware, self.dtype)
+                    c = f + b + s.u_fcomm + s.u_bcomm
+                    for k, (src, shape, db) in enumerate(zip(n.inputs, n.input_shapes, n.input_dtype_bytes)):
+                        fixed = src not in names and not (src == "x" and li > 0)
+                        if fixed:  # a batch field, or the stage's input: replicated
+                            c += self._conv_s(ShardingSpec.replicated(len(shape)), s.input_specs[k], shape, db)
+                    if li == last and n.name == g.outputs[0] and n.output_shapes:
+                        c += self._conv_s(s.output_spec, ShardingSpec.replicated(len(n.output_shapes[0])),
+                                          n.output_shapes[0], n.output_dtype_bytes[0])
+                    cost.append(c)
+                unary.append(cost)
+                v = self.index[(l, n.name)]
+                for k, (src, shape, db) in enumerate(zip(n.inputs, n.input_shapes, n.input_dtype_bytes)):
+                    if src in names:
+                        u, su = self.index[(l, src)], self.cands(l, src)
+                        ck = (key, src, n.name, k)
+                    elif src == "x" and li > 0:
+                        prev = self.graphs[li - 1]
+                        u, su = self.index[(l - 1, prev.outputs[0])], self.cands(l - 1, prev.outputs[0])
+                        ck = (self.model.layers[l - 1].op_graph, "->", key, n.name, k)
+                    else:
+                        continue
+                    mat = mat_cache.get(ck)
+                    if mat is None:
+                        mat = mat_cache[ck] = [[self._conv_s(a.output_spec, b.input_specs[k], shape, db) for b in cands]
+                                               for a in su]
+                    if (u, v) in edges:  # parallel edges (q, k, v read one tensor) add up
+                        old = edges[(u, v)]
+                        edges[(u, v)] = [[x + y for x, y in zip(r0, r1)] for r0, r1 in zip(old, mat)]
+                    else:
+                        edges[(u, v)] = mat
+        self._unary, self._edges = unary, edges
+
+    def problem(self, budget_bytes: int) -> IlpProblem:
+        nodes = tuple(IlpNode(f"L{l}.{name}", tuple(self._unary[i]), tuple(self.memory(l, name)))
+                      for i, (l, name) in enumerate(self.nodes))
+        edges = tuple(IlpEdge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in self._edges.items())
+        blocks, at = [], 0
+        for g in self.graphs:
+            blocks.append(tuple(range(at, at + len(g.nodes))))
+            at += len(g.nodes)
+        budget = max(int(budget_bytes), 1)
+        # one quantum for every budget §5.3 tries (the block DP then reuses its frontiers)
+        quantum = (self.quantum_of or budget) // QUANTA
+        return IlpProblem(nodes, edges, budget, tuple(blocks), memory_quantum_bytes=quantum)
+
+    def memory(self, layer: int, name: str) -> list[int]:
+        """Bytes per candidate that eq. 1's budget row counts: everything the strategy keeps (MAP),
+        or (``constrain == "params"``) its parameter state only, as autoparallel / ColossalAI bound."""
+        cands = self.cands(layer, name)
+        if self.constrain == "all":
+            return [int(math.ceil(s.memory_bytes)) for s in cands]
+        node = self.model.op_graphs[self.model.layers[layer].op_graph].node(name)
+        return [int(math.ceil(sum(sp.local_numel(tuple(p.shape), self.shape) for p, sp in zip(node.params, s.param_specs))
+                              * self.bpp)) for s in cands]
+
+    def shardings(self, choice: tuple[int, ...]) -> list[LayerSharding]:
+        out, at = [], 0
+        for l, g in zip(self.layers, self.graphs):
+            nodes = []
+            for n in g.nodes:
+                s = self.cands(l, n.name)[choice[at]]
+                at += 1
+                nodes.append(NodeSharding(node=n.name, inputs=[str(x) for x in s.input_specs],
+                                          params={p.name: str(x) for p, x in zip(n.params, s.param_specs)},
+                                          output=str(s.output_spec)))
+            out.append(LayerSharding(layer=l, mesh=list(self.shape), nodes=nodes))
+        return out
+
+    def chain(self, sol: IlpSolution) -> Chain:
+        return self.chain_of_shardings(self.shardings(sol.choice))
+
+    def chain_of_shardings(self, shardings: list[LayerSharding]) -> Chain:
+        return stage_chain(self.model, self.hardware, self.training, self.layers, self.mesh,
+                           {sh.layer: sh for sh in shardings})[1]
+
+
+def _segments(segs, start: int) -> list[CheckpointSegment]:
+    return [CheckpointSegment(start=g.start + start, stop=g.stop + start, checkpointed=g.checkpointed,
+                              children=_segments(g.children, start)) for g in segs]
+
+
+def _solve_stage(sm: _StageModel, budget_bytes: int, policy, choice: StageChoice,
+                 progress=None) -> tuple[list[LayerSharding], list[CheckpointSegment]]:
+    """§5.3 at ``budget_bytes``; when nothing fits, the minimum-memory choice and its minimum budget."""
+    t0 = time.perf_counter()
+    choice.min_budget_bytes = 0
+    if policy.constrain == "params":  # the baselines' bound: eq. 1 alone, parameter state only, no rotor
+        from planners.map.ilp import solve as solve_ilp
+
+        sol = solve_ilp(sm.problem(budget_bytes), time_limit_s=policy.ilp_time_limit_s)
+        choice.solve_s += time.perf_counter() - t0
+        if sol.status == "infeasible":
+            choice.min_budget_bytes = sol.min_memory_bytes
+        choice.ilp_time_s = sol.time_s
+        return sm.shardings(sol.choice), []
+    sm.quantum_of = budget_bytes
+    res = integrate(sm.problem, sm.chain, budget_bytes, alpha=policy.alpha, n=policy.budgets,
+                    memory_slots=policy.memory_slots, ilp_time_limit_s=policy.ilp_time_limit_s, progress=progress)
+    choice.solve_s += time.perf_counter() - t0
+    choice.tried = [{"k": k, "ilp_budget_bytes": b, "total_s": (t if math.isfinite(t) else None)} for k, b, t in res.tried]
+    if res.ilp is not None and res.rotor is not None and math.isfinite(res.total_s):
+        choice.ilp_time_s, choice.recompute_s, choice.budget_k = res.ilp.time_s, res.rotor.recompute_s, res.k
+        return sm.shardings(res.ilp.choice), _segments(res.rotor.segments, sm.layers.start)
+    # §5.3's budgets all failed (its ILP counts every activation, so near the minimum no inflated
+    # budget leaves rotor room): the least-memory strategies, checkpointed by rotor within B if it can
+    tiny = sm.problem(1)
+    low = tuple(min(range(len(nd.memory_bytes)), key=lambda i: (nd.memory_bytes[i], nd.costs_s[i])) for nd in tiny.nodes)
+    shard = sm.shardings(low)
+    chain = sm.chain_of_shardings(shard)
+    choice.ilp_time_s = sum(chain.t_fwd(l) + chain.t_bwd(l) for l in range(len(chain)))
+    rot = solve_rotor(chain, budget_bytes, policy.memory_slots, find_min=False)
+    if rot.feasible:
+        choice.recompute_s = rot.recompute_s
+        choice.tried.append({"k": None, "ilp_budget_bytes": None, "total_s": choice.ilp_time_s + rot.recompute_s,
+                             "note": "least-memory strategies"})
+        return shard, _segments(rot.segments, sm.layers.start)
+    need = min_feasible_budget(chain, policy.memory_slots, lower_bytes=budget_bytes)
+    choice.min_budget_bytes = need
+    rot = solve_rotor(chain, need, policy.memory_slots, find_min=False)
+    choice.recompute_s = rot.recompute_s if rot.feasible else 0.0
+    return shard, _segments(rot.segments, sm.layers.start) if rot.feasible else []
+
+
+def _stage_ranges(model: ModelSpec, pp: int) -> list[range]:
+    """Contiguous stages balancing forward FLOPs (as policy=balanced)."""
+    from planners.baselines.partition import balanced_split
+
+    sizes = balanced_split([layer.fwd_flops_per_sample for layer in model.layers], pp)
+    out, at = [], 0
+    for n in sizes:
+        out.append(range(at, at + n))
+        at += n
+    return out
+
+
+def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
+               schedule: ScheduleSpec, progress=None) -> MapOutcome:
+    from simulator import simulate
+
+    if not model.op_graphs or any(l.op_graph is None for l in model.layers):
+        raise PlanningError("policy=map needs the model's operator graphs (ModelSpec.op_graphs); the run attaches "
+                            "them for policy=map (model_costs.with_op_graphs)")
+    n_dev = policy.devices or hardware.num_devices
+    if n_dev > hardware.num_devices:
+        raise PlanningError(f"policy.devices: {n_dev} exceeds {hardware.name}'s {hardware.num_devices} devices")
+    pp = policy.pp
+    if n_dev % pp:
+        raise PlanningError(f"policy.pp: {pp} does not divide the {n_dev} devices")
+    if pp > model.num_layers:
+        raise PlanningError(f"policy.pp: {pp} stages for {model.name}'s {model.num_layers} layers; use at most "
+                            f"{model.num_layers}")
+    per = n_dev // pp
+    budget = int(policy.memory_budget_gib * GIB) if policy.memory_budget_gib is not None else hardware.device.memory_bytes
+    ranges = _stage_ranges(model, pp) if pp > 1 else [range(0, model.num_layers)]
+    models, choices = [], []
+    for s, r in enumerate(ranges):
+        devs = tuple(range(s * per, (s + 1) * per))
+        shape, order = choose_mesh(policy.mesh, hardware, devs)
+        sm = _StageModel(model, hardware, training, r, order, shape, policy.constrain)
+        sm.build()
+        models.append(sm)
+        choices.append(StageChoice(stage=s, layers=(r.start, r.stop), devices=order, mesh=shape,
+                                   nodes=len(sm.nodes), strategies=sum(len(x) for x in sm._unary)))
+    rounds, notes = [], []
+    target = budget
+    best = None
+    for rnd in range(policy.refine + 1):
+        stages = []
+        for sm, ch in zip(models, choices):
+            done = (rnd * len(models) + ch.stage) * policy.budgets
+            total = (policy.refine + 1) * len(models) * policy.budgets
+            step = (lambda k, n, done=done, total=total: progress(done + k, total)) if progress is not None else None
+            shard, segs = _solve_stage(sm, target, policy, ch, step)
+            stages.append(StagePlan(layer_start=sm.layers.start, layer_stop=sm.layers.stop, devices=list(sm.devices),
+                                    dp=1, tp=len(sm.devices), sharding=shard, checkpoint=segs))
+        plan = Plan(planner="map", model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
+                    training=training,
+                    schedule=schedule, stages=stages)
+        sim = simulate(plan, model, hardware).result
+        peaks = [d.peak_bytes for d in sim.devices]
+        peak = max(peaks)
+        solved = all(c.min_budget_bytes == 0 for c in choices)
+        rounds.append({"internal_budget_bytes": target, "simulated_peak_bytes": peak,
+                       "iteration_s": sim.iteration_time_s, "solved": solved})
+        best = (plan, peaks, sim.iteration_time_s, solved and peak <= budget)
+        if not solved or peak <= budget or policy.constrain == "params":
+            break
+        # the simulator counts bytes eq. 1's sum does not (see the module doc): shrink and solve again
+        target = int(target * budget / peak * 0.995)
+        notes.append(f"round {rnd}: simulated peak {peak / GIB:.2f} GiB over the {budget / GIB:.2f} GiB budget; "
+                     f"solving again at {target / GIB:.2f} GiB")
+    plan, peaks, it_s, fits = best
+    if not fits:
+        need = max(c.min_budget_bytes for c in choices)
+        if need:
+            notes.append(f"does not fit: the smallest budget any strategy choice with checkpointing meets is "
+                         f"{need / GIB:.2f} GiB per device (asked {budget / GIB:.2f} GiB); the plan is the "
+                         "minimum-memory one")
+        else:
+            notes.append(f"does not fit: after {policy.refine} refinements the simulated peak "
+                         f"{max(peaks) / GIB:.2f} GiB still exceeds {budget / GIB:.2f} GiB")
+    return MapOutcome(plan, fits, budget, choices, peaks, it_s, rounds, notes)
+
+
+def plan_map(policy, model, hardware, training, schedule) -> Plan:
+    return map_search(policy, model, hardware, training, schedule).plan
+
+
+def report(outcome: MapOutcome) -> dict:
+    return {
+        "fits": outcome.fits, "budget_bytes": outcome.budget_bytes, "simulated_peak_bytes": outcome.peak_bytes,
+        "iteration_s": outcome.iteration_s, "rounds": outcome.rounds, "notes": outcome.notes,
+        "stages": [{**{k: v for k, v in c.__dict__.items() if k != "tried"},
+                    "ilp_time_s": c.ilp_time_s if math.isfinite(c.ilp_time_s) else None,
+                    "tried": c.tried} for c in outcome.stages],
+    }
+
+
+def summary_lines(outcome: MapOutcome) -> list[str]:
+    lines = []
+    for c, st in zip(outcome.stages, outcome.plan.stages):
+        ck = [f"[{g.start},{g.stop})" for g in st.checkpoint if g.checkpointed]
+        lines.append(f"map stage {c.stage} (layers {c.layers[0]}..{c.layers[1] - 1}, devices {list(c.devices)}, mesh "
+                     f"{list(c.mesh)}): {c.nodes} operators, {c.strategies} strategies; solved in {c.solve_s:.2f} s; "
+                     f"per microbatch {c.ilp_time_s * 1e3:.2f} ms + recompute {max(c.recompute_s, 0.0) * 1e3:.2f} ms; "
+                     f"checkpointed {', '.join(ck) if ck else 'none'}")
+    lines.append(f"map: budget {outcome.budget_bytes / GIB:.2f} GiB per device; simulated peak "
+                 f"{max(outcome.peak_bytes) / GIB:.2f} GiB; iteration {outcome.iteration_s:.3f} s"
+                 f"{'' if outcome.fits else ' | DOES NOT FIT'}")
+    lines += outcome.notes
+    return lines
+
+
+__all__ = ["MapOutcome", "choose_mesh", "map_search", "plan_map", "report", "summary_lines"]

@@ -1,0 +1,365 @@
+"""STRONGHOLD (Sun et al., SC'22): a sliding GPU window of layers over host memory (and NVMe).
+
+The planner (§III-B–D, §III-G), pure:
+
+1. A compute-balanced pipeline of ``policy.pp`` stages, one device each (STRONGHOLD's A10 runs
+   are 8-way model parallel, §VI-A2; null: the fewest stages that fit, 1 on a single GPU),
+   layer-wise activation checkpointing (§V-D) unless ``policy.recompute`` says otherwise.
+2. Per stage, what stays resident (Fig. 3: the embedding and the head; a tied weight too, see
+   costs.window.default_resident), the rest is streamed through ``w`` device slots.
+3. The window (§III-D). The paper's P1/P2 ask for the smallest m whose compute hides the next
+   layer's transfer (1b, 2b), whose transfers of the whole window fit behind its compute (1d, 2d),
+   under the memory bound (1c, 2c). Here every candidate ``w`` is priced by walking the stage's
+   own pass sequence with the simulator's window mechanism (simulator/window.py, driven by plain
+   arithmetic, not simpy): the fetch of a layer ``w`` places ahead starts when a slot frees, in
+   FIFO order on the PCIe copy engine, and must land before the compute reaches it; that is
+   (1b)/(2b) per layer with (1d)/(2d)'s engine occupancy, for heterogeneous layers and the
+   forward/backward turns, exactly as the simulator then times it. ``w`` is the smallest window
+   with no stall after the iteration's first fetches (the cold start, which a resident first
+   window would hide at 3x a slot's bytes: optimizer state included) that fits device memory;
+   when none is stall-free, the largest that fits (§III-D: "the largest possible m").
+4. The CPU optimizer (eqs. 3–5): each streamed layer is stepped on the host's cores as soon as
+   its last gradient lands; what the step still waits for after the backward is the CPU
+   optimizer's excess over the backward (eq. 3 violated), reported.
+5. Host RAM and NVMe (§III-G): the streamed layers' state of every stage of a node must fit its
+   DRAM; if not, their optimizer state goes to NVMe (``policy.nvme``: auto/on/off), and the CPU
+   steps are then bounded by the drive's read + write.
+
+The report says per stage the window, the times behind it (per streamed layer: forward,
+backward, weight fetch, gradient copy, CPU step) and where the bottleneck is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planners.baselines.partition import plan_balanced
+from planners.layout import PlanningError
+from planners.policy import BalancedPolicy, StrongholdPolicy
+from planners.verdict import peaks
+from costs import window as win
+from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
+from specs.plan import OffloadPolicy, Plan, ScheduleKind, ScheduleSpec
+from specs.schedule import ActionKind, build_schedule
+from specs.training import TrainingSpec
+
+GIB = 1 << 30
+#: a window within this fraction of the best fitting window's time is on the plateau (Fig. 9):
+#: STRONGHOLD §V-D measures run-to-run variance "less than 3%", so a smaller gain is not measurable
+PLATEAU = 0.03
+
+
+@dataclass(frozen=True)
+class WindowPrice:
+    """One candidate window of one stage, as the window walk times it."""
+
+    window: int
+    peak_bytes: int           # the stage device's peak (analytic memory model = the simulator's)
+    fits: bool
+    stall_s: float            # compute waiting for a fetch, after the cold start
+    cold_stall_s: float       # the iteration's first forward waiting for its first fetches
+    cpu_wait_s: float         # the step waiting for the last CPU step / gradient copy (eq. 3)
+    time_s: float             # the stage's passes back to back, plus its step
+
+
+@dataclass
+class StageChoice:
+    stage: int
+    layers: tuple[int, int]
+    device: int
+    resident: list[int]
+    streamed: int
+    window: int
+    nvme: bool
+    prices: list[WindowPrice]
+    layer_times_s: dict[str, float]   # a typical streamed layer: fwd, bwd, fetch, grad copy, cpu step
+    bottleneck: str
+    why: str
+
+
+@dataclass
+class StrongholdOutcome:
+    plan: Plan
+    fits: bool
+    stages: list[StageChoice]
+    host_bytes_per_node: dict[int, int] = field(default_factory=dict)
+    nvme_bytes_per_node: dict[int, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_stronghold(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
+                    schedule: ScheduleSpec) -> Plan:
+    return stronghold_search(policy, model, hardware, training, schedule).plan
+
+
+def _base_plan(policy: StrongholdPolicy, model, hardware, training, schedule) -> Plan:
+    if schedule.kind is ScheduleKind.interleaved_1f1b or schedule.kind is ScheduleKind.pipedream_async:
+        raise PlanningError(f"schedule: policy=stronghold runs a window per stage under a flushing schedule "
+                            f"(1f1b or gpipe); {schedule.kind.value} is not supported")
+    pp = policy.pp
+    if pp > hardware.num_devices:
+        raise PlanningError(f"policy.pp: {pp} stages need {pp} devices; hardware {hardware.name!r} has "
+                            f"{hardware.num_devices}")
+    base = BalancedPolicy(pp=pp, dp=1, tp=1, recompute=policy.recompute)
+    # one stage per device and no data parallelism: a window with dp > 1 would need its host
+    # gradients all-reduced before each CPU step (not modelled); STRONGHOLD §VI-A2 is model parallel
+    plan = plan_balanced(base, model, hardware.model_copy(update={"nodes": 1, "devices_per_node": pp})
+                         if pp < hardware.num_devices else hardware, training, schedule)
+    return plan.model_copy(update={"planner": "stronghold", "hardware": hardware.name,
+                                   "num_devices": hardware.num_devices})
+
+
+def _with_window(plan: Plan, s: int, w: int | None, resident: list[int], nvme: bool) -> Plan:
+    stages = list(plan.stages)
+    offload = OffloadPolicy() if w is None else OffloadPolicy(window_layers=w, resident_layers=resident, nvme=nvme)
+    stages[s] = stages[s].model_copy(update={"offload": offload})
+    return plan.model_copy(update={"stages": stages})
+
+
+def _passes(plan: Plan, s: int) -> list[tuple[str, int]]:
+    """Stage ``s``'s forwards and backwards in its device's schedule order."""
+    acts = build_schedule(plan)[plan.device_group_of(s)]
+    return [("F" if a.kind is ActionKind.forward else "B", a.microbatch) for a in acts
+            if a.stage == s and a.kind in (ActionKind.forward, ActionKind.backward)]
+
+
+def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=None,
+          peak: int | None = None) -> WindowPrice:
+    """Walk stage ``s``'s passes back to back with its window (simulator/window.py) and its memory.
+    ``base``: (stage costs, passes) of this stage with any window, from :func:`price_base`: only
+    the slot count differs between windows, so pricing many reuses them; ``peak``: its device
+    peak if known (:func:`_peak_of`)."""
+    from dataclasses import replace
+
+    from simulator.links import Links  # the planner borrows the simulator's mechanism (lazy: STYLE)
+    from simulator.window import Clock, WindowWalk, drive, resources, walk_passes
+
+    stage = plan.stages[s]
+    sc, passes = base if base is not None else price_base(plan, model, hardware, s)
+    sc = replace(sc, window=stage.offload.window_layers)
+    clock = Clock()
+    walk = WindowWalk(sc, Links(hardware), *resources(hardware, sc), plan.training.microbatches, clock)
+    walk_passes(walk, passes, clock)  # exact; the periodic middle is not re-walked
+    cpu_wait = drive(walk.step(), clock)
+    if peak is None:
+        peak = max(peaks(plan, model)[d] for d in stage.devices)
+    cold = walk.passes[0][2] if walk.passes else 0
+    return WindowPrice(window=stage.offload.window_layers, peak_bytes=peak,
+                       fits=peak <= hardware.device.memory_bytes, stall_s=(walk.stall_ns - cold) / 1e9,
+                       cold_stall_s=cold / 1e9, cpu_wait_s=cpu_wait / 1e9, time_s=clock.t / 1e9)
+
+
+def price_base(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int) -> tuple:
+    """What every window of stage ``s`` shares: its per-layer costs and its pass sequence."""
+    from simulator.stagecost import stage_cost
+
+    return stage_cost(plan, model, hardware, s, plan.stages[s]), _passes(plan, s)
+
+
+def _peak_of(plan, model, s, resident, nvme):
+    """w -> stage ``s``'s device peak. A window changes only static memory, by one slot's weights
+    and gradients per slot (costs.window.window_static), so the peak is linear in w: one
+    analytic evaluation serves every window (the simulator's peak agrees: a test checks each)."""
+    one = _with_window(plan, s, 1, resident, nvme)
+    p1 = max(peaks(one, model)[d] for d in plan.stages[s].devices)
+    w_b, g_b, _ = plan.training.bytes_per_param()
+    slot = win.slot_params(model, one.stages[s]) * (w_b + g_b)
+    return lambda w: p1 + (w - 1) * slot
+
+
+def _largest_fit(peak_of, capacity: int, hi: int) -> int:
+    """The largest window whose stage peak fits device memory; 0 if none."""
+    fitting = [w for w in range(1, hi + 1) if peak_of(w) <= capacity]
+    return fitting[-1] if fitting else 0
+
+
+def _layer_times(plan, model, hardware, s) -> dict[str, float]:
+    from simulator.stagecost import stage_cost
+
+    sc = stage_cost(plan, model, hardware, s, plan.stages[s])
+    streamed = [lc for lc in sc.layers if lc.streamed]
+    if not streamed:
+        return {}
+    lc = max(streamed, key=lambda x: x.fetch_ns)  # the largest streamed layer: the binding one
+    recompute = lc.recompute_ns if lc.action.value == "recompute" else 0
+    return {"layer": lc.layer, "fwd_s": lc.fwd_ns / 1e9, "bwd_s": (lc.bwd_ns + recompute) / 1e9,
+            "fetch_s": lc.fetch_ns / 1e9, "grad_copy_s": lc.grad_ns / 1e9, "cpu_step_s": lc.cpu_step_ns / 1e9}
+
+
+def _bottleneck(choice_price: WindowPrice | None, times: dict, nvme: bool) -> tuple[str, str]:
+    """(the bottleneck, why: every limit found, the binding one first)."""
+    if choice_price is None or not choice_price.fits:
+        return "device memory", "even one slot does not fit: the resident layers and activations exceed the device"
+    found = []
+    ms = {k: v * 1e3 for k, v in times.items() if k != "layer"}
+    if choice_price.stall_s > 0:
+        h2d = ms.get("fetch_s", 0) > min(ms.get("fwd_s", 0), ms.get("bwd_s", 0))
+        which = "PCIe h2d (weight fetches)" if h2d else "PCIe d2h (gradient copies)"
+        found.append(("pcie", choice_price.stall_s,
+                      f"{which}: per layer fetch {ms.get('fetch_s', 0):.1f} ms, gradient copy "
+                      f"{ms.get('grad_copy_s', 0):.1f} ms vs forward {ms.get('fwd_s', 0):.1f} ms, backward "
+                      f"{ms.get('bwd_s', 0):.1f} ms; no window that fits hides them ({choice_price.stall_s:.3f} s of "
+                      "stalls per iteration)"))
+    if choice_price.cpu_wait_s > 0:
+        drive = nvme and "NVMe" or "CPU optimizer"
+        found.append(("nvme" if nvme else "cpu optimizer", choice_price.cpu_wait_s,
+                      f"{drive}: the step waits {choice_price.cpu_wait_s:.3f} s after the backward for the CPU steps "
+                      f"(eq. 3: each must hide behind the compute after its gradients; per layer CPU step "
+                      f"{ms.get('cpu_step_s', 0):.1f} ms vs backward {ms.get('bwd_s', 0):.1f} ms)"))
+    if not found:
+        return "none", "transfers and CPU steps hidden behind compute"
+    found.sort(key=lambda x: -x[1])
+    return found[0][0], "; ".join(f[2] for f in found)
+
+
+def _host_tier(policy, model, plan, hardware, residents) -> tuple[dict, dict, dict, list[str]]:
+    """Which stages keep their optimizer state on NVMe, and the host/NVMe bytes per node (§III-G),
+    from the window's closed form (costs.window.window_static: what the simulator counts)."""
+    def tiers(s: int, nvme: bool) -> tuple[int, int]:  # (host RAM, NVMe) bytes of stage s
+        one = _with_window(plan, s, 1, residents[s], nvme)
+        return win.window_static(model, one, one.stages[s])[3:]
+
+    nodes: dict[int, list[int]] = {}
+    for s, st in enumerate(plan.stages):
+        nodes.setdefault(hardware.node_of(st.devices[0]), []).append(s)
+    nvme, host, drive_bytes, notes = {}, {}, {}, []
+    for node, stages in nodes.items():
+        ram = sum(tiers(s, False)[0] for s in stages)
+        use = policy.nvme == "on" or (policy.nvme == "auto" and ram > hardware.host.memory_bytes)
+        for s in stages:
+            nvme[s] = use
+        host[node] = sum(tiers(s, use)[0] for s in stages)
+        drive_bytes[node] = sum(tiers(s, use)[1] for s in stages)
+        if use and policy.nvme == "auto":
+            notes.append(f"node {node}: the streamed state needs {ram / GIB:.0f} GiB of host RAM, the node has "
+                         f"{hardware.host.memory_bytes / GIB:.0f} GiB: optimizer state to NVMe (§III-G)")
+    return nvme, host, drive_bytes, notes
+
+
+def stronghold_search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
+                      schedule: ScheduleSpec) -> StrongholdOutcome:
+    """``policy.pp`` null: the fewest stages that fit, from 1 up. STRONGHOLD's premise (§I, §VI-D2)
+    is that a window lets a model stay on fewer GPUs than model parallelism needs; devices beyond
+    those stay idle (a window with data parallelism is not modelled), and the outcome says so."""
+    if policy.pp is not None:
+        return _search(policy, model, hardware, training, schedule)
+    top = min(hardware.num_devices, model.num_layers)
+    outcome = None
+    for pp in range(1, top + 1):
+        try:
+            outcome = _search(policy.model_copy(update={"pp": pp}), model, hardware, training, schedule)
+        except PlanningError:
+            if pp == top and outcome is None:
+                raise
+            continue
+        if outcome.fits:
+            break
+    if outcome.fits and len(outcome.plan.stages) < hardware.num_devices:
+        outcome.notes.append(
+            f"uses {len(outcome.plan.stages)} of {hardware.num_devices} devices: the fewest pipeline stages that fit "
+            f"with a window; policy.pp={hardware.num_devices} pipelines the model over all of them")
+    return outcome
+
+
+def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
+            schedule: ScheduleSpec) -> StrongholdOutcome:
+    plan = _base_plan(policy, model, hardware, training, schedule)
+    residents = {s: win.default_resident(model, st) for s, st in enumerate(plan.stages)}
+    for s, st in enumerate(plan.stages):
+        if win.max_window(st, residents[s]) < 1:
+            raise PlanningError(f"stage {s} (layers {st.layer_start}..{st.layer_stop - 1}) holds only resident "
+                                "layers (embedding/head): nothing to stream; use fewer stages (policy.pp)")
+    nvme, host, drive_bytes, notes = _host_tier(policy, model, plan, hardware, residents)
+    fits = True
+    for node, nbytes in host.items():
+        if nbytes > hardware.host.memory_bytes:
+            fits = False
+            tier = ("even with the optimizer state on NVMe" if drive_bytes[node] else
+                    "(policy.nvme=off)" if policy.nvme == "off" else "")
+            notes.append(f"node {node}: host RAM short {tier} ({nbytes / GIB:.0f} GiB needed, the node has "
+                         f"{hardware.host.memory_bytes / GIB:.0f} GiB)".replace("  ", " "))
+        if drive_bytes[node] > hardware.host.nvme_bytes:
+            fits = False
+            notes.append(f"node {node}: the optimizer state needs {drive_bytes[node] / GIB:.0f} GiB of NVMe, the "
+                         f"node has {hardware.host.nvme_bytes / GIB:.0f} GiB")
+    choices = []
+    for s, st in enumerate(plan.stages):
+        n = win.max_window(st, residents[s])
+        if policy.window_layers is not None and policy.window_layers > n:
+            raise PlanningError(f"policy.window_layers: {policy.window_layers} is more than stage {s}'s {n} "
+                                f"streamed layers (layers {st.layer_start}..{st.layer_stop - 1} less the resident "
+                                f"{residents[s]})")
+        peak_of = _peak_of(plan, model, s, residents[s], nvme[s])
+        top = _largest_fit(peak_of, hardware.device.memory_bytes, n)
+        prices: list[WindowPrice] = []
+        chosen = None
+        base = price_base(_with_window(plan, s, 1, residents[s], nvme[s]), model, hardware, s)
+        if policy.window_layers is not None:
+            chosen = policy.window_layers
+            forced = _with_window(plan, s, chosen, residents[s], nvme[s])
+            prices.append(price(forced, model, hardware, s, base, peak_of(chosen)))
+        elif top:
+            for w in range(1, top + 1):  # smallest stall-free window that fits (P1, P2)
+                p = price(_with_window(plan, s, w, residents[s], nvme[s]), model, hardware, s, base, peak_of(w))
+                prices.append(p)
+                if p.stall_s == 0:
+                    chosen = w
+                    break
+            if chosen is None:
+                # none hides the transfers: §III-D takes the largest m that fits, but Fig. 9's
+                # plateau (past it "a larger window does not justify the gain ... but will increase
+                # the GPU memory pressure") argues for the smallest window within PLATEAU of it
+                best = min(p.time_s for p in prices)
+                chosen = next(p.window for p in prices if p.time_s <= best * (1 + PLATEAU))
+        else:
+            chosen = 1
+            prices.append(price(_with_window(plan, s, 1, residents[s], nvme[s]), model, hardware, s, base, peak_of(1)))
+        plan = _with_window(plan, s, chosen, residents[s], nvme[s])
+        final = next(p for p in prices if p.window == chosen)
+        fits = fits and final.fits
+        times = _layer_times(plan, model, hardware, s)
+        kind, why = _bottleneck(final, times, nvme[s])
+        if nvme[s] and kind == "none":
+            kind, why = "host ram", "host RAM too small for the streamed state: optimizer state on NVMe " + \
+                "(its reads and writes hidden behind the backward)"
+        choices.append(StageChoice(stage=s, layers=(st.layer_start, st.layer_stop), device=st.devices[0],
+                                   resident=residents[s], streamed=n, window=chosen, nvme=nvme[s], prices=prices,
+                                   layer_times_s=times, bottleneck=kind, why=why))
+    return StrongholdOutcome(plan=plan, fits=fits, stages=choices, host_bytes_per_node=host,
+                             nvme_bytes_per_node=drive_bytes, notes=notes)
+
+
+def report(outcome: StrongholdOutcome) -> dict:
+    """stronghold.json: per stage the window chosen, every window priced, the times and the bottleneck."""
+    return {
+        "fits": outcome.fits,
+        "host_bytes_per_node": {str(k): v for k, v in outcome.host_bytes_per_node.items()},
+        "nvme_bytes_per_node": {str(k): v for k, v in outcome.nvme_bytes_per_node.items()},
+        "notes": outcome.notes,
+        "stages": [{
+            "stage": c.stage, "layers": list(c.layers), "device": c.device, "resident_layers": c.resident,
+            "streamed_layers": c.streamed, "window_layers": c.window, "nvme": c.nvme,
+            "bottleneck": c.bottleneck, "why": c.why, "layer_times_s": c.layer_times_s,
+            "windows_priced": [p.__dict__ for p in c.prices],
+        } for c in outcome.stages],
+    }
+
+
+def summary_lines(outcome: StrongholdOutcome) -> list[str]:
+    lines = []
+    for c in outcome.stages:
+        p = next(x for x in c.prices if x.window == c.window)
+        t = c.layer_times_s
+        lines.append(
+            f"stronghold stage {c.stage} (layers {c.layers[0]}..{c.layers[1] - 1}, device {c.device}): window "
+            f"{c.window} of {c.streamed} streamed layers, resident {c.resident}"
+            f"{', optimizer state on NVMe' if c.nvme else ''}; "
+            f"peak {p.peak_bytes / GIB:.1f} GiB; stalls {p.stall_s:.3f} s (+{p.cold_stall_s:.3f} s cold start), "
+            f"CPU-step wait {p.cpu_wait_s:.3f} s")
+        if t:
+            lines.append(f"  per streamed layer (L{t['layer']}): forward {t['fwd_s'] * 1e3:.1f} ms, backward "
+                         f"{t['bwd_s'] * 1e3:.1f} ms, fetch {t['fetch_s'] * 1e3:.1f} ms, gradient copy "
+                         f"{t['grad_copy_s'] * 1e3:.1f} ms, CPU step {t['cpu_step_s'] * 1e3:.1f} ms")
+        lines.append(f"  bottleneck: {c.bottleneck} — {c.why}")
+    lines.extend(outcome.notes)
+    return lines

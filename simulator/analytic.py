@@ -1,0 +1,220 @@
+"""Analytic estimate: closed-form per-device peak memory and iteration time of a plan.
+
+Cheap enough for planners to call inside a search (no simulation); the simulator refines it with
+the schedule's real timing (swap overlap, link contention, per-step memory). Both use costs.
+"""
+from __future__ import annotations
+
+import math
+
+import costs.activations
+import costs.buffers
+import costs.collectives
+import costs.layer_time
+import costs.params
+import costs.static
+from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
+from specs.plan import MemoryAction, Plan, ScheduleKind, stage_for_microbatch
+from specs.result import DeviceResult, MemoryBreakdown, Result
+
+
+def _add(a: MemoryBreakdown, **extra: int) -> MemoryBreakdown:
+    return a.model_copy(update={k: getattr(a, k) + v for k, v in extra.items()})
+
+
+def _sharded(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None) -> dict[int, object]:
+    """The MAP stages of ``plan`` priced by simulator.sharded (rotor's walk of their checkpoint
+    tree, MAP §5.2), by stage index: their closed form is that walk, not costs' per-layer
+    formulas (which know nothing of intra-op strategies). Needs the hardware (the mesh's links)."""
+    if not any(stage.sharding for stage in plan.stages):
+        return {}
+    if hardware is None:
+        raise ValueError(f"plan {plan.id} has MAP-sharded stages: their memory depends on the mesh, so pass the "
+                         "hardware (device_memory(plan, model, hardware))")
+    from simulator.sharded import sharded_stage  # lazy: simulator.sharded imports planners.map_*
+
+    return {i: sharded_stage(plan, model, hardware, stage) for i, stage in enumerate(plan.stages) if stage.sharding}
+
+
+def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = None
+                  ) -> dict[int, tuple[MemoryBreakdown, int]]:
+    """Peak breakdown and host bytes for every device the plan uses. ``hardware`` is needed only
+    for a plan with MAP-sharded stages (ValueError without it); their activations and workspace
+    are rotor's walk (simulator.sharded.ShardedStage), their static bytes the stored shards.
+
+    Peak = static + received-gradient buffers + stashed weights (PipeDream) + the larger of
+    (a) the activation peak of the device's pipeline position — the microbatches held per stage at
+    the moment the schedule holds the most bytes, plus that backward's workspace (scratch,
+    recomputed activations; or the output of the last forward still being sent, when stage outputs
+    are released once sent; costs.activations.activation_peak; with the input gradient each stage sends
+    back once its first backward has ended) — and (b) the flat gradient copy of a data-parallel
+    all-reduce (after the last backward, when activations are gone, the sent gradients not); plus the
+    largest swap-in copy and bytes peers D2D-swapped here (held for the in-flight microbatches,
+    striped by weight, MPress §IV-C).
+    """
+    out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
+    acts, work, swap_in, allreduce, sent, grads = {}, {}, {}, {}, {}, {}
+    sharded = _sharded(plan, model, hardware)
+    for i, stage in enumerate(plan.stages):
+        grads[i] = costs.buffers.sent_grad_buffer_bytes(model, plan, stage)  # from the first backward's end on
+        if i in sharded:
+            sh = sharded[i]
+            acts[i], work[i], sent[i], swap_in[i] = sh.act_bytes, sh.run.workspace_bytes, sh.sent_output_bytes, 0
+            allreduce[i] = costs.buffers.tied_sync_buffer_bytes(model, plan, stage)
+            continue
+        # actions with a microbatch_period apply to some microbatches: the mean activation bytes
+        # over one period (the simulator walks each microbatch's own), the worst transient
+        variants = _variants(plan, stage)
+        acts[i] = -(-sum(costs.activations.stage_activation_bytes(model, plan, v) for v in variants) // len(variants))
+        sent[i] = max(costs.activations.sent_output_bytes(model, plan, v) for v in variants)
+        work[i], swap_in[i] = (max(x) for x in zip(*(costs.activations.backward_transient_bytes(model, plan, v) for v in variants)))
+        allreduce[i] = costs.buffers.allreduce_buffer_bytes(model, plan, stage)
+    peaks = {pos: costs.activations.activation_peak(plan, pos, acts, work, sent, grads) for pos in range(plan.pipeline_depth)}
+    for i, stage in enumerate(plan.stages):
+        static, host = (sharded[i].static, 0) if i in sharded else costs.static.stage_static(model, plan, stage)
+        in_flight = peaks[plan.device_group_of(i)][1][i]
+        stashed = costs.activations.stashed_versions(plan, i) * static.parameters_bytes
+        buffers = costs.buffers.received_grad_buffer_bytes(model, plan, stage)  # the sent one (grads[i]) is in the walk
+        for device in stage.devices:
+            mem, h = out[device]
+            mem = _add(mem, parameters_bytes=static.parameters_bytes, gradients_bytes=static.gradients_bytes,
+                       optimizer_bytes=static.optimizer_bytes, buffers_bytes=buffers,
+                       swapped_in_bytes=swap_in[i], stashed_weights_bytes=stashed)
+            out[device] = (mem, h + host + _swapped_to_host(model, plan, stage, in_flight))
+        for target, nbytes in _d2d_held(model, plan, stage, in_flight).items():
+            mem, h = out.setdefault(target, (MemoryBreakdown(), 0))
+            out[target] = (_add(mem, swapped_in_bytes=nbytes), h)
+    for pos, (act_peak, _, grad_peak) in peaks.items():
+        stages = range(pos, len(plan.stages), plan.pipeline_depth)
+        flat = max(allreduce[s] for s in stages)
+        sent_grads = sum(grads[s] for s in stages)  # made by the backwards, kept through the step
+        for device in plan.stages[pos].devices:
+            mem, h = out[device]
+            # after the last backward (activations gone): the all-reduce's flat copy, or a
+            # swapped-in optimizer state for the step (MPress optimizer swap)
+            opt_in = max(costs.static.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(costs.static.optimizer_swap_chunks(
+                model, plan, plan.stages[s]), default=0) for s in stages)
+            if act_peak >= flat + opt_in + sent_grads:
+                extra = {"activations_bytes": act_peak - grad_peak, "buffers_bytes": grad_peak}
+            else:
+                extra = {"buffers_bytes": flat + sent_grads, "optimizer_bytes": opt_in}
+            out[device] = (_add(mem, **extra), h)
+    return out
+
+
+def _variants(plan: Plan, stage) -> list:
+    """The stage as each microbatch of one period of its actions sees it (one when all apply)."""
+    periods = [item.microbatch_period for item in stage.memory]
+    span = min(math.lcm(*periods), plan.training.microbatches) if periods else 1
+    return [stage_for_microbatch(stage, k) for k in range(span)]
+
+
+def _swapping(in_flight: int, item) -> int:
+    """Of ``in_flight`` consecutive microbatches, the most that ``item`` swaps."""
+    return -(-in_flight // item.microbatch_period)
+
+
+def _swapped_to_host(model: ModelSpec, plan: Plan, stage, in_flight: int) -> int:
+    b = costs.params.samples_per_replica(plan, stage)
+    return sum(_swapping(in_flight, item) * costs.activations.layer_saved_bytes(model.layers[item.layer], b, stage.tp)
+               for item in stage.memory if item.action in (MemoryAction.cpu_swap, MemoryAction.nvme))
+
+
+def d2d_held_by_device(plan: Plan, model: ModelSpec) -> dict[int, int]:
+    """Bytes every D2D target holds for its peers at their peaks (each source stage's in-flight
+    microbatches it swaps, striped by weight): the part of a target's closed-form peak that its
+    own stage's actions cannot change (planners/mpress/assign.py)."""
+    held: dict[int, int] = {}
+    for s, stage in enumerate(plan.stages):
+        for device, nbytes in _d2d_held(model, plan, stage, costs.activations.in_flight_microbatches(plan, s)).items():
+            held[device] = held.get(device, 0) + nbytes
+    return held
+
+
+def _d2d_held(model: ModelSpec, plan: Plan, stage, in_flight: int) -> dict[int, int]:
+    """Bytes each D2D target holds for one replica of ``stage`` (every replica swaps alike, so a
+    target shared by k replicas of the stage would hold k shares; planners give each its own)."""
+    held: dict[int, int] = {}
+    b = costs.params.samples_per_replica(plan, stage)
+    for item in stage.memory:
+        if item.action is not MemoryAction.d2d_swap:
+            continue
+        nbytes = _swapping(in_flight, item) * costs.activations.layer_saved_bytes(model.layers[item.layer], b, stage.tp)
+        total = sum(t.weight for t in item.targets)
+        for t in item.targets:
+            held[t.device] = held.get(t.device, 0) + round(nbytes * t.weight / total)
+    return held
+
+
+def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> float:
+    """Pipeline time + gradient all-reduce + optimizer step.
+
+    GPipe / 1F1B (flush): Σ_i (F_i + B_i + p2p) + (m − 1) · max_i (F_i + B_i) — the first microbatch
+    crosses every stage, the rest queue behind the slowest; uniform stages give the bubble
+    (p − 1)/(m + p − 1) (GPipe §2.2). Interleaved: (m + (p − 1)/v) · max_i work (Megatron §2.2).
+    PipeDream async has no flush: m · max_i work per iteration in steady state.
+    Stage times come from costs (shape-aware GEMMs, memory-bound ops, synchronous TP
+    all-reduces), exactly what the simulator walks. The gradient all-reduce follows the flush,
+    blocking, on an idle fabric (Megatron-LM as run for Narayanan et al. SC'21, and memwall's
+    executor); the simulator additionally books it on the links, where it can contend with sends.
+    """
+    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+    work = [0.0] * p
+    p2p = [0.0] * p
+    sharded = _sharded(plan, model, hardware)
+    for i, stage in enumerate(plan.stages):
+        # a MAP stage: rotor's walk (its backward includes the recomputed forwards)
+        fwd, bwd = ((sharded[i].run.fwd_s, sharded[i].run.bwd_s) if i in sharded
+                    else costs.layer_time.stage_pass_times_s(model, plan, hardware, stage))
+        work[i % p] += fwd + bwd
+        if i + 1 < len(plan.stages):
+            nxt = plan.stages[i + 1]
+            nbytes = costs.params.samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+            src, dst = stage.devices[0], nxt.devices[0]
+            p2p[i % p] += 2 * costs.collectives.transfer_s(nbytes, hardware.link(src, dst)) if src != dst else 0.0
+    slowest = max(work)
+    kind = plan.schedule.kind
+    if kind is ScheduleKind.pipedream_async:
+        pipe = m * slowest
+    elif kind is ScheduleKind.interleaved_1f1b:
+        pipe = (m + (p - 1) / v) * slowest + sum(p2p)
+    else:
+        pipe = sum(work) + sum(p2p) + (m - 1) * slowest
+    per_device_sync: dict[int, float] = {}
+    for i, stage in enumerate(plan.stages):
+        # a MAP stage has no dp all-reduce (its batch split's gradient reduction is among its
+        # strategies' backward collectives) and steps only the shards it stores
+        sync = ((0.0, sharded[i].optimizer_s) if i in sharded else
+                (costs.collectives.dp_allreduce_s(model, plan, hardware, stage), costs.layer_time.optimizer_step_s(model, plan, hardware, stage)))
+        t = sum(sync) + costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)
+        for d in stage.devices:
+            per_device_sync[d] = per_device_sync.get(d, 0.0) + t
+    return pipe + max(per_device_sync.values())
+
+
+def estimate(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Result:
+    """The plan's closed-form Result (source ``predicted-by-analytic``)."""
+    capacity = hardware.device.memory_bytes
+    devices = []
+    for device, (mem, host) in sorted(device_memory(plan, model, hardware).items()):
+        stages = plan.stages_on(device)
+        peak = mem.total_bytes
+        devices.append(DeviceResult(
+            device=device, stages=stages,
+            layers=[(plan.stages[s].layer_start, plan.stages[s].layer_stop) for s in stages],
+            capacity_bytes=capacity, peak_bytes=peak, breakdown=mem, host_bytes=host,
+            oom=peak > capacity, oom_over_bytes=max(0, peak - capacity),
+        ))
+    t = iteration_time_s(plan, model, hardware)
+    if not (math.isfinite(t) and t > 0):
+        # bounded specs (finite rates >= 1e-6, counts <= 2**40) keep t finite and positive; a
+        # model with no FLOPs and nothing to move would give 0 -- say so rather than divide by it
+        raise ValueError(f"analytic estimate: iteration time {t!r} s for plan {plan.id} of {model.name} on "
+                         f"{hardware.name} is not a positive finite number (a model without FLOPs?)")
+    flops = costs.layer_time.model_flops_per_iteration(model, plan)
+    return Result(
+        source="predicted-by-analytic", plan_id=plan.id, model=plan.model, hardware=plan.hardware,
+        devices=devices, iteration_time_s=t, samples_per_s=plan.training.global_batch / t,
+        tflops_per_device=flops / t / len(plan.used_devices()) / 1e12,
+    )

@@ -14,104 +14,23 @@ a bug prints ``memwall: internal error: ...`` with where the full traceback was 
 from __future__ import annotations
 
 import os
-import re
 import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 import hydra
-import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-from pydantic import ValidationError
 
-from modes import UsageError, run
-from runconfig import RunConfig
+from modes import run
+from runconfig import (  # noqa: F401 - CONF_DIR, options, RunConfig: re-exported for tests and tools
+    CONF_DIR, RunConfig, UsageError, from_hydra, null_group, one_line, options, validate_config,
+)
 from reports.files import write_text
 from reports.outputs import GIB, find_jobs, write_sweep_summary
-
-CONF_DIR = Path(__file__).resolve().parent / "conf"
-#: modes that predict for the precision the config names (execute/compare switch to fp32 first;
-#: calibrate measures, it predicts nothing)
-_PREDICTING_MODES = ("simulate", "profile")
-#: at most this many field errors are named in the one line
-_MAX_ERRORS = 4
-
-
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-
-
-def one_line(text: str) -> str:
-    """A multi-line message as one line: ``a:\\n  b`` -> ``a: b``, an indented list -> ``x, y``,
-    other breaks -> ``; ``. Hydra's "Config search path" trailer is dropped."""
-    text = text.split("\nConfig search path")[0]
-    out = ""
-    prev_indented = False
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line:
-            continue
-        indented = raw[:1] in (" ", "\t")
-        if not out:
-            out = line
-        elif out.endswith(":"):
-            out += " " + line
-        elif indented and prev_indented:
-            out += ", " + line
-        else:
-            out += "; " + line
-        prev_indented = indented
-    return out
-
-
-def _field_errors(exc: ValidationError) -> str:
-    """Pydantic errors as ``path: message`` joined on one line (at most _MAX_ERRORS of them)."""
-    parts = []
-    for e in exc.errors():
-        loc = ".".join(str(p) for p in e["loc"])
-        msg = str(e["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
-        # a model validator names its field in the message ("peak_tflops: ...", "training.x: ...")
-        m = re.match(r"^([A-Za-z_][\w.\[\]]*): (.*)$", msg)
-        if m and loc:
-            head, rest = m.groups()
-            last = loc.rsplit(".", 1)[-1]
-            head = head[len(last) + 1:] if head.startswith(last + ".") else head
-            loc, msg = f"{loc}.{head}", rest
-        parts.append(f"{loc}: {one_line(msg)}" if loc else one_line(msg))
-    more = len(parts) - _MAX_ERRORS
-    return "; ".join(parts[:_MAX_ERRORS]) + (f" (and {more} more)" if more > 0 else "")
-
-
-def validate_config(cfg: DictConfig) -> RunConfig:
-    """Composed Hydra config -> RunConfig, or UsageError naming the field and the allowed values."""
-    try:
-        for group in ("hardware", "model"):
-            if group not in cfg or cfg[group] is None:
-                raise UsageError(f"missing {group}: add +{group}=NAME, one of: {', '.join(options(group))}")
-        data = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as exc:  # ${nonexistent.key}, a bad resolver, ...
-        key = getattr(exc, "full_key", None)
-        msg = one_line(str(exc)).split("; full_key:")[0]
-        raise UsageError(f"{key + ': ' if key else ''}cannot resolve the config: {msg}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"the config must be a mapping, got {type(data).__name__}")
-    data.pop("hydra", None)
-    try:
-        rc = RunConfig.model_validate(data)
-    except ValidationError as exc:
-        raise UsageError("invalid config: " + _field_errors(exc)) from None
-    if rc.mode in _PREDICTING_MODES and rc.training.precision.value != "fp32":
-        missing = rc.hardware.device.missing_dtype(rc.training.precision.value)
-        if missing is not None:
-            raise UsageError(missing)
-    return rc
-
 
 def _error_log(outdir: Path | None, text: str) -> Path:
     """Write ``text`` to ``<outdir>/error.log`` (atomically), else to a temp file; return the path."""
@@ -147,15 +66,6 @@ def _internal_error(exc: BaseException, outdir: Path | None) -> None:
     msg = msg if len(msg) <= 300 else msg[:297] + "..."
     print(f"memwall: internal error: {type(exc).__name__}: {msg} (full traceback in {path})", file=sys.stderr)
     sys.exit(1)
-
-
-def _from_hydra(exc: BaseException) -> bool:
-    """True if ``exc`` was raised by Hydra, OmegaConf or the YAML parser (composing the config from
-    the overrides and YAML files), i.e. it is about the input, not about memwall's code."""
-    if isinstance(exc, (HydraException, OmegaConfBaseException, yaml.YAMLError)):  # YAML: a config file's syntax
-        return True
-    frames = traceback.extract_tb(exc.__traceback__)
-    return bool(frames) and re.search(r"[/\\](hydra|omegaconf)[/\\]", frames[-1].filename) is not None
 
 
 class SweepSummary(Callback):
@@ -199,24 +109,13 @@ def main(cfg: DictConfig) -> float:
     return result.max_peak_bytes / GIB if result is not None else float("nan")
 
 
-def _null_group(argv: list[str]) -> str | None:
-    """``+hardware=null`` (or ``model=``) would fail inside Hydra with a ValueError that names
-    neither the group nor the options; say what to write instead."""
-    for arg in argv:
-        m = re.match(r"^[+~]*(hardware|model)=(null|None|~)?$", arg)
-        if m:
-            group = m.group(1)
-            return f"{group}: {arg!r} names no {group}; use +{group}=NAME, one of: {', '.join(options(group))}"
-    return None
-
-
 def cli() -> None:
     """``python -m run``: Hydra's main, with Hydra's own errors (unknown config group option, an
     override it cannot parse) reported as one line, exit 2, instead of Hydra's multi-line text."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the user asked for Hydra's full tracebacks
         main()
         return
-    problem = _null_group(sys.argv[1:])
+    problem = null_group(sys.argv[1:])
     if problem:
         print(f"memwall: {problem}", file=sys.stderr)
         sys.exit(2)
@@ -227,7 +126,7 @@ def cli() -> None:
         print("memwall: interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception as exc:  # noqa: BLE001
-        if not _from_hydra(exc):
+        if not from_hydra(exc):
             _internal_error(exc, None)
         # raised while composing the config, before main's body runs: bad overrides or YAML
         print(f"memwall: invalid override or config: {one_line(str(exc))}", file=sys.stderr)

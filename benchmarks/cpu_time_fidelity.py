@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> float:
     if args.calibrate:
         import yaml
 
-        from calibration.calibrate import calibrate, hardware_yaml
+        from calibration.calibrate import calibrate
+        from calibration.hardware_file import hardware_yaml
 
         t = time.perf_counter()
         m = calibrate(hw.devices_per_node, quick=True, progress=lambda line: print("  " + line, flush=True))

@@ -170,7 +170,7 @@ def cli_case_inprocess(args: list[str], outdir: Path, slow_s: float, kill_s: flo
     import run as shell
 
     t0 = time.perf_counter()
-    problem = shell._null_group(args)
+    problem = shell.null_group(args)
     if problem:
         return "usage", problem, 0.0
     err, out = io.StringIO(), io.StringIO()
@@ -181,7 +181,7 @@ def cli_case_inprocess(args: list[str], outdir: Path, slow_s: float, kill_s: flo
                 with initialize_config_dir(config_dir=str(shell.CONF_DIR), version_base="1.3"):
                     cfg = compose("config", overrides=args)
             except Exception as exc:  # noqa: BLE001
-                status = "usage" if shell._from_hydra(exc) else "traceback"
+                status = "usage" if shell.from_hydra(exc) else "traceback"
                 detail = f"{type(exc).__name__}: {shell.one_line(str(exc))[:200]}"
             else:
                 holder = {}
@@ -218,7 +218,8 @@ def base_plans():
     from hydra import compose, initialize_config_dir
 
     import run as shell
-    from modes import model_spec, plan_for
+    from model_costs import model_spec
+    from planning import plan_for  # the shell's planning step itself: this tool fuzzes the shell
 
     sets = [["+hardware=dgx1", "+model=gpt_tiny", "policy=even", "policy.dp=2"],
             ["+hardware=dgx2", "+model=bert_tiny", "schedule=interleaved_1f1b", "policy=even", "policy.pp=2", "policy.dp=4", "training.microbatch_size=4"],

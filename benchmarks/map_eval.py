@@ -123,7 +123,7 @@ def weak_scaling() -> list[dict]:
 
 
 def figure(rows: list[dict], path: Path) -> None:
-    from reports.figures import budget_curve_figure
+    from reports.figures_sweep import budget_curve_figure
     from reports.outputs import save_figure
 
     save_figure(path, budget_curve_figure(rows))

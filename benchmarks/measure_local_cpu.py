@@ -17,7 +17,7 @@ What it measures (all with torch on CPU, times from ``time.perf_counter``):
   ``t = 2(n-1)/n * bytes / bw + 2(n-1) * latency``, to give a per-link bw and latency.
 * CPU Adam throughput (``torch.optim.Adam(foreach=True)``) in parameters/s for one process.
 
-The measurement functions live in ``calibration/calibrate.py`` (shared with ``mode=calibrate``,
+The measurement functions live in ``calibration/`` (link_bench, compute_bench, hardware_file; ``calibrate.py`` runs them) (shared with ``mode=calibrate``,
 which also writes a hardware YAML); this script is a thin wrapper that prints them.
 """
 from __future__ import annotations
@@ -28,10 +28,10 @@ import time
 
 import torch
 
-from calibration.calibrate import (  # noqa: F401  (re-exported for old imports)
-    GIB, MESSAGE_BYTES, copy_gbps, cpu_adam_params_per_s, fit_alpha_beta, matmul_flops_per_s,
-    ring_link_from_allreduce, run_ranks, summarize, yaml_snippet,
-)
+from calibration.calibrate import run_ranks, summarize
+from calibration.compute_bench import copy_gbps, cpu_adam_params_per_s, matmul_flops_per_s
+from calibration.hardware_file import GIB, yaml_snippet
+from calibration.link_bench import MESSAGE_BYTES
 
 
 def main(argv: list[str] | None = None) -> dict:

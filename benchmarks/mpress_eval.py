@@ -97,15 +97,12 @@ class Row:
 
 
 def compose_case(experiment: str) -> Case:
-    from hydra import compose, initialize_config_dir
+    from model_costs import model_spec
+    from runconfig import compose
 
-    import modes
-    import run
-
-    with initialize_config_dir(config_dir=str(run.CONF_DIR), version_base="1.3"):
-        cfg = run.validate_config(compose("config", overrides=[f"experiment={experiment}"]))
+    cfg = compose(f"experiment={experiment}")
     series = cfg.model.family
-    return Case(experiment, series, cfg.hardware.name, cfg.model.name, cfg, modes.model_spec(cfg))
+    return Case(experiment, series, cfg.hardware.name, cfg.model.name, cfg, model_spec(cfg))
 
 
 def experiments(fast: bool = False) -> list[str]:

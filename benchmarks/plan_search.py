@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_conf.py, wherever this runs from
 from _conf import load  # noqa: E402
-from planners.baselines.stagetable import Placed, StageTable
+from planners.baselines.stage_place import Placed
+from planners.baselines.stagetable import StageTable
 from planners.baselines.throughput import best_throughput  # noqa: E402
 from specs import HardwareSpec, ScheduleSpec, TrainingSpec
 from costs.families import build_model, parse_model_config

@@ -117,15 +117,11 @@ class Run:
 
 def compose(experiment: str, *overrides: str):
     """A preset composed and validated as `python -m run experiment=NAME` does: (RunConfig, ModelSpec)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from model_costs import model_spec
+    from runconfig import compose as compose_config
 
-    import modes
-    import run
-
-    with initialize_config_dir(config_dir=str(run.CONF_DIR), version_base="1.3"):
-        cfg = run.validate_config(hydra_compose("config", overrides=[f"experiment={experiment}", *overrides]))
-    return cfg, modes.model_spec(cfg)
+    cfg = compose_config(f"experiment={experiment}", *overrides)
+    return cfg, model_spec(cfg)
 
 
 def gpt(layers: int, hidden: int):

@@ -3,7 +3,7 @@ Billion-Scale Deep Learning Model Training", SC'22, §V-§VI).
 
 Only numbers the text or Table I states: Figs. 6-10's bar heights cannot be read from the text, so
 a figure contributes only what the text says about it. Every number carries where it comes from
-and the sentence that states it (tests/unit/test_stronghold_eval.py checks each quote against the
+and the sentence that states it (tests/unit/stronghold/test_stronghold_eval.py checks each quote against the
 paper's text and each number against its quote).
 
 Method keys (benchmarks/stronghold_eval.py maps them to memwall plans):

@@ -11,7 +11,7 @@ shares a link, a PCIe switch, a socket or (for gloo) a core with another pair's 
 is the uncontended capability of each pair, which is what MAP's grouping compares. (The
 executor's own runs contend; mode=calibrate's other fits and calibration.contention price that.)
 One-way time = half the fastest round trip (see :func:`_round_trip_s`); fit ``t = alpha + bytes / beta`` with
-:func:`calibration.calibrate.fit_alpha_beta` (non-negative least squares on relative error), the
+:func:`calibration.link_bench.fit_alpha_beta` (non-negative least squares on relative error), the
 same fit mode=calibrate uses for its pair 0-1.
 
 Rank r is device r (CUDA device r under NCCL). The NCCL path is written for an 8-GPU box like
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from calibration.calibrate import fit_alpha_beta, fit_residuals, free_port, ping_pong
+from calibration.link_bench import fit_alpha_beta, fit_residuals, free_port, ping_pong
 from executor.liveness import die_with
 from reports.files import write_text
 

@@ -25,7 +25,7 @@ from typing import Callable
 
 from pydantic import Field
 
-from planners.baselines.stagetable import Placed
+from planners.baselines.stage_place import Placed
 from specs._base import Spec
 
 #: Fig. 7's error margins: 2 %, 5 %, 11 %

@@ -6,10 +6,12 @@ Per device: one tensor-parallel rank of one data-parallel replica. Shared by the
 estimator, the simulator and the planners, so each formula lives here once.
 """
 from __future__ import annotations
+
 import math
+
+from costs.params import samples_per_replica
 from specs.model import LayerKind, LayerSpec, ModelSpec
 from specs.plan import MemoryAction, Plan, ScheduleKind, StagePlan
-from costs.params import samples_per_replica
 
 
 SWAP_ACTIONS = frozenset({MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme})
@@ -162,7 +164,7 @@ def backward_transient_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
     """(workspace, swap-in) bytes during one backward: :func:`backward_workspace_bytes` (scratch and
     recomputed activations) and the prefetched copies of swapped layers (two at a time)."""
     b = samples_per_replica(plan, stage)
-    # double buffering (simulator/engine.py _layered_backward; executor/swap.py): the layer being
+    # double buffering (simulator/walk.py _layered_backward; executor/swap.py): the layer being
     # run and the next one coming in, so the two largest swapped layers bound the copies
     sizes = sorted((layer_saved_bytes(model.layers[l], b, stage.tp) for l in stage.layers
                     if stage.action_of(l).action in SWAP_ACTIONS), reverse=True)

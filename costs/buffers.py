@@ -5,10 +5,11 @@ Per device: one tensor-parallel rank of one data-parallel replica. Shared by the
 estimator, the simulator and the planners, so each formula lives here once.
 """
 from __future__ import annotations
-from specs.model import ModelSpec
-from specs.plan import Plan, StagePlan
+
 from costs.activations import layer_input_bytes
 from costs.params import dp_grad_bytes, samples_per_replica, tied_copies
+from specs.model import ModelSpec
+from specs.plan import Plan, StagePlan
 
 
 def comm_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:

@@ -5,11 +5,13 @@ Per device: one tensor-parallel rank of one data-parallel replica. Shared by the
 estimator, the simulator and the planners, so each formula lives here once.
 """
 from __future__ import annotations
+
 import math
+
+from costs.params import dp_grad_bytes, layer_params_on_device, stage_holding, tied_copies
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
-from costs.params import dp_grad_bytes, layer_params_on_device, stage_holding, tied_copies
 
 
 def ring_allreduce_s(nbytes: float, n: int, link: LinkSpec) -> float:

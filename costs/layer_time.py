@@ -5,13 +5,15 @@ Per device: one tensor-parallel rank of one data-parallel replica. Shared by the
 estimator, the simulator and the planners, so each formula lives here once.
 """
 from __future__ import annotations
+
 import math
-from costs import gemm
+
+from costs import gemm, window
+from costs.collectives import collective_link, group_link, ring_allreduce_s
+from costs.params import layer_params_on_device, samples_per_replica, stage_params_on_device
 from specs.hardware import HardwareSpec
 from specs.model import LayerKind, LayerSpec, ModelSpec
 from specs.plan import MemoryAction, Plan, StagePlan
-from costs.collectives import collective_link, group_link, ring_allreduce_s
-from costs.params import layer_params_on_device, samples_per_replica, stage_params_on_device
 
 
 def compute_dtype(plan: Plan) -> str:
@@ -152,8 +154,6 @@ def optimizer_step_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage
         # the device steps the resident layers; the CPU steps each streamed layer as its last
         # gradient lands, overlapped with the backward (simulator/window.py times that overlap;
         # this closed form charges it serially, an upper bound)
-        from costs import window
-
         return window.resident_step_s(model, plan, hardware, stage) + sum(
             window.cpu_step_s(plan, hardware, stage, n) for n in window.streamed_params(model, stage).values())
     if stage.offload.optimizer_on_cpu:  # ZeRO-Offload: grads out, CPU Adam, weights back

@@ -11,7 +11,7 @@ aten operators except the aliasing ``view`` and ``detach``, plus one per ``nn.Mo
 forward's Python side: a forward operator costs ~2x a backward one); the backward includes one in-place
 ``add_`` per parameter tensor (AccumulateGrad into the executor's pre-allocated ``.grad``), and a
 head in 2-byte precision one extra cast each way (logits to fp32 for the loss).
-``tests/unit/test_op_counts.py`` checks these constants against the profiler on the tiny models,
+``tests/unit/costs/test_op_counts.py`` checks these constants against the profiler on the tiny models,
 so a change to a module that changes its operator count fails there instead of drifting.
 Tensor parallelism (DTensor) adds its own per-operator cost on top of these counts: charged apart,
 per DTensor operator of a tp > 1 layer (``costs.layer_time.TP_DTENSOR_OPS``) at

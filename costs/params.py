@@ -5,7 +5,9 @@ Per device: one tensor-parallel rank of one data-parallel replica. Shared by the
 estimator, the simulator and the planners, so each formula lives here once.
 """
 from __future__ import annotations
+
 import math
+
 from specs.model import LayerSpec, ModelSpec
 from specs.plan import Plan, StagePlan
 

@@ -5,11 +5,14 @@ Per device: one tensor-parallel rank of one data-parallel replica. Shared by the
 estimator, the simulator and the planners, so each formula lives here once.
 """
 from __future__ import annotations
+
 import math
+
+from costs.params import layer_params_on_device, stage_params_on_device
+from costs.window import window_static
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
 from specs.result import MemoryBreakdown
-from costs.params import layer_params_on_device, stage_params_on_device
 
 
 def stage_static(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[MemoryBreakdown, int]:
@@ -26,8 +29,6 @@ def stage_static(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[Memory
     weights, grads, optim = shard(params * w_b, 3), shard(params * g_b, 2), shard(params * o_b, 1)
     host = 0
     if stage.offload.window_layers is not None:  # costs.window: resident layers + w slots
-        from costs.window import window_static
-
         weights, grads, optim, host, _ = window_static(model, plan, stage)
     elif stage.offload.optimizer_on_cpu or stage.offload.optimizer_swap:
         host, optim = optim, 0  # swapped: streamed through the device by its step (optimizer_swap_chunks)

@@ -8,6 +8,7 @@ weights pass through ``w`` device slots, each sized to the stage's largest strea
 """
 from __future__ import annotations
 
+from costs.params import layer_params_on_device, stage_params_on_device
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
@@ -15,7 +16,6 @@ from specs.plan import Plan, StagePlan
 
 def streamed_params(model: ModelSpec, stage: StagePlan) -> dict[int, int]:
     """Parameters one device holds of each streamed layer (its TP shard), by layer index."""
-    from costs.params import layer_params_on_device
 
     return {i: layer_params_on_device(model.layers[i], stage.tp) for i in stage.streamed_layers}
 
@@ -33,7 +33,6 @@ def window_static(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, 
     (the master copy the CPU optimizer updates), gradient accumulators and optimizer state, the
     latter on NVMe instead with ``nvme`` (§III-G). ZeRO does not apply (plans refuse zero_stage > 0
     with a window)."""
-    from costs.params import stage_params_on_device
 
     w_b, g_b, o_b = plan.training.bytes_per_param()
     streamed = sum(streamed_params(model, stage).values())
@@ -73,7 +72,6 @@ def nvme_gbps(hardware: HardwareSpec) -> float:
 
 def resident_step_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> float:
     """The device's optimizer step over the resident layers (memory-bound, as costs.layer_time.optimizer_step_s)."""
-    from costs.params import stage_params_on_device
 
     resident = stage_params_on_device(model, plan, stage) - sum(streamed_params(model, stage).values())
     w_b, g_b, o_b = plan.training.bytes_per_param()

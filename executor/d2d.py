@@ -71,7 +71,7 @@ def swap_pairs(plan: Plan) -> list[tuple[int, int]]:
 
 def stripe_bounds(nbytes: int, weights: list[float]) -> list[tuple[int, int]]:
     """Byte ranges ``[lo, hi)`` of an ``nbytes`` buffer, one per target, proportional to weight
-    (MPress §III-C; rounding as simulator.engine._stripes: the last target takes the remainder)."""
+    (MPress §III-C; rounding as simulator.transfers._stripes: the last target takes the remainder)."""
     total = sum(weights)
     out, lo = [], 0
     for j, w in enumerate(weights):

@@ -44,67 +44,27 @@ granularity the plan has. Here:
 The stage's inputs arrive whole on every rank (all ranks of a MAP stage receive the same
 microbatch, as TP ranks do) and are wrapped as Replicate DTensors; its output (the loss, or the
 boundary activation) leaves Replicate as a plain tensor, so the pipeline code is unchanged.
+
+ShardedLayer (here) builds a layer's plan and interprets its graph; its pieces: the trace and
+grouping (executor.map_trace), the layout helpers (executor.map_layout) and the core ops on local
+shards (executor.map_local).
 """
 from __future__ import annotations
-
 
 import torch
 import torch.nn as nn
 from torch.export.graph_signature import TensorArgument
 from torch.utils._pytree import tree_flatten
 
-from specs.op_graph import OpGraph, OpNode, ParamRef, merge_trivial
+from executor.map_layout import ShardedLayout, _ContiguousGrad, _RESHAPES, _replicate
+from executor.map_local import ShardedOps, _LOCAL
+from executor.map_trace import MapPlanError, _groups
 from specs.plan import LayerSharding
-
-
-class MapPlanError(ValueError):
-    """The plan's sharding does not fit the traced layer (names, inputs, shapes)."""
-
-
-# ---- tracing (as executor.op_graph does for the planner) --------------------------------------------
-
-def _export(cfg, index: int, microbatch: int, dtype: torch.dtype):
-    """``torch.export`` of layer ``index`` at the microbatch's global shapes, traced as the
-    planner's op graph was (executor.op_graph.export_layer), so node names match the plan's."""
-    from executor.op_graph import export_layer
-
-    return export_layer(cfg, index, microbatch, dtype)
-
-
-def _groups(ep) -> tuple[OpGraph, dict[str, str]]:
-    """The merged op graph of an export (node names, kinds and activation inputs as
-    executor.op_graph._nodes records them; costs left at 0) and FX node -> group head."""
-    from executor.op_graph import _kind, _meta_shape, _target_name
-
-    gm, sig = ep.graph_module, ep.graph_signature
-    param_of = {s.arg.name: s.target for s in sig.input_specs if s.kind.name == "PARAMETER"}
-    user = {s.arg.name for s in sig.input_specs if s.kind.name == "USER_INPUT" and isinstance(s.arg, TensorArgument)}
-    nodes = []
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        vals = [v for v in tree_flatten(n.meta.get("val"))[0] if isinstance(v, torch.Tensor)]
-        args = [a for a in tree_flatten((n.args, n.kwargs))[0] if isinstance(a, torch.fx.Node)]
-        acts = [a for a in args if a.name not in param_of and (a.op == "call_function" or a.name in user)]
-        prm = [a for a in args if a.name in param_of]
-        if not vals or not (acts or prm):  # executor.op_graph._nodes: not a node (MAP §5.1)
-            continue
-        shape = lambda a: _meta_shape(a, n)  # noqa: E731
-        nodes.append(OpNode(
-            name=n.name, target=_target_name(n.target), kind=_kind(n), inputs=tuple(a.name for a in acts),
-            input_shapes=tuple(shape(a)[0] for a in acts), input_dtype_bytes=tuple(shape(a)[1] for a in acts),
-            params=tuple(ParamRef(name=param_of[a.name], shape=_meta_shape(a)[0], dtype_bytes=_meta_shape(a)[1])
-                         for a in prm),
-            output_shapes=tuple(tuple(v.shape) for v in vals), output_dtype_bytes=tuple(v.element_size() for v in vals),
-            fwd_flops=0, bwd_flops=0, fwd_in=0, fwd_tmp=0, fwd_out=0, bwd_tmp=0, bwd_out=0))
-    merged = merge_trivial(OpGraph(layer="layer", module="", inputs=(), nodes=tuple(nodes), outputs=()))
-    group_of = {op.name: g.name for g in merged.nodes for op in (g.ops or (g,))}
-    return merged, group_of
 
 
 # ---- one layer -------------------------------------------------------------------------------------
 
-class ShardedLayer(nn.Module):
+class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
     """``module`` run as its exported graph on DTensors with the plan's layouts (module doc).
     ``shared``: {id(plain parameter): DTensor parameter} across the stage's layers, so a tied
     weight is distributed once, by the first layer (the owner) that reads it. ``stats``: the
@@ -230,201 +190,6 @@ class ShardedLayer(nn.Module):
                 if self.consumers.get(a.name) == n.name:
                     env.pop(a.name, None)
         raise AssertionError("exported graph without an output node")
-
-    def _attention(self, args, kwargs):
-        """Attention on each rank's shard (a local map). The planner splits attention over batch
-        and heads only (map_strategies._sdpa: Megatron's split), where it is exact per shard; on
-        CPU DTensor has no rule for the flash kernel (``_scaled_dot_product_flash_attention_for_cpu``)
-        and the math fallback builds its causal mask as a plain tensor, so the op runs on the local
-        tensors and its output carries q's placements. q, k, v in other layouts (not from a
-        planner strategy) are replicated first; the output check then records the difference."""
-        from torch.distributed.tensor import DTensor
-
-        q, k, v = args[:3]
-        pl = tuple(q.placements)
-        if any(p.is_partial() or (p.is_shard() and p.dim % q.ndim >= q.ndim - 2) for p in pl) or \
-                tuple(k.placements) != pl or tuple(v.placements) != pl:
-            pl = (_replicate(),) * self.mesh.ndim
-        q, k, v = (t.redistribute(self.mesh, pl).to_local() for t in (q, k, v))
-        out = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, *args[3:], **kwargs)
-        return DTensor.from_local(out, self.mesh, pl, run_check=False)
-
-    def _settle(self, group: str, y_local, placements: list, shape, stride):
-        """The core op's local result as a DTensor with ``placements``; a ``Partial`` (a split
-        contraction dim) is all-reduced right away: the strategy's "(AR..)" is priced on the core
-        op's output, before any folded bias / residual add / activation (MAP §5.1), and DTensor,
-        left alone, would settle it later at the folded op in its own way (a reduce-scatter at an
-        add, then a gather to the planned layout)."""
-        from torch.distributed.tensor import DTensor
-
-        y = DTensor.from_local(y_local, self.mesh, placements, run_check=False, shape=shape, stride=stride)
-        partial = tuple(a for a, p in enumerate(placements) if p.is_partial())
-        if partial:
-            self.stats["reductions"][(self.index, group)] = partial
-            y = y.redistribute(self.mesh, [_replicate() if p.is_partial() else p for p in placements])
-        return y
-
-    def _linear(self, group: str, args, kwargs):
-        """``aten.linear`` of a group's core op on the local shards, as MAP's einsum strategy
-        (``...k,nk->...n``) says: per mesh axis a batch dim of x, the out dim n (w's dim 0, the
-        bias) or the contraction k (x's last dim and w's dim 1: a partial sum) is split, or none.
-        DTensor would decompose the op into flatten -> addmm -> unflatten, and cannot unflatten a
-        sequence dim split over two mesh axes (nested ``_StridedShard``s); here no view happens.
-        The gradients get the placements of the strategy's backward: dx partial over the axes
-        that split n, dw / db partial over those that split a batch dim (the all-reduces the
-        strategy prices; DTensor runs them where the gradients meet their planned layouts).
-        Inputs in any other layout (not from a planner strategy) go to DTensor's own rule."""
-        import torch.nn.functional as F
-        from torch.distributed.tensor import Partial, Replicate, Shard
-
-        x, w, b = (list(args) + [None])[:3]
-        tensors = (x, w) if b is None else (x, w, b)
-        if kwargs or not all(hasattr(t, "placements") for t in tensors) or w.ndim != 2:
-            return torch.ops.aten.linear.default(*args, **kwargs)
-        nd = x.ndim
-        out_pl, gx, gw, gb = [], [], [], []
-        for a, (px, pw) in enumerate(zip(x.placements, w.placements)):
-            pb = b.placements[a] if b is not None else Replicate()
-            if type(px) is Shard and px.dim % nd < nd - 1 and pw.is_replicate() and pb.is_replicate():  # batch
-                out_pl.append(Shard(px.dim % nd)), gx.append(px), gw.append(Partial()), gb.append(Partial())
-            elif type(px) is Shard and px.dim % nd == nd - 1 and type(pw) is Shard and pw.dim % 2 == 1 \
-                    and pb.is_replicate():  # k: partial sum
-                out_pl.append(Partial()), gx.append(px), gw.append(pw), gb.append(Replicate())
-            elif px.is_replicate() and type(pw) is Shard and pw.dim % 2 == 0 and (b is None or type(pb) is Shard):  # n
-                out_pl.append(Shard(nd - 1)), gx.append(Partial()), gw.append(pw), gb.append(pb)
-            elif px.is_replicate() and pw.is_replicate() and pb.is_replicate():
-                out_pl.append(Replicate()), gx.append(px), gw.append(pw), gb.append(pb)
-            else:
-                return torch.ops.aten.linear.default(*args, **kwargs)
-        xl, wl = x.to_local(grad_placements=gx), w.to_local(grad_placements=gw)
-        partial = any(p.is_partial() for p in out_pl)
-        bl = b.to_local(grad_placements=gb) if b is not None and not partial else None
-        shape = tuple(x.shape[:-1]) + (w.shape[0],)
-        y = self._settle(group, F.linear(xl, wl, bl), out_pl, torch.Size(shape), _contiguous_stride(shape))
-        return y + b if b is not None and partial else y  # the bias once, after the sum
-
-    def _embedding(self, group: str, args, kwargs):
-        """``aten.embedding`` of a group's core op on the local shards (MAP's ``ab,vh->abh``): per
-        mesh axis a dim of the ids, the vocabulary (w's dim 0: each rank looks up the ids in its
-        rows, zeros elsewhere, a partial sum) or the hidden dim is split, or none. DTensor's own
-        vocabulary-parallel rule keeps the mask in its ``_MaskPartial`` placement, one
-        ``MaskBuffer`` shared by the placements of all mesh axes: with the vocabulary split over
-        two axes (S01) the second axis' mask differs from the first's and the lookup fails
-        ("MaskBuffer has been materialized with conflicting data"); here the mask is local."""
-        import torch.nn.functional as F
-        from torch.distributed.tensor import Partial, Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        w, ids = args[:2]
-        rest = list(args[2:]) + [kwargs.get(k) for k in ("padding_idx", "scale_grad_by_freq", "sparse") if k in kwargs]
-        if any(r not in (None, -1, False) for r in rest) or not all(hasattr(t, "placements") for t in (w, ids)) \
-                or w.ndim != 2:
-            return torch.ops.aten.embedding.default(*args, **kwargs)
-        nd = ids.ndim
-        out_pl, gw = [], []
-        for pw, pi in zip(w.placements, ids.placements):
-            if type(pi) is Shard and pw.is_replicate():
-                out_pl.append(Shard(pi.dim % nd)), gw.append(Partial())
-            elif pi.is_replicate() and type(pw) is Shard and pw.dim % 2 == 0:
-                out_pl.append(Partial()), gw.append(pw)
-            elif pi.is_replicate() and type(pw) is Shard and pw.dim % 2 == 1:
-                out_pl.append(Shard(nd)), gw.append(pw)
-            elif pi.is_replicate() and pw.is_replicate():
-                out_pl.append(Replicate()), gw.append(pw)
-            else:
-                return torch.ops.aten.embedding.default(*args, **kwargs)
-        wl, il = w.to_local(grad_placements=gw), ids.to_local()
-        if any(p.is_partial() for p in out_pl):
-            (rows, _), (start, _) = compute_local_shape_and_global_offset(w.shape, self.mesh, w.placements)
-            mask = (il >= start) & (il < start + rows)
-            yl = F.embedding(torch.where(mask, il - start, 0), wl) * mask.unsqueeze(-1).to(wl.dtype)
-        else:
-            yl = F.embedding(il, wl)
-        shape = tuple(ids.shape) + (w.shape[1],)
-        return self._settle(group, yl, out_pl, torch.Size(shape), _contiguous_stride(shape))
-
-    def _dt(self, t):
-        from torch.distributed.tensor import DTensor
-
-        if t is None or isinstance(t, DTensor):
-            return t
-        return DTensor.from_local(t, self.mesh, [_replicate()] * self.mesh.ndim, run_check=False)
-
-    def _read(self, a: torch.fx.Node, group: str | None, env: dict, counter: list):
-        """Node ``a``'s value as the op of ``group`` reading it must see it: a parameter in the
-        group's planned layout, an activation from outside the group in its planned input layout
-        (the ``counter``-th of the group's inputs: merge_trivial lists them in the ops' order)."""
-        value = env[a.name]
-        if group is None:
-            return value
-        if a.name in self.param_fqn:
-            want = self.param_place[group].get(self.param_fqn[a.name])
-            return value if want is None or tuple(value.placements) == want else value.redistribute(self.mesh, want)
-        is_act = a.op == "call_function" or a.name in self.user_names  # as executor.op_graph._nodes
-        if not is_act or self.group_of.get(a.name) == group or not hasattr(value, "placements"):
-            return value
-        k = counter[0]
-        counter[0] += 1
-        if k >= len(self.in_place[group]):
-            raise MapPlanError(f"layer {self.index} group {group!r} reads more inputs than its "
-                               f"{len(self.in_place[group])} planned layouts (executor and op graph disagree)")
-        want = self.in_place[group][k]
-        return value if tuple(value.placements) == want else value.redistribute(self.mesh, want)
-
-    def _check(self, group: str, out):
-        """The group's output in its planned layout; a differing propagation is recorded."""
-        if not hasattr(out, "placements"):
-            return out
-        want, got = self.out_place[group], tuple(out.placements)
-        if got == want:
-            return out
-        key = (self.index, group)
-        partial = [a for a, p in enumerate(got) if p.is_partial()]
-        if all(g == w or (g.is_partial() and w.is_replicate()) for g, w in zip(got, want)):
-            self.stats["reductions"][key] = tuple(partial)  # the strategy's all-reduce (AR suffix)
-        else:
-            self.stats["mismatches"][key] = f"{self.kind[group]}: DTensor gave {list(got)}, the plan {list(want)}"
-        return out.redistribute(self.mesh, want)
-
-
-_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-             torch.ops.aten.flatten.using_ints, torch.ops.aten.unflatten.int}
-
-
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward hands on a locally contiguous gradient. A reshape's backward
-    reshapes its incoming gradient back; after a transpose (attention's heads) that gradient is a
-    non-contiguous shard, and DTensor decides view-vs-copy from the *global* strides, so the
-    local ``view`` can fail ("view size is not compatible with input tensor's size and stride").
-    Placed after every reshape of the exported graph, it makes that gradient contiguous first."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        local = getattr(g, "_local_tensor", g)
-        return g if local.is_contiguous() else g.clone(memory_format=torch.contiguous_format)
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
-
-
-#: core ops run on the local shards (ShardedLayer._linear / _embedding)
-_LOCAL = {torch.ops.aten.linear.default: ShardedLayer._linear,
-          torch.ops.aten.embedding.default: ShardedLayer._embedding}
-
-
-def _replicate():
-    from torch.distributed.tensor import Replicate
-
-    return Replicate()
 
 
 __all__ = ["MapPlanError", "ShardedLayer"]

@@ -10,7 +10,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from executor.map_exec import MapPlanError, ShardedLayer, _export, _replicate
+from executor.map_exec import ShardedLayer
+from executor.map_layout import _replicate
+from executor.map_trace import MapPlanError, _export
 from executor.models import output_shapes
 from specs.plan import CheckpointSegment, StagePlan
 

@@ -2,7 +2,7 @@
 all model data, and optimizer state, used by the update alone, lives longest): between steps the
 state sits in host memory; the update streams it through the device one layer at a time, in,
 stepped, out again, so the device holds a few layers' state at a time (costs.
-optimizer_swap_chunks; simulator/engine.py ``_swapped_step`` times the same stream).
+optimizer_swap_chunks; simulator/optimizer.py ``_swapped_step`` times the same stream).
 
 One optimizer per layer, the torch way to step a subset of parameters (a parameter shared by two
 layers, the tied embedding, belongs to the first). On CPU ranks the host copies are filed with the

@@ -8,7 +8,7 @@ plain tuples ``(kind, stage, microbatch, peer_stage, start_ns, end_ns)`` so they
 report queue cheaply (~100 ns per stamp; a pass of a tiny layer is ~100 µs).
 
 :func:`slices` turns one iteration's events of one rank into trace slices named exactly as the
-simulator names them (``simulator/engine.py``: ``F s0 mb1``, ``act s0->s1 mb1``,
+simulator names them (``simulator/walk.py``, ``transfers.py``, ``optimizer.py``: ``F s0 mb1``, ``act s0->s1 mb1``,
 ``allreduce_grads s0``, ...) on the same streams, plus what only a measurement sees: the time a
 rank sat in a receive (``recv`` stream, category ``recv``). A send's slice runs from its isend
 to the completion of its ``wait()`` in the SendReaper thread (gloo: the bytes left this rank).
@@ -70,7 +70,7 @@ class NoRecorder:
 
 def slices(events: list[tuple]) -> list[tuple[str, str, int, int, str]]:
     """One rank's iteration as trace slices ``(stream, name, start_ns, dur_ns, category)``, named
-    and placed as the simulator does (``simulator/engine.py``), receives on a ``recv`` stream."""
+    and placed as the simulator does (``simulator/transfers.py``), receives on a ``recv`` stream."""
     out = []
     for kind, s, k, peer, start, end in events:
         dur = max(0, end - start)

@@ -36,65 +36,27 @@ Why not torch's: FSDP2's ``CPUOffloadPolicy`` keeps whole parameter shards on th
 all of a module's parameters per use (no fixed pool of w slots, no step overlapped with the
 backward); torchao's ``CPUOffloadOptimizer`` keeps every weight on the device (ZeRO-Offload).
 
-``nvme``: the streamed layers' Adam/SGD state lives in file-backed tensors (``torch.from_file``,
-shared mmap, §III-G). Each file is unlinked as soon as it is mapped and the directory removed
-right after set-up: the mapping keeps the blocks until the process exits, so nothing is left
-behind however the rank ends (an ``os._exit`` or SIGKILL runs no atexit handler or finalizer).
+Window (here) holds the slots' contract: passes, fetches, releases and the copy engines. Its
+mixins: executor.window_slots (the records and the saved-weight hooks), executor.window_grads
+(gradient copies and the CPU steps, §III-E1) and executor.window_host (host master copies and
+optimizer state, on NVMe as file-backed tensors, §III-G).
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import queue
-import shutil
-import tempfile
 import threading
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from executor.memtrack import HOST, NVME
+from executor.window_grads import WindowGrads
+from executor.window_host import WindowHost
+from executor.window_slots import WindowSaved, _Fetch, _Layer, _Slot
 
 
-class _Saved:
-    """A saved tensor that lived in a slot: re-made from the layer's current slot on unpack."""
-    __slots__ = ("layer", "param", "size", "stride", "offset")
-
-    def __init__(self, layer, param, size, stride, offset):
-        self.layer, self.param, self.size, self.stride, self.offset = layer, param, size, stride, offset
-
-
-class _Layer:
-    def __init__(self, index: int, params: list, pos: int):
-        self.index, self.params, self.pos = index, params, pos  # pos: place in the forward order
-        self.spans, off = [], 0  # (offset, numel) of each parameter in a slot / the host buffers
-        self.shapes = [p.shape for p in params]  # a released parameter's own shape is (0,)
-        for p in params:
-            self.spans.append((off, p.numel()))
-            off += p.numel()
-        self.numel = off
-        self.slot = None
-        self.ready: _Fetch | None = None  # the fetch that brings it into ``slot``
-        self.bound = False  # parameters point into the slot
-        self.left = 0  # parameters whose gradient this backward has still to accumulate
-
-
-class _Slot:
-    def __init__(self, i: int, wbuf: torch.Tensor, gbuf: torch.Tensor):
-        self.i, self.wbuf, self.gbuf = i, wbuf, gbuf
-        self.layer: _Layer | None = None
-        self.gbuf_free = threading.Event()  # no gradient copy of this slot is pending
-        self.gbuf_free.set()
-
-
-class _Fetch:
-    def __init__(self):
-        self.done = threading.Event()  # CPU: copied; CUDA: issued (``event`` marks the copy)
-        self.event = None
-
-
-class Window:
+class Window(WindowSaved, WindowGrads, WindowHost):
     def __init__(self, layers, streamed: list[int], window: int, microbatches: int, device: torch.device,
                  make_optimizer, dtype: torch.dtype, nvme: bool = False, nvme_dir: str | None = None,
                  tracker=None, record: bool = False, cpu_threads: int | None = None):
@@ -117,19 +79,7 @@ class Window:
         self.by_index = {L.index: L for L in self.order}
         self.by_param = {id(p): L for L in self.order for p in L.params}
         largest = max(L.numel for L in self.order)
-        # host master weights and gradient accumulators: one flat buffer per layer, parameters
-        # as views (one copy per fetch); pinned on CUDA so copies are asynchronous DMA
-        for L in self.order:
-            L.host_w = torch.empty(L.numel, dtype=dtype, pin_memory=self.cuda)
-            L.host_g = torch.zeros(L.numel, dtype=dtype)
-            hp = []
-            for p, (o, n) in zip(L.params, L.spans):
-                L.host_w[o:o + n].copy_(p.detach().reshape(-1))
-                q = torch.nn.Parameter(L.host_w[o:o + n].view(p.shape))
-                q.grad = L.host_g[o:o + n].view(p.shape)
-                hp.append(q)
-            L.host_params = hp
-            L.optimizer = make_optimizer(hp)
+        self._host_copies(make_optimizer, dtype)
         self.nvme_bytes = 0
         if nvme:
             self._state_on_nvme(nvme_dir)
@@ -243,40 +193,6 @@ class Window:
             self._fetch(self.order[j + self.w], L.slot, self._compute_event(), self.k)
         return y
 
-    def _enter_backward(self, L: _Layer) -> None:
-        p = len(self.order) - 1 - L.pos  # position in the backward order
-        if p >= self.w:  # the layer whose release fetches this one must have been queued
-            self._queue_out(self.pass_order[p - self.w])
-        self._acquire(L)
-        slot = L.slot
-        while not slot.gbuf_free.wait(0.5):  # the slot's previous gradient copy has read it
-            self._check()
-        slot.gbuf[:L.numel].zero_()
-        for q, (o, n), shape in zip(L.params, L.spans, L.shapes):
-            q.grad = slot.gbuf[o:o + n].view(shape)
-        L.left = len(L.params)
-
-    def _accumulated(self, p) -> None:
-        """post_accumulate_grad_hook: once all of a layer's gradients are in, copy them out."""
-        L = self.by_param[id(p)]
-        if self.kind != "B" or L.left <= 0:
-            return
-        L.left -= 1
-        if L.left == 0:
-            self._queue_out(L)
-
-    def _queue_out(self, L: _Layer) -> None:
-        with self._lock:
-            if L.index in self.queued:
-                return
-            self.queued.add(L.index)
-            L.left = 0
-            p = len(self.order) - 1 - L.pos
-            nxt = self.pass_order[p + self.w] if p + self.w < len(self.order) else None
-            L.slot.gbuf_free.clear()
-            self._log("d2h", L, self.k)
-            self._d2h_q.put((L, L.slot, self._compute_event(), nxt, self.backwards == self.m, self.k))
-
     # ---- copy engines --------------------------------------------------------------------------
     def _compute_event(self):
         if not self.cuda:
@@ -308,139 +224,6 @@ class Window:
             slot.wbuf[:L.numel].copy_(L.host_w)
         f.done.set()
 
-    def _copy_out(self, L: _Layer, slot: _Slot, after, nxt: _Layer | None, last: bool, k: int) -> None:
-        src = slot.gbuf[:L.numel]
-        if self.cuda:  # one staging buffer suffices: this thread adds before the next copy
-            with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
-                self.d2h.wait_event(after)
-                self.staging[:L.numel].copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self.d2h)
-            done.synchronize()
-            src = self.staging[:L.numel]
-        L.host_g.add_(src)  # microbatch order: this queue is FIFO and passes run one at a time
-        slot.gbuf_free.set()
-        if last:  # STRONGHOLD §III-E1: the layer's update overlaps the rest of the backward
-            self.steps.append(self.pool.submit(L.optimizer.step))
-            self._log("step", L, k)
-        if nxt is not None:  # the gradients are home: the slot takes the next layer
-            self._fetch(nxt, slot, None, k)
-
     def _check(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"window copy engine failed: {self._error!r}") from self._error
-
-    # ---- saved weights -------------------------------------------------------------------------
-    def _pack(self, t: torch.Tensor):
-        slot = self.by_storage.get(t.untyped_storage().data_ptr()) if t.device == self.device else None
-        if slot is None or slot.layer is None or t.dtype != self.dtype:
-            return t
-        off = t.storage_offset()
-        for i, (o, n) in enumerate(slot.layer.spans):
-            if o <= off < o + n:
-                return _Saved(slot.layer, i, t.size(), t.stride(), off - o)
-        return t
-
-    @staticmethod
-    def _unpack(saved):
-        if not isinstance(saved, _Saved):
-            return saved
-        L = saved.layer
-        if not L.bound:
-            raise RuntimeError(f"window: layer {L.index}'s weights are needed but not in a slot")
-        base = L.params[saved.param].data
-        return base.as_strided(saved.size, saved.stride, base.storage_offset() + saved.offset)
-
-    # ---- iteration -------------------------------------------------------------------------------
-    def zero_grad(self) -> None:
-        for L in self.order:
-            L.host_g.zero_()
-        self.backwards = 0
-
-    def step(self) -> None:
-        """Wait for the copies and the CPU steps; every slot is stale after them."""
-        self._d2h_q.join()
-        self._check()
-        steps, self.steps = self.steps, []
-        for f in steps:
-            f.result()
-        with self._lock:
-            self._h2d_q.join()
-            for s in self.slots:
-                if s.layer is not None:
-                    self._unbind(s.layer)
-                    s.layer.slot = s.layer.ready = None
-                    s.layer = None
-        tracker = self.tracker()
-        if tracker is not None:
-            for v in self.state_tensors():
-                tracker.tag(v, NVME if self._on_nvme(v) else HOST)
-
-    def state_tensors(self):
-        for L in self.order:
-            for state in L.optimizer.state.values():
-                for v in state.values():
-                    if isinstance(v, torch.Tensor):
-                        yield v
-
-    def tag(self, tracker) -> None:
-        """File the pool (device parameters/gradients) and the host side with ``tracker``."""
-        for s in self.slots:
-            tracker.tag(s.wbuf, "parameters")
-            tracker.tag(s.gbuf, "gradients")
-        for L in self.order:
-            tracker.tag(L.host_w, HOST)
-            tracker.tag(L.host_g, HOST)
-        if self.cuda:
-            tracker.tag(self.staging, HOST)
-        for v in self.state_tensors():
-            tracker.tag(v, NVME if self._on_nvme(v) else HOST)
-
-    def host_state(self, p) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(master weight, accumulated gradient) of a streamed parameter, or None."""
-        L = self.by_param.get(id(p))
-        if L is None:
-            return None
-        q = L.host_params[[id(x) for x in L.params].index(id(p))]
-        return q.detach(), q.grad
-
-    # ---- NVMe (§III-G) ---------------------------------------------------------------------------
-    def _state_on_nvme(self, where: str | None) -> None:
-        """Pre-populate each layer optimizer's state with file-backed tensors: torch's Adam and
-        SGD create state only for parameters without any (Adam: ``len(state) == 0``)."""
-        path = tempfile.mkdtemp(prefix="memwall-nvme-", dir=where)
-        gone = weakref.finalize(self, shutil.rmtree, path, True)  # an exception below: no leftovers
-        self._nvme_storages: set[int] = set()
-        try:
-            for L in self.order:
-                opt = L.optimizer
-                for group in opt.param_groups:
-                    for q in group["params"]:
-                        st = opt.state[q]
-                        if isinstance(opt, torch.optim.Adam):
-                            fused = group.get("fused") or group.get("capturable")
-                            # Adam._init_group: a float32 tensor on the parameter's device when
-                            # fused, else a default-dtype scalar tensor on the CPU
-                            st["step"] = (torch.zeros((), dtype=torch.float32, device=q.device) if fused
-                                          else torch.tensor(0.0, dtype=torch.get_default_dtype()))
-                            keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-                        elif isinstance(opt, torch.optim.SGD) and group["momentum"]:
-                            keys = ["momentum_buffer"]  # zeros: 0·μ + g equals the clone of g
-                        else:
-                            raise ValueError(f"nvme: optimizer {type(opt).__name__} has no known state layout")
-                        for key in keys:
-                            st[key] = self._file_tensor(path, q)
-            os.rmdir(path)  # every file is unlinked already: see the module docstring
-        finally:
-            gone()
-
-    def _file_tensor(self, path: str, like: torch.Tensor) -> torch.Tensor:
-        name = os.path.join(path, f"{len(self._nvme_storages)}.bin")
-        t = torch.from_file(name, shared=True, size=like.numel(), dtype=like.dtype)
-        os.unlink(name)  # the shared mapping keeps the blocks until this process unmaps them
-        self._nvme_storages.add(t.untyped_storage().data_ptr())
-        self.nvme_bytes += t.untyped_storage().nbytes()
-        return t.view(like.shape).zero_()
-
-    def _on_nvme(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in getattr(self, "_nvme_storages", ())

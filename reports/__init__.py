@@ -2,7 +2,10 @@
 
     reports.files     atomic writes with unique temp names; stale temp files cleaned
     reports.outputs   plan.json / results.json / trace.json / figures / sweep summary / console table
-    reports.figures   matplotlib figures built from Results and traces (no I/O)
+    reports.figure_base     byte units, colours, device ranges shared by the figures
+    reports.figures_run     memory.png and timeline.png of one run (no I/O)
+    reports.figures_compare compare.png and the prediction-error histograms (no I/O)
+    reports.figures_sweep   a sweep's summary.png and MAP's time-vs-budget curve (no I/O)
     reports.progress  progress bars on a terminal
     reports.profile_io  profile.json, the symbolic-profile cache, CAPTURE's JSONL run log
 

@@ -1,5 +1,5 @@
 """The one module that writes files: plan.json, results.json, trace.json, the figures
-(memory.png, timeline.png, compare.png, summary.png; drawn by reports.figures), a sweep's
+(memory.png, timeline.png, compare.png, summary.png; drawn by reports.figures_*), a sweep's
 summary.csv, and the console table.
 
 Plans and results are plain JSON (pydantic dumps), never pickle, so files are safe to load.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from reports import figures
+from reports import figure_base, figures_compare, figures_run, figures_sweep
 from reports.files import atomic_write, write_text
 from specs.plan import Plan
 from specs.result import Result
@@ -37,9 +37,9 @@ def save_figure(path: Path, fig) -> Path:
 
 def write_figures(outdir: Path, result: Result, trace: dict | None = None) -> list[Path]:
     """memory.png (+ timeline.png when there is a trace, i.e. estimator=simulator)."""
-    paths = [save_figure(Path(outdir) / "memory.png", figures.memory_figure(result))]
+    paths = [save_figure(Path(outdir) / "memory.png", figures_run.memory_figure(result))]
     if trace is not None:
-        paths.append(save_figure(Path(outdir) / "timeline.png", figures.timeline_figure(trace, result)))
+        paths.append(save_figure(Path(outdir) / "timeline.png", figures_run.timeline_figure(trace, result)))
     return paths
 
 
@@ -58,7 +58,7 @@ def write_run(outdir: Path, plan: Plan, result: Result, trace: dict | None = Non
 def write_compare_figure(path: Path, simulated: Result, measured: Result) -> Path:
     """compare.png: predicted vs measured peak per rank (y = x, error statistics), error per rank
     and iteration time side by side. Devices are matched by device id."""
-    return save_figure(path, figures.compare_figure(simulated, measured))
+    return save_figure(path, figures_compare.compare_figure(simulated, measured))
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -91,16 +91,16 @@ def load_result(path: Path) -> Result:
     return Result.model_validate(read_json_strict(path))
 
 
-_ranges = figures.device_ranges
+_ranges = figure_base.device_ranges
 TABLE_HEADER = ("device", "stage", "layers", "peak GiB", "cap GiB", "use %", "OOM")
 
 
 def table_units(result: Result) -> tuple[tuple[str, float], tuple[str, float]]:
     """(unit, bytes per unit) for the peak column and for the capacity column, each picked from the
-    column's largest value (figures.byte_unit): a CPU run reads 'peak MiB', a DGX run 'peak GiB'."""
+    column's largest value (figure_base.byte_unit): a CPU run reads 'peak MiB', a DGX run 'peak GiB'."""
     peak = max((d.peak_bytes for d in result.devices), default=0)
     cap = max((d.capacity_bytes for d in result.devices), default=0)
-    return figures.byte_unit(peak), figures.byte_unit(cap)
+    return figure_base.byte_unit(peak), figure_base.byte_unit(cap)
 
 
 def table_header(result: Result) -> tuple[str, ...]:
@@ -132,7 +132,7 @@ def table_rows(result: Result) -> list[tuple[bool, tuple[str, ...]]]:
         stages = ",".join(str(s) for s in d.stages)
         layers = ",".join(f"{a}-{b - 1}" for a, b in d.layers)
         use = 100.0 * d.peak_bytes / d.capacity_bytes if d.capacity_bytes else 0.0
-        oom = f"OOM +{figures.human_bytes(d.oom_over_bytes)}" if d.oom else ""
+        oom = f"OOM +{figure_base.human_bytes(d.oom_over_bytes)}" if d.oom else ""
         out.append((d.oom, (_ranges(devices), stages, layers, f"{d.peak_bytes / peak_scale:.2f}",
                             f"{d.capacity_bytes / cap_scale:.1f}", _use_pct(use), oom)))
     return out
@@ -266,7 +266,7 @@ def write_sweep_summary(sweep_dir: Path, jobs: list[tuple[str, list[str], Path]]
     write_text(path, buf.getvalue())
     paths = [path]
     if rows:
-        paths.append(save_figure(sweep_dir / "summary.png", figures.summary_figure(rows, swept)))
+        paths.append(save_figure(sweep_dir / "summary.png", figures_sweep.summary_figure(rows, swept)))
     return paths
 
 
@@ -284,10 +284,10 @@ def find_jobs(sweep_dir: Path) -> list[tuple[str, Path]]:
 
 def write_prediction_error(outdir: Path, report: BaseModel) -> list[Path]:
     """prediction_error.json (the report, a calibration.prediction_error.PredictionErrorReport) and
-    prediction_error.png (Fig. 7-style histograms, reports.figures.prediction_error_figure)."""
+    prediction_error.png (Fig. 7-style histograms, reports.figures_compare.prediction_error_figure)."""
     outdir = Path(outdir)
     errors = {name: (e.per_device_errors, e.per_plan_errors) for name, e in report.predictors.items()}
     title = (f"{report.model} on {report.hardware} ({report.schedule}): {len(report.plans)} random plans measured "
              f"by the {report.measured_by}; CAPTURE profiled with the {report.profile_backend}")
     return [write_json(outdir / "prediction_error.json", report),
-            save_figure(outdir / "prediction_error.png", figures.prediction_error_figure(errors, title=title))]
+            save_figure(outdir / "prediction_error.png", figures_compare.prediction_error_figure(errors, title=title))]

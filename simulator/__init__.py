@@ -6,7 +6,10 @@ number of simpy events processed. Pure: no I/O, no clocks, no global state; same
 byte-identical ``result.model_dump_json()`` and ``json.dumps(trace, sort_keys=True)``.
 
 Modules: stagecost (ns/bytes from costs), links (FIFO-booked links and copy engines),
-memory (step functions, peak, OOM), engine (the simpy processes), trace, report (Result).
+memory (step functions, peak, OOM), engine (the simpy processes: walk — the schedule's passes,
+transfers — sends, swaps and D2D stripes, optimizer — all-reduce and optimizer steps), window
+(STRONGHOLD's window walk), sharded + sharded_layer (MAP stages), trace, report (Result), and
+analytic (the closed-form estimator).
 """
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],
         fwd_ns=ns(sh.run.fwd_s), bwd_ns=ns(sh.run.bwd_s), layers=layers, simple=True,
         # the stage input is held from forward to backward (rotor's walk counts it as the caller's);
-        # a released output lives until its send is done (engine._send frees it)
+        # a released output lives until its send is done (simulator.transfers._send frees it)
         fwd_alloc_bytes=sh.act_bytes + sh.sent_output_bytes, act_bytes=sh.act_bytes,
         sent_output_bytes=sh.sent_output_bytes,
         workspace_bytes=sh.run.workspace_bytes,

@@ -50,7 +50,7 @@ def pct(predicted: float, measured: float) -> float:
     return 100.0 * (predicted - measured) / measured if measured else float("nan")
 
 
-#: trace slice name -> (action, stage): names as simulator/engine.py and executor/timeline.py write them
+#: trace slice name -> (action, stage): names as the simulator (walk, transfers, optimizer) and executor/timeline.py write them
 _PATTERNS = (
     (re.compile(r"^F s(\d+) mb\d+$"), "forward"),
     (re.compile(r"^B s(\d+) mb\d+$"), "backward"),

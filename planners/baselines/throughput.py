@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
-from planners.baselines.stagetable import Placed, StageTable
+from planners.baselines.stage_place import Placed
+from planners.baselines.stagetable import StageTable
 from specs.plan import Plan
 
 #: the exact DP runs when Σ_layer (L − layer) · N · configs stays below this (~3 s on one core)

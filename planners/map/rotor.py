@@ -28,8 +28,8 @@ from typing import Callable
 import numpy as np
 
 from costs.rotor import INF, Chain, Segment, simulate_peak
-from planners.map.problem import IlpProblem, IlpSolution
 from planners.map.ilp import solve as solve_ilp
+from planners.map.problem import IlpProblem, IlpSolution
 
 
 @dataclass(frozen=True)

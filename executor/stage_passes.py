@@ -1,0 +1,111 @@
+"""A stage's forward and backward passes: a microbatch's rows, each layer run as its memory
+action says (kept, recomputed under ``torch.utils.checkpoint``, its saved tensors swapped out by
+executor.swap, or streamed through a STRONGHOLD window, executor.window), a MAP stage's
+checkpoint segments (executor.map_stage), and the backward from the loss or a received gradient.
+
+StagePasses is a mixin of executor.stage.StageRuntime: it reads the runtime's layers, window,
+swapper, boundaries and microbatch tables set up there."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from executor import user_model
+from executor.boundary import run_backward
+from executor.megatron_tp import loss_context
+from specs.plan import MemoryAction, stage_for_microbatch
+
+SWAPS = (MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme)  # executor.swap
+
+
+class StagePasses:
+    """Forward/backward of executor.stage.StageRuntime (a mixin: the state is the runtime's)."""
+
+    def _microbatch(self, batch: dict, k: int) -> dict:
+        base = k * self.plan.training.samples_per_microbatch
+        lo, hi = base + self.rows[0], base + self.rows[1]
+        need = set()
+        if self.first:
+            need |= {"ids", "token_types", "images"}
+        if self.last:
+            need.add("targets")
+        # keys of a user's own model (family torch_module) may be read by any layer: every stage gets them
+        need |= {key for key in batch if key not in ("ids", "token_types", "images", "targets")}
+        # clone: a loader hands each rank its own rows, not a view of the global batch; values that
+        # are not per sample (a user model's (1, s) position ids) go whole (user_model.Batch)
+        return {key: v.clone().to(self.torch_device)
+                for key, v in user_model.microbatch(batch, lo, hi).items() if key in need}
+
+    def run_as(self, k: int) -> list:
+        """(global layer index, module, memory action) of each layer for microbatch ``k``."""
+        found = self._run_as.get(k % self._period)
+        if found is None:
+            variant = stage_for_microbatch(self.stage, k)
+            found = self._run_as[k % self._period] = [(i, mod, variant.action_of(i).action) for i, _, mod in self.layers]
+        return found
+
+    def forward(self, k: int, x: torch.Tensor | None, batch: dict) -> None:
+        mb = self._microbatch(batch, k)
+        if isinstance(x, torch.Tensor):  # a pytree boundary comes with requires_grad set (user_model.assemble)
+            x.requires_grad_(True)
+        self.inputs[k] = x
+        if self.swapper is not None:
+            self.swapper.begin_forward(k, x)
+        with self.window.pass_("F", k) if self.window is not None else contextlib.nullcontext():
+            y = self._layers_forward(k, x, mb)
+        if self.last:
+            self.loss_sum += float(y.detach()) * self.loss_scale
+            y = y * self.loss_scale
+        self.outputs[k] = y
+
+    def _layers_forward(self, k: int, y, mb: dict):
+        if self.map is not None:  # MAP: rotor's checkpoint segments over DTensor layers (executor.map_exec)
+            return self.map.forward(y, mb)
+        for i, mod, action in self.run_as(k):
+            if self.window is not None and self.window.streams(i):  # executor.window
+                recompute = action is MemoryAction.recompute
+                y = self.window.forward_layer(
+                    i, (lambda y=y, mod=mod: checkpoint(mod, y, mb, use_reentrant=False)) if recompute
+                    else (lambda y=y, mod=mod: mod(y, mb)), recompute)
+            elif action is MemoryAction.recompute:
+                y = checkpoint(mod, y, mb, use_reentrant=False)
+            elif action in SWAPS:  # saved tensors leave the device at the layer's end (executor.swap)
+                with self.swapper.layer(k, i):
+                    y = mod(y, mb)
+            else:
+                y = mod(y, mb)
+        return y
+
+    def swap_in(self, k: int) -> None:
+        """The schedule's ``swap_in`` entries: prefetch microbatch ``k``'s first swapped layer."""
+        if self.swapper is not None:
+            self.swapper.swap_in(k)
+
+    def backward(self, k: int, grad: torch.Tensor | None) -> None:
+        y = self.outputs.pop(k)
+        if self.swapper is not None:
+            self.swapper.begin_backward(k)
+        with self.window.pass_("B", k) if self.window is not None else contextlib.nullcontext():
+            self._run_backward(y, grad)
+        if self.swapper is not None:
+            self.swapper.end_backward(k)
+        for p in self.params:  # accumulation may have replaced a grad tensor: keep it filed
+            self.tracker.tag(p.grad, "gradients")
+        x = self.inputs.pop(k)
+        if self.bounds is not None:
+            self.grad_to_send = user_model.input_grads(x) if x is not None else None
+        else:
+            self.grad_to_send = x.grad if x is not None else None
+
+    def _run_backward(self, y, grad) -> None:
+        if self.last:
+            with loss_context(self.vocab_parallel):
+                y.backward()
+        elif self.bounds is not None:
+            user_model.backward(y, grad, self.release_outputs)
+        elif self.release_outputs:
+            run_backward([y], [grad])
+        else:
+            y.backward(grad)

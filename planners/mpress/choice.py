@@ -1,0 +1,140 @@
+"""Which technique a layer gets (MPress §III-B step 3: "a simple cost model, which compares the
+time cost of different optimizations"; §III-D: the initial assignment, cheapest first).
+
+- :func:`marginal_cost_s`: a technique's extra seconds per microbatch given what the stage
+  already swaps (Table III plus the forwards' swap stalls), and :func:`options`, cheapest first;
+- :func:`reason`: the why text a choice is logged with;
+- :func:`fill`: the greedy per-layer assignment of the over-full stages, cheapest per saved byte;
+- :func:`initial_assignment`: the facts read off the base's schedule and the first fill.
+
+Pure: no I/O, no clocks; they read and edit a planners/mpress/assign.py ``Assignment``.
+"""
+from __future__ import annotations
+
+from planners.mpress.assign import Assignment
+from planners.mpress.facts import CPU, D2D, RC, layer_facts
+from planners.mpress.mapping import Mapping
+import costs.layer_time
+from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
+from specs.plan import MemoryAction, Plan
+
+
+def channel_s(st: Assignment, s: int, action: MemoryAction, actions=None) -> float:
+    """One direction of stage ``s``'s ``action`` channel per microbatch, in seconds."""
+    acts = st.actions if actions is None else actions
+    f = st.facts
+    return sum((f[k].cpu_s if action is CPU else f[k].d2d_s) for k, a in acts.items() if k[0] == s and a is action)
+
+
+def marginal_cost_s(st: Assignment, key: tuple[int, int], action: MemoryAction) -> float:
+    """Extra seconds per microbatch of giving ``key`` ``action`` now: its own unhidden time
+    plus the stall it adds to its stage's forwards (:func:`stall_s`)."""
+    fact = st.facts[key]
+    cost = fact.cost_s(action)
+    if action in (CPU, D2D):
+        used = channel_s(st, key[0], action)
+        one = fact.cpu_s if action is CPU else fact.d2d_s
+        cost += stall_s(st, key[0], used + one) - stall_s(st, key[0], used)
+    return cost
+
+
+def stall_s(st: Assignment, s: int, channel_s: float) -> float:
+    """Mean wait per microbatch of stage ``s`` whose swap-outs take ``channel_s`` per
+    microbatch: a forward waits for the previous microbatch's swap-outs (simulator, executor),
+    so the warm-up forwards (back to back, one per in-flight microbatch) wait for what exceeds
+    a forward, the steady-state ones for what exceeds a forward and a backward."""
+    m, n = st.plan.training.microbatches, min(st.in_flight[s], st.plan.training.microbatches)
+    f, fb = st.fwd_s[s], st.fwd_s[s] + st.bwd_s[s]
+    return (n * max(0.0, channel_s - f) + (m - n) * max(0.0, channel_s - fb)) / m
+
+
+def options(st: Assignment, key: tuple[int, int], techniques) -> list[tuple[float, MemoryAction]]:
+    """(marginal cost, technique) for ``key``, cheapest first (ties: D2D, CPU, recompute); D2D
+    only where the spare peer memory left holds some of it."""
+    out = []
+    for a in techniques:
+        if a is D2D and st.stripes_for(key) is None:
+            continue
+        out.append((marginal_cost_s(st, key, a), a))
+    return sorted(out, key=lambda x: (x[0], [D2D, CPU, RC].index(x[1])))
+
+
+def reason(st: Assignment, key, action: MemoryAction, cost_s: float) -> str:
+    f = st.facts[key]
+    live = f"live {f.live_s * 1e3:.1f} ms"
+    if action is RC:
+        return f"recompute: one more forward, {f.fwd_s * 1e3:.2f} ms, is the cheapest ({live})"
+    one = f.cpu_s if action is CPU else f.d2d_s
+    where = "PCIe" if action is CPU else "NVLink stripes"
+    hid = "hides in" if 2 * one <= f.live_s else "does not hide in"
+    every = st.period.get(key, 1)
+    which = f"; every {every}th microbatch (the peers' spare memory holds no more)" if every > 1 else ""
+    return (f"{action.value}: round trip 2 x {one * 1e3:.2f} ms over {where} {hid} its {live}; "
+            f"extra {cost_s * 1e3:.2f} ms/microbatch{which}")
+
+
+def cheapest_layer(st: Assignment, s: int, techniques):
+    """The layer of stage ``s`` without an action that is cheapest per saved byte to compact
+    (ties: the longer-lived, then the lower layer): (rank, key, technique, cost), or None."""
+    best = None
+    for l in st.plan.stages[s].layers:
+        key = (s, l)
+        if key in st.actions:
+            continue
+        opts = options(st, key, techniques)
+        if not opts:
+            continue
+        cost, a = opts[0]
+        f = st.facts[key]
+        rank = (cost / max(f.saved_bytes, 1), -f.live_s, l)
+        if best is None or rank < best[0]:
+            best = (rank, key, a, cost)
+    return best
+
+
+def fill(st: Assignment, over: dict[int, int], techniques) -> bool:
+    """Assign layers of over-full stages, cheapest per saved byte first (§III-D initial
+    assignment), until the closed form fits each stage's capacity less its margin. Returns
+    whether anything changed."""
+    changed = False
+    stuck: set[int] = set()
+    while True:
+        need = {s: o for s, o in over.items() if o > 0 and s not in stuck}
+        if not need:
+            return changed
+        for s in sorted(need):
+            best = cheapest_layer(st, s, techniques)
+            if best is None:
+                if CPU in techniques and s not in st.opt_swap:
+                    # every layer's activations are compacted and the stage is still over:
+                    # GPU-CPU swap of model data (§II-D), the optimizer state first (used by
+                    # the step alone, so it can be away for the whole forward and backward)
+                    st.opt_swap.add(s)
+                    st.opt_why[s] = ("optimizer state swapped to host between steps: the "
+                                     "stage is over capacity with every layer compacted")
+                    changed = True
+                else:
+                    stuck.add(s)
+                continue
+            _, key, a, cost = best
+            st.set(key, a, "")
+            st.why[key] = reason(st, key, a, cost)
+            changed = True
+        over = st.over()
+
+
+def initial_assignment(base: Plan, model: ModelSpec, hardware: HardwareSpec, trace: dict, mapping: Mapping,
+                       allowed: list, capacity: int, spare: list) -> Assignment:
+    """The layers' facts from the base's simulated schedule (``trace``) and the §III-D initial
+    assignment of the stages over ``capacity``: recompute and CPU swap, D2D replaces the costliest
+    later; a D2D-only policy (the paper's "D2D swap" baseline) places D2D from the start."""
+    facts = layer_facts(base, model, hardware, trace, mapping)
+    st = Assignment(base, model, facts, mapping, allowed, capacity)
+    st.spare_left = {t: int(spare[t]) for t in range(len(spare))}
+    passes = [costs.layer_time.stage_pass_times_s(model, base, hardware, stage) for stage in base.stages]
+    st.fwd_s = {s: f for s, (f, _) in enumerate(passes)}
+    st.bwd_s = {s: b for s, (_, b) in enumerate(passes)}
+    initial = [a for a in allowed if a is not D2D] or allowed
+    fill(st, st.over(), initial)
+    return st

@@ -1,0 +1,85 @@
+"""What each layer's techniques cost, read off the base pipeline's simulated schedule (MPress
+§III-B step 3's cost model: Table III; §III-D footnotes 1-2: live intervals, a swap's unhidden time).
+
+:class:`LayerFacts`, per layer of a stage: its saved bytes, its live interval (the shortest
+forward-end -> backward-start over the microbatches) and the one-way time of a CPU and a D2D swap.
+
+Pure: no I/O, no clocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planners.mpress.mapping import Mapping
+import costs.activations
+import costs.collectives
+import costs.layer_time
+import costs.params
+from specs.hardware import HardwareSpec, LinkSpec
+from specs.model import ModelSpec
+from specs.plan import MemoryAction, Plan
+
+KEEP, RC, CPU, D2D = MemoryAction.keep, MemoryAction.recompute, MemoryAction.cpu_swap, MemoryAction.d2d_swap
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    stage: int
+    layer: int
+    saved_bytes: int        # activations the layer keeps for backward, one microbatch
+    fwd_s: float            # one more forward: recompute's price
+    live_s: float           # shortest forward-end -> backward-start over the microbatches
+    cpu_s: float            # one direction of a CPU swap (PCIe shared by the switch's GPUs)
+    d2d_s: float            # one direction of a D2D swap striped over the stage's targets (inf: none)
+
+    def cost_s(self, action: MemoryAction) -> float:
+        """Extra time per microbatch, before channel queueing (Table III; footnote 2: a swap
+        costs its round trip less the live interval it hides in)."""
+        if action is RC:
+            return self.fwd_s
+        one_way = self.cpu_s if action is CPU else self.d2d_s
+        return max(0.0, 2 * one_way - self.live_s)
+
+
+def _pass_times(trace: dict) -> dict[tuple[str, int, int], int]:
+    """(F|B, stage, microbatch) -> start ns, from the simulator's compute slices."""
+    from simulator.trace import x_slices
+
+    out = {}
+    for _, name, start, _, cat in x_slices(trace):
+        if cat in ("forward", "backward"):
+            kind, s, mb = name.split()
+            out[(kind, int(s[1:]), int(mb[2:]))] = start
+    return out
+
+
+def layer_facts(plan: Plan, model: ModelSpec, hardware: HardwareSpec, trace: dict, mapping: Mapping) -> dict:
+    """LayerFacts per (stage, layer) from the base plan's simulated schedule."""
+    starts = _pass_times(trace)
+    m = plan.training.microbatches
+    p = len(plan.stages)
+    share = min(hardware.host.gpus_per_pcie_switch, p)  # every stage may swap at once
+    pcie = LinkSpec(kind="pcie", bw_gbps=hardware.host.pcie_gbps / share, latency_s=hardware.host.pcie_latency_s)
+    out = {}
+    for s, stage in enumerate(plan.stages):
+        b = costs.params.samples_per_replica(plan, stage)
+        times = [costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l)[:2] for l in stage.layers]
+        links = [hardware.link(mapping.device_of_stage[s], mapping.device_of_stage[t]) for t, _ in mapping.targets[s]]
+        lat = max((link.latency_s for link in links), default=0.0)
+        for j, l in enumerate(stage.layers):
+            nbytes = costs.activations.layer_saved_bytes(model.layers[l], b, stage.tp)
+            fwd_done = sum(f for f, _ in times[: j + 1])
+            bwd_after = sum(bb for _, bb in times[j + 1:])
+            live = min(((starts[("B", s, k)] - starts[("F", s, k)]) / 1e9 - fwd_done + bwd_after
+                        for k in range(m) if ("B", s, k) in starts and ("F", s, k) in starts), default=0.0)
+            d2d = _striped_s(nbytes, links, [w for _, w in mapping.targets[s]], lat) if links else float("inf")
+            out[(s, l)] = LayerFacts(stage=s, layer=l, saved_bytes=nbytes, fwd_s=times[j][0], live_s=max(live, 0.0),
+                                     cpu_s=costs.collectives.transfer_s(nbytes, pcie), d2d_s=d2d)
+    return out
+
+
+def _striped_s(nbytes: int, links: list, weights: list[float], latency_s: float) -> float:
+    """One direction of a tensor striped by ``weights`` over ``links`` (MPress §III-C): the
+    slowest stripe decides."""
+    total = sum(weights)
+    return latency_s + max(nbytes * w / total / (link.total_bw_gbps * 1e9) for link, w in zip(links, weights))

@@ -1,0 +1,214 @@
+"""The shell's planning step: the plan for a composed config (any planner, the user's policy
+knobs validated first), the planner's own report (mpress.json, map.json, stronghold.json,
+planners.json) and its console lines, and the simulated or analytic prediction of the plan.
+Shell level (beside modes.py, which calls it for every mode)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from model_costs import capture_profile_for, model_spec
+from planners import PlanningError, make_plan, verdict
+from planners.capture.planner import capture_space_check
+from reports.figure_base import human_bytes
+from reports.outputs import write_json
+from reports.progress import after
+from runconfig import RunConfig, UsageError
+from simulator.analytic import estimate
+from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
+from specs.plan import Plan, PlanError
+from specs.result import Result
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
+    """This host's CPU feature flags (x86 ``flags``, Arm ``Features``), None where unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
+    """Model spec and validated plan for the composed config (any planner error -> UsageError).
+    policy=capture first loads its profile from the cache, or profiles now (see capture_profile_for)."""
+    from specs.dtype_support import dtype_warning
+
+    if (warning := dtype_warning(cfg.hardware.device, cfg.training.precision.value, cpu_flags(),
+                                 cfg.hardware.name)) is not None:
+        print(warning, flush=True)  # a dtype the CPU cannot run fast: said, never silent (issue #11)
+    model = model_spec(cfg)
+    try:
+        if cfg.policy.kind == "capture":  # refuse a space with no plan before minutes of profiling
+            capture_space_check(model, cfg.hardware)
+        profile = capture_profile_for(cfg, outdir) if cfg.policy.kind == "capture" else None
+        with after("planning") as progress:  # a bar only if the search runs past ~2 s
+            if cfg.policy.kind == "mpress":
+                return model, _plan_mpress(cfg, model, outdir, progress)
+            if cfg.policy.kind == "stronghold":
+                return model, _plan_stronghold(cfg, model, outdir)
+            if cfg.policy.kind == "map":
+                return model, _plan_map(cfg, model, outdir, progress)
+            plan = make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile, progress)
+    except (PlanningError, PlanError) as exc:
+        raise UsageError(f"policy {cfg.policy.kind!r} cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
+    if cfg.estimator == "simulator":
+        from simulator import size_problem
+
+        if (problem := size_problem(plan)) is not None:
+            raise UsageError(problem)
+    fit = verdict(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, plan)
+    if not fit.fits:  # the planner returned its closest plan: say plainly that nothing fits, and what would
+        print(fit.text(), flush=True)
+    return model, plan
+
+
+def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
+    """policy=mpress: its emulator already simulated the plan, so the fit comes from the simulated
+    timelines (a D2D target's peak and its held stripes need not coincide; the closed-form verdict
+    would add them). Writes mpress.json: per stage, which layers got which technique and why."""
+    from planners.mpress.planner import mpress_search, report, summary_lines
+
+    profile = None
+    if cfg.policy.partition == "capture":  # CAPTURE's partition: its profile first (cached)
+        from planners.mpress.planner import capture_policy
+
+        profile = capture_profile_for(cfg.model_copy(update={"policy": capture_policy()}), outdir)
+    outcome = mpress_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress, profile)
+    return _publish(cfg, model, outdir, outcome, "mpress.json", report(outcome), summary_lines(outcome),
+                    "MPress compacted every layer it could")
+
+
+def _publish(cfg: RunConfig, model: ModelSpec, outdir: Path, outcome, name: str, report: dict, lines: list[str],
+             why: str) -> Plan:
+    """A searching planner's outcome: its validated plan, its report file, its summary lines and,
+    when nothing fits, that plainly with the closest plan."""
+    from specs.plan import validate_plan
+
+    plan = validate_plan(outcome.plan, model, cfg.hardware)
+    write_json(outdir / name, report)
+    for line in lines:
+        print(line, flush=True)
+    if not outcome.fits:
+        print(f"NO PLAN FITS: {why}; the plan below is the closest (see {outdir / name})", flush=True)
+    return plan
+
+
+def _plan_stronghold(cfg: RunConfig, model: ModelSpec, outdir: Path) -> Plan:
+    """policy=stronghold: writes stronghold.json (per stage the window, every window priced, the
+    per-layer times behind it and the bottleneck) and prints its summary."""
+    from planners.stronghold.planner import report, stronghold_search, summary_lines
+
+    outcome = stronghold_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
+    return _publish(cfg, model, outdir, outcome, "stronghold.json", report(outcome), summary_lines(outcome),
+                    "even the smallest window (or the host tier) does not fit")
+
+
+def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
+    """policy=map: writes map.json (per stage the mesh, the solve, §5.3's budgets tried, the rounds
+    against the simulator) and prints its summary. ``model`` carries its op graphs (model_spec
+    attaches them for policy=map)."""
+    from planners.map.plan import map_search, report, summary_lines
+
+    outcome = map_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress)
+    return _publish(cfg, model, outdir, outcome, "map.json", report(outcome), summary_lines(outcome),
+                    "no strategy choice with checkpointing meets the memory budget")
+
+
+def predict(cfg: RunConfig, plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Result:
+    if cfg.estimator == "analytic":
+        return estimate(plan, model, hardware)
+    from simulator import simulate
+
+    return simulate(plan, model, hardware).result
+
+
+def planner_report(cfg: RunConfig, model: ModelSpec, plan: Plan, result: Result, outdir: Path) -> dict:
+    """CAPTURE's plan against the throughput-centric baseline on one footing (CAPTURE Fig. 6/8):
+    peaks, the peak reduction and the throughput loss; with policy.smallest_hardware also the
+    fewest nodes on which each planner's plan still fits (Fig. 9). Writes planners.json."""
+    from planners.capture.planner import predict_devices, stats_from_profile
+    from planners.policy import ThroughputPolicy
+
+    pol = cfg.policy
+    baseline = ThroughputPolicy(recompute=pol.recompute, pipeline_only=pol.pipeline_only)
+    try:
+        tplan = make_plan(baseline, model, cfg.hardware, cfg.training, cfg.schedule)
+    except (PlanningError, PlanError) as exc:
+        raise UsageError(f"the throughput baseline cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
+    tres = predict(cfg, tplan, model, cfg.hardware)
+    stats = stats_from_profile(capture_profile_for(cfg, outdir).capture)
+    entry = lambda p, r, extra: {"plan_id": p.id, "stages": [[s.layer_start, s.layer_stop, s.dp, s.tp] for s in p.stages],  # noqa: E731
+                                 "peak_bytes": r.max_peak_bytes, "min_peak_bytes": min(d.peak_bytes for d in r.devices),
+                                 "oom_devices": len(r.oom_devices),
+                                 "over_bytes": max((d.oom_over_bytes for d in r.devices), default=0),
+                                 "iteration_time_s": r.iteration_time_s,
+                                 "samples_per_s": r.samples_per_s, **extra}
+    report = {
+        "model": model.name, "hardware": cfg.hardware.name, "schedule": cfg.schedule.kind.value,
+        "source": result.source, "pipeline_only": pol.pipeline_only,
+        "capture": entry(plan, result, {"predicted_peak_bytes": max(predict_devices(plan, stats).values())}),
+        "throughput": entry(tplan, tres, {}),
+        "peak_reduction_pct": 100.0 * (tres.max_peak_bytes - result.max_peak_bytes) / tres.max_peak_bytes,
+        "throughput_loss_pct": 100.0 * (tres.samples_per_s - result.samples_per_s) / tres.samples_per_s,
+    }
+    if pol.smallest_hardware:
+        report["smallest_fit"] = smallest_fit(cfg, model, stats, baseline, outdir)
+    write_json(outdir / "planners.json", report)
+    print(planner_lines(report, cfg.hardware, outdir / "planners.json"))
+    return report
+
+
+def planner_lines(report: dict, hardware: HardwareSpec, path: Path) -> str:
+    """planners.json for a person: a line per planner, the reduction and loss, and what they
+    mean when a plan does not fit (a peak reduction between plans that OOM is no saving)."""
+    cap, thr = report["capture"], report["throughput"]
+
+    def line(name: str, e: dict, extra: str = "") -> str:
+        oom = (f", OOM on {e['oom_devices']} device(s)" if e["oom_devices"] else ", fits")
+        return (f"{name:<10} peak {human_bytes(e['peak_bytes'], 2)}{extra}, {e['samples_per_s']:.4g} samples/s, "
+                f"{len(e['stages'])} stages{oom}")
+
+    lines = [line("CAPTURE", cap, f" (predicted {human_bytes(cap['predicted_peak_bytes'], 2)})"),
+             line("throughput", thr),
+             (f"peak reduction {report['peak_reduction_pct']:+.1f} %, throughput loss "
+              f"{report['throughput_loss_pct']:+.1f} % ({report['source']}); wrote {path}")]
+    ooms = [(n, e) for n, e in (("CAPTURE", cap), ("throughput", thr)) if e["oom_devices"]]
+    if ooms:
+        over = ", ".join(f"{n} over by {human_bytes(e['over_bytes'])} on {e['oom_devices']} device(s)"
+                         for n, e in ooms)
+        who = "both plans run" if len(ooms) == 2 else f"the {ooms[0][0]} plan runs"
+        lines.append(f"note: {who} out of memory ({over}): the peak reduction is between plans "
+                     + ("that do not fit" if len(ooms) == 2 else "of which one does not fit"))
+    for name, fit in report.get("smallest_fit", {}).items():
+        label = "CAPTURE" if name == "capture" else name
+        if fit is None:
+            lines.append(f"smallest hardware under {label}: no node count up to {hardware.nodes} fits")
+        else:
+            lines.append(f"smallest hardware under {label}: {fit['nodes']} node(s) = {fit['devices']} devices, "
+                         f"peak {human_bytes(fit['peak_bytes'], 2)}, {fit['samples_per_s']:.4g} samples/s")
+    return "\n".join(lines)
+
+
+def smallest_fit(cfg: RunConfig, model: ModelSpec, stats, baseline, outdir: Path) -> dict:
+    """Fewest nodes (of cfg.hardware's kind) on which each planner's plan fits (CAPTURE Fig. 9).
+    CAPTURE's per-device statistics do not depend on the node count, so one profile serves all."""
+    found: dict[str, dict | None] = {"capture": None, "throughput": None}
+    for nodes in range(1, cfg.hardware.nodes + 1):
+        hw = cfg.hardware.model_copy(update={"nodes": nodes, "inter_node": cfg.hardware.inter_node})
+        for name, policy in (("capture", cfg.policy), ("throughput", baseline)):
+            if found[name] is not None:
+                continue
+            try:
+                plan = make_plan(policy, model, hw, cfg.training, cfg.schedule, capture_profile_for(cfg, outdir))
+            except (PlanningError, PlanError):
+                continue
+            res = predict(cfg, plan, model, hw)
+            if not res.oom_devices:
+                found[name] = {"nodes": nodes, "devices": hw.num_devices, "peak_bytes": res.max_peak_bytes,
+                               "samples_per_s": res.samples_per_s}
+    return found

@@ -1,0 +1,154 @@
+"""The end of the iteration, mixed into simulator.engine.Engine: the gradient all-reduce booked on
+the dp ring's links (blocking after the flush, or per-layer buckets overlapping the last backward,
+PyTorch DDP, Li et al. VLDB'20 §3.2.3) and the optimizer step in each of its forms — in place, a
+STRONGHOLD window's step, streamed through the device in chunks (MPress §II-D: GPU-CPU swap of
+model data), or offloaded to the CPU (ZeRO-Offload, Ren et al. ATC'21 §4).
+"""
+from __future__ import annotations
+
+import simpy
+
+from simulator.memory import BUFFERS, OPTIM
+from simulator.stagecost import StageCost
+from specs.plan import MemoryAction
+from specs.schedule import ActionKind
+
+_AR, _OPT = ActionKind.allreduce_grads, ActionKind.optimizer_step
+
+
+class OptimizerEvents:
+    """All-reduce and optimizer events (the Engine's state: env, links, mem, trace, windows, ...)."""
+
+    def _iteration_end(self, w, kind: ActionKind, sc: StageCost, s: int):
+        """An allreduce_grads or optimizer_step entry of position ``w``'s walk (walk.Walker)."""
+        if kind is _OPT and sc.opt_chunks:
+            w.busy += yield from self._swapped_step(w.pos, sc)
+        elif kind is _OPT and sc.window is not None:
+            yield from self._window_step(w, sc, s)
+        elif kind is _OPT and any(sc.offload_ns):
+            w.busy += yield from self._offloaded_step(sc)
+        else:
+            yield from self._blocking(w, kind, sc, s)
+
+    def _blocking(self, w, kind: ActionKind, sc: StageCost, s: int):
+        """The gradient all-reduce or an in-place optimizer step, holding the compute stream."""
+        env = self.env
+        dur = sc.allreduce_ns if kind is _AR else sc.optimizer_ns
+        flat = sc.allreduce_buffer_bytes if kind is _AR else 0
+        w.mem.add(env.now, BUFFERS, flat)  # the flat gradient copy being all-reduced
+        t0 = env.now
+        if kind is _AR and dur:
+            dur = self._allreduce_wait_ns(s, sc, t0)  # booked on the ring's links
+        if dur:
+            yield env.timeout(dur)
+            self.events += 1
+            w.busy += dur
+            self.trace.slice(w.rep, "collective" if kind is _AR else "compute", f"{kind.value} s{s}",
+                             t0, dur, kind.value)
+        w.mem.add(env.now, BUFFERS, -flat)
+
+    def _window_step(self, w, sc: StageCost, s: int):
+        """A STRONGHOLD stage's step, as its window walks it (simulator/window.py)."""
+        t0 = self.env.now
+        w.busy += yield from self._drive(self.windows[s].step(), w.rep)
+        self.trace.slice(w.rep, "compute", f"optimizer_step s{s}", t0, self.env.now - t0, "optimizer_step")
+
+    def _offloaded_step(self, sc: StageCost):
+        """ZeRO-Offload's step (Ren et al. ATC'21 §4): the accumulated gradients to the host, CPU
+        Adam on every parameter, the updated weights back, one after the other on the host link
+        and the node's CPU (STRONGHOLD §VI-B: its transfers and CPU step do not overlap)."""
+        env, node, t0 = self.env, self.hardware.node_of(sc.rep), self.env.now
+        out, cpu, back = sc.offload_ns
+        _, e1 = self.links.reserve((("d2h", self._switch(sc.rep)),), out, t0)
+        _, e2 = self.links.reserve((("cpu", node),), cpu, e1)
+        s3, e3 = self.links.reserve((("h2d", self._switch(sc.rep)),), back, e2)
+        self.trace.slice(sc.rep, "cpu", f"cpu step s{sc.index}", e2 - cpu, cpu, "optimizer_step")
+        yield env.timeout(e3 - t0)
+        self.events += 1
+        self.trace.slice(sc.rep, "compute", f"optimizer_step s{sc.index} (offloaded)", t0, e3 - t0, "optimizer_step")
+        return e3 - t0
+
+    # ---- optimizer swap (MPress §II-D: GPU-CPU swap of model data) ------------------------------
+    def _chunk_in(self, pos: int, sc: StageCost, j: int) -> simpy.Event:
+        now = self.env.now
+        self.mem[pos].add(now, OPTIM, sc.opt_chunks[j])  # the device buffer exists from the issue
+        start, end = self.links.reserve((("h2d", self._switch(sc.rep)),), sc.opt_chunk_ns[j], now)
+        self.trace.slice(sc.rep, "h2d", f"optimizer in s{sc.index} part {j}", start, sc.opt_chunk_ns[j], "swap")
+        return self._later(end - now)
+
+    def _chunk_out(self, pos: int, sc: StageCost, j: int, nbytes: int) -> int:
+        """Copy stepped chunk ``j`` back to the host; its device buffer goes when the copy ends,
+        which is returned."""
+        mem = self.mem[pos]
+        start, end = self.links.reserve((("d2h", self._switch(sc.rep)),), sc.opt_chunk_ns[j], self.env.now)
+        self.trace.slice(sc.rep, "d2h", f"optimizer out s{sc.index} part {j}", start, sc.opt_chunk_ns[j], "swap")
+        self._later(end - self.env.now, lambda _e, n=nbytes: mem.add(self.env.now, OPTIM, -n))
+        return end
+
+    def _swapped_step(self, pos: int, sc: StageCost):
+        """The update streamed layer by layer: chunk j+1 comes in while chunk j is stepped, and
+        each stepped chunk goes back out (costs.static.optimizer_swap_chunks). The position waits for the
+        last copy-out: the next iteration's forwards would otherwise peak with state on the device."""
+        env = self.env
+        total = sum(sc.opt_chunks)
+        ready = self._chunk_in(pos, sc, 0)
+        last_out = env.now
+        busy = 0
+        for j, nbytes in enumerate(sc.opt_chunks):
+            yield ready
+            if j + 1 < len(sc.opt_chunks):
+                ready = self._chunk_in(pos, sc, j + 1)
+            step_ns = sc.optimizer_ns * nbytes // total
+            t0 = env.now
+            yield env.timeout(step_ns)
+            busy += step_ns
+            self.trace.slice(sc.rep, "compute", f"optimizer_step s{sc.index} part {j}", t0, step_ns, "optimizer_step")
+            end = self._chunk_out(pos, sc, j, nbytes)
+            last_out = max(last_out, end)
+        self.events += 2 * len(sc.opt_chunks)
+        if last_out > env.now:
+            yield env.timeout(last_out - env.now)
+        return busy
+
+    # ---- gradient all-reduce on the links ----------------------------------------------------
+    def _ar_resources(self, s: int) -> tuple:
+        """Link resources the representative's dp ring occupies: its hop to the next replica and
+        the hop in from the previous one (stage devices are replica-major, TP ranks inside)."""
+        stage = self.plan.stages[s]
+        rep, tp = stage.devices[0], stage.tp
+        nxt, prv = stage.devices[tp % len(stage.devices)], stage.devices[-tp]
+        res: list = []
+        for a, b in ((rep, nxt), (prv, rep)):
+            if a != b:
+                res.extend(r for r in self.links.route(a, b)[1] if r not in res)
+        return tuple(res)
+
+    def _backward_done(self, s: int, sc: StageCost, t0: int) -> None:
+        """Overlapped mode: count stage ``s``'s backwards; the last microbatch's (started at
+        ``t0``) books the buckets."""
+        self._bwd_count[s] = self._bwd_count.get(s, 0) + 1
+        if self._bwd_count[s] == self.plan.training.microbatches:
+            self._book_ar_buckets(s, sc, t0)
+
+    def _book_ar_buckets(self, s: int, sc: StageCost, t0: int) -> None:
+        """Overlapped mode: issue one bucket per layer as the last backward (started at ``t0``)
+        finishes that layer, last layer first; buckets queue FIFO on the ring's links."""
+        res, ready, end = self._ar_resources(s), t0, t0
+        for lc, dur in zip(reversed(sc.layers), reversed(sc.ar_buckets_ns)):
+            ready += lc.bwd_ns + (lc.recompute_ns if lc.action is MemoryAction.recompute else 0)
+            _, end = self.links.reserve(res, dur, min(ready, self.env.now))
+        self._ar_end[s] = end
+        self.trace.slice(self.costs[s].rep, "collective", f"allreduce_grads s{s} (buckets)", t0,
+                         end - t0, "allreduce_grads")
+
+    def _allreduce_wait_ns(self, s: int, sc: StageCost, now: int) -> int:
+        """Nanoseconds the position waits at its allreduce_grads entry: until the overlapped
+        buckets are done, or for the blocking all-reduce booked on the links now; any other
+        collective in ``allreduce_ns`` (the tied-embedding group) follows, blocking."""
+        rest = max(sc.allreduce_ns - sc.dp_allreduce_ns, 0)
+        if not sc.dp_allreduce_ns:
+            return rest
+        if self.overlap_dp_allreduce and s in self._ar_end:
+            return max(self._ar_end[s] - now, 0) + rest
+        _, end = self.links.reserve(self._ar_resources(s), sc.dp_allreduce_ns, now)
+        return end - now + rest

@@ -1,0 +1,169 @@
+"""Transfers, mixed into simulator.engine.Engine: point-to-point sends and the receives that wait
+for them (a mailbox of simpy events), the release of sent outputs, and the swap-out / swap-in
+copies of saved activations — to host memory or NVMe over PCIe, or striped over peer devices'
+memory (MPress §IV-C d2d swap). Each copy is booked on the links (links.py) and completes as one
+simpy timeout; the compute stream waits only where a receive or a backward needs the data.
+"""
+from __future__ import annotations
+
+from simulator.links import pcie_switch
+from simulator.memory import ACTS, SWAPPED
+from simulator.stagecost import StageCost, ns
+import costs.collectives
+from specs.hardware import RENDEZVOUS_KINDS
+from specs.plan import MemoryAction
+from specs.schedule import Action, ActionKind, pairs
+
+_SA = ActionKind.send_act
+
+
+class Transfers:
+    """Sends, receives and swap copies (the Engine's state: env, links, mem, _mail, ...)."""
+
+    # ---- point to point ------------------------------------------------------------------------
+    def _transfer_ns(self, nbytes: int, a: int, b: int) -> tuple[int, tuple]:
+        link, res = self.links.route(a, b)
+        key = (a, b, nbytes)
+        dur = self._xfer_ns.get(key)
+        if dur is None:
+            dur = self._xfer_ns[key] = ns(costs.collectives.transfer_s(nbytes, link))
+        return dur, res
+
+    def _send(self, a: Action, sc: StageCost, rep: int) -> None:
+        now = self.env.now
+        fwd = a.kind is _SA
+        nbytes = sc.act_out_bytes if fwd else sc.grad_out_bytes
+        dst = self.costs[a.peer_stage].rep
+        end = now
+        if dst != rep and nbytes:
+            dur, res = self._transfer_ns(nbytes, rep, dst)
+            start, end = self.links.reserve(res, dur, now)
+            self.trace.slice(rep, "send_fwd" if fwd else "send_bwd",
+                             f"{'act' if fwd else 'grad'} s{a.stage}->s{a.peer_stage} mb{a.microbatch}",
+                             start, dur, "p2p")
+        arrived = self._later(end - now)
+        key = pairs(a)
+        waiting = self._mail.pop(key, None)
+        if fwd and sc.sent_output_bytes:
+            self._release_sent(key, sc, rep, dst, end, waiting)
+        if waiting is None:
+            self._mail[key] = arrived
+        else:  # the receiver is already blocked on a placeholder event
+            arrived.callbacks.append(lambda _e, w=waiting: w.succeed())
+
+    def _release_sent(self, key: tuple, sc: StageCost, rep: int, dst: int, end: int, waiting) -> None:
+        """A released output (Megatron's deallocate_output_tensor) is held by its send alone
+        until the transfer ends; over a rendezvous link (gloo, specs.hardware.RENDEZVOUS_KINDS)
+        also until the receive is posted, which the receiver does where it consumes it
+        (executor.worker._walk): a fast stage feeding a slow one then holds several."""
+        link = self.links.route(rep, dst)[0] if dst != rep else None
+        if waiting is not None or link is None or link.kind not in RENDEZVOUS_KINDS:
+            self._free_acts(sc.position, end, sc.sent_output_bytes)
+        else:  # freed once the receiver gets to its receive (see _recv)
+            self._unreceived[key] = (sc.position, end, sc.sent_output_bytes)
+
+    def _recv(self, a: Action):
+        """Block the walk until the matching send's data has arrived."""
+        env = self.env
+        key = pairs(a)
+        sent = self._unreceived.pop(key, None)
+        if sent is not None:  # the sender's released output goes once this receive is posted
+            self._free_acts(sent[0], max(sent[1], env.now), sent[2])
+        ev = self._mail.pop(key, None)
+        if ev is None:
+            ev = self._mail[key] = env.event()
+            self.events += 1
+        yield ev
+
+    def _free_acts(self, pos: int, t_ns: int, nbytes: int) -> None:
+        """Release ``nbytes`` of activations on position ``pos`` at time ``t_ns`` (now or later)."""
+        mem, now = self.mem[pos], self.env.now
+        if t_ns > now:
+            self._later(t_ns - now, lambda _e: mem.add(self.env.now, ACTS, -nbytes))
+        else:
+            mem.add(now, ACTS, -nbytes)
+
+    # ---- activation swap -----------------------------------------------------------------------
+    def _stripes(self, nbytes: int, targets: tuple[tuple[int, float], ...]) -> list[tuple[int, int]]:
+        """Split ``nbytes`` over d2d targets proportionally to weight (MPress §IV-C striping);
+        rounding as the analytic estimator does, the last stripe takes the remainder."""
+        total = sum(w for _, w in targets)
+        out, left = [], nbytes
+        for j, (dev, w) in enumerate(targets):
+            part = left if j == len(targets) - 1 else round(nbytes * w / total)
+            out.append((dev, part))
+            left -= part
+        return out
+
+    def _switch(self, device: int) -> int:
+        return pcie_switch(self.hardware, device)
+
+    def _swap_out(self, pos: int, sc: StageCost, k: int, layer: int) -> None:
+        """Copy a layer's saved activations off the device; the source is freed when the copy has
+        finished, and the stage's next forward waits for it (walk.py _wait_swap_out)."""
+        lc = sc.layers[layer - sc.layers[0].layer]
+        now = self.env.now
+        nbytes = lc.saved_bytes
+        if lc.action is MemoryAction.d2d_swap:
+            end = self._d2d_out(sc, k, layer, nbytes, lc.targets, now)
+        else:
+            end = self._host_out(pos, sc, k, layer, lc.action, nbytes, now)
+        self._swap_out_end[(sc.index, k, layer)] = end
+        self._swapped_out[sc.index] = max(self._swapped_out.get(sc.index, 0), end)
+        self._free_acts(pos, end, nbytes)  # the source is freed when the copy has finished
+
+    def _d2d_out(self, sc: StageCost, k: int, layer: int, nbytes: int, targets, now: int) -> int:
+        """Stripes to the peers' memory; returns when the last one lands."""
+        end = now
+        for dev, part in self._stripes(nbytes, targets):
+            dur, res = self._transfer_ns(part, sc.rep, dev)
+            start, e = self.links.reserve(res, dur, now)
+            self._extra(dev).add(now, SWAPPED, part)  # the peer's buffer is allocated at enqueue
+            self.trace.slice(sc.rep, f"peer->{dev}", f"swap_out L{layer} mb{k}", start, dur, "swap")
+            end = max(end, e)
+        return end
+
+    def _host_out(self, pos: int, sc: StageCost, k: int, layer: int, action: MemoryAction, nbytes: int,
+                  now: int) -> int:
+        """One copy to pinned host memory (or NVMe, at the drive's rate); returns when it ends."""
+        link = self._nvme if action is MemoryAction.nvme else self._pcie
+        dur = ns(costs.collectives.transfer_s(nbytes, link))
+        start, end = self.links.reserve((("d2h", self._switch(sc.rep)),), dur, now)
+        self.trace.slice(sc.rep, "d2h", f"swap_out L{layer} mb{k}", start, dur, "swap")
+        self._host(pos, nbytes)  # pinned host buffer reserved at enqueue
+        return end
+
+    def _swap_in(self, pos: int, sc: StageCost, k: int, layer: int) -> None:
+        """Copy a layer's saved activations back, not before its swap-out has ended; the event a
+        backward waits on goes in ``_swap_in_done``."""
+        lc = sc.layers[layer - sc.layers[0].layer]
+        now, nbytes = self.env.now, lc.saved_bytes
+        earliest = max(now, self._swap_out_end.pop((sc.index, k, layer)))
+        self.mem[pos].add(now, SWAPPED, nbytes)  # destination allocated when the copy is enqueued
+        if lc.action is MemoryAction.d2d_swap:
+            done = self._d2d_in(sc, k, layer, nbytes, lc.targets, now, earliest)
+        else:
+            done = self._host_in(pos, sc, k, layer, lc.action, nbytes, now, earliest)
+        self._swap_in_done[(sc.index, k, layer)] = done
+
+    def _d2d_in(self, sc: StageCost, k: int, layer: int, nbytes: int, targets, now: int, earliest: int):
+        """Stripes back from the peers, each peer's buffer freed as its stripe lands."""
+        env = self.env
+        end = now
+        for dev, part in self._stripes(nbytes, targets):
+            dur, res = self._transfer_ns(part, dev, sc.rep)
+            start, e = self.links.reserve(res, dur, earliest)
+            tl = self._extra(dev)
+            self._later(e - now, lambda _e, tl=tl, part=part: tl.add(env.now, SWAPPED, -part))
+            self.trace.slice(sc.rep, f"peer->{dev}", f"swap_in L{layer} mb{k}", start, dur, "swap")
+            end = max(end, e)
+        return self._later(end - now)
+
+    def _host_in(self, pos: int, sc: StageCost, k: int, layer: int, action: MemoryAction, nbytes: int, now: int,
+                 earliest: int):
+        """One copy from host memory (or NVMe); the pinned host buffer is freed when it ends."""
+        link = self._nvme if action is MemoryAction.nvme else self._pcie
+        dur = ns(costs.collectives.transfer_s(nbytes, link))
+        start, end = self.links.reserve((("h2d", self._switch(sc.rep)),), dur, earliest)
+        self.trace.slice(sc.rep, "h2d", f"swap_in L{layer} mb{k}", start, dur, "swap")
+        return self._later(end - now, lambda _e: self._host(pos, -nbytes))

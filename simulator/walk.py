@@ -1,0 +1,202 @@
+"""The schedule walk, mixed into simulator.engine.Engine: one simpy process per pipeline position
+steps through its action list, one method per action kind. Here are the passes' compute events
+(forward, backward, the layer-by-layer backward of a stage that swaps or recomputes, a STRONGHOLD
+window's segments), PipeDream's weight stashing (PipeDream §3.3) and the prefetch policy of
+swapped layers (MPress §IV); sends, receives and copies are in transfers.py, the all-reduce and
+optimizer step in optimizer.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simulator.memory import ACTS, BUFFERS, STASHED, SWAPPED, Timeline
+from simulator.stagecost import SWAPS, StageCost
+from specs.plan import MemoryAction
+from specs.schedule import Action, ActionKind
+
+_F, _B = ActionKind.forward, ActionKind.backward
+_SA, _SG, _RA, _RG = ActionKind.send_act, ActionKind.send_grad, ActionKind.recv_act, ActionKind.recv_grad
+_SO, _SI, _RC = ActionKind.swap_out, ActionKind.swap_in, ActionKind.recompute
+_AR, _OPT = ActionKind.allreduce_grads, ActionKind.optimizer_step
+
+
+@dataclass
+class Walker:
+    """One position's walk: its representative device and memory, and what the walk tallies."""
+
+    pos: int
+    rep: int
+    mem: Timeline
+    in_flight: dict[int, int] = field(default_factory=dict)  # stage -> microbatches forwarded, not yet backward
+    graded: set[int] = field(default_factory=set)  # stages whose first backward has ended
+    busy: int = 0  # nanoseconds the compute stream was held
+
+
+class ScheduleWalk:
+    """The walking process and its compute events (the Engine's state: env, mem, trace, costs, ...)."""
+
+    def _walk(self, pos: int):
+        w = Walker(pos, self.costs[pos].rep, self.mem[pos])
+        for a in self.schedule[pos]:
+            yield from self._act(w, a)
+        self.finish_ns[pos] = self.env.now
+        self.busy_ns[pos] = w.busy
+
+    def _act(self, w: Walker, a: Action):
+        """One action of the list, with its stage's costs as its microbatch sees them."""
+        kind, s, k = a.kind, a.stage, a.microbatch
+        sc = self.costs[s] if k is None else self._cost(s, k)
+        if kind is _F:
+            yield from self._forward(w, sc, s, k)
+        elif kind is _B:
+            yield from self._backward(w, sc, s, k)
+        elif kind is _SA or kind is _SG:
+            self._send(a, sc, w.rep)
+        elif kind is _RA or kind is _RG:
+            yield from self._recv(a)
+        elif kind is _SO:
+            self._swap_out(w.pos, sc, k, a.layer)
+        elif kind is _SI:
+            self._swap_in_entry(w.pos, sc, s, k, a.layer)
+        elif kind is _RC:
+            pass  # the backward re-runs recompute layers; the entry tells the executor which
+        elif kind is _OPT or kind is _AR:
+            yield from self._iteration_end(w, kind, sc, s)
+
+    def _drive(self, segments, rep: int):
+        """Run a window's segments on the compute stream; stalls go on the trace. Returns busy ns
+        (a stall holds the compute stream, as a swap-out wait does)."""
+        busy = 0
+        for kind, dur, label in segments:
+            t0 = self.env.now
+            yield self.env.timeout(dur)
+            self.events += 1
+            busy += dur
+            if kind == "stall":
+                self.trace.slice(rep, "compute", label, t0, dur, "stall")
+        return busy
+
+    # ---- forward -------------------------------------------------------------------------------
+    def _forward(self, w: Walker, sc: StageCost, s: int, k: int):
+        env = self.env
+        yield from self._wait_swap_out(w, s, k)
+        t0 = env.now
+        if self._stash:
+            self._stash_weights(w, sc, s, t0)
+        if sc.window is not None:
+            w.busy += yield from self._drive(self.windows[s].forward(k), w.rep)
+        else:
+            yield env.timeout(sc.fwd_ns)
+            self.events += 1
+            w.busy += sc.fwd_ns
+        self.trace.slice(w.rep, "compute", f"F s{s} mb{k}", t0, env.now - t0, "forward")
+        w.mem.add(env.now, ACTS, sc.fwd_alloc_bytes)  # activations exist once the pass ends
+
+    def _wait_swap_out(self, w: Walker, s: int, k: int):
+        """A forward waits for the previous microbatch's swap-outs (executor.swap does the same): a
+        copy channel slower than the forwards then stalls compute, as MPress §II-D measures for
+        GPU-CPU swap, instead of piling up device memory."""
+        env = self.env
+        drained = self._swapped_out.get(s, 0)
+        if drained > env.now:
+            t_wait = env.now
+            yield env.timeout(drained - env.now)
+            self.events += 1
+            self.trace.slice(w.rep, "compute", f"wait swap-out s{s} mb{k}", t_wait, env.now - t_wait, "stall")
+            w.busy += env.now - t_wait  # the compute stream is held: PipeDream's steady state counts it
+
+    def _stash_weights(self, w: Walker, sc: StageCost, s: int, t0: int) -> None:
+        """Weight stashing: every in-flight microbatch but the newest keeps the version its forward
+        used (PipeDream §3.3)."""
+        n = w.in_flight.get(s, 0)
+        if n:
+            w.mem.add(t0, STASHED, sc.static.parameters_bytes)
+        w.in_flight[s] = n + 1
+
+    # ---- backward ------------------------------------------------------------------------------
+    def _backward(self, w: Walker, sc: StageCost, s: int, k: int):
+        env = self.env
+        t0 = env.now
+        # the backward's workspace (scratch, recomputed activations) peaks on top of every
+        # held microbatch (costs.activations.backward_workspace_bytes); it and this microbatch's
+        # activations are gone when the pass ends
+        w.mem.add(t0, ACTS, sc.workspace_bytes)
+        yield from self._backward_pass(w, sc, s, k)
+        self.trace.slice(w.rep, "compute", f"B s{s} mb{k}", t0, env.now - t0, "backward")
+        if s not in w.graded:  # the input gradient to send back exists from now on
+            w.graded.add(s)    # (costs.buffers.sent_grad_buffer_bytes)
+            w.mem.add(env.now, BUFFERS, self.costs[s].grad_buffer_bytes)
+        if self.overlap_dp_allreduce and sc.dp_allreduce_ns:
+            self._backward_done(s, sc, t0)
+        if self._stash:
+            self._unstash_weights(w, sc, s)
+
+    def _backward_pass(self, w: Walker, sc: StageCost, s: int, k: int):
+        """The pass itself: a window's segments, one timeout, or layer by layer."""
+        env = self.env
+        if sc.window is not None:
+            w.busy += yield from self._drive(self.windows[s].backward(k), w.rep)
+            w.mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
+        elif sc.simple:
+            yield env.timeout(sc.bwd_ns)
+            self.events += 1
+            w.busy += sc.bwd_ns
+            w.mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
+        else:
+            w.busy += yield from self._layered_backward(w.pos, sc, k)
+
+    def _unstash_weights(self, w: Walker, sc: StageCost, s: int) -> None:
+        n = w.in_flight[s] - 1
+        w.in_flight[s] = n
+        if n:
+            w.mem.add(self.env.now, STASHED, -sc.static.parameters_bytes)
+
+    def _layered_backward(self, pos: int, sc: StageCost, k: int):
+        """Backward one layer at a time (last first) when a stage swaps: a recomputed layer re-runs
+        its forward first (its activations are in the stage's workspace, allocated by the caller);
+        a swapped layer waits for its prefetch. Prefetch policy: the first
+        layer the backward needs is fetched when its swap_in entry is reached (one pass ahead);
+        each further swapped layer is fetched when the backward of the previous swapped layer
+        starts — double buffering, so at most two layers' copies are on the device (MPress §IV
+        overlaps swap-in with the backward of the layers above). Returns busy nanoseconds."""
+        env, mem, busy = self.env, self.mem[pos], 0
+        for lc in reversed(sc.layers):
+            if lc.action is MemoryAction.recompute:
+                t0 = env.now
+                yield env.timeout(lc.recompute_ns)
+                self.events += 1
+                busy += lc.recompute_ns
+                self.trace.slice(sc.rep, "compute", f"recompute L{lc.layer} mb{k}", t0, lc.recompute_ns, "recompute")
+            elif lc.action in SWAPS:
+                yield from self._await_swap_in(pos, sc, k, lc.layer)
+            yield env.timeout(lc.bwd_ns)
+            self.events += 1
+            busy += lc.bwd_ns
+            if lc.action in SWAPS:
+                mem.add(env.now, SWAPPED, -lc.saved_bytes)
+        mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
+        self._prefetch.pop((sc.index, k), None)
+        return busy
+
+    # ---- prefetch of swapped layers ------------------------------------------------------------
+    def _swap_in_entry(self, pos: int, sc: StageCost, s: int, k: int, layer: int) -> None:
+        """A swap_in entry of the list: the first layer the backward needs is prefetched now, the
+        rest follow one layer ahead of the backward (see _layered_backward)."""
+        queue = self._prefetch.get((s, k))
+        if queue is None:
+            self._prefetch[(s, k)] = []
+            self._swap_in(pos, sc, k, layer)
+        else:
+            queue.append(layer)
+
+    def _await_swap_in(self, pos: int, sc: StageCost, k: int, layer: int):
+        """Before a swapped layer's backward: wait for its copy, and start the next one's."""
+        queue = self._prefetch.get((sc.index, k), [])
+        if layer in queue:  # not prefetched yet (listed out of order): fetch now
+            queue.remove(layer)
+            self._swap_in(pos, sc, k, layer)
+        ready = self._swap_in_done.pop((sc.index, k, layer), None)
+        if ready is not None:
+            yield ready
+        if queue:  # double buffering: the next swapped layer comes in while this one runs
+            self._swap_in(pos, sc, k, queue.pop(0))

@@ -1,0 +1,108 @@
+"""The plan's memory decisions: per-layer activation actions and a stage's offload policy.
+
+A layer's activations are kept, recomputed, swapped to host memory, striped over peer devices
+(d2d_swap) or spilled to NVMe (MPress §IV); :class:`LayerMemory` names the action, its targets and
+the microbatches it applies to. :class:`OffloadPolicy` puts a stage's model state in host memory
+(STRONGHOLD's window, ZeRO-Offload, MPress's optimizer swap). ``specs.plan.StagePlan`` carries
+both (``memory``, ``offload``). Types only.
+"""
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from specs._base import MAX_COUNT, Spec, finite_in
+from specs.hardware import MAX_DEVICES
+
+
+class MemoryAction(str, Enum):
+    keep = "keep"
+    recompute = "recompute"
+    cpu_swap = "cpu_swap"
+    d2d_swap = "d2d_swap"
+    nvme = "nvme"
+
+
+class D2DTarget(Spec):
+    """A peer device that holds part of a swapped tensor; bytes are striped by ``weight``
+    (MPress §IV-C: stripes proportional to the NVLink bandwidth to each peer)."""
+
+    device: int = Field(ge=0, lt=MAX_DEVICES)
+    # a stripe share relative to the other targets' (bandwidth ratios): 1e-6..1e6 keeps the sums exact
+    weight: Annotated[float, finite_in(1e-6, 1e6, lo_open=False)]
+
+
+class LayerMemory(Spec):
+    layer: int = Field(ge=0, lt=MAX_COUNT, description="global layer index")
+    action: MemoryAction
+    targets: list[D2DTarget] = Field(default_factory=list, max_length=1024)
+    # MPress decides per tensor (§III-D); a layer's in-flight microbatches are its tensors here:
+    # the action applies to microbatches k with k % microbatch_period == 0, the others keep. A
+    # finer grain than whole layers, for spare memory smaller than a layer's in-flight bytes
+    microbatch_period: int = Field(1, ge=1, le=MAX_COUNT,
+                                   description="act on every n-th microbatch (k % n == 0); the rest keep")
+
+    def applies(self, k: int) -> bool:
+        """Whether microbatch ``k``'s activations of this layer take ``action`` (else keep)."""
+        return k % self.microbatch_period == 0
+
+    @model_validator(mode="after")
+    def _targets(self) -> LayerMemory:
+        if self.action is MemoryAction.d2d_swap and not self.targets:
+            raise ValueError(f"targets: d2d_swap of layer {self.layer} needs at least one target device")
+        if self.action is not MemoryAction.d2d_swap and self.targets:
+            raise ValueError(f"targets: only d2d_swap takes targets (layer {self.layer} is {self.action.value})")
+        devices = [t.device for t in self.targets]
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"targets: a device is listed twice for layer {self.layer}: {devices}")
+        return self
+
+
+class OffloadPolicy(Spec):
+    """Model state in host memory (STRONGHOLD; ZeRO-Offload; MPress's optimizer swap).
+
+    ``window_layers`` = w (STRONGHOLD §III-C): the stage's layers other than ``resident_layers``
+    are *streamed*: their weights, gradients and optimizer state live in host memory, and their
+    weights pass through a pool of w device slots (one layer's weights + gradients each). Every
+    pass (a forward or a backward of one microbatch) walks its streamed layers in order (forward
+    ascending, backward descending); the first w of them are fetched at the pass start (those
+    already in a slot stay), each later one when the slot of the layer w places before it is
+    released: a forward releases a slot when the layer's compute ends, a backward when the
+    layer's gradients have been copied to the host. The last w layers of a pass stay (the next
+    pass starts with them: the backward of the same microbatch, or the forward after a backward).
+    Gradients of every microbatch go to the host (accumulated there); the last microbatch's
+    arrive and the CPU optimizer steps that layer at once, overlapped with the rest of the
+    backward (STRONGHOLD §III-E1). A step's updated weights make every slot stale.
+    ``resident_layers`` (absolute indices) keep weights, gradients and optimizer state on the
+    device, stepped there (the first working window and the embedding/head, §III-E1, Fig. 3).
+    ``nvme``: the streamed layers' optimizer state lives on NVMe, read and written by the CPU
+    step (§III-G). ``optimizer_on_cpu`` without a window is ZeRO-Offload: every weight on the
+    device, gradients to the host, the CPU steps after the backward, weights come back."""
+
+    window_layers: int | None = Field(None, ge=1, lt=MAX_COUNT, description="device slots for streamed layers")
+    resident_layers: list[Annotated[int, Field(ge=0, lt=MAX_COUNT)]] = Field(
+        default_factory=list, max_length=MAX_COUNT, description="layers kept on the device with a window")
+    optimizer_on_cpu: bool = False
+    nvme: bool = False
+    # MPress §II-D: GPU-CPU swap applies to all model data; optimizer state, used only by the
+    # update, is the longest-lived: it stays in host memory between steps, comes back for the
+    # (GPU) update and leaves again after it
+    optimizer_swap: bool = Field(False, description="optimizer state in host memory between steps (MPress)")
+
+    @model_validator(mode="after")
+    def _one_home(self) -> OffloadPolicy:
+        if self.optimizer_swap and (self.optimizer_on_cpu or self.window_layers is not None):
+            raise ValueError("optimizer_swap: the optimizer state already lives on the host with "
+                             "optimizer_on_cpu or window_layers; choose one")
+        if self.resident_layers and self.window_layers is None:
+            raise ValueError("resident_layers: only a window (window_layers) streams layers; without one every "
+                             "layer is resident")
+        if len(set(self.resident_layers)) != len(self.resident_layers):
+            raise ValueError(f"resident_layers: a layer is listed twice: {self.resident_layers}")
+        if self.nvme and self.window_layers is None and not self.optimizer_on_cpu:
+            raise ValueError("nvme: holds the host-side optimizer state of a window (window_layers) or of "
+                             "optimizer_on_cpu; set one of them")
+        return self
+

@@ -19,7 +19,7 @@ from pathlib import Path
 from model_costs import (
     CostsError, capture_profiling_runs, closed_form_spec, model_spec, symbolic_profile,
 )
-from planning import plan_for, planner_report
+from planning import plan_file_errors, plan_for, planner_report, report_files
 from reports.figure_base import human_bytes
 from reports.outputs import summary, write_compare_figure, write_json, write_run
 from runconfig import RunConfig, UsageError
@@ -35,16 +35,19 @@ def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
     """Plan, simulate (or estimate), write plan.json + results.json (+ trace.json) into outdir."""
     model, plan = plan_for(cfg, outdir)
     trace = None
-    if cfg.estimator == "simulator":
-        from simulator import simulate  # imported lazily: the analytic path needs no simpy
+    with plan_file_errors(cfg):
+        if cfg.estimator == "simulator":
+            from reports.progress import after
+            from simulator import simulate  # imported lazily: the analytic path needs no simpy
 
-        sim = simulate(plan, model, cfg.hardware)
-        result, trace = sim.result, sim.trace
-    else:
-        result = estimate(plan, model, cfg.hardware)
-    written = write_run(outdir, plan, result, trace)
+            with after("simulating") as progress:  # a bar only past ~2 s (simulate counts passes, no clock)
+                sim = simulate(plan, model, cfg.hardware, progress=progress)
+            result, trace = sim.result, sim.trace
+        else:
+            result = estimate(plan, model, cfg.hardware)
+    written = report_files(cfg, outdir) + write_run(outdir, plan, result, trace)
     print(summary(plan, result, written))
-    if cfg.policy.kind == "capture" and cfg.policy.compare_throughput:
+    if cfg.policy.kind == "capture" and cfg.policy.compare_throughput and cfg.plan_file is None:
         planner_report(cfg, model, plan, result, outdir)
     return result
 
@@ -152,8 +155,9 @@ def executable(cfg: RunConfig) -> RunConfig:
             f"GPUs, this machine has {torch.cuda.device_count()}. Use +hardware=local_cpu here, or run the "
             "plan on the cluster with torchrun (python -m executor.torchrun, see executor/README.md)")
     if cfg.training.precision.value != "fp32":
-        print(f"note: the executor trains in fp32; predicting for fp32 too (training.precision was "
-              f"{cfg.training.precision.value})")
+        if cfg.plan_file is None:  # with plan_file the plan's training counts (planning.plan_from_file says so)
+            print(f"note: the executor trains in fp32; predicting for fp32 too (training.precision was "
+                  f"{cfg.training.precision.value})")
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"precision": Precision.fp32})})
     return cfg
 
@@ -206,6 +210,18 @@ def write_executor_inputs(cfg: RunConfig, outdir: Path) -> list[Path]:
     return [write_json(outdir / "model.json", cfg.model), write_json(outdir / "hardware.json", cfg.hardware)]
 
 
+def pipedream_note(plan: Plan, mode: str) -> str | None:
+    """The one line mode=execute/compare print for a pipedream_async plan, which the executor runs
+    as 1F1B with a flush (executor/README.md): None for any other schedule."""
+    if plan.schedule.kind.value != "pipedream_async":
+        return None
+    ran = ("note: schedule=pipedream_async: the executor ran 1F1B with a flush in place of PipeDream's "
+           "asynchronous schedule (no weight stashing)")
+    if mode == "compare":
+        return ran + ", so simulated vs measured memory and time are not comparable and numerics are not checked"
+    return ran + ", so the measured memory and time are that schedule's, not PipeDream's"
+
+
 def run_execute(cfg: RunConfig, outdir: Path) -> Result:
     """mode=execute: simulate the plan first (pre-flight: memory, host RAM, time), run it with
     torch.distributed and write plan.json, model.json, hardware.json + measured.json."""
@@ -213,10 +229,14 @@ def run_execute(cfg: RunConfig, outdir: Path) -> Result:
 
     cfg = executable(cfg)
     model, plan = plan_for(cfg, outdir)
-    written = [write_json(outdir / "plan.json", plan), *write_executor_inputs(cfg, outdir)]
-    preflight(cfg, plan, simulate(plan, model, cfg.hardware).result)
+    written = [*report_files(cfg, outdir), write_json(outdir / "plan.json", plan), *write_executor_inputs(cfg, outdir)]
+    with plan_file_errors(cfg):
+        sim = simulate(plan, model, cfg.hardware).result
+    preflight(cfg, plan, sim)
     measured = measure(cfg, plan, outdir, model)[0]
     print(summary(plan, measured, written + [outdir / "measured.json", outdir / "trace_measured.json"]))
+    if note := pipedream_note(plan, "execute"):
+        print(note)
     return measured
 
 
@@ -233,8 +253,10 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
           + ("; the symbolic profile of the torch modules this run executes" if cfg.model_costs == "auto" else "")
           + ")")
     model, plan = plan_for(cfg, outdir)
-    sim = simulate(plan, model, cfg.hardware)
-    written = write_run(outdir, plan, sim.result, sim.trace) + write_executor_inputs(cfg, outdir)
+    with plan_file_errors(cfg):
+        sim = simulate(plan, model, cfg.hardware)
+    written = report_files(cfg, outdir) + write_run(outdir, plan, sim.result, sim.trace)
+    written += write_executor_inputs(cfg, outdir)
     preflight(cfg, plan, sim.result)
     measured, measured_trace, measured_slices, losses = measure(cfg, plan, outdir, model)
     comparison = compare(sim.result, measured)
@@ -246,7 +268,9 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
                 write_compare_figure(outdir / "compare.png", sim.result, measured)]
     print(action_table(comparison.actions))
     print(comparison_table(comparison))
-    if cfg.model.family != "torch_module":  # a user's factory need not be deterministic across processes
+    if note := pipedream_note(plan, "compare"):  # the schedule compared did not run: claim no numerics for it
+        print(note)
+    elif cfg.model.family != "torch_module":  # a user's factory need not be deterministic across processes
         from executor.reference import check_losses
 
         ok, line = check_losses(cfg.model, plan.training, losses)
@@ -303,8 +327,22 @@ MODE_RUNNERS = {
 
 
 def run(cfg: RunConfig, outdir: Path) -> Result:
-    """Run cfg.mode; a model that cannot be costed (model_costs.CostsError) is a UsageError."""
+    """Run cfg.mode; a model that cannot be costed (model_costs.CostsError) or a user's model that
+    cannot be built (executor.user_model.ModelBuildError) is a UsageError."""
     try:
         return MODE_RUNNERS[cfg.mode](cfg, outdir)
     except CostsError as exc:
         raise UsageError(str(exc)) from None
+    except ValueError as exc:
+        if _model_build_error(exc):
+            raise UsageError(str(exc)) from None
+        raise
+
+
+def _model_build_error(exc: BaseException) -> bool:
+    """``exc`` is an executor.user_model.ModelBuildError (the user's factory or kwargs). Asked of the
+    loaded module only: raising one loaded it, and importing it here would import torch for every run."""
+    import sys
+
+    user_model = sys.modules.get("executor.user_model")
+    return user_model is not None and isinstance(exc, user_model.ModelBuildError)

@@ -4,6 +4,7 @@ planners.json) and its console lines, and the simulated or analytic prediction o
 Shell level (beside modes.py, which calls it for every mode)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from model_costs import capture_profile_for, model_spec
@@ -35,9 +36,12 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
 
 def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
     """Model spec and validated plan for the composed config (any planner error -> UsageError).
-    policy=capture first loads its profile from the cache, or profiles now (see capture_profile_for)."""
+    policy=capture first loads its profile from the cache, or profiles now (see capture_profile_for).
+    With ``plan_file`` set, that plan instead of a planner's (:func:`plan_from_file`)."""
     from specs.dtype_support import dtype_warning
 
+    if cfg.plan_file is not None:
+        return plan_from_file(cfg)
     if (warning := dtype_warning(cfg.hardware.device, cfg.training.precision.value, cpu_flags(),
                                  cfg.hardware.name)) is not None:
         print(warning, flush=True)  # a dtype the CPU cannot run fast: said, never silent (issue #11)
@@ -56,6 +60,12 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
             plan = make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile, progress)
     except (PlanningError, PlanError) as exc:
         raise UsageError(f"policy {cfg.policy.kind!r} cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
+    except ValueError as exc:
+        if not simulator_refused(exc):
+            raise
+        # MAP refines against the simulator, MPress emulates with it, whatever cfg.estimator says
+        raise UsageError(f"policy {cfg.policy.kind!r} runs the discrete-event simulator while it plans (whatever "
+                         f"the estimator), which refuses this batch: {exc}") from None
     if cfg.estimator == "simulator":
         from simulator import size_problem
 
@@ -65,6 +75,95 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
     if not fit.fits:  # the planner returned its closest plan: say plainly that nothing fits, and what would
         print(fit.text(), flush=True)
     return model, plan
+
+
+def simulator_refused(exc: BaseException) -> bool:
+    """``exc`` is the simulator refusing a plan it will not walk (simulator.simulate's ValueError
+    from size_problem, which names the training fields to change), not a bug elsewhere."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return (type(exc) is ValueError and bool(frames) and frames[-1].name == "simulate"
+            and Path(frames[-1].filename).parent.name == "simulator")
+
+
+def plan_from_file(cfg: RunConfig) -> tuple[ModelSpec, Plan]:
+    """``plan_file=PATH``: the plan in that file (read strictly, specs.plan_file), checked against the
+    composed model and hardware (specs.plan.validate_plan), instead of a planner's. The plan's own
+    training and schedule are the run's (a note says so where the config's differ); mode=execute /
+    compare run it in fp32 as they run every plan. Any problem -> UsageError naming ``plan_file``
+    and the field."""
+    from pydantic import ValidationError
+
+    from model_costs import with_op_graphs
+    from reports.outputs import read_json_strict
+    from runconfig import field_errors
+    from specs.dtype_support import dtype_warning
+    from specs.plan import validate_plan
+    from specs.training import Precision
+
+    path = Path(cfg.plan_file)
+    try:
+        data = read_json_strict(path)
+    except OSError as exc:
+        raise UsageError(f"plan_file: cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # bad JSON, a repeated key, NaN, absurd nesting (named by read_json_strict)
+        raise UsageError(f"plan_file: {exc}") from None
+    try:
+        plan = Plan.model_validate(data)
+    except ValidationError as exc:
+        raise UsageError(f"plan_file: {path} is not a valid plan: {field_errors(exc)}") from None
+    if cfg.mode in ("execute", "compare") and plan.training.precision is not Precision.fp32:
+        print(f"note: the executor trains in fp32; running and predicting the plan in fp32 (its "
+              f"training.precision was {plan.training.precision.value})")
+        plan = plan.model_copy(update={"training": plan.training.model_copy(update={"precision": Precision.fp32})})
+    if (warning := dtype_warning(cfg.hardware.device, plan.training.precision.value, cpu_flags(),
+                                 cfg.hardware.name)) is not None:
+        print(warning, flush=True)
+    differ = [name for name in ("training", "schedule") if getattr(cfg, name) != getattr(plan, name)]
+    if differ:
+        print(f"note: plan_file: using the plan's {' and '.join(differ)}, not the config's "
+              f"({', '.join(_differences(getattr(cfg, n), getattr(plan, n), n) for n in differ)})", flush=True)
+    run_cfg = cfg.model_copy(update={"training": plan.training, "schedule": plan.schedule})
+    model = model_spec(run_cfg)
+    if any(st.sharding for st in plan.stages) and cfg.policy.kind != "map":  # MAP plans check against op graphs
+        try:
+            model = with_op_graphs(run_cfg, model)
+        except ValueError as exc:  # a family whose layers are not traced (custom): no MAP plan fits it
+            raise UsageError(f"plan_file: {path} has MAP-sharded stages, which need model {model.name!r}'s "
+                             f"operator graphs: {' '.join(str(exc).split())[:300]}") from None
+    try:
+        validate_plan(plan, model, cfg.hardware)
+    except PlanError as exc:
+        raise UsageError(f"plan_file: {path} does not fit model {model.name!r} on hardware {cfg.hardware.name!r}: "
+                         + "; ".join(f"{loc}: {msg}" for loc, msg in exc.errors)) from None
+    if cfg.estimator == "simulator" or cfg.mode in ("execute", "compare"):
+        from simulator import size_problem
+
+        if (problem := size_problem(plan)) is not None:
+            raise UsageError(f"plan_file: {problem}")
+    print(f"plan_file: plan {plan.id} ({plan.planner}, {len(plan.stages)} stages) from {path}, not planned", flush=True)
+    return model, plan
+
+
+@contextmanager
+def plan_file_errors(cfg: RunConfig):
+    """Around predicting a ``plan_file`` plan: the simulator's or the estimator's ValueError (a plan
+    that passed validate_plan but that they cannot price, e.g. a MAP strategy no generator gives)
+    is the file's problem, a UsageError naming it. Without plan_file, nothing is caught."""
+    try:
+        yield
+    except ValueError as exc:
+        if cfg.plan_file is None:
+            raise
+        raise UsageError(f"plan_file: {cfg.plan_file} cannot be predicted: {exc}") from None
+
+
+def _differences(ours, theirs, prefix: str) -> str:
+    """``prefix.key config -> plan`` for the fields that differ (the first few)."""
+    a, b = ours.model_dump(mode="json"), theirs.model_dump(mode="json")
+    diffs = [f"{prefix}.{k} {a[k]} -> {b[k]}" for k in a if a[k] != b.get(k)]
+    return ", ".join(diffs[:4]) + (f" and {len(diffs) - 4} more" if len(diffs) > 4 else "")
 
 
 def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
@@ -79,8 +178,19 @@ def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Pl
 
         profile = capture_profile_for(cfg.model_copy(update={"policy": capture_policy()}), outdir)
     outcome = mpress_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress, profile)
-    return _publish(cfg, model, outdir, outcome, "mpress.json", report(outcome), summary_lines(outcome),
+    return _publish(cfg, model, outdir, outcome, REPORT_FILES["mpress"], report(outcome), summary_lines(outcome),
                     "MPress compacted every layer it could")
+
+
+#: the report file each searching planner writes beside plan.json (_publish)
+REPORT_FILES = {"mpress": "mpress.json", "stronghold": "stronghold.json", "map": "map.json"}
+
+
+def report_files(cfg: RunConfig, outdir: Path) -> list[Path]:
+    """The planner's report file this run wrote (mpress.json, stronghold.json, map.json), for the
+    "wrote ..." line; none when the planner did not run (plan_file=)."""
+    name = REPORT_FILES.get(cfg.policy.kind)
+    return [outdir / name] if name and (outdir / name).exists() else []
 
 
 def _publish(cfg: RunConfig, model: ModelSpec, outdir: Path, outcome, name: str, report: dict, lines: list[str],
@@ -104,7 +214,7 @@ def _plan_stronghold(cfg: RunConfig, model: ModelSpec, outdir: Path) -> Plan:
     from planners.stronghold.planner import report, stronghold_search, summary_lines
 
     outcome = stronghold_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
-    return _publish(cfg, model, outdir, outcome, "stronghold.json", report(outcome), summary_lines(outcome),
+    return _publish(cfg, model, outdir, outcome, REPORT_FILES["stronghold"], report(outcome), summary_lines(outcome),
                     "even the smallest window (or the host tier) does not fit")
 
 
@@ -115,7 +225,7 @@ def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
     from planners.map.plan import map_search, report, summary_lines
 
     outcome = map_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress)
-    return _publish(cfg, model, outdir, outcome, "map.json", report(outcome), summary_lines(outcome),
+    return _publish(cfg, model, outdir, outcome, REPORT_FILES["map"], report(outcome), summary_lines(outcome),
                     "no strategy choice with checkpointing meets the memory budget")
 
 
@@ -124,7 +234,8 @@ def predict(cfg: RunConfig, plan: Plan, model: ModelSpec, hardware: HardwareSpec
         return estimate(plan, model, hardware)
     from simulator import simulate
 
-    return simulate(plan, model, hardware).result
+    with after("simulating") as progress:  # a bar only if the simulation runs past ~2 s (simulate counts passes)
+        return simulate(plan, model, hardware, progress=progress).result
 
 
 def planner_report(cfg: RunConfig, model: ModelSpec, plan: Plan, result: Result, outdir: Path) -> dict:

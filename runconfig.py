@@ -55,6 +55,8 @@ class RunConfig(Spec):
     # modules (execute, compare), closed forms otherwise (model_costs.costs_source)
     model_costs: Literal["auto", "closed_form", "symbolic"] = "auto"
     profile_cache: str | None = None  # symbolic-profile cache dir; None: ~/.cache/memwall/profiles
+    # a plan.json to simulate / execute / compare instead of planning (planning.plan_from_file)
+    plan_file: str | None = Field(None, min_length=1)
 
 
 class UsageError(Exception):
@@ -132,7 +134,10 @@ def validate_config(cfg: DictConfig) -> RunConfig:
         rc = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise UsageError("invalid config: " + field_errors(exc)) from None
-    if rc.mode in _PREDICTING_MODES and rc.training.precision.value != "fp32":
+    if rc.plan_file is not None and rc.mode not in ("simulate", "execute", "compare"):
+        raise UsageError(f"plan_file: mode={rc.mode} makes no plan and reads none; use mode=simulate, execute or "
+                         "compare with plan_file")
+    if rc.mode in _PREDICTING_MODES and rc.training.precision.value != "fp32" and rc.plan_file is None:
         missing = rc.hardware.device.missing_dtype(rc.training.precision.value)
         if missing is not None:
             raise UsageError(missing)

@@ -8,8 +8,16 @@ plans, ``wrong_accepted`` (validate_plan passed a plan that breaks a rule checke
 
     python benchmarks/fuzz_inputs.py --cli 300 --plans 300            # in-process, fast
     python benchmarks/fuzz_inputs.py --cli 40 --subprocess            # real `python -m run` runs
+    python benchmarks/fuzz_inputs.py --replay /tmp/fuzz_inputs_x/plan_0007_hang.json
 
-The last line is ``tracebacks=N slow=N hangs=N nonsense=N wrong_accepted=N``.
+Every failing case (a kind above other than ok/usage/rejected) is printed and saved, one JSON file
+per case under ``--out`` (default: a new temporary directory, named at the end): the exact override
+list (CLI) or the exact plan text and the base it was mutated from (plans), the seed and index,
+what was seen (detail, seconds) and the traceback, captured stderr or the error.log of an internal
+error; a hang's traceback is where the deadline found it. ``--replay FILE`` reruns that one case
+and prints what it does now (exit 0: no longer failing, 1: still failing).
+
+The last line is ``tracebacks=N slow=N hangs=N nonsense=N wrong_accepted=N multiline_errors=N``.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -110,14 +119,34 @@ def result_problem(result, cfg_hardware, precision: str) -> str | None:
     return None
 
 
-def cli_case_subprocess(args: list[str], outdir: Path, slow_s: float, kill_s: float) -> tuple[str, str, float]:
+TAIL = 20000  # characters of captured output kept in a saved case
+
+
+def _text(out) -> str:
+    return (out.decode(errors="replace") if isinstance(out, bytes) else out or "")[-TAIL:]
+
+
+def _error_log(outdir: Path, info: dict | None) -> None:
+    """An internal error's traceback (run.report_errors writes it to <outdir>/error.log) into ``info``."""
+    log = outdir / "error.log"
+    if info is not None and log.exists():
+        info["traceback"] = log.read_text()[-TAIL:]
+
+
+def cli_case_subprocess(args: list[str], outdir: Path, slow_s: float, kill_s: float,
+                        info: dict | None = None) -> tuple[str, str, float]:
+    """``info`` (optional) receives what a saved case needs: stdout, stderr, the traceback."""
+    info = {} if info is None else info
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "run", *args, f"hydra.run.dir={outdir}"], cwd=ROOT,
                               capture_output=True, text=True, timeout=kill_s)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as exc:
+        info.update(stdout=_text(exc.stdout), stderr=_text(exc.stderr))
         return "hang", f"killed after {kill_s} s", kill_s
     dt = time.perf_counter() - t0
+    info.update(stdout=_text(proc.stdout), stderr=_text(proc.stderr))
+    _error_log(outdir, info)
     err = proc.stderr.strip()
     if "Traceback" in proc.stderr or "Traceback" in proc.stdout:
         return "traceback", err.splitlines()[-1] if err else "", dt
@@ -144,8 +173,10 @@ def cli_case_subprocess(args: list[str], outdir: Path, slow_s: float, kill_s: fl
     return ("slow" if dt > slow_s else "ok"), "", dt
 
 
-class Deadline(Exception):
-    pass
+class Deadline(BaseException):
+    """A case ran past its deadline. A BaseException, so that the shell's catch-all
+    (run.report_errors: ``except Exception`` -> "internal error") lets it through: a hang is
+    counted as a hang, not as a traceback."""
 
 
 @contextlib.contextmanager
@@ -162,9 +193,12 @@ def deadline(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
-def cli_case_inprocess(args: list[str], outdir: Path, slow_s: float, kill_s: float) -> tuple[str, str, float]:
+def cli_case_inprocess(args: list[str], outdir: Path, slow_s: float, kill_s: float,
+                       info: dict | None = None) -> tuple[str, str, float]:
     """The shell's behaviour without a new interpreter: compose with Hydra's Compose API, then the
-    same validate + run + error reporting as ``python -m run`` (run.report_errors)."""
+    same validate + run + error reporting as ``python -m run`` (run.report_errors). ``info``
+    (optional) receives stdout, stderr and the traceback (a hang's: where the deadline hit)."""
+    info = {} if info is None else info
     from hydra import compose, initialize_config_dir
 
     import run as shell
@@ -183,6 +217,7 @@ def cli_case_inprocess(args: list[str], outdir: Path, slow_s: float, kill_s: flo
             except Exception as exc:  # noqa: BLE001
                 status = "usage" if shell.from_hydra(exc) else "traceback"
                 detail = f"{type(exc).__name__}: {shell.one_line(str(exc))[:200]}"
+                info["traceback"] = traceback.format_exc()[-TAIL:]
             else:
                 holder = {}
 
@@ -202,8 +237,11 @@ def cli_case_inprocess(args: list[str], outdir: Path, slow_s: float, kill_s: flo
                     if bad:
                         status, detail = "nonsense", bad
     except Deadline:
+        info.update(stdout=_text(out.getvalue()), stderr=_text(err.getvalue()), traceback=traceback.format_exc()[-TAIL:])
         return "hang", f"over {kill_s} s", kill_s
     dt = time.perf_counter() - t0
+    info.update(stdout=_text(out.getvalue()), stderr=_text(err.getvalue()))
+    _error_log(outdir, info)
     if status in ("ok", "usage") and dt > slow_s:
         status = "slow"
     return status, detail, dt
@@ -213,18 +251,23 @@ def cli_case_inprocess(args: list[str], outdir: Path, slow_s: float, kill_s: flo
 BAD_VALUES = [0, -1, 2**64, 2**40 + 1, float("inf"), float("nan"), 1e300, 1e-300, "x", None, True, [], {}]
 
 
-def base_plans():
-    """A few real plans (with their model and hardware) from the shipped configs."""
+#: the override sets of the real plans that plan cases mutate (a saved case names its set)
+BASE_SETS = [["+hardware=dgx1", "+model=gpt_tiny", "policy=even", "policy.dp=2"],
+             ["+hardware=dgx2", "+model=bert_tiny", "schedule=interleaved_1f1b", "policy=even", "policy.pp=2", "policy.dp=4", "training.microbatch_size=4"],
+             ["+hardware=dgx1", "+model=gpt_tiny", "schedule=gpipe", "policy=manual", "policy.pp=4", "policy.dp=2"],
+             ["+hardware=capture_cluster", "+model=moe_tiny", "policy=balanced", "training.microbatch_size=8"]]
+
+
+def base_plans(sets: list[list[str]] | None = None):
+    """A few real plans (with their model and hardware) from the shipped configs: one per
+    override set of ``sets`` (default ``BASE_SETS``)."""
     from hydra import compose, initialize_config_dir
 
     import run as shell
     from model_costs import model_spec
     from planning import plan_for  # the shell's planning step itself: this tool fuzzes the shell
 
-    sets = [["+hardware=dgx1", "+model=gpt_tiny", "policy=even", "policy.dp=2"],
-            ["+hardware=dgx2", "+model=bert_tiny", "schedule=interleaved_1f1b", "policy=even", "policy.pp=2", "policy.dp=4", "training.microbatch_size=4"],
-            ["+hardware=dgx1", "+model=gpt_tiny", "schedule=gpipe", "policy=manual", "policy.pp=4", "policy.dp=2"],
-            ["+hardware=capture_cluster", "+model=moe_tiny", "policy=balanced", "training.microbatch_size=8"]]
+    sets = BASE_SETS if sets is None else sets
     out = []
     with initialize_config_dir(config_dir=str(shell.CONF_DIR), version_base="1.3"):
         for args in sets:
@@ -343,19 +386,33 @@ def plan_violation(p: dict, text: str | None, model, hardware) -> str | None:
     return None
 
 
-def plan_case(rng: random.Random, base, kill_s: float, simulate: bool) -> tuple[str, str]:
+def plan_case(rng: random.Random, base, kill_s: float, simulate: bool, info: dict | None = None) -> tuple[str, str]:
+    """Mutate ``base`` (plan dict, model, hardware) and check the result (:func:`check_plan`);
+    ``info`` (optional) receives the mutated plan (``plan``), its exact text (``plan_text``) and a
+    traceback."""
+    plan0, model, hardware = base
+    p, text = mutate_plan(rng, plan0, hardware)
+    return check_plan(p, text, model, hardware, kill_s, simulate, info)
+
+
+def check_plan(p: dict, text: str | None, model, hardware, kill_s: float, simulate: bool,
+               info: dict | None = None) -> tuple[str, str]:
+    """Load the plan (``text``, else ``json.dumps(p)``) as the shell does, validate, estimate and
+    (``simulate``) simulate it: (status, detail)."""
     from pydantic import ValidationError
 
     from simulator.analytic import estimate
     from reports.outputs import load_plan
     from specs.plan import PlanError, validate_plan
 
-    plan0, model, hardware = base
-    p, text = mutate_plan(rng, plan0, hardware)
+    info = {} if info is None else info
+    info["plan"] = p
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "plan.json"
         try:
-            path.write_text(text if text is not None else json.dumps(p))
+            body = text if text is not None else json.dumps(p)
+            info["plan_text"] = body
+            path.write_text(body)
         except ValueError:
             return "rejected", "not serialisable"
         try:
@@ -364,6 +421,7 @@ def plan_case(rng: random.Random, base, kill_s: float, simulate: bool) -> tuple[
                     plan = validate_plan(load_plan(path), model, hardware)
                 except (ValidationError, PlanError, ValueError) as exc:
                     if type(exc) is ValueError and "JSON" not in str(exc) and "twice" not in str(exc):
+                        info["traceback"] = traceback.format_exc()[-TAIL:]
                         return "traceback", f"bare ValueError: {exc}"
                     return "rejected", str(exc).splitlines()[0]
                 wrong = plan_violation(p, text, model, hardware)
@@ -385,9 +443,59 @@ def plan_case(rng: random.Random, base, kill_s: float, simulate: bool) -> tuple[
                         return "nonsense", f"simulator: {bad}"
                 return "ok", ""
         except Deadline:
+            info["traceback"] = traceback.format_exc()[-TAIL:]  # where the deadline found it
             return "hang", f"over {kill_s} s"
         except Exception as exc:  # noqa: BLE001
+            info["traceback"] = traceback.format_exc()[-TAIL:]
             return "traceback", f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+BAD_KINDS = ("traceback", "slow", "hang", "nonsense", "wrong_accepted", "multiline")
+
+
+def save_case(out_dir: Path, case: dict) -> Path:
+    """Write one failing case to ``out_dir/<kind>_<index>_<status>.json`` (Python's JSON: a mutated
+    plan may hold NaN or Infinity, written as such and read back by ``json.loads``) and return the path.
+    ``case``: ``kind`` ("cli" or "plan"), ``index``, ``status``, ``detail`` and, for a CLI case,
+    ``args`` and ``subprocess``; for a plan case ``base`` (index into ``base_sets``), ``base_sets``
+    (their override lists), ``plan_text`` (the exact text loaded) and ``plan``; whatever else was
+    captured (traceback, stdout, stderr, seconds, seed, kill_s, slow_s, simulate)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{case['kind']}_{case['index']:04d}_{case['status']}.json"
+    path.write_text(json.dumps(case, indent=1, default=str))
+    return path
+
+
+def _report_saved(path: Path) -> None:
+    print(f"  saved {path} (replay: python benchmarks/fuzz_inputs.py --replay {path})", flush=True)
+
+
+def replay(path: Path, kill_s: float | None = None) -> tuple[str, str]:
+    """Rerun the one case saved in ``path`` (:func:`save_case`) as it ran then (in-process or
+    subprocess, same deadlines unless ``kill_s``); print and return its (status, detail) now."""
+    case = json.loads(Path(path).read_text())
+    kill = kill_s if kill_s is not None else case.get("kill_s", 120.0)
+    info: dict = {}
+    print(f"replaying {path}: {case['kind']} case {case['index']} (seed {case.get('seed')}), which was "
+          f"{case['status']}: {case.get('detail', '')}", flush=True)
+    if case["kind"] == "cli":
+        run_case = cli_case_subprocess if case.get("subprocess") else cli_case_inprocess
+        with tempfile.TemporaryDirectory() as tmp:
+            status, detail, dt = run_case(case["args"], Path(tmp) / "replay", case.get("slow_s", 60.0), kill, info)
+        print(f"[cli {status}] {dt:.1f}s {' '.join(case['args'])} -> {detail}")
+    elif case["kind"] == "plan":
+        sets = case.get("base_sets") or BASE_SETS
+        _, model, hardware = base_plans([sets[case["base"]]])[0]
+        status, detail = check_plan(case["plan"], case.get("plan_text"), model, hardware, min(kill, 30.0),
+                                    case.get("simulate", False), info)
+        print(f"[plan {status}] {detail}")
+    else:
+        raise ValueError(f"{path}: kind {case['kind']!r} is neither 'cli' nor 'plan'")
+    for key in ("traceback", "stderr"):
+        if status in BAD_KINDS and info.get(key, "").strip():
+            print(f"--- {key} ---\n{info[key].rstrip()}")
+    print("still failing" if status in BAD_KINDS else "no longer failing")
+    return status, detail
 
 
 def main(argv: list[str] | None = None) -> Counter:
@@ -398,36 +506,68 @@ def main(argv: list[str] | None = None) -> Counter:
     ap.add_argument("--subprocess", action="store_true", help="run `python -m run` per CLI case")
     ap.add_argument("--simulate", action="store_true", help="also simulate accepted plans")
     ap.add_argument("--slow-s", type=float, default=60.0)
-    ap.add_argument("--kill-s", type=float, default=120.0)
+    ap.add_argument("--kill-s", type=float, default=None, help="a case's deadline (default 120; with --replay: "
+                                                                  "the saved case's)")
     ap.add_argument("--root", type=Path, default=None,
                     help="another memwall tree to fuzz (e.g. an old commit from `git archive`)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for the failing cases, one JSON file each (default: a new temporary folder)")
+    ap.add_argument("--replay", type=Path, default=None, metavar="FILE",
+                    help="rerun the one failing case saved in FILE (exit 0: it no longer fails, 1: it still does)")
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args(argv)
     global ROOT
     if a.root is not None:
         ROOT = a.root.resolve()
         sys.path.insert(0, str(ROOT))
+    if a.replay is not None:
+        status, _ = replay(a.replay, a.kill_s)
+        raise SystemExit(1 if status in BAD_KINDS else 0)
+    a.kill_s = 120.0 if a.kill_s is None else a.kill_s
     seed = a.seed if a.seed is not None else random.randrange(2**32)
     rng = random.Random(seed)
     print(f"seed {seed}")
+    out_dir = a.out
+    saved: list[Path] = []
+
+    def keep(case: dict) -> None:
+        nonlocal out_dir
+        if out_dir is None:  # the default folder is made for the first failing case
+            out_dir = Path(tempfile.mkdtemp(prefix="fuzz_inputs_"))
+        saved.append(save_case(out_dir, case))
+        _report_saved(saved[-1])
+
     counts: Counter = Counter()
-    bad_kinds = ("traceback", "slow", "hang", "nonsense", "wrong_accepted", "multiline")
+    bad_kinds = BAD_KINDS
     case = cli_case_subprocess if a.subprocess else cli_case_inprocess
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.cli):
             args = draw_overrides(rng)
-            status, detail, dt = case(args, Path(tmp) / f"c{i}", a.slow_s, a.kill_s)
+            info: dict = {}
+            status, detail, dt = case(args, Path(tmp) / f"c{i}", a.slow_s, a.kill_s, info)
             counts[f"cli_{status}"] += 1
             if status in bad_kinds or a.verbose:
                 print(f"[cli {status}] {dt:.1f}s {' '.join(args)} -> {detail}", flush=True)
+            if status in bad_kinds:
+                keep({"kind": "cli", "index": i, "status": status, "detail": detail, "seconds": dt, "seed": seed,
+                      "args": args, "subprocess": a.subprocess, "slow_s": a.slow_s, "kill_s": a.kill_s, **info})
     if a.cli:
         print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())), flush=True)
     bases = base_plans() if a.plans else []
     for i in range(a.plans):
-        status, detail = plan_case(rng, bases[i % len(bases)], min(a.kill_s, 30.0), a.simulate)
+        info = {}
+        status, detail = plan_case(rng, bases[i % len(bases)], min(a.kill_s, 30.0), a.simulate, info)
         counts[f"plan_{status}"] += 1
         if status in bad_kinds or a.verbose:
             print(f"[plan {status}] {detail}", flush=True)
+        if status in bad_kinds:
+            keep({"kind": "plan", "index": i, "status": status, "detail": detail, "seed": seed,
+                  "base": i % len(bases), "base_sets": BASE_SETS, "simulate": a.simulate, "kill_s": a.kill_s, **info})
+    if saved:
+        print(f"{len(saved)} failing case(s) saved in {out_dir} (replay one: python benchmarks/fuzz_inputs.py "
+              f"--replay FILE)")
+    else:
+        print("no failing case to save")
     print(" ".join(f"{k}={v}" for k, v in sorted(counts.items())))
     total = lambda kind: counts[f"cli_{kind}"] + counts[f"plan_{kind}"]  # noqa: E731
     print(" ".join(f"{name}={total(k)}" for k, name in zip(bad_kinds, ("tracebacks", "slow", "hangs", "nonsense",

@@ -10,7 +10,7 @@
   clock on Linux, so the launcher can compare slots. On a timeout :func:`hang_report` turns the
   slots into "rank 2 stopped making progress 28.1 s ago at "B stage 2 microbatch 3"; ranks 0, 1,
   3 were waiting ...". The code is an index into the rank's action list
-  (``specs.schedule.build_schedule``, rebuilt by the launcher) or a negative phase below.
+  (``specs.schedule.position_schedule``, rebuilt by the launcher) or a negative phase below.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import threading
 import time
 
 from specs.plan import Plan
-from specs.schedule import Action, ActionKind, build_schedule
+from specs.schedule import Action, ActionKind, position_schedule
 
 #: slots per rank in the shared heartbeat array: monotonic time (s), iteration, code
 SLOTS = 3
@@ -138,11 +138,15 @@ def describe_action(plan: Plan, a: Action) -> str:
 
 
 def _doing(plan: Plan, schedule: dict, rank: int, code: int) -> tuple[str, bool]:
-    """(what rank ``rank`` is doing, whether that waits on other ranks)."""
+    """(what rank ``rank`` is doing, whether that waits on other ranks). ``schedule``: position ->
+    action list, filled as ranks need them (only positions of ranks inside their list are built)."""
     if code < 0:
         return PHASES.get(code, f"phase {code}"), code in WAITING_PHASES
     device = plan.used_devices()[rank]
-    actions = schedule[plan.device_group_of(plan.stages_on(device)[0])]
+    position = plan.device_group_of(plan.stages_on(device)[0])
+    actions = schedule.get(position)
+    if actions is None:
+        actions = schedule[position] = position_schedule(plan, position)
     if code >= len(actions):
         return f"action {code}", False
     return describe_action(plan, actions[code]), actions[code].kind in WAITING_KINDS
@@ -154,7 +158,7 @@ def hang_report(plan: Plan, beats: list[tuple[float, int, int]], now: float, tim
     what the others were waiting on. ``beats`` from :func:`snapshot`; ``now`` on the same
     monotonic clock; ``stopped``: ranks whose process is stopped (SIGSTOP, state T);
     ``finished``: ranks that already reported."""
-    schedule = build_schedule(plan)
+    schedule: dict = {}  # position -> action list, built by _doing for the positions it describes
     rows = {}
     for r, (t, it, code) in enumerate(beats):
         if r in finished:

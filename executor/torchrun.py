@@ -20,7 +20,6 @@ torchrun's log.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from pydantic import ValidationError
 from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
 from specs.plan import Plan, PlanError, validate_plan
+from specs.plan_file import loads_strict, parse_plan
 
 
 class InputError(Exception):
@@ -42,6 +42,8 @@ def _load(path: Path, what: str, parse):
     except OSError as exc:
         raise InputError(f"cannot read the {what} {path}: {exc.strerror} (mode=execute and mode=compare "
                          "write plan.json, model.json and hardware.json into their output directory)") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path} is not a valid {what}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
         return parse(text)
     except (ValidationError, ValueError) as exc:
@@ -50,10 +52,12 @@ def _load(path: Path, what: str, parse):
 
 
 def load_inputs(plan_path: Path, model_path: Path, hardware_path: Path):
-    """(plan, model config, hardware) from their JSON files, or InputError naming the file."""
-    plan = _load(plan_path, "plan", Plan.model_validate_json)
-    cfg = _load(model_path, "model config", lambda t: parse_model_config(json.loads(t)))
-    hardware = _load(hardware_path, "hardware spec", HardwareSpec.model_validate_json)
+    """(plan, model config, hardware) from their JSON files, or InputError naming the file. Every
+    file is read by the shell's strict reader (specs.plan_file.loads_strict: a repeated key, NaN or
+    absurd nesting is an error, never the last value silently)."""
+    plan = _load(plan_path, "plan", parse_plan)
+    cfg = _load(model_path, "model config", lambda t: parse_model_config(loads_strict(t)))
+    hardware = _load(hardware_path, "hardware spec", lambda t: HardwareSpec.model_validate(loads_strict(t)))
     return plan, cfg, hardware
 
 
@@ -68,6 +72,12 @@ def check_inputs(plan: Plan, cfg, hardware: HardwareSpec, world: int) -> list[st
         model = build_model(cfg, plan.training.act_dtype_bytes)
     except (ValueError, KeyError, ImportError):  # e.g. a torch_module model: no closed-form spec
         model = None
+    if model is not None and any(st.sharding for st in plan.stages):
+        try:
+            model = with_op_graphs(cfg, model, plan)
+        except ValueError as exc:  # a layer the tracer cannot follow: the plan is not checked, say so
+            problems.append(f"stages: cannot trace the MAP operator graphs of {cfg.name} ({' '.join(str(exc).split())[:200]})")
+            model = None
     if model is not None:
         try:
             validate_plan(plan, model, hardware)
@@ -82,6 +92,17 @@ def check_inputs(plan: Plan, cfg, hardware: HardwareSpec, world: int) -> list[st
         problems.append(f"WORLD_SIZE: {world} ranks, the plan uses {len(used)} devices {used} "
                         f"(start torchrun with {len(used)} processes in all)")
     return problems
+
+
+def with_op_graphs(cfg, model, plan: Plan):
+    """``model`` with MAP's operator graphs (traced at the plan's microbatch and precision, as the
+    shell's model_costs.with_op_graphs does for policy=map), which a MAP plan is validated against."""
+    from executor.op_graph import model_op_graphs
+
+    mb = plan.training.samples_per_microbatch
+    graphs, keys = model_op_graphs(cfg, mb, plan.training.precision.value)
+    layers = [layer.model_copy(update={"op_graph": k}) for layer, k in zip(model.layers, keys)]
+    return model.model_copy(update={"op_graphs": graphs, "op_graph_microbatch": mb, "layers": layers})
 
 
 def _args(argv):

@@ -61,12 +61,49 @@ from executor.pipesplit import retarget, split
 
 # ---- loading -------------------------------------------------------------------------------------
 
+class ModelBuildError(ValueError):
+    """The user's model cannot be built: its factory does not import, does not take ``model.kwargs``,
+    raises, or returns the wrong thing. The message starts with the field (``model.factory: ...``,
+    ``model.kwargs: ...``); the shell prints it as one line, exit status 2."""
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at file:line)`` of the innermost frame that raised ``exc`` (the user's own code), or ''."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" (at {exc.filename}:{exc.lineno})"
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
 def _factory(cfg):
     module_name, attr = cfg.factory.split(":")
     try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"model.factory: cannot import {cfg.factory!r} ({exc}); is its package on PYTHONPATH?") from None
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelBuildError(f"model.factory: cannot import {cfg.factory!r} ({exc}); is its package on "
+                              "PYTHONPATH?") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing (SyntaxError, ...)
+        raise ModelBuildError(f"model.factory: importing {module_name!r} for {cfg.factory!r} raised "
+                              f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}{_where(exc)}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ModelBuildError(f"model.factory: module {module_name!r} has no {attr!r} (from {cfg.factory!r}); "
+                              "name a callable as 'module:function'") from None
+
+
+def _check_kwargs(cfg, fn) -> None:
+    """``model.kwargs`` bind to the factory's parameters (a typo names the field, not a TypeError)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # not introspectable (a C callable): the call itself will tell
+        return
+    try:
+        sig.bind(**cfg.kwargs)
+    except TypeError as exc:
+        raise ModelBuildError(f"model.kwargs: {exc} ({cfg.factory!r} takes {sig})") from None
 
 
 def source_hash(cfg) -> str:
@@ -113,20 +150,26 @@ def _call_factory(key: str, seed: int, meta: bool):
 
     cfg = parse_model_config(json.loads(key))
     fn = _factory(cfg)
+    _check_kwargs(cfg, fn)
     _CALLS["factory"] += 1
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        if meta:
-            with torch.device("meta"):
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            if meta:
+                with torch.device("meta"):
+                    made = fn(**cfg.kwargs)
+            else:
                 made = fn(**cfg.kwargs)
-        else:
-            made = fn(**cfg.kwargs)
+    except ImportError as exc:  # a dependency of the user's model (transformers, ...) is missing
+        raise ModelBuildError(f"model.factory: {cfg.factory!r} cannot import what it needs ({exc}){_where(exc)}; "
+                              "install it or put it on PYTHONPATH") from None
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[1])):
-        raise ValueError(f"model.factory: {cfg.factory!r} must return (model, make_batch), got {type(made).__name__}")
+        raise ModelBuildError(f"model.factory: {cfg.factory!r} must return (model, make_batch), got "
+                              f"{type(made).__name__}")
     model, make = made
     if not isinstance(model, nn.Module) and not (isinstance(model, (list, tuple)) and model and all(
             isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], nn.Module) for e in model)):
-        raise ValueError(f"model.factory: {cfg.factory!r} must return an nn.Module or a list of (name, module)")
+        raise ModelBuildError(f"model.factory: {cfg.factory!r} must return an nn.Module or a list of (name, module)")
     return model, make
 
 
@@ -348,6 +391,8 @@ class TiedGrads:
         self.done = False
 
 
-__all__ = ["Batch", "Boundary", "Leaf", "TiedGrads", "boundaries", "build", "factory_calls",
+__all__ = ["Batch", "Boundary", "Leaf", "ModelBuildError", "TiedGrads", "boundaries", "build", "factory_calls",
            "grad_leaves", "layers", "make_batch", "microbatch", "source_hash", "tie_process_groups",
-           "tied_groups"]
+           "tied_groups",
+           # executor.boundary's, re-exported for executor.stage and executor.single
+           "Posted", "assemble", "backward", "input_grads", "recv_buffers", "send_pieces", "synthetic"]

@@ -1,5 +1,5 @@
 """One rank: join the process group, build the stages this rank holds, walk the plan's action list
-(``specs.schedule.build_schedule``, the same list the simulator walks) for some iterations, and put
+(``specs.schedule.position_schedule``, the same list the simulator walks) for some iterations, and put
 a report (or the error) on the parent's queue."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from executor.timeline import NoRecorder, Recorder
 from executor.topology import process_groups, rank_of_device
 from costs.families import parse_model_config
 from specs.plan import Plan
-from specs.schedule import ActionKind, build_schedule
+from specs.schedule import ActionKind, position_schedule
 
 
 class InjectedFault(RuntimeError):
@@ -134,7 +134,7 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
                               nvme_dir=opts.get("nvme_dir"), record_window=opts.get("record_window", False))
               for s in my_stages}
     position = plan.device_group_of(my_stages[0])
-    actions = build_schedule(plan)[position]
+    actions = position_schedule(plan, position)  # this rank's list only, not every position's
     shapes = output_shapes(cfg)
     tail = {s: shapes[plan.stages[s].layer_stop - 1] for s in range(len(plan.stages))}
     # gloo: in timed iterations post each receive as soon as the previous one of its channel is

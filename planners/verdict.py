@@ -41,6 +41,7 @@ class Verdict:
     num_devices: int
     knobs: tuple[str, ...] = field(default=())  # one line per knob that was priced
     searched: bool = True           # the planner searched for the lowest peak (else the user fixed degrees)
+    given: str = "this policy's degrees and depth are given, not searched"  # when not searched: what was given
 
     @property
     def over_bytes(self) -> int:
@@ -51,7 +52,7 @@ class Verdict:
         if self.fits:
             return ""
         what = ("NO PLAN FITS: the lowest peak found is" if self.searched else
-                "THE PLAN DOES NOT FIT (this policy's degrees and depth are given, not searched): its peak is")
+                f"THE PLAN DOES NOT FIT ({self.given}): its peak is")
         head = (f"{what} {self.peak_bytes / GIB:.1f} GiB (device {self.peak_device}), "
                 f"{self.over_bytes / GIB:.1f} GiB over the {self.capacity_bytes / GIB:.1f} GiB of device memory; "
                 f"{self.oom_devices} of {self.num_devices} devices run out of memory"
@@ -77,6 +78,15 @@ def _state(peak: int, capacity: int) -> str:
         f"{peak / GIB:.1f} GiB, still {(peak - capacity) / GIB:.1f} GiB over"
 
 
+def given_words(policy) -> str:
+    """For a planner that does not search for the lowest peak: what the user gave and what the
+    planner chose by rule (even/balanced with policy.pp=null pick the depth, never by memory)."""
+    if getattr(policy, "kind", None) in ("even", "balanced") and getattr(policy, "pp", 0) is None:
+        return ("policy.dp and policy.tp are given; policy.pp=null takes the deepest pipeline the layers allow, "
+                "not the one with the lowest peak")
+    return "this policy's degrees and depth are given, not searched"
+
+
 def fit_verdict(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, schedule: ScheduleSpec,
                 plan: Plan, replan=None, searched: bool = True) -> Verdict:
     """Check ``plan`` against device memory; price the knobs if it does not fit.
@@ -89,7 +99,9 @@ def fit_verdict(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     by_device = peaks(plan, model, hardware)
     device, peak = max(by_device.items(), key=lambda e: (e[1], -e[0]))
     oom = sum(1 for v in by_device.values() if v > capacity)
-    verdict = Verdict(peak <= capacity, peak, device, capacity, oom, hardware.num_devices, searched=searched)
+    given = given_words(policy)
+    verdict = Verdict(peak <= capacity, peak, device, capacity, oom, hardware.num_devices, searched=searched,
+                      given=given)
     if verdict.fits:
         return verdict
     knobs = []
@@ -154,7 +166,7 @@ def fit_verdict(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     host = hardware.host.memory_bytes
     knobs.append(f"offload: optimizer state and weights to host memory ({host / GIB:,.0f} GiB per node; "
                  "STRONGHOLD's layer window) or activations (MPress CPU/D2D swaps)")
-    return Verdict(False, peak, device, capacity, oom, hardware.num_devices, tuple(knobs), searched)
+    return Verdict(False, peak, device, capacity, oom, hardware.num_devices, tuple(knobs), searched, given)
 
 
-__all__ = ["Verdict", "fit_verdict", "peaks"]
+__all__ = ["Verdict", "fit_verdict", "given_words", "peaks"]

@@ -4,6 +4,7 @@ budget curve (iteration time and peak against the per-device memory budget, benc
 from __future__ import annotations
 
 import math
+import re
 
 from reports.figure_base import CAPACITY_OFF_SCALE, GIB, GREYS, OOM_COLOUR, byte_unit, human_bytes, new_figure
 
@@ -82,9 +83,95 @@ def summary_figure(rows: list[dict], swept: list[str]):
     ax2.set_ylabel("samples/s (predicted)")
     ax2.grid(axis="y", alpha=0.3)
     ax2.set_xticks(ticks)
-    ax2.set_xticklabels(ticklabels, fontsize=8, rotation=90 if len(ticks) > 12 else 0)
     fig.suptitle(f"sweep over {', '.join(swept) if swept else 'jobs'}: {len(rows)} jobs", fontsize=10)
+    fit_tick_labels(fig, ax2, ticklabels)
     return fig
+
+
+# ---------------------------------------------------------------- legible x labels
+
+#: where a label line may break: after '=' first (key / value), then after these
+_BREAKS = re.compile(r"[^._,/\-]*[._,/\-]?")
+_GAP_PX = 3.0  # the least space between two labels
+
+
+def _greedy(pieces: list[str], width: int) -> list[str]:
+    out, cur = [], ""
+    for piece in pieces:
+        if cur and len(cur) + len(piece) > width:
+            out.append(cur)
+            cur = piece
+        else:
+            cur += piece
+    return out + [cur]
+
+
+def wrap_label(label: str, width: int) -> str:
+    """Each line of ``label`` longer than ``width`` characters broken after its '=' (key, value),
+    and a part still too long after '.', '_', ',', '/' or '-' where the pieces allow
+    ('model=stronghold_gpt_l500', 12 -> 'model=\nstronghold_\ngpt_l500'; 'model=gpt3_2b6', 12 ->
+    'model=\ngpt3_2b6')."""
+    out = []
+    for line in label.split("\n"):
+        if len(line) <= width:
+            out.append(line)
+            continue
+        key, eq, value = line.partition("=")
+        lines = []
+        for part in ([key + eq, value] if eq and value else [line]):
+            more = _greedy([p for p in _BREAKS.findall(part) if p], width)
+            if lines and len(lines[-1]) + len(more[0]) <= width:  # 'size=4' stays on one line
+                lines[-1] += more.pop(0)
+            lines += more
+        out += lines
+    return "\n".join(out)
+
+
+def _label_boxes(fig, ax) -> list:
+    """Window extents (pixels) of ``ax``'s visible, non-empty x tick labels after layout, left to right."""
+    fig.draw_without_rendering()  # runs the constrained layout, so the extents are the saved ones
+    renderer = fig.canvas.get_renderer()
+    texts = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+    return sorted((t.get_window_extent(renderer) for t in texts), key=lambda b: b.x0)
+
+
+def _crowded(fig, ax) -> bool:
+    boxes = _label_boxes(fig, ax)
+    return any(a.x1 + _GAP_PX > b.x0 for a, b in zip(boxes, boxes[1:]))
+
+
+def fit_tick_labels(fig, ax, labels: list[str], fontsize: float = 8.0) -> None:
+    """Set ``ax``'s x tick labels (ticks one unit apart) so that no two overlap, trying in turn:
+    as they are; each line wrapped to the width of a tick's slot; upright (90 degrees); upright at
+    a smaller font; upright with only every k-th label (the rest blank, positions kept). Each
+    step is measured after layout (a few draws without rendering, whatever the job count)."""
+    ax.set_xticklabels(labels, fontsize=fontsize, rotation=0)
+    if len(labels) < 2:
+        return
+    boxes = _label_boxes(fig, ax)
+    if not any(a.x1 + _GAP_PX > b.x0 for a, b in zip(boxes, boxes[1:])):
+        return
+    lo, hi = ax.get_xlim()
+    slot_px = ax.get_window_extent().width / max(hi - lo, 1e-9)
+    longest = max(len(line) for lab in labels for line in lab.split("\n"))
+    width = int((slot_px - _GAP_PX) / (max(b.width for b in boxes) / max(longest, 1)))
+    if width >= 6:  # characters per slot from the widest label's measured width per character
+        ax.set_xticklabels([wrap_label(lab, width) for lab in labels], fontsize=fontsize, rotation=0)
+        if not _crowded(fig, ax):
+            return
+    upright = max(b.height for b in boxes)  # an upright label is as wide as it was tall
+    small = max(5.0, fontsize - 2)
+    for size in (fontsize, small):
+        if upright * size / fontsize + _GAP_PX <= slot_px:
+            ax.set_xticklabels(labels, fontsize=size, rotation=90)
+            if not _crowded(fig, ax):
+                return
+    step = max(2, math.ceil((upright * small / fontsize + _GAP_PX) / slot_px))
+    while True:  # ends: with a step past the job count one label is left
+        ax.set_xticklabels([lab if i % step == 0 else "" for i, lab in enumerate(labels)], fontsize=small, rotation=90)
+        if not _crowded(fig, ax):
+            return
+        step += 1
 
 
 def budget_curve_figure(rows: list[dict]):

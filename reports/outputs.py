@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from reports import figure_base, figures_compare, figures_run, figures_sweep
 from reports.files import atomic_write, write_text
 from specs.plan import Plan
+from specs.plan_file import loads_strict
 from specs.result import Result
 
 GIB = float(1 << 30)
@@ -61,22 +62,12 @@ def write_compare_figure(path: Path, simulated: Result, measured: Result) -> Pat
     return save_figure(path, figures_compare.compare_figure(simulated, measured))
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    keys = [k for k, _ in pairs]
-    dup = sorted({k for k in keys if keys.count(k) > 1})
-    if dup:
-        raise ValueError(f"key {dup[0]!r} appears twice in one JSON object (which one is meant?)")
-    return dict(pairs)
-
-
 def read_json_strict(path: Path) -> object:
-    """JSON from ``path``; a key repeated in one object is an error (json keeps the last one
-    silently), and so are NaN/Infinity, which are not JSON. Raises ValueError naming the file."""
-    def no_constant(name: str):
-        raise ValueError(f"{name} is not a JSON number")
-
+    """JSON from ``path`` by the one strict reader (specs.plan_file.loads_strict): a key repeated in
+    one object is an error (json keeps the last one silently), so are NaN/Infinity, which are not
+    JSON, and nesting deeper than a memwall file's. Raises ValueError naming the file."""
     try:
-        return json.loads(Path(path).read_text(), object_pairs_hook=_no_duplicate_keys, parse_constant=no_constant)
+        return loads_strict(Path(path).read_text())
     except ValueError as exc:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"{path}: {exc}") from None
 
@@ -92,7 +83,9 @@ def load_result(path: Path) -> Result:
 
 
 _ranges = figure_base.device_ranges
-TABLE_HEADER = ("device", "stage", "layers", "peak GiB", "cap GiB", "use %", "OOM")
+TABLE_HEADER = ("device", "stage", "layers", "dp x tp", "memory", "peak GiB", "cap GiB", "use %", "OOM")
+#: the memory actions a stage's ``memory`` list can name, in the order the table lists them
+_ACTIONS = ("recompute", "cpu_swap", "d2d_swap", "nvme")
 
 
 def table_units(result: Result) -> tuple[tuple[str, float], tuple[str, float]]:
@@ -106,17 +99,64 @@ def table_units(result: Result) -> tuple[tuple[str, float], tuple[str, float]]:
 def table_header(result: Result) -> tuple[str, ...]:
     """TABLE_HEADER with the units table_units picks for ``result``."""
     (peak_unit, _), (cap_unit, _) = table_units(result)
-    return ("device", "stage", "layers", f"peak {peak_unit}", f"cap {cap_unit}", "use %", "OOM")
+    return TABLE_HEADER[:5] + (f"peak {peak_unit}", f"cap {cap_unit}") + TABLE_HEADER[7:]
 
 
 def _use_pct(use: float) -> str:
     return f"{use:.2g}" if 0 < use < 0.1 else f"{use:.1f}"  # 0.034, not 0.0, for a tiny model
 
 
-def table_rows(result: Result) -> list[tuple[bool, tuple[str, ...]]]:
+def stage_degrees(stage) -> str:
+    """A stage's parallel degrees as the table shows them: 'dp x tp' ('1x8'), or a MAP-sharded
+    stage's logical mesh ('mesh 2x4'; its dp is 1 and its tp the device count, specs.plan_sharding)."""
+    meshes = list(dict.fromkeys("x".join(str(m) for m in ls.mesh) for ls in stage.sharding))
+    if meshes:
+        return "mesh " + ",".join(meshes)
+    return f"{stage.dp}x{stage.tp}"
+
+
+def memory_words(stages: list, zero_stage: int = 0) -> list[str]:
+    """What one device's ``stages`` (several when interleaved) do about memory, in the table's words:
+    layers per activation action ('recompute 16', 'cpu_swap 3', 'd2d_swap 2', 'nvme 1'), STRONGHOLD's
+    window ('window 4 slots'), model state on the host ('optimizer on CPU', 'optimizer swap',
+    'NVMe'), the layers in MAP's checkpointed segments ('checkpoint 4 in 2 segments', rotor's) and
+    ZeRO over a stage's data-parallel replicas ('ZeRO-3'). Empty: every activation kept."""
+    counts = dict.fromkeys(_ACTIONS, 0)
+    others: list[str] = []
+    for stage in stages:
+        for item in stage.memory:
+            if item.action.value in counts:
+                counts[item.action.value] += 1
+        off = stage.offload
+        if off.window_layers is not None:
+            others.append(f"window {off.window_layers} slots")
+        elif off.optimizer_on_cpu:
+            others.append("optimizer on CPU")
+        if off.optimizer_swap:
+            others.append("optimizer swap")
+        if off.nvme:
+            others.append("NVMe")
+        checkpointed = [g for g in stage.checkpoint if g.checkpointed]
+        if checkpointed:
+            others.append(f"checkpoint {sum(g.stop - g.start for g in checkpointed)} in {len(checkpointed)} segments")
+        if zero_stage and stage.dp > 1:
+            others.append(f"ZeRO-{zero_stage}")
+    return [f"{a} {n}" for a, n in counts.items() if n] + list(dict.fromkeys(others))
+
+
+def _stage_cells(plan: Plan, stages: list[int]) -> tuple[str, str]:
+    """The 'dp x tp' and 'memory' cells of a device running ``stages`` of ``plan``."""
+    own = [plan.stages[s] for s in stages if 0 <= s < len(plan.stages)]
+    degrees = ",".join(dict.fromkeys(stage_degrees(st) for st in own))
+    return degrees, ", ".join(memory_words(own, plan.zero_stage)) or "none"
+
+
+def table_rows(result: Result, plan: Plan | None = None) -> list[tuple[bool, tuple[str, ...]]]:
     """(oom, cells) per row of the device table; consecutive devices with identical stages, peak
-    and OOM are folded into one row. Peak and capacity are in table_header's units; the OOM
-    cell names its own unit ('OOM +36.1 GiB')."""
+    and OOM are folded into one row. With ``plan``, each row names its stages' degrees ('dp x tp',
+    or a MAP stage's mesh) and memory actions (:func:`memory_words`); without, those cells are
+    empty. Peak and capacity are in table_header's units; the OOM cell names its own unit
+    ('OOM +36.1 GiB')."""
     (_, peak_scale), (_, cap_scale) = table_units(result)
     rows: list[tuple[list[int], object]] = []
     for d in result.devices:
@@ -131,18 +171,20 @@ def table_rows(result: Result) -> list[tuple[bool, tuple[str, ...]]]:
         d = by_device[devices[0]]
         stages = ",".join(str(s) for s in d.stages)
         layers = ",".join(f"{a}-{b - 1}" for a, b in d.layers)
+        degrees, memory = _stage_cells(plan, d.stages) if plan is not None else ("", "")
         use = 100.0 * d.peak_bytes / d.capacity_bytes if d.capacity_bytes else 0.0
         oom = f"OOM +{figure_base.human_bytes(d.oom_over_bytes)}" if d.oom else ""
-        out.append((d.oom, (_ranges(devices), stages, layers, f"{d.peak_bytes / peak_scale:.2f}",
+        out.append((d.oom, (_ranges(devices), stages, layers, degrees, memory, f"{d.peak_bytes / peak_scale:.2f}",
                             f"{d.capacity_bytes / cap_scale:.1f}", _use_pct(use), oom)))
     return out
 
 
 def device_table(plan: Plan, result: Result) -> str:
     """Per-device table as plain text; devices with identical stages and peak are folded into one row."""
-    widths = (10, 6, 12, 9, 8, 6)
+    rows = table_rows(result, plan)
+    widths = [max([len(h)] + [len(cells[i]) for _, cells in rows]) for i, h in enumerate(table_header(result)[:-1])]
     lines = ["  ".join(f"{h:>{w}}" for h, w in zip(table_header(result), widths)) + "  OOM"]
-    for _, cells in table_rows(result):
+    for _, cells in rows:
         lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)) + f"  {cells[-1]}")
     return "\n".join(lines)
 
@@ -159,16 +201,18 @@ def _heading(plan: Plan, result: Result) -> tuple[str, str]:
 
 def rich_table(plan: Plan, result: Result):
     """The device table as a rich Table: use % coloured (red past 100, amber past 90), OOM rows red."""
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(show_edge=False, header_style="bold", pad_edge=False)
     for h in table_header(result):
-        table.add_column(h, justify="left" if h == "OOM" else "right", no_wrap=True)
-    for oom, cells in table_rows(result):
-        use = float(cells[5])
+        table.add_column(h, justify="left" if h in ("memory", "OOM") else "right", no_wrap=True)
+    use_at = TABLE_HEADER.index("use %")
+    for oom, cells in table_rows(result, plan):
+        use = float(cells[use_at])
         colour = "red" if oom or use > 100 else "yellow" if use > 90 else "green"
-        table.add_row(*cells[:5], f"[{colour}]{cells[5]}[/]", f"[bold red]{cells[6]}[/]" if oom else "",
-                      style="red" if oom else None)
+        table.add_row(*(escape(c) for c in cells[:use_at]), f"[{colour}]{cells[use_at]}[/]",
+                      f"[bold red]{cells[-1]}[/]" if oom else "", style="red" if oom else None)
     return table
 
 

@@ -13,6 +13,8 @@ analytic (the closed-form estimator).
 """
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from simulator.engine import Engine
@@ -23,10 +25,12 @@ from specs.plan import Plan
 from specs.result import Result
 
 #: simulated passes one simulation may walk, a (stage, microbatch) pair each: the simulator is
-#: linear in them (~37 simpy events per microbatch on 8 positions, ~12 K events/s: 16,384 passes
-#: is ~5 s and a ~10 MB trace). A layer with a memory action (recompute, swap) adds a step per
-#: microbatch in backward, ~1/16 of a pass. Beyond it the closed-form estimator answers in ms.
-MAX_SIMULATED_PASSES = 16_384
+#: linear in them (~3 simpy events per forward or backward, ~190 K events/s on one core: Megatron's
+#: 1T on 512 GPUs, 36,864 passes, takes ~1 s; 1,000,000 passes ~30 s and ~2 GB, with a progress
+#: callback, and a trace cut to simulator.trace.MAX_TRACE_EVENTS). A layer with a memory action
+#: (recompute, swap) adds a step per microbatch in backward, ~1/16 of a pass. Beyond it the
+#: closed-form estimator answers in ms, at any microbatch count.
+MAX_SIMULATED_PASSES = 1_000_000
 
 
 def simulated_passes(plan: Plan) -> float:
@@ -47,7 +51,7 @@ def size_problem(plan: Plan) -> str | None:
     return (f"{given} = {t.microbatches:,} microbatches per iteration x {len(plan.stages)} pipeline stages"
             + (f" (+ {actions:,} layers with recompute/swap actions)" if actions else "")
             + f" = {work:,.0f} simulated passes; the discrete-event simulator takes at most "
-            f"{MAX_SIMULATED_PASSES:,} (about 5 s). Lower training.global_batch, raise training.microbatch_size, "
+            f"{MAX_SIMULATED_PASSES:,} (about 30 s). Lower training.global_batch, raise training.microbatch_size, "
             "or use estimator=analytic (closed form, any size)")
 
 
@@ -58,16 +62,30 @@ class Simulation:
     events: int
 
 
-def simulate(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Simulation:
+def simulate(plan: Plan, model: ModelSpec, hardware: HardwareSpec,
+             progress: Callable[[int, int], None] | None = None) -> Simulation:
     """Simulate one iteration of ``plan`` (validated against ``model`` and ``hardware`` by the
     caller) and return its Result, Perfetto trace and event count. Raises ValueError when the
-    plan is too large to simulate (see :func:`size_problem`)."""
+    plan is too large to simulate (see :func:`size_problem`).
+
+    ``progress(done, total)``, if given, is called every few thousand passes (forwards and
+    backwards walked, of ``2 · microbatches · stages``) and once at the end; the simulator keeps
+    no clock, so the caller decides when a bar is worth drawing (reports.progress.after)."""
     problem = size_problem(plan)
     if problem is not None:
         raise ValueError(problem)
-    engine = Engine(plan, model, hardware)
-    engine.run()
-    result, trace = build_result(engine, model)
+    engine = Engine(plan, model, hardware, progress=progress)
+    # the walk allocates millions of small objects and frees them by reference counting; the cyclic
+    # collector would only rescan them (~20 % of the time), so it is paused while the engine runs
+    # and its state is restored after: no output depends on it
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        engine.run()
+        result, trace = build_result(engine, model)
+    finally:
+        if collecting:
+            gc.enable()
     return Simulation(result=result, trace=trace, events=engine.events)
 
 

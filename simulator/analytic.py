@@ -70,7 +70,7 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
         sent[i] = max(costs.activations.sent_output_bytes(model, plan, v) for v in variants)
         work[i], swap_in[i] = (max(x) for x in zip(*(costs.activations.backward_transient_bytes(model, plan, v) for v in variants)))
         allreduce[i] = costs.buffers.allreduce_buffer_bytes(model, plan, stage)
-    peaks = {pos: costs.activations.activation_peak(plan, pos, acts, work, sent, grads) for pos in range(plan.pipeline_depth)}
+    peaks = {pos: activation_peak(plan, pos, acts, work, sent, grads) for pos in range(plan.pipeline_depth)}
     for i, stage in enumerate(plan.stages):
         static, host = (sharded[i].static, 0) if i in sharded else costs.static.stage_static(model, plan, stage)
         in_flight = peaks[plan.device_group_of(i)][1][i]
@@ -103,6 +103,60 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     return out
 
 
+def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = None,
+                    transient_bytes: dict[int, int] | None = None, sent_bytes: dict[int, int] | None = None,
+                    grad_bytes: dict[int, int] | None = None) -> tuple[int, dict[int, int], int]:
+    """costs.activations.activation_peak, in time independent of the microbatch count m: the same
+    integers, found by walking a shorter but equivalent pass order once m > 4p.
+
+    * 1F1B and PipeDream: after the warm-up every (forward, backward) pair of the steady state
+      starts from the same state (same microbatches held, the same sent gradients) from the second
+      pair on, so it offers the same candidate peaks as the second pair, and the walk keeps the first
+      strictly larger one; the cool-down starts from that state too. m' = 4p microbatches
+      (>= warm-up + 2 pairs on every position) walk the same candidates minus repeats.
+    * Interleaved 1F1B (m % p == 0): the steady state is periodic over p·v pairs (each chunk runs p
+      forwards and p backwards per period, and every chunk has had its first backward by the end of
+      the first period), so from the second period on every period repeats the second; m' = 4p keeps
+      m - m' a multiple of p (the same partial period and cool-down) and at least two full periods.
+    * GPipe holds all m: :func:`_gpipe_peak`, the walk's closed form.
+    Exact either way: integers, the same comparisons in the same order; up to 4p microbatches the
+    walk itself runs. tests/unit/simulator/test_scale.py checks both against the full walk."""
+    p, m, kind = plan.pipeline_depth, plan.training.microbatches, plan.schedule.kind
+    if m > 4 * p and not (kind is ScheduleKind.interleaved_1f1b and m % p):
+        if kind is ScheduleKind.gpipe:
+            return _gpipe_peak(plan, position, act_bytes, transient_bytes, sent_bytes, grad_bytes)
+        training = plan.training.model_copy(update={"num_microbatches": 4 * p, "microbatch_size": None})
+        plan = plan.model_copy(update={"training": training})  # only its pass order is walked
+    return costs.activations.activation_peak(plan, position, act_bytes, transient_bytes, sent_bytes, grad_bytes)
+
+
+def _gpipe_peak(plan: Plan, position: int, act_bytes, transient_bytes, sent_bytes, grad_bytes
+                ) -> tuple[int, dict[int, int], int]:
+    """costs.activations.activation_peak's walk of GPipe's order (m forwards, then m backwards of
+    stage ``position``) in closed form. Its candidates: forward k ends at (k+1)·a + sent; backward 0
+    peaks at m·a + workspace; backward j >= 1 at (m-j)·a + the sent gradient + workspace. Each run is
+    arithmetic in k (or j), so its first largest candidate is at one end of it; the walk's answer is
+    the first strictly largest of those three, as its running maximum finds it."""
+    p, m, s = plan.pipeline_depth, plan.training.microbatches, position
+    held = {i: 0 for i in range(position, len(plan.stages), p)}
+    a = act_bytes[s] if act_bytes is not None else 1
+    t = transient_bytes[s] if transient_bytes is not None else 0
+    g = grad_bytes[s] if grad_bytes is not None else 0
+    candidates = []  # (bytes, microbatches held, sent-gradient bytes), in walk order
+    if sent_bytes is not None:
+        k = m - 1 if a > 0 else 0
+        candidates.append(((k + 1) * a + sent_bytes[s], k + 1, 0))
+    candidates.append((m * a + t, m, 0))
+    if m > 1:
+        j = 1 if a >= 0 else m - 1
+        candidates.append(((m - j) * a + g + t, m - j, g))
+    best, best_held, best_grads = 0, dict(held), 0
+    for value, n, grads in candidates:
+        if value > best:
+            best, best_held, best_grads = value, {**held, s: n}, grads
+    return best, best_held, best_grads
+
+
 def _variants(plan: Plan, stage) -> list:
     """The stage as each microbatch of one period of its actions sees it (one when all apply)."""
     periods = [item.microbatch_period for item in stage.memory]
@@ -127,7 +181,8 @@ def d2d_held_by_device(plan: Plan, model: ModelSpec) -> dict[int, int]:
     own stage's actions cannot change (planners/mpress/assign.py)."""
     held: dict[int, int] = {}
     for s, stage in enumerate(plan.stages):
-        for device, nbytes in _d2d_held(model, plan, stage, costs.activations.in_flight_microbatches(plan, s)).items():
+        in_flight = activation_peak(plan, plan.device_group_of(s))[1][s]  # costs.activations.in_flight_microbatches
+        for device, nbytes in _d2d_held(model, plan, stage, in_flight).items():
             held[device] = held.get(device, 0) + nbytes
     return held
 

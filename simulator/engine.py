@@ -19,6 +19,8 @@ variants (optimizer.py).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import simpy
 
 from simulator.links import Links
@@ -32,11 +34,14 @@ from simulator.window import WindowWalk, resources as window_resources
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, ScheduleKind, stage_for_microbatch
-from specs.schedule import build_schedule
+
+#: passes walked between two calls of the progress callback (a few ms of simulation)
+PROGRESS_EVERY = 4096
 
 
 class Engine(ScheduleWalk, Transfers, OptimizerEvents):
-    def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec, overlap_dp_allreduce: bool = False):
+    def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec, overlap_dp_allreduce: bool = False,
+                 progress: Callable[[int, int], None] | None = None):
         self.plan, self.hardware = plan, hardware
         # Gradient all-reduce: by default after the pipeline flush, blocking the position, as
         # Megatron-LM ran for Narayanan et al. SC'21 and as memwall's executor does. With
@@ -52,7 +57,16 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents):
         self.model = model
         self.costs: list[StageCost] = stage_costs(plan, model, hardware)
         self._variants: dict[int, tuple] = {}  # id(stage variant) -> (variant, its StageCost)
-        self.schedule = build_schedule(plan)
+        # stages whose memory actions apply to some microbatches only (a microbatch_period): their
+        # costs depend on the microbatch (_cost); the others' are self.costs[s] for every one
+        self._varying = [any(item.microbatch_period != 1 for item in stage.memory) for stage in plan.stages]
+        # passes (forwards and backwards) walked so far, of total_passes; ``progress(done, total)``
+        # is called every PROGRESS_EVERY passes and once at the end (no clock here: the caller's
+        # callback decides whether and when to draw)
+        self.passes = 0
+        self.total_passes = 2 * plan.training.microbatches * len(plan.stages)
+        self._progress = progress
+        self._report_at = PROGRESS_EVERY if progress is not None else -1
         self.links = Links(hardware)
         self.trace = TraceBuilder()
         self.mem = [Timeline() for _ in range(self.p)]
@@ -95,6 +109,12 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents):
         for pos in range(self.p):
             self.env.process(self._walk(pos))
         self.env.run()
+        if self._progress is not None:
+            self._progress(self.passes, self.total_passes)
+
+    def _report(self) -> None:
+        self._progress(self.passes, self.total_passes)
+        self._report_at += PROGRESS_EVERY
 
     def _cost(self, s: int, k: int) -> StageCost:
         """Stage ``s``'s costs as microbatch ``k`` sees them: memory actions with a

@@ -66,10 +66,17 @@ def counter_series(events: list[tuple[int, int, int]]) -> list[tuple[int, int, i
     changed — what the trace's counter tracks show."""
     totals = [0] * len(CATEGORIES)
     out: list[tuple[int, int, int]] = []
+    append = out.append
     i, n = 0, len(events)
     while i < n:
-        t = events[i][0]
-        changed = set()
+        t, cat, delta = events[i]
+        i += 1
+        if i == n or events[i][0] != t:  # the usual case: one change at this timestamp
+            totals[cat] += delta
+            append((t, cat, totals[cat]))
+            continue
+        totals[cat] += delta
+        changed = {cat}
         while i < n and events[i][0] == t:
             _, cat, delta = events[i]
             totals[cat] += delta

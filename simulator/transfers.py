@@ -12,9 +12,6 @@ from simulator.stagecost import StageCost, ns
 import costs.collectives
 from specs.hardware import RENDEZVOUS_KINDS
 from specs.plan import MemoryAction
-from specs.schedule import Action, ActionKind, pairs
-
-_SA = ActionKind.send_act
 
 
 class Transfers:
@@ -29,20 +26,19 @@ class Transfers:
             dur = self._xfer_ns[key] = ns(costs.collectives.transfer_s(nbytes, link))
         return dur, res
 
-    def _send(self, a: Action, sc: StageCost, rep: int) -> None:
+    def _send(self, fwd: bool, s: int, k: int, peer: int, sc: StageCost, rep: int) -> None:
+        """A send_act (``fwd``) or send_grad of stage ``s``, microbatch ``k``, to stage ``peer``."""
         now = self.env.now
-        fwd = a.kind is _SA
         nbytes = sc.act_out_bytes if fwd else sc.grad_out_bytes
-        dst = self.costs[a.peer_stage].rep
+        dst = self.costs[peer].rep
         end = now
         if dst != rep and nbytes:
             dur, res = self._transfer_ns(nbytes, rep, dst)
             start, end = self.links.reserve(res, dur, now)
             self.trace.slice(rep, "send_fwd" if fwd else "send_bwd",
-                             f"{'act' if fwd else 'grad'} s{a.stage}->s{a.peer_stage} mb{a.microbatch}",
-                             start, dur, "p2p")
+                             f"{'act' if fwd else 'grad'} s{s}->s{peer} mb{k}", start, dur, "p2p")
         arrived = self._later(end - now)
-        key = pairs(a)
+        key = ("act" if fwd else "grad", s, k)  # specs.schedule.pairs
         waiting = self._mail.pop(key, None)
         if fwd and sc.sent_output_bytes:
             self._release_sent(key, sc, rep, dst, end, waiting)
@@ -62,10 +58,10 @@ class Transfers:
         else:  # freed once the receiver gets to its receive (see _recv)
             self._unreceived[key] = (sc.position, end, sc.sent_output_bytes)
 
-    def _recv(self, a: Action):
-        """Block the walk until the matching send's data has arrived."""
+    def _recv(self, key: tuple):
+        """The event a receive with ``key`` (specs.schedule.pairs) waits on until the matching
+        send's data has arrived; the walk yields it."""
         env = self.env
-        key = pairs(a)
         sent = self._unreceived.pop(key, None)
         if sent is not None:  # the sender's released output goes once this receive is posted
             self._free_acts(sent[0], max(sent[1], env.now), sent[2])
@@ -73,7 +69,7 @@ class Transfers:
         if ev is None:
             ev = self._mail[key] = env.event()
             self.events += 1
-        yield ev
+        return ev
 
     def _free_acts(self, pos: int, t_ns: int, nbytes: int) -> None:
         """Release ``nbytes`` of activations on position ``pos`` at time ``t_ns`` (now or later)."""

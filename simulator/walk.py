@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from simulator.memory import ACTS, BUFFERS, STASHED, SWAPPED, Timeline
 from simulator.stagecost import SWAPS, StageCost
 from specs.plan import MemoryAction
-from specs.schedule import Action, ActionKind
+from specs.schedule import ActionKind, position_steps
 
 _F, _B = ActionKind.forward, ActionKind.backward
 _SA, _SG, _RA, _RG = ActionKind.send_act, ActionKind.send_grad, ActionKind.recv_act, ActionKind.recv_grad
@@ -36,32 +36,37 @@ class ScheduleWalk:
     """The walking process and its compute events (the Engine's state: env, mem, trace, costs, ...)."""
 
     def _walk(self, pos: int):
+        """Position ``pos``'s list (specs.schedule.position_steps, generated as it is walked, so
+        its length costs no memory), one step at a time, with each step's stage costs as its
+        microbatch sees them; steps that do not wait (sends, swap copies) run inline."""
         w = Walker(pos, self.costs[pos].rep, self.mem[pos])
-        for a in self.schedule[pos]:
-            yield from self._act(w, a)
+        costs, varying, cost = self.costs, self._varying, self._cost
+        for kind, s, k, layer, peer in position_steps(self.plan, pos):
+            sc = cost(s, k) if k is not None and varying[s] else costs[s]
+            if kind is _F:
+                yield from self._forward(w, sc, s, k)
+                self.passes += 1
+                if self.passes == self._report_at:
+                    self._report()
+            elif kind is _B:
+                yield from self._backward(w, sc, s, k)
+                self.passes += 1
+                if self.passes == self._report_at:
+                    self._report()
+            elif kind is _SA or kind is _SG:
+                self._send(kind is _SA, s, k, peer, sc, w.rep)
+            elif kind is _RA or kind is _RG:
+                yield self._recv(("act" if kind is _RA else "grad", peer, k))
+            elif kind is _SO:
+                self._swap_out(pos, sc, k, layer)
+            elif kind is _SI:
+                self._swap_in_entry(pos, sc, s, k, layer)
+            elif kind is _RC:
+                pass  # the backward re-runs recompute layers; the entry tells the executor which
+            elif kind is _OPT or kind is _AR:
+                yield from self._iteration_end(w, kind, sc, s)
         self.finish_ns[pos] = self.env.now
         self.busy_ns[pos] = w.busy
-
-    def _act(self, w: Walker, a: Action):
-        """One action of the list, with its stage's costs as its microbatch sees them."""
-        kind, s, k = a.kind, a.stage, a.microbatch
-        sc = self.costs[s] if k is None else self._cost(s, k)
-        if kind is _F:
-            yield from self._forward(w, sc, s, k)
-        elif kind is _B:
-            yield from self._backward(w, sc, s, k)
-        elif kind is _SA or kind is _SG:
-            self._send(a, sc, w.rep)
-        elif kind is _RA or kind is _RG:
-            yield from self._recv(a)
-        elif kind is _SO:
-            self._swap_out(w.pos, sc, k, a.layer)
-        elif kind is _SI:
-            self._swap_in_entry(w.pos, sc, s, k, a.layer)
-        elif kind is _RC:
-            pass  # the backward re-runs recompute layers; the entry tells the executor which
-        elif kind is _OPT or kind is _AR:
-            yield from self._iteration_end(w, kind, sc, s)
 
     def _drive(self, segments, rep: int):
         """Run a window's segments on the compute stream; stalls go on the trace. Returns busy ns

@@ -18,6 +18,8 @@ FAST_FLAGS = {
 }
 #: a dtype this many times slower than fp32 in the config has no fast kernels where it was measured
 SLOW_FACTOR = 8.0
+#: what the warning tells the user to do (the override, spelled as they type it)
+FIX = "fp32 is faster here: add training.precision=fp32"
 
 
 def is_cpu(device: DeviceSpec) -> bool:
@@ -39,7 +41,7 @@ def dtype_warning(device: DeviceSpec, dtype: str, cpu_flags: set[str] | None, ha
         verdict = ("that is this CPU's measured rate" if rate * SLOW_FACTOR <= fp32 else
                    "measured on another CPU: run mode=calibrate here and use its hardware file")
         return (f"warning: training.precision={dtype} on a CPU without fast {dtype} kernels (none of "
-                f"{', '.join(FAST_FLAGS[dtype])} in /proc/cpuinfo): {rates} ({verdict}); fp32 is faster here")
+                f"{', '.join(FAST_FLAGS[dtype])} in /proc/cpuinfo): {rates} ({verdict}); {FIX}")
     if rate * SLOW_FACTOR <= fp32:
-        return f"warning: training.precision={dtype} is slow on this device: {rates}; fp32 is faster here"
+        return f"warning: training.precision={dtype} is slow on this device: {rates}; {FIX}"
     return None

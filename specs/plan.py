@@ -89,6 +89,10 @@ class Plan(Spec):
             if st.dp > 1:
                 raise ValueError(f"stages[{i}].offload.window_layers: with dp {st.dp} the host gradients would need "
                                  "an all-reduce before each CPU step, which memwall does not model; use dp 1")
+            if st.tp > 1:  # costs.window prices a whole layer's weights per slot; no tp shards yet
+                raise ValueError(f"stages[{i}].offload.window_layers: with tp {st.tp} each device would stream "
+                                 "its shard of every layer, which memwall does not model (STRONGHOLD's window "
+                                 "runs on one device per stage); use tp 1")
         return self
 
     @property

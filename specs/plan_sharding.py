@@ -101,11 +101,27 @@ def check_tiling(segments: list[CheckpointSegment], start: int, stop: int, where
         raise ValueError(f"{where}: segments end at {at}, expected {stop}")
 
 
+def mixed_meshes(sharding: list[LayerSharding]) -> str | None:
+    """Why a MAP stage's layers do not share one mesh shape (None: they do). The stage's devices are
+    one logical mesh (MAP §5; the executor builds one DeviceMesh per stage, the simulator prices one)."""
+    shapes: dict[tuple[int, ...], list[int]] = {}
+    for s in sorted(sharding, key=lambda s: s.layer):
+        shapes.setdefault(tuple(s.mesh), []).append(s.layer)
+    if len(shapes) < 2:
+        return None
+    return ("a MAP stage's layers share one mesh (its devices are one logical mesh); this stage mixes "
+            + ", ".join(f"{list(m)} (layers {ls})" for m, ls in shapes.items()))
+
+
 def check_stage_sharding(i: int, stage, model: ModelSpec, microbatch: int, zero_stage: int, err) -> None:
     """A MAP stage's strategies name the nodes of each layer's op graph, with one valid layout per
-    input and parameter for the traced shapes (MAP §4.3: a dim splits only over axes dividing it)."""
+    input and parameter for the traced shapes (MAP §4.3: a dim splits only over axes dividing it),
+    all on one mesh shape."""
     if zero_stage:
         err("zero_stage", f"{zero_stage}: a MAP-sharded stage shards its states by its strategies; use 0")
+    if (mixed := mixed_meshes(stage.sharding)) is not None:  # StagePlan refuses it too; a model_copy skips that
+        err(f"stages[{i}].sharding", mixed)
+        return
     mb = microbatch
     if model.op_graph_microbatch is not None and mb != model.op_graph_microbatch:
         err(f"stages[{i}].sharding", f"the op graphs were traced at microbatch {model.op_graph_microbatch}, the plan "
@@ -142,4 +158,4 @@ def check_stage_sharding(i: int, stage, model: ModelSpec, microbatch: int, zero_
                         "(one letter group per dim; a split dim must divide by its axes' sizes)")
 
 
-__all__ = ["CheckpointSegment", "LayerSharding", "NodeSharding", "check_stage_sharding", "check_tiling"]
+__all__ = ["CheckpointSegment", "LayerSharding", "NodeSharding", "check_stage_sharding", "check_tiling", "mixed_meshes"]

@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 from specs._base import MAX_COUNT, Spec
 from specs.hardware import MAX_DEVICES
 from specs.plan_memory import LayerMemory, MemoryAction, OffloadPolicy
-from specs.plan_sharding import CheckpointSegment, LayerSharding, check_tiling
+from specs.plan_sharding import CheckpointSegment, LayerSharding, check_tiling, mixed_meshes
 
 
 class StagePlan(Spec):
@@ -102,8 +102,14 @@ class StagePlan(Spec):
             if math.prod(s.mesh) != len(self.devices):
                 raise ValueError(f"sharding: layer {s.layer}'s mesh {s.mesh} has {math.prod(s.mesh)} devices, the "
                                  f"stage {len(self.devices)}")
-        if self.offload.window_layers is not None or self.offload.optimizer_on_cpu:
-            raise ValueError("offload: a MAP-sharded stage keeps everything on its devices; drop the offload")
+        if (mixed := mixed_meshes(self.sharding)) is not None:
+            raise ValueError(f"sharding: {mixed}")
+        # the simulator and executor.map_exec keep a MAP stage's states on its devices: an offload
+        # here would be priced and run as if it were not there
+        for name in ("window_layers", "optimizer_on_cpu", "optimizer_swap", "nvme"):
+            if getattr(self.offload, name) not in (None, False):
+                raise ValueError(f"offload.{name}: a MAP-sharded stage keeps its weights, gradients and optimizer "
+                                 "state on its devices (sharded by its strategies); drop the offload")
         if self.memory:
             raise ValueError("memory: a MAP-sharded stage recomputes by checkpoint segments (rotor); use checkpoint")
         if self.checkpoint:

@@ -3,6 +3,9 @@
 ``build_schedule(plan)`` returns ``{position: [Action, ...]}`` for positions 0..p-1. Every device of
 a position's group (all dp replicas and tp ranks) walks the same list; the simulator walks it for
 one representative and the executor walks it on every rank, so the list is explicit and complete.
+The list is generated step by step (:func:`position_steps`, compact tuples, O(1) memory in the
+microbatch count): the simulator walks the steps as they come, a rank builds its own position's
+Actions only (:func:`position_schedule`), and nothing needs all p lists of 2·m·v passes at once.
 
 Ordering rules (why the lists cannot deadlock):
 - ``send_*`` is non-blocking (isend: the sender goes on at once); ``recv_*`` blocks until the
@@ -25,6 +28,8 @@ Ordering rules (why the lists cannot deadlock):
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from enum import Enum
 
 from pydantic import Field
@@ -61,24 +66,37 @@ class Action(Spec):
 
 
 def compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int) -> list[tuple[str, int, int]]:
-    """Order of passes on position ``i`` of ``p``: [("F"|"B", stage, microbatch), ...]."""
+    """Order of passes on position ``i`` of ``p``: [("F"|"B", stage, microbatch), ...] (a list of
+    2·m·v passes; :func:`iter_compute_order` yields the same without holding them)."""
+    return list(iter_compute_order(kind, p, m, v, i))
+
+
+def iter_compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int) -> Iterator[tuple[str, int, int]]:
+    """:func:`compute_order`, lazily: O(1) memory however many microbatches."""
     if kind is ScheduleKind.gpipe:
         # GPipe §2.2: all forwards, then all backwards, then one flush.
-        return [("F", i, k) for k in range(m)] + [("B", i, k) for k in range(m)]
+        for k in range(m):
+            yield ("F", i, k)
+        for k in range(m):
+            yield ("B", i, k)
+        return
     if kind is ScheduleKind.interleaved_1f1b:
-        return _interleaved(p, m, v, i)
+        yield from _interleaved(p, m, v, i)
+        return
     # 1F1B (PipeDream-Flush / DAPPLE) and PipeDream async share the order: p - i - 1 warm-up
     # forwards, then one forward + one backward, then the cool-down backwards (PipeDream-2BW §3),
     # so at most min(p - i, m) microbatches are in flight on position i.
     warm = min(p - i - 1, m)
-    ops = [("F", i, k) for k in range(warm)]
+    for k in range(warm):
+        yield ("F", i, k)
     for j in range(m - warm):
-        ops += [("F", i, warm + j), ("B", i, j)]
-    ops += [("B", i, k) for k in range(m - warm, m)]
-    return ops
+        yield ("F", i, warm + j)
+        yield ("B", i, j)
+    for k in range(m - warm, m):
+        yield ("B", i, k)
 
 
-def _interleaved(p: int, m: int, v: int, i: int) -> list[tuple[str, int, int]]:
+def _interleaved(p: int, m: int, v: int, i: int) -> Iterator[tuple[str, int, int]]:
     """Megatron's interleaved 1F1B (Narayanan et al. 2021 §2.2): virtual microbatch u runs chunk
     (u // p) % v forward (v - 1 - that backward) on microbatch (u // pv)·p + u % p; warm-up is
     (p - i - 1)·2 + (v - 1)·p virtual microbatches. Needs m % p == 0 (validate_plan checks)."""
@@ -87,11 +105,110 @@ def _interleaved(p: int, m: int, v: int, i: int) -> list[tuple[str, int, int]]:
     fwd = lambda u: ("F", ((u // p) % v) * p + i, mb(u))  # noqa: E731
     bwd = lambda u: ("B", (v - 1 - (u // p) % v) * p + i, mb(u))  # noqa: E731
     warm = min((p - i - 1) * 2 + (v - 1) * p, total)
-    ops = [fwd(u) for u in range(warm)]
+    for u in range(warm):
+        yield fwd(u)
     for u in range(total - warm):
-        ops += [fwd(warm + u), bwd(u)]
-    ops += [bwd(u) for u in range(total - warm, total)]
-    return ops
+        yield fwd(warm + u)
+        yield bwd(u)
+    for u in range(total - warm, total):
+        yield bwd(u)
+
+
+#: one step of a position's list in compact form, what :func:`position_steps` yields:
+#: (kind, stage, microbatch, layer, peer_stage), None where an Action leaves the field unset
+Step = tuple
+
+_F, _B = ActionKind.forward, ActionKind.backward
+_SA, _SG, _RA, _RG = ActionKind.send_act, ActionKind.send_grad, ActionKind.recv_act, ActionKind.recv_grad
+_SO, _SI, _RC = ActionKind.swap_out, ActionKind.swap_in, ActionKind.recompute
+_AR, _OPT = ActionKind.allreduce_grads, ActionKind.optimizer_step
+
+
+class _LayerActions:
+    """Per (stage, microbatch): the layers it swaps (forward order) and recomputes, as
+    ``stage_for_microbatch`` gives them, computed once per stage and period residue."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self.period: list[int] = [
+            math.lcm(*(item.microbatch_period for item in stage.memory))
+            if any(item.microbatch_period != 1 for item in stage.memory) else 1
+            for stage in plan.stages]
+        self._hit: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
+
+    def __call__(self, s: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(swapped layers ascending, swapped layers descending, recomputed layers descending)."""
+        key = (s, k % self.period[s])
+        hit = self._hit.get(key)
+        if hit is None:
+            stage = stage_for_microbatch(self.plan.stages[s], k)  # the actions that apply to microbatch k
+            swapped = tuple(l for l in stage.layers if stage.action_of(l).action in SWAPS)
+            recomputed = tuple(l for l in reversed(stage.layers)
+                               if stage.action_of(l).action is MemoryAction.recompute)
+            hit = self._hit[key] = (swapped, swapped[::-1], recomputed)
+        return hit
+
+
+def position_steps(plan: Plan, i: int) -> Iterator[Step]:
+    """Position ``i``'s action list as compact :data:`Step` tuples, lazily (O(1) memory in the
+    microbatch count): what :func:`build_schedule` turns into Actions, and what the simulator walks."""
+    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+    last = len(plan.stages) - 1
+    layer_actions = _LayerActions(plan)
+    prev: list[Step] | None = None  # one group per pass (its recvs, itself, its sends), held one pass
+    prev_pass = None                # back: a backward may prefetch its swap-ins into it
+    for pass_ in iter_compute_order(plan.schedule.kind, p, m, v, i):
+        kind, s, k = pass_
+        swapped, swapped_rev, recomputed = layer_actions(s, k)
+        group: list[Step] = []
+        if kind == "F":
+            if s > 0:
+                group.append((_RA, s, k, None, s - 1))
+            group.append((_F, s, k, None, None))
+            for l in swapped:
+                group.append((_SO, s, k, l, None))
+            if s < last:
+                group.append((_SA, s, k, None, s + 1))
+        else:
+            swaps = [(_SI, s, k, l, None) for l in swapped_rev]
+            if prev is not None and prev_pass != ("F", s, k):
+                prev[:0] = swaps  # prefetch one pass ahead
+            else:
+                group += swaps
+            if s < last:
+                group.append((_RG, s, k, None, s + 1))
+            for l in recomputed:
+                group.append((_RC, s, k, l, None))
+            group.append((_B, s, k, None, None))
+            if s > 0:
+                group.append((_SG, s, k, None, s - 1))
+        if prev is not None:
+            yield from prev
+        prev, prev_pass = group, pass_
+    if prev is not None:
+        yield from prev
+    for s in range(i, len(plan.stages), p):
+        yield (_AR, s, None, None, None)
+        yield (_OPT, s, None, None, None)
+
+
+def _action(step: Step) -> Action:
+    """The Action of a compact step, with the same fields set as the explicit constructor calls
+    (unset fields left out, so ``model_fields_set`` and dumps are those of ``Action(...)``)."""
+    kind, s, k, layer, peer = step
+    fields = {"kind": kind, "stage": s}
+    if k is not None:
+        fields["microbatch"] = k
+    if layer is not None:
+        fields["layer"] = layer
+    if peer is not None:
+        fields["peer_stage"] = peer
+    return Action(**fields)
+
+
+def position_schedule(plan: Plan, i: int) -> list[Action]:
+    """Position ``i``'s action list (``build_schedule(plan)[i]``) without building the others'."""
+    return [_action(step) for step in position_steps(plan, i)]
 
 
 def build_schedule(plan: Plan) -> dict[int, list[Action]]:
@@ -101,46 +218,7 @@ def build_schedule(plan: Plan) -> dict[int, list[Action]]:
     version per in-flight microbatch (weight stashing, PipeDream §3.3) and times the iteration as
     its steady state; the closing all-reduce/optimizer entries stand for the per-minibatch updates.
     """
-    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
-    last = len(plan.stages) - 1
-    out: dict[int, list[Action]] = {}
-    for i in range(p):
-        groups: list[list[Action]] = []  # one group per pass: its recvs, itself, its sends
-        for pass_, s, k in compute_order(plan.schedule.kind, p, m, v, i):
-            stage = stage_for_microbatch(plan.stages[s], k)  # the actions that apply to microbatch k
-            group: list[Action] = []
-            if pass_ == "F":
-                if s > 0:
-                    group.append(Action(kind=ActionKind.recv_act, stage=s, microbatch=k, peer_stage=s - 1))
-                group.append(Action(kind=ActionKind.forward, stage=s, microbatch=k))
-                group += [Action(kind=ActionKind.swap_out, stage=s, microbatch=k, layer=l)
-                          for l in stage.layers if stage.action_of(l).action in SWAPS]
-                if s < last:
-                    group.append(Action(kind=ActionKind.send_act, stage=s, microbatch=k, peer_stage=s + 1))
-            else:
-                swaps = [Action(kind=ActionKind.swap_in, stage=s, microbatch=k, layer=l)
-                         for l in reversed(stage.layers) if stage.action_of(l).action in SWAPS]
-                prev = groups[-1] if groups else None
-                produced_here = prev is not None and any(
-                    a.kind is ActionKind.forward and a.stage == s and a.microbatch == k for a in prev)
-                if prev is not None and not produced_here:
-                    prev[:0] = swaps  # prefetch one pass ahead
-                else:
-                    group += swaps
-                if s < last:
-                    group.append(Action(kind=ActionKind.recv_grad, stage=s, microbatch=k, peer_stage=s + 1))
-                group += [Action(kind=ActionKind.recompute, stage=s, microbatch=k, layer=l)
-                          for l in reversed(stage.layers) if stage.action_of(l).action is MemoryAction.recompute]
-                group.append(Action(kind=ActionKind.backward, stage=s, microbatch=k))
-                if s > 0:
-                    group.append(Action(kind=ActionKind.send_grad, stage=s, microbatch=k, peer_stage=s - 1))
-            groups.append(group)
-        actions = [a for g in groups for a in g]
-        for s in range(i, len(plan.stages), p):
-            actions.append(Action(kind=ActionKind.allreduce_grads, stage=s))
-            actions.append(Action(kind=ActionKind.optimizer_step, stage=s))
-        out[i] = actions
-    return out
+    return {i: position_schedule(plan, i) for i in range(plan.pipeline_depth)}
 
 
 def pairs(action: Action) -> tuple[str, int, int] | None:

@@ -15,7 +15,8 @@ import math
 import re
 from dataclasses import dataclass
 
-_DIM = re.compile(r"R|S\d+")
+#: ASCII digits only: ``\d`` also matches other scripts' digits (U+FF10 "０"), which int() accepts
+_DIM = re.compile(r"R|S[0-9]+")
 
 
 @dataclass(frozen=True, order=True)

@@ -162,6 +162,27 @@ def test_torch_stays_in_the_executor_and_calibration():
     assert bad == []
 
 
+#: which other techniques' packages a technique may build on: MPress starts from a balanced or a
+#: CAPTURE pipeline (§III-B's base pipeline), STRONGHOLD and MAP from the even split
+TECHNIQUES = ("baselines", "capture", "mpress", "stronghold", "map")
+SHARED_TECHNIQUES = {"baselines", "capture"}
+
+
+def test_techniques_do_not_import_each_others_search():
+    graph, _ = import_graph()
+    bad = []
+    for mod, targets in graph.items():
+        p = mod.split(".")
+        if p[0] != "planners" or len(p) < 3 or p[1] not in TECHNIQUES:
+            continue
+        for t in targets:
+            q = t.split(".")
+            if q[0] == "planners" and len(q) > 1 and q[1] in TECHNIQUES and q[1] != p[1] \
+                    and q[1] not in SHARED_TECHNIQUES:
+                bad.append(f"{mod} imports {t}")
+    assert bad == []
+
+
 def test_each_technique_is_a_package():
     for pkg in ("planners/capture", "planners/mpress", "planners/stronghold", "planners/map", "planners/baselines"):
         assert (ROOT / pkg / "__init__.py").is_file(), pkg

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 import torch
 
 from executor.launch import launch
@@ -193,11 +194,15 @@ def test_windows_with_data_or_tensor_parallel_stages_are_refused_by_name():
     dp2 = plan([(0, HEAD + 1, [0, 1], OffloadPolicy())])
     dp2 = dp2.model_copy(update={"stages": [dp2.stages[0].model_copy(update={"offload": window(1, [0, HEAD])})]})
     assert any(msg.startswith("stages[0].dp: 2 with offload.window_layers") for msg in unsupported(dp2, GPT_TINY))
-    tp2 = Plan(planner="manual", model=SPEC.name, hardware=LOCAL_CPU.name, num_devices=LOCAL_CPU.num_devices,
-               training=CPU_TRAINING, schedule=ScheduleSpec(kind="1f1b"),
-               stages=[StagePlan(layer_start=0, layer_stop=HEAD + 1, devices=[0, 1], tp=2,
-                                 offload=window(1, [0, HEAD]))])
-    tp2 = validate_plan(tp2, SPEC, LOCAL_CPU)
+    # tp > 1: likewise refused by the plan's own validation (issue 22: resident_step_s went
+    # negative and simpy raised "Negative delay"), and by the executor for a plan built around it
+    with pytest.raises(ValidationError, match=r"window_layers"):
+        Plan(planner="manual", model=SPEC.name, hardware=LOCAL_CPU.name, num_devices=LOCAL_CPU.num_devices,
+             training=CPU_TRAINING, schedule=ScheduleSpec(kind="1f1b"),
+             stages=[StagePlan(layer_start=0, layer_stop=HEAD + 1, devices=[0, 1], tp=2,
+                               offload=window(1, [0, HEAD]))])
+    tp2 = plan([(0, HEAD + 1, [0, 1], OffloadPolicy())])
+    tp2 = tp2.model_copy(update={"stages": [tp2.stages[0].model_copy(update={"dp": 1, "tp": 2, "offload": window(1, [0, HEAD])})]})
     assert any(msg.startswith("stages[0].tp: 2 with offload.window_layers") for msg in unsupported(tp2, GPT_TINY))
 
 

@@ -28,6 +28,16 @@ def test_main_job_writes_plan_and_results_for_8_devices(tmp_path):
     assert raw["iteration_time_s"] > 0 and raw["samples_per_s"] > 0
     assert result.plan_id == plan.id and plan.hardware == "dgx1"
     assert "peak GiB" in proc.stdout and "samples/s" in proc.stdout
+    assert "dp x tp" in proc.stdout and "memory" in proc.stdout
+
+
+def test_table_shows_a_tensor_parallel_stage_as_dp_x_tp(tmp_path):
+    out = tmp_path / "tp"
+    proc = run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", "policy=manual", "policy.tp=8", "policy.recompute=full",
+                   "estimator=analytic", f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith("0-7 "))
+    assert " 1x8 " in row and "recompute " in row, proc.stdout
 
 
 def test_missing_hardware_lists_the_options(tmp_path):
@@ -134,8 +144,12 @@ def test_help_describes_memwall_its_modes_and_groups(tmp_path):
     text = proc.stdout
     assert text.startswith("memwall") and "Powered by Hydra" not in text
     for word in ("+hardware=NAME +model=NAME", "simulate", "execute", "compare", "profile", "calibrate",
-                 "throughput, capture", "python -m run +hardware=dgx1 +model=gpt"):
+                 "python -m run +hardware=dgx1 +model=gpt", "policy.memory_budget_gib", "policy.window_layers",
+                 "stronghold_gpt_l500 39.5B", "gpt3_175b 174.6B"):
         assert word in text, word
+    policies = text.split("Policies (policy=NAME)")[1].split("Models (+model=NAME)")[0]
+    for name in ("balanced", "even", "manual", "throughput", "capture", "mpress", "stronghold", "map"):
+        assert f"\n  {name} " in policies, name
     groups = {line.split(":")[0]: line for line in text.splitlines() if ": " in line}
     assert "dgx1" in groups["hardware"] and "gpt_tiny" in groups["model"] and "capture" in groups["policy"]
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from specs import DeviceResult, MemoryBreakdown, Result
+from specs.plan import StagePlan
 from reports.figures_compare import compare_figure, error_stats, peak_pairs
 from reports.figures_run import fold_devices, memory_figure, timeline_figure, trace_lanes
 from reports.outputs import summary, write_compare_figure, write_figures, write_json, write_sweep_summary
@@ -164,7 +165,8 @@ def test_console_summary_keeps_its_words_and_no_colour_codes_off_a_terminal(tmp_
     from specs.plan import Plan
 
     class FakePlan:  # summary reads only these attributes
-        id, planner, model, hardware, num_devices, stages = "abc123", "manual", "toy", "toyhw", 4, [0, 1, 2, 3]
+        id, planner, model, hardware, num_devices, zero_stage = "abc123", "manual", "toy", "toyhw", 4, 0
+        stages = [StagePlan(layer_start=i, layer_stop=i + 1, devices=[i]) for i in range(4)]
 
         class schedule:
             class kind:
@@ -186,7 +188,8 @@ def test_units_follow_the_magnitude_so_a_cpu_model_does_not_read_zero(tmp_path):
     assert human_bytes(23.5 * GIB, None) == "23.5 GiB" and human_bytes(32 * GIB, None) == "32 GiB"
 
     class FakePlan:
-        id, planner, model, hardware, num_devices, stages = "abc123", "balanced", "toy", "toyhw", 2, [0, 1]
+        id, planner, model, hardware, num_devices, zero_stage = "abc123", "balanced", "toy", "toyhw", 2, 0
+        stages = [StagePlan(layer_start=i, layer_stop=i + 1, devices=[i]) for i in range(2)]
 
         class schedule:
             class kind:

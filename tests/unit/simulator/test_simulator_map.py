@@ -21,7 +21,7 @@ from simulator.sharded import sharded_stage, stage_mesh
 from simulator.stagecost import stage_cost
 from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
-from specs.plan import CheckpointSegment, LayerSharding, NodeSharding, Plan, ScheduleSpec, StagePlan, validate_plan
+from specs.plan import CheckpointSegment, LayerSharding, NodeSharding, Plan, PlanError, ScheduleSpec, StagePlan, validate_plan
 from specs.training import TrainingSpec
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
@@ -282,7 +282,8 @@ def test_mixed_mesh_shapes_rejected():
     stage = plan.stages[0]
     sh = [other if s.layer == 1 else s for s in stage.sharding]
     bad = plan.model_copy(update={"stages": [stage.model_copy(update={"sharding": sh})]})
-    validate_plan(bad, model, h)  # each layer alone is fine
+    with pytest.raises(PlanError, match=r"stages\[0\]\.sharding: a MAP stage's layers share one mesh"):
+        validate_plan(bad, model, h)  # each layer alone is fine, the stage is not (issue #22)
     with pytest.raises(ValueError, match=r"share one mesh.*\[4\] \(layers \[1\]\)"):
         simulate(bad, model, h)
     with pytest.raises(ValueError, match="share one mesh"):

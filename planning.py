@@ -224,6 +224,9 @@ def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
     attaches them for policy=map)."""
     from planners.map.plan import map_search, report, summary_lines
 
+    if cfg.schedule.virtual_stages > 1:  # its stages are whole meshes, one per pipeline position
+        raise PlanningError(f"MAP plans non-interleaved schedules (one stage per device group), but "
+                            f"schedule.virtual_stages is {cfg.schedule.virtual_stages}; use schedule=1f1b or gpipe")
     outcome = map_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress)
     return _publish(cfg, model, outdir, outcome, REPORT_FILES["map"], report(outcome), summary_lines(outcome),
                     "no strategy choice with checkpointing meets the memory budget")

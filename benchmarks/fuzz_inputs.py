@@ -43,6 +43,8 @@ sys.path.insert(0, str(ROOT))
 # ---- CLI override sets ---------------------------------------------------------------------
 HARDWARE = ["dgx1", "dgx2", "v100_single", "a10_cluster", "capture_cluster", "map_8xa100", "h100_node", "local_cpu"]
 MODELS = ["gpt", "bert", "gpt_tiny", "bert_tiny", "moe_tiny", "wresnet_tiny", "gpt3_2b6", "bert_0b64"]
+#: models for the searching planners (MAP's ILP, MPress's emulator, CAPTURE's profiles): each case stays short
+MODELS_SMALL = ["gpt_tiny", "bert_tiny", "moe_tiny", "wresnet_tiny", "gpt", "bert_0b64"]
 BAD_NUMBERS = ["0", "-1", "-5", "nan", "inf", "-inf", "1e-300", "1e300", str(2**64), "0.5", "abc", "null",
                "'${nonexistent.key}'", "''", "[1,2]"]
 NUMBER_FIELDS = {
@@ -81,8 +83,75 @@ ODD_ARGS = ["+hardware=null", "+hardware=nope", "foo=[", "+foo=1", "hardware=nul
             "training='${oops}'", "hardware.device=3", "mode=nope"]
 
 
+#: every policy's own knobs (conf/policy/*.yaml, planners/policy.py), sane and absurd values
+POLICY_KNOBS = {
+    "map": {"memory_budget_gib": ["1", "20", "80", "1e-3", "1e7"], "mesh": ["[2,4]", "[1]", "[8]", "[3,3]", "[0]",
+                                                                      "[1,1,1,1]", "[65536,2]", "[]", "[2,2,2]"],
+            "devices": ["1", "2", "3", "8", "100"], "constrain": ["all", "params", "nope"], "pp": ["1", "2", "3"],
+            "alpha": ["0.25", "4", "5"], "budgets": ["1", "3", "41"], "memory_slots": ["10", "9", "5000"],
+            "ilp_time_limit_s": ["1", "5", "0"], "refine": ["0", "1", "21"]},
+    "stronghold": {"window_layers": ["1", "2", "8", "1000", str(2**40)], "pp": ["1", "2", "3", "8", "100"],
+                   "recompute": ["none", "full"], "nvme": ["auto", "on", "off", "maybe"]},
+    "mpress": {"partition": ["balanced", "even", "capture", "nope"], "pp": ["1", "2", "3", "8", "100"],
+               "techniques": ["[recompute]", "[cpu_swap]", "[d2d_swap]", "[cpu_swap,d2d_swap]", "[]", "[foo]"],
+               "mapping": ["search", "identity", "x"], "striping": ["weighted", "equal", "none", "x"],
+               "max_simulations": ["1", "2", "5", "40", "10001"]},
+    "capture": {"batch_sizes": ["[8,16]", "[16]", "[0]", "[]", "[3]", "[4096]"], "num_microbatches": ["1", "2", "4",
+                                                                                                    "1000"],
+                "scenarios": ["[pp]", "[dp2,tp2]", "[pp,dp4,tp4]", "[]", "[tp8]"], "backend": ["simulator"],
+                "recompute": ["none", "full"], "pipeline_only": ["true", "false"],
+                "merge_layers": ["1", "2", "4", "1000"], "search": ["exact", "exhaustive"],
+                "compare_throughput": ["true", "false"], "smallest_hardware": ["true", "false"]},
+    "throughput": {"recompute": ["none", "full", "half"], "pipeline_only": ["true", "false"]},
+}
+#: every experiment= preset (a base whose fields the case then changes)
+PRESETS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+#: fields a preset case may change (its own hardware and model stay)
+PRESET_FIELDS = ["training.global_batch", "training.microbatch_size", "training.num_microbatches",
+                 "training.precision", "hardware.nodes", "hardware.devices_per_node", "hardware.device.memory_bytes",
+                 "hardware.host.memory_bytes", "schedule", "estimator"]
+
+
+def _policy_knobs(rng: random.Random, kind: str) -> list[str]:
+    """0..3 of policy ``kind``'s own knobs, set to sane or (now and then) absurd values."""
+    knobs = POLICY_KNOBS[kind]
+    args = []
+    for key in rng.sample(sorted(knobs), min(len(knobs), rng.randint(0, 3))):
+        pool = knobs[key] + (BAD_NUMBERS if rng.random() < 0.2 else [])
+        args.append(f"policy.{key}={rng.choice(pool)}")
+    if kind == "capture" and not any(a.startswith("policy.backend=") for a in args):
+        args.append("policy.backend=simulator")  # auto on local_cpu would run torch ranks: not this tool's job
+    return args
+
+
 def draw_overrides(rng: random.Random) -> list[str]:
-    """One random override set: +hardware/+model, then 1..4 fields set to sane or absurd values."""
+    """One random override set: +hardware/+model, then 1..4 fields set to sane or absurd values;
+    or (issue #22) a policy with its own knobs, or an experiment= preset with a few fields changed."""
+    r = rng.random()
+    if r < 0.25:  # a preset as the base
+        preset = rng.choice(PRESETS)
+        args = [f"experiment={preset}"]
+        kind = preset.split("_")[0]
+        if kind in POLICY_KNOBS and rng.random() < 0.6:
+            args += _policy_knobs(rng, kind)
+        for key in rng.sample(PRESET_FIELDS, rng.randint(0, 2)):
+            pool = NUMBER_FIELDS.get(key) or CHOICE_FIELDS.get(key)
+            if key in NUMBER_FIELDS and rng.random() < 0.3:
+                pool = BAD_NUMBERS
+            args.append(f"{key}={rng.choice(pool)}")
+        return args
+    if r < 0.6:  # a planner and its own knobs
+        kind = rng.choice(sorted(POLICY_KNOBS))
+        hw, model = rng.choice(HARDWARE), rng.choice(MODELS_SMALL)
+        if kind == "capture" and rng.random() < 0.5:
+            hw = "capture_cluster"
+        args = [f"+hardware={hw}", f"+model={model}", f"policy={kind}", *_policy_knobs(rng, kind)]
+        for key in rng.sample(["training.global_batch", "training.microbatch_size", "training.precision",
+                               "schedule"], rng.randint(0, 2)):
+            pool = NUMBER_FIELDS.get(key) or CHOICE_FIELDS.get(key)
+            args.insert(3 if key == "schedule" else len(args), f"{key}={rng.choice(pool)}")  # a group before its knobs
+        args.append("estimator=analytic" if rng.random() < 0.5 else "estimator=simulator")
+        return args
     args = [f"+hardware={rng.choice(HARDWARE)}", f"+model={rng.choice(MODELS)}"]
     order = {"policy": 0, "schedule": 0}  # a group choice must come before its fields
     fields = rng.sample(sorted(NUMBER_FIELDS) + sorted(CHOICE_FIELDS), rng.randint(1, 4))
@@ -255,7 +324,17 @@ BAD_VALUES = [0, -1, 2**64, 2**40 + 1, float("inf"), float("nan"), 1e300, 1e-300
 BASE_SETS = [["+hardware=dgx1", "+model=gpt_tiny", "policy=even", "policy.dp=2"],
              ["+hardware=dgx2", "+model=bert_tiny", "schedule=interleaved_1f1b", "policy=even", "policy.pp=2", "policy.dp=4", "training.microbatch_size=4"],
              ["+hardware=dgx1", "+model=gpt_tiny", "schedule=gpipe", "policy=manual", "policy.pp=4", "policy.dp=2"],
-             ["+hardware=capture_cluster", "+model=moe_tiny", "policy=balanced", "training.microbatch_size=8"]]
+             ["+hardware=capture_cluster", "+model=moe_tiny", "policy=balanced", "training.microbatch_size=8"],
+             # issue #22: each planner's real plan (MPress with D2D swaps and recomputation, STRONGHOLD's
+             # windows, MAP's sharding and checkpoints, CAPTURE's and the throughput planner's hybrid stages)
+             ["experiment=mpress_bert_0b64_pipedream"],
+             ["+hardware=local_cpu", "+model=gpt_tiny", "policy=mpress"],
+             ["+hardware=v100_single", "+model=gpt_tiny", "policy=stronghold", "policy.window_layers=2"],
+             ["+hardware=dgx1", "+model=bert_tiny", "policy=stronghold", "policy.pp=2"],
+             ["+hardware=map_8xa100", "+model=gpt_tiny", "policy=map", "policy.devices=4", "policy.pp=2"],
+             ["+hardware=map_8xa100", "+model=gpt_tiny", "policy=map", "policy.memory_budget_gib=0.05"],
+             ["+hardware=capture_cluster", "+model=gpt_tiny", "policy=capture", "policy.backend=simulator"],
+             ["+hardware=capture_cluster", "+model=bert_tiny", "policy=throughput"]]
 
 
 def base_plans(sets: list[list[str]] | None = None):
@@ -319,7 +398,7 @@ def mutate_plan(rng: random.Random, plan: dict, hardware) -> tuple[dict, str | N
 
 def _mutate_once(rng: random.Random, p: dict, n: int) -> None:
     """One random mutation of the plan dict ``p`` in place (n: the hardware's device count)."""
-    kind = rng.randrange(9)
+    kind = rng.randrange(11)
     leaves = [(path, v) for path, v in _paths(p) if path and not isinstance(v, (dict, list))]
     lists = [(path, v) for path, v in _paths(p) if path and isinstance(v, list) and v]
     if kind == 0 and leaves:  # a leaf to an absurd value
@@ -354,6 +433,34 @@ def _mutate_once(rng: random.Random, p: dict, n: int) -> None:
     elif kind == 8:
         st = p["stages"][rng.randrange(len(p["stages"]))]
         st["offload"] = {"window_layers": rng.choice([1, 2, 2**64, 0]), "optimizer_on_cpu": True, "nvme": rng.random() < .5}
+    elif kind == 9:  # a MAP sharding entry: its mesh, a placement string, or an entry moved to another layer
+        st = rng.choice([st for st in p["stages"] if st.get("sharding")] or p["stages"])
+        if not st.get("sharding"):
+            st["sharding"] = [{"layer": st["layer_start"], "mesh": [len(st["devices"])], "nodes": []}]
+        entry = rng.choice(st["sharding"])
+        what = rng.randrange(4)
+        if what == 0:
+            entry["mesh"] = rng.choice([[1], [2, 2], [len(st["devices"]) + 1], [0], [], [2**40], [2, 2, 2, 2]])
+        elif what == 1 and entry["nodes"]:
+            node = rng.choice(entry["nodes"])
+            node["output"] = rng.choice(["", "S0", "S9", "S0S0", "P", "RRRRRRRRRRRR", "x", node["output"] + "R"])
+        elif what == 2:
+            entry["layer"] = rng.choice([entry["layer"] + 1, -1, 2**40, st["layer_stop"]])
+        else:
+            st["sharding"].append(copy.deepcopy(entry))
+    elif kind == 10:  # per-layer checkpointing (MAP/rotor) or STRONGHOLD's resident layers
+        st = p["stages"][rng.randrange(len(p["stages"]))]
+        key = rng.choice(["checkpoint", "offload"])
+        if key == "checkpoint":
+            a, b = st["layer_start"], st["layer_stop"]
+            seg = lambda lo, hi, ck=True, ch=(): {"start": lo, "stop": hi, "checkpointed": ck,  # noqa: E731
+                                                  "children": list(ch)}
+            st["checkpoint"] = rng.choice([[], None, [seg(a, b)], [seg(a, b + 1)], [seg(b, a)], [seg(-1, b)],
+                                           [seg(a, b), seg(a, b)], [seg(a, 2**40)], [seg(a, b, "x")],
+                                           [seg(a, b, True, [seg(a, b + 1)])], [seg(a, b, False, [seg(a, a)])],
+                                           [seg(a, b, True, [seg(a, b, True, [seg(a, b)])])]])
+        elif isinstance(st.get("offload"), dict):
+            st["offload"]["resident_layers"] = rng.choice([[st["layer_start"]], [-1], [st["layer_stop"]], [0, 0]])
 
 
 def plan_violation(p: dict, text: str | None, model, hardware) -> str | None:

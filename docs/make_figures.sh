@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Regenerates the README's figures with memwall's own commands (about 30 s on 2 cores):
+# Regenerates the README's figures with memwall's own commands, and every number README.md and
+# docs/*.md quote (docs/make_readme_numbers.py --write; about 2 minutes on 2 cores):
 #   bash docs/make_figures.sh
+# The simulated numbers are the same on every machine (tests/unit/shell/test_readme_numbers.py checks
+# them); the measured ones (the mode=compare runs below) are rewritten with today's date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
@@ -20,3 +23,13 @@ cp "$tmp/gpipe/memory.png" docs/memory.png
 cp "$tmp/main/timeline.png" docs/timeline.png
 cp "$tmp/sweep/summary.png" docs/summary.png
 ls -l docs/*.png
+# docs/byom.md's measured numbers: Hugging Face GPT-2 (needs transformers), two plans
+PYTHONPATH=docs/examples $py -m run +hardware=local_cpu 'hydra.searchpath=[file://docs/examples]' \
+    +model=hf_gpt2 mode=compare hydra.run.dir="$tmp/byom" >/dev/null
+PYTHONPATH=docs/examples $py -m run +hardware=local_cpu 'hydra.searchpath=[file://docs/examples]' \
+    +model=hf_gpt2 mode=compare model.kwargs.n_layer=4 \
+    'model.split_points=[transformer.h.0,transformer.h.1,transformer.h.2,transformer.h.3,lm_head]' \
+    policy=manual policy.pp=2 policy.dp=2 hydra.run.dir="$tmp/byom_pp2dp2" >/dev/null
+# every quoted number: simulated (recomputed through the library) and measured (the runs above)
+$py docs/make_readme_numbers.py --write --measured compare="$tmp/cmp" \
+    --measured byom="$tmp/byom" --measured byom_pp2dp2="$tmp/byom_pp2dp2"

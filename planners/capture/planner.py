@@ -190,6 +190,24 @@ def dp_transitions(num_layers: int, nodes: int, gpus_per_node: int) -> int:
     return num_layers * (num_layers + 1) // 2 * nodes * gpus_per_node * configs
 
 
+#: plans Algorithm 4 (policy.search=exhaustive) may walk before plan_capture refuses it (12 layers on 4 x 4
+#: GPUs: 3.7M, under a second with its pruning; 13: 11M, seconds; 34 layers: 2e12, hours)
+EXHAUSTIVE_PLANS = 5_000_000
+
+
+def exhaustive_plans(num_layers: int, nodes: int, gpus_per_node: int) -> int:
+    """Complete placements Algorithm 4 enumerates before pruning (recommend_exhaustive's leaves)."""
+    k, total = gpus_per_node, nodes * gpus_per_node
+    count = [[0] * (total + 1) for _ in range(num_layers + 1)]  # count[layer][gpu]: ways to finish
+    count[num_layers][total] = 1
+    for layer in range(num_layers - 1, -1, -1):
+        for gpu in range(total - 1, -1, -1):
+            free = k - gpu % k
+            count[layer][gpu] = sum(count[stop][gpu + d] * (1 if d == 1 else 2)
+                                    for stop in range(layer + 1, num_layers + 1) for d in _degrees(k) if d <= free)
+    return count[0][0]
+
+
 def recommend(predict: Predictor, num_layers: int, nodes: int, gpus_per_node: int) -> Recommendation:
     """Exact DP over (next layer, next GPU) for the same objective as Algorithm 4 (leximax).
     O(L² · N · configs · N): plan_capture merges layers first when that is too many (DP_TRANSITIONS)."""
@@ -315,6 +333,10 @@ def recommend_for(stats: CaptureStats, policy, model, hardware, training) -> tup
     target = policy.merge_layers
     k, nodes = hardware.devices_per_node, hardware.nodes
     capture_space_check(model, hardware)
+    if target is not None and target < min(nodes, model.num_layers):
+        raise PlanningError(f"policy.merge_layers: {target} merged layers cannot occupy the {nodes} nodes of "
+                            f"{hardware.name!r} (CAPTURE's stages lie within one node and hold at least one layer); "
+                            f"use at least {nodes}, or null")
     if dp_transitions(min(target or model.num_layers, model.num_layers), nodes, k) > DP_TRANSITIONS:
         # At scale the exact DP (O(L² · N)) is too slow: merge layers first with CAPTURE's own layer
         # merger (§III-A3) to the most layers the search budget allows. Exact on the merged layers only.
@@ -332,6 +354,12 @@ def recommend_for(stats: CaptureStats, policy, model, hardware, training) -> tup
             return math.inf  # outside the plan space for this model and batch
         return base(start, stop, par, degree)
 
+    if policy.search == "exhaustive" and (plans := exhaustive_plans(len(spans), nodes, k)) > EXHAUSTIVE_PLANS:
+        most = max([n for n in range(nodes, len(spans)) if exhaustive_plans(n, nodes, k) <= EXHAUSTIVE_PLANS],
+                   default=None)
+        raise PlanningError(f"policy.search: exhaustive (Algorithm 4) would walk {plans:.3g} plans of {len(spans)} "
+                            f"layers on {hardware.num_devices} GPUs, too many to search; use search=exact (the DP "
+                            "finds the same optimum)" + (f" or policy.merge_layers <= {most}" if most else ""))
     search = recommend if policy.search == "exact" else recommend_exhaustive
     rec = search(predict, len(spans), hardware.nodes, hardware.devices_per_node)
     if math.isinf(rec.peak_bytes):

@@ -176,8 +176,15 @@ def _scalar(fronts, nstate: list[int], lam: float):
     returns (that minimum, h, time, bytes of the minimiser) with h[b][tau] the minimum over blocks
     b+1.. given block b's out-state tau."""
     mats, picks = [], []
-    for b, (f_sig, f_tau, f_t, f_m, _) in enumerate(fronts):
+    seen: dict[tuple, tuple] = {}     # identical blocks share one frontier object: priced once
+    for b, front in enumerate(fronts):
+        f_sig, f_tau, f_t, f_m, _ = front
         n_sig, n_tau = (nstate[b - 1] if b else 1), nstate[b]
+        hit = seen.get((id(front), n_sig, n_tau))
+        if hit is not None:
+            mats.append(hit[0])
+            picks.append(hit[1])
+            continue
         w, flat = f_t + lam * f_m, f_sig * n_tau + f_tau
         order = np.lexsort((w, flat))
         first = order[np.r_[True, flat[order][1:] != flat[order][:-1]]]     # per (sigma, tau) its best point
@@ -185,6 +192,7 @@ def _scalar(fronts, nstate: list[int], lam: float):
         mat[flat[first]], pick[flat[first]] = w[first], first
         mats.append(mat.reshape(n_sig, n_tau))
         picks.append(pick.reshape(n_sig, n_tau))
+        seen[(id(front), n_sig, n_tau)] = (mats[-1], picks[-1])
     h = [np.zeros(nstate[-1])]
     for mat in mats[:0:-1]:
         h.insert(0, (mat + h[0][None, :]).min(axis=1))
@@ -246,12 +254,17 @@ def _chain(fronts, rhs: int, bmin: list[int], bounds, theta: float):
         rest -= bmin[b]
         if t.size == 0:
             return np.inf, -1, back
-        li, fi = [], []
-        for s in np.unique(state):          # join on the boundary state, sorted: deterministic
-            a, c = np.nonzero(state == s)[0], np.nonzero(f_sig == s)[0]
-            li.append(np.repeat(a, len(c)))
-            fi.append(np.tile(c, len(a)))
-        li, fi = np.concatenate(li), np.concatenate(fi)
+        # join on the boundary state: states ascending, per state its labels in order, per label the
+        # frontier points of that in-state in order (one vectorised pass, no loop over states)
+        order_l = np.argsort(state, kind="stable")
+        order_f = np.argsort(f_sig, kind="stable")
+        sorted_f = f_sig[order_f]
+        ls = state[order_l]
+        start = np.searchsorted(sorted_f, ls, side="left")
+        count = np.searchsorted(sorted_f, ls, side="right") - start
+        li = np.repeat(order_l, count)
+        offset = np.arange(len(li)) - np.repeat(np.cumsum(count) - count, count)
+        fi = order_f[np.repeat(start, count) + offset]
         tc, mc, tau = t[li] + f_t[fi], m[li] + f_m[fi], f_tau[fi]
         # Drop labels with no completion that fits (bytes) or none at or under theta (time).
         ok = (mc + rest <= rhs) & (tc + h_0[b][tau] <= theta) & (tc + lam * (mc - rhs) + h_lam[b][tau] <= theta)
@@ -336,7 +349,11 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
             cache[sig] = _cached_frontier(sig, red, nbr, blk, sigma, taus[b], cap)
         fronts.append(cache[sig])
     if q > 0:   # round each frontier point's bytes up (see IlpProblem.memory_quantum_bytes)
-        fronts = [(f[0], f[1], f[2], -(-f[3] // q) * q, f[4]) for f in fronts]
+        rounded: dict[int, tuple] = {}     # one rounded frontier per distinct one (identity kept)
+        for f in fronts:
+            if id(f) not in rounded:
+                rounded[id(f)] = (f[0], f[1], f[2], -(-f[3] // q) * q, f[4])
+        fronts = [rounded[id(f)] for f in fronts]
         if any(len(f[2]) == 0 for f in fronts) or sum(int(f[3].min()) for f in fronts) > rhs:
             # rounding up made a (barely) feasible budget infeasible: solve it exactly
             return solve_blocks(dataclasses.replace(problem, memory_quantum_bytes=0))

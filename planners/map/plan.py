@@ -135,13 +135,16 @@ class _StageModel:
         edges: dict[tuple[int, int], list[list[float]]] = {}
         last = len(self.layers) - 1
         mat_cache: dict[tuple, list[list[float]]] = {}
+        unary_cache: dict[tuple, list[float]] = {}
         for li, (l, g) in enumerate(zip(self.layers, self.graphs)):
             key = self.model.layers[l].op_graph
             names = {n.name for n in g.nodes}
             for n in g.nodes:
                 cands = self.cands(l, n.name)
+                ukey = (key, n.name, li == 0, li == last)   # identical layers: one cost row
+                cached = unary_cache.get(ukey)
                 cost = []
-                for s in cands:
+                for s in (cands if cached is None else ()):
                     f, b = node_compute_s(n, s, self.mesh, self.hardware, self.dtype)
                     c = f + b + s.u_fcomm + s.u_bcomm
                     for k, (src, shape, db) in enumerate(zip(n.inputs, n.input_shapes, n.input_dtype_bytes)):
@@ -152,7 +155,9 @@ class _StageModel:
                         c += self._conv_s(s.output_spec, ShardingSpec.replicated(len(n.output_shapes[0])),
                                           n.output_shapes[0], n.output_dtype_bytes[0])
                     cost.append(c)
-                unary.append(cost)
+                if cached is None:
+                    cached = unary_cache[ukey] = cost
+                unary.append(cached)
                 v = self.index[(l, n.name)]
                 for k, (src, shape, db) in enumerate(zip(n.inputs, n.input_shapes, n.input_dtype_bytes)):
                     if src in names:

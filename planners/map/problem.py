@@ -104,12 +104,28 @@ class Reduced:
                 u, v, r = v, u, r.T
             self.edges[(u, v)] = self.edges[(u, v)] + r if (u, v) in self.edges else r.copy()
         self.fixed: dict[int, int] = {}      # node -> position in keep (its only one left)
+        self._index: dict[int, list[tuple[int, int]]] | None = None
         while self._prune() | self._fix():
             pass
 
     def _incident(self, n: int) -> list[np.ndarray]:
-        """Rows (one per strategy of n) of every edge touching n."""
-        return [r if u == n else r.T for (u, v), r in self.edges.items() if n in (u, v)]
+        """Rows (one per strategy of n) of every edge touching n, in the edges' order."""
+        out = []
+        for key in self._touching(n):
+            r = self.edges[key]
+            out.append(r if key[0] == n else r.T)
+        return out
+
+    def _touching(self, n: int) -> list[tuple[int, int]]:
+        """The edge keys touching n, in dict order (an index rebuilt when the edge set changed: a
+        scan per node made the reductions quadratic in a 500-layer chain)."""
+        if self._index is None:
+            self._index = {}
+            for key in self.edges:
+                self._index.setdefault(key[0], []).append(key)
+                if key[1] != key[0]:
+                    self._index.setdefault(key[1], []).append(key)
+        return self._index.get(n, [])
 
     def _prune(self) -> bool:
         changed = False
@@ -130,7 +146,8 @@ class Reduced:
 
     def _restrict(self, n: int, keep: np.ndarray) -> None:
         self.keep[n], self.cost[n], self.mem[n] = self.keep[n][keep], self.cost[n][keep], self.mem[n][keep]
-        for (u, v), r in list(self.edges.items()):
+        for (u, v) in self._touching(n):     # values replaced in place: the key order is kept
+            r = self.edges[(u, v)]
             if u == n:
                 self.edges[(u, v)] = r[keep, :]
             elif v == n:
@@ -143,10 +160,11 @@ class Reduced:
                 continue
             self.fixed[n] = 0
             changed = True
-            for (u, v), r in list(self.edges.items()):
-                if n not in (u, v):
-                    continue
+            for (u, v) in list(self._touching(n)):
+                r = self.edges[(u, v)]
                 del self.edges[(u, v)]
+                self._index[u].remove((u, v))
+                self._index[v].remove((u, v))
                 other, row = (v, r[0, :]) if u == n else (u, r[:, 0])
                 self.cost[other] = self.cost[other] + row   # a fixed endpoint's edge is a cost of the other node
         return changed

@@ -225,7 +225,8 @@ def _host_tier(policy, model, plan, hardware, residents) -> tuple[dict, dict, di
     nvme, host, drive_bytes, notes = {}, {}, {}, []
     for node, stages in nodes.items():
         ram = sum(tiers(s, False)[0] for s in stages)
-        use = policy.nvme == "on" or (policy.nvme == "auto" and ram > hardware.host.memory_bytes)
+        use = policy.nvme == "on" or (policy.nvme == "auto" and ram > hardware.host.memory_bytes
+                                      and hardware.host.nvme_bytes > 0)  # auto: only to a drive that exists
         for s in stages:
             nvme[s] = use
         host[node] = sum(tiers(s, use)[0] for s in stages)
@@ -263,6 +264,9 @@ def stronghold_search(policy: StrongholdPolicy, model: ModelSpec, hardware: Hard
 
 def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
             schedule: ScheduleSpec) -> StrongholdOutcome:
+    if policy.nvme == "on" and hardware.host.nvme_bytes == 0:
+        raise PlanningError(f"policy.nvme: on, but hardware {hardware.name!r} has no NVMe "
+                            "(hardware.host.nvme_bytes is 0); use auto or off")
     plan = _base_plan(policy, model, hardware, training, schedule)
     residents = {s: win.default_resident(model, st) for s, st in enumerate(plan.stages)}
     for s, st in enumerate(plan.stages):
@@ -275,7 +279,8 @@ def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, 
         if nbytes > hardware.host.memory_bytes:
             fits = False
             tier = ("even with the optimizer state on NVMe" if drive_bytes[node] else
-                    "(policy.nvme=off)" if policy.nvme == "off" else "")
+                    "(policy.nvme=off)" if policy.nvme == "off" else
+                    f"(hardware {hardware.name!r} has no NVMe)" if hardware.host.nvme_bytes == 0 else "")
             notes.append(f"node {node}: host RAM short {tier} ({nbytes / GIB:.0f} GiB needed, the node has "
                          f"{hardware.host.memory_bytes / GIB:.0f} GiB)".replace("  ", " "))
         if drive_bytes[node] > hardware.host.nvme_bytes:

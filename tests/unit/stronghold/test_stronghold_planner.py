@@ -187,3 +187,17 @@ def test_default_depth_is_the_fewest_stages_that_fit():
     deeper = stronghold_search(policy(), toy, small, training, ScheduleSpec())
     assert deeper.fits and len(deeper.plan.stages) == 2
     assert not stronghold_search(policy(pp=1), toy, small, training, ScheduleSpec()).fits
+
+
+def test_nvme_without_a_drive_is_refused_by_name_or_left_off():
+    """Issue #22 (seed 9001): policy.nvme=on (or auto with host RAM short) on hardware with no NVMe
+    planned NVMe stages that validate_plan then refused once per stage; now ``on`` names
+    policy.nvme, and ``auto`` keeps the state in host RAM and says the node has no NVMe."""
+    model = gpt("stronghold_gpt_l20")
+    training = TrainingSpec(global_batch=8, microbatch_size=8, precision="fp16")
+    no_drive = one_gpu(V100, memory_bytes=20 << 30, nvme_bytes=0)
+    with pytest.raises(PlanningError, match="policy.nvme: on, but hardware .* has no NVMe"):
+        stronghold_search(policy(nvme="on"), model, no_drive, training, ScheduleSpec())
+    auto = stronghold_search(policy(), model, no_drive, training, ScheduleSpec())
+    assert not auto.plan.stages[0].offload.nvme and not auto.fits
+    assert any("has no NVMe" in n for n in auto.notes)

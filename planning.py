@@ -170,11 +170,12 @@ def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Pl
     """policy=mpress: its emulator already simulated the plan, so the fit comes from the simulated
     timelines (a D2D target's peak and its held stripes need not coincide; the closed-form verdict
     would add them). Writes mpress.json: per stage, which layers got which technique and why."""
-    from planners.mpress.planner import mpress_search, report, summary_lines
+    from planners.mpress.outcome import report, summary_lines
+    from planners.mpress.planner import mpress_search
 
     profile = None
     if cfg.policy.partition == "capture":  # CAPTURE's partition: its profile first (cached)
-        from planners.mpress.planner import capture_policy
+        from planners.mpress.base import capture_policy
 
         profile = capture_profile_for(cfg.model_copy(update={"policy": capture_policy()}), outdir)
     outcome = mpress_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress, profile)

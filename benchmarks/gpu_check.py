@@ -230,6 +230,16 @@ def copy_times(setup: Setup, plan, cfg, stage: int) -> dict[str, float] | None:
             "d2h": sum(v for k, v in pinned.items() if "DtoH" in k)}
 
 
+def add_copy_rows(setup: Setup, path: str, plan, cfg, stage: int, sim, device: int,
+                  rows: tuple[tuple[str, str, tuple[str, ...]], ...]) -> None:
+    """One row per (label, "h2d"|"d2h", simulated slice kinds): the simulator's seconds of those
+    slices on ``device`` beside the measured pinned-copy seconds (:func:`copy_times`; CUDA only)."""
+    copies = copy_times(setup, plan, cfg, stage)
+    note = "" if copies else "CUDA only (profiler Memcpy kernels)"
+    for label, direction, kinds in rows:
+        setup.add(Row(path, label, "s", slice_seconds(sim, device, kinds), copies and copies[direction], note))
+
+
 def simulated(plan, spec, hw):
     from simulator import simulate
 
@@ -299,12 +309,9 @@ def check_cpu_swap(setup: Setup) -> None:
     setup.add(Row("cpu_swap", "peak saved by the swap", "bytes", sk.peak_bytes - ss.peak_bytes,
                   a["peak_bytes"] - b["peak_bytes"]))
     setup.add(Row("cpu_swap", "host bytes (swapped out) at most", "bytes", ss.host_bytes, b["host_peak_bytes"]))
-    copies = copy_times(setup, swap, cfg, 1)
-    note = "" if copies else "CUDA only (profiler Memcpy kernels)"
-    setup.add(Row("cpu_swap", "swap-out time (D2H) per iteration", "s", slice_seconds(sim_swap, dev, ("swap_out",)),
-                  copies and copies["d2h"], note))
-    setup.add(Row("cpu_swap", "swap-in time (H2D) per iteration", "s", slice_seconds(sim_swap, dev, ("swap_in",)),
-                  copies and copies["h2d"], note))
+    add_copy_rows(setup, "cpu_swap", swap, cfg, 1, sim_swap, dev,
+                  (("swap-out time (D2H) per iteration", "d2h", ("swap_out",)),
+                   ("swap-in time (H2D) per iteration", "h2d", ("swap_in",))))
     setup.add(Row("cpu_swap", "stage time alone, swapped - kept", "s", None,
                   b["iteration_time_s"] - a["iteration_time_s"], "what the side stream does not hide"))
     setup.add(Row("cpu_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(a, b),
@@ -331,12 +338,9 @@ def check_stronghold_window(setup: Setup) -> None:
     setup.add(Row("stronghold_window", "device parameters at the peak", "bytes",
                   device_bytes(sw, "parameters_bytes"), b["breakdown"]["parameters"]))
     setup.add(Row("stronghold_window", "host bytes at most", "bytes", sw.host_bytes, b["host_peak_bytes"]))
-    copies = copy_times(setup, plan, cfg, 0)
-    note = "" if copies else "CUDA only (profiler Memcpy kernels)"
-    setup.add(Row("stronghold_window", "weight fetches (H2D) per iteration", "s", slice_seconds(sim_win, 0, ("fetch",)),
-                  copies and copies["h2d"], note))
-    setup.add(Row("stronghold_window", "gradient copies (D2H) per iteration", "s",
-                  slice_seconds(sim_win, 0, ("grads",)), copies and copies["d2h"], note))
+    add_copy_rows(setup, "stronghold_window", plan, cfg, 0, sim_win, 0,
+                  (("weight fetches (H2D) per iteration", "h2d", ("fetch",)),
+                   ("gradient copies (D2H) per iteration", "d2h", ("grads",))))
     setup.add(Row("stronghold_window", "iteration time, window", "s", sim_win.result.iteration_time_s,
                   b["iteration_time_s"]))
     setup.add(Row("stronghold_window", "loss vs no window: |diff|", "diff", 0.0, abs(b["loss"] - a["loss"]),
@@ -358,12 +362,9 @@ def check_optimizer_swap(setup: Setup) -> None:
     setup.add(Row("optimizer_swap", "optimizer state at the peak", "bytes", device_bytes(ss, "optimizer_bytes"),
                   b["breakdown"]["optimizer"]))
     setup.add(Row("optimizer_swap", "host bytes at most", "bytes", ss.host_bytes, b["host_peak_bytes"]))
-    copies = copy_times(setup, swap, cfg, 0)
-    note = "" if copies else "CUDA only (profiler Memcpy kernels)"
-    setup.add(Row("optimizer_swap", "state in (H2D) per iteration", "s", slice_seconds(sim_swap, 0, ("optimizer in",)),
-                  copies and copies["h2d"], note))
-    setup.add(Row("optimizer_swap", "state out (D2H) per iteration", "s",
-                  slice_seconds(sim_swap, 0, ("optimizer out",)), copies and copies["d2h"], note))
+    add_copy_rows(setup, "optimizer_swap", swap, cfg, 0, sim_swap, 0,
+                  (("state in (H2D) per iteration", "h2d", ("optimizer in",)),
+                   ("state out (D2H) per iteration", "d2h", ("optimizer out",))))
     setup.add(Row("optimizer_swap", "iteration time, swapped", "s", sim_swap.result.iteration_time_s,
                   b["iteration_time_s"], "executor copies synchronously per layer (no prefetch yet)"))
     setup.add(Row("optimizer_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(a, b)))

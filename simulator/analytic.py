@@ -13,6 +13,7 @@ import costs.collectives
 import costs.layer_time
 import costs.params
 import costs.static
+from simulator.sharded import sharded_stage
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan, ScheduleKind, stage_for_microbatch
@@ -32,8 +33,6 @@ def _sharded(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None) -> dic
     if hardware is None:
         raise ValueError(f"plan {plan.id} has MAP-sharded stages: their memory depends on the mesh, so pass the "
                          "hardware (device_memory(plan, model, hardware))")
-    from simulator.sharded import sharded_stage  # lazy: simulator.sharded imports planners.map_*
-
     return {i: sharded_stage(plan, model, hardware, stage) for i, stage in enumerate(plan.stages) if stage.sharding}
 
 

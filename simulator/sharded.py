@@ -17,8 +17,7 @@ from dataclasses import dataclass, replace
 from costs.map_layout import convert
 from costs.rotor import Chain, Segment, sequence_of, walk
 import costs.activations
-from simulator.sharded_layer import (GEMM_KINDS, LayerCost, act_dtype_bytes, find_strategy, layer_cost,
-                                     node_compute_s, stage_mesh)
+from simulator.sharded_layer import LayerCost, act_dtype_bytes, layer_cost, stage_mesh
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.op_graph import OpGraph
@@ -266,8 +265,3 @@ def sharded_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, stage: S
         run=stage_pass(chain, segments), param_elems=elems, static=static, input_bytes=chain.w_input,
         output_bytes=out_bytes, held_output_bytes=held, sent_output_bytes=sent,
         optimizer_s=elems * (2 * w_b + g_b + 2 * o_b) / hardware.device.hbm_bytes_per_s)
-
-
-__all__ = ["GEMM_KINDS", "LayerCost", "ShardedStage", "StagePass", "act_dtype_bytes", "chain_of", "find_strategy",
-           "layer_cost", "node_compute_s", "sharded_stage", "stage_chain", "stage_layout", "stage_mesh", "stage_pass",
-           "tied_skip", "to_segments"]

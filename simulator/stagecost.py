@@ -17,6 +17,7 @@ import costs.collectives
 import costs.layer_time
 import costs.params
 import costs.static
+from simulator.sharded import sharded_stage
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan
@@ -155,8 +156,6 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
     tied weight whose other side is on another stage still syncs after the flush (Megatron's
     embedding group, costs.collectives.embedding_group_allreduce_s: an approximation for MAP, which
     prices the copy's gradient as split over the stage's devices)."""
-    from simulator.sharded import sharded_stage  # imports the MAP strategy generator
-
     sh = sharded_stage(plan, model, hardware, stage)
     chain = sh.chain
     layers = tuple(LayerCost(

@@ -34,7 +34,8 @@ from costs.rotor import INF, Chain
 from planners.map.rotor import integrate, min_feasible_budget
 from planners.map.rotor import solve as solve_rotor
 from costs.map_strategies import Strategy, strategies
-from simulator.sharded import act_dtype_bytes, node_compute_s, stage_chain, stage_mesh
+from simulator.sharded import stage_chain
+from simulator.sharded_layer import act_dtype_bytes, node_compute_s, stage_mesh
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import CheckpointSegment, LayerSharding, NodeSharding, Plan, ScheduleSpec, StagePlan

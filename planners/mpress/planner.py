@@ -39,12 +39,12 @@ repair.py (until it fits), improve.py (once it fits), outcome.py (the result and
 """
 from __future__ import annotations
 
-from planners.mpress.base import base_lines, base_plan, boundary_bytes, capture_partition, capture_policy, map_base
+from planners.mpress.base import base_lines, base_plan, boundary_bytes, map_base
 from planners.mpress.choice import initial_assignment
 from planners.mpress.emulate import Emulator, check_size, fits as _fits, over_and_spare
 from planners.mpress.facts import CPU as _CPU, D2D as _D2D, RC as _RC
 from planners.mpress.improve import improve, remap
-from planners.mpress.outcome import LayerChoice, MPressOutcome, final_outcome, fits_as_is, report, summary_lines
+from planners.mpress.outcome import MPressOutcome, final_outcome, fits_as_is
 from planners.mpress.repair import repair
 from planners.policy import MPressPolicy
 from specs.hardware import HardwareSpec
@@ -52,8 +52,7 @@ from specs.model import ModelSpec
 from specs.plan import Plan, ScheduleSpec
 from specs.training import TrainingSpec
 
-__all__ = ["LayerChoice", "MPressOutcome", "capture_partition", "capture_policy", "mpress_search", "plan_mpress",
-           "report", "summary_lines"]
+__all__ = ["mpress_search", "plan_mpress"]
 
 _NAMES = {"recompute": _RC, "cpu_swap": _CPU, "d2d_swap": _D2D}
 

@@ -1,5 +1,5 @@
 """Issue 22: a model of many identical layers prices each distinct layer once -- its strategy table
-(costs.map_strategies.strategies) and its node costs (simulator.sharded.node_compute_s) are computed
+(costs.map_strategies.strategies) and its node costs (simulator.sharded_layer.node_compute_s) are computed
 per distinct op graph and reused by identity, so the count does not grow with the layer count."""
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from planners import make_plan
-from planners.mpress.planner import mpress_search, report
+from planners.mpress.outcome import report
+from planners.mpress.planner import mpress_search
 from planners.policy import BalancedPolicy, MPressPolicy
 from simulator import simulate
 from specs import HardwareSpec, TrainingSpec

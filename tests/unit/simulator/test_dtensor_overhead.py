@@ -1,5 +1,5 @@
 """DeviceSpec.dtensor_op_overhead_s (issue #11, "Time on CPU"): DTensor's extra per-operator
-dispatch cost is charged for every operator of a MAP stage (simulator.sharded.node_compute_s) and
+dispatch cost is charged for every operator of a MAP stage (simulator.sharded_layer.node_compute_s) and
 for the DTensor operators of tp > 1 layers (costs.layer_time.TP_DTENSOR_OPS), nowhere else; the field
 validates; mode=calibrate's YAML carries it."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from planners import make_plan
 from simulator.analytic import iteration_time_s
 from planners.policy import ManualPolicy
 from simulator import simulate
-from simulator.sharded import layer_cost, stage_mesh
+from simulator.sharded_layer import layer_cost, stage_mesh
 import costs.layer_time
 from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec

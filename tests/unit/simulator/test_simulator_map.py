@@ -17,7 +17,8 @@ from simulator.analytic import device_memory, estimate
 from costs.map_strategies import strategies
 from planners.verdict import peaks
 from simulator import simulate
-from simulator.sharded import sharded_stage, stage_mesh
+from simulator.sharded import sharded_stage
+from simulator.sharded_layer import stage_mesh
 from simulator.stagecost import stage_cost
 from costs.families import build_model, parse_model_config
 from specs.hardware import HardwareSpec
@@ -317,7 +318,7 @@ def test_graphs_traced_at_another_microbatch_rejected():
 def test_tied_head_in_another_layout_pays_the_conversion():
     """Megatron-like picks store the embedding's weight split one way and read it in the head split
     another: the head pays the redistribute (and its gradient's way back), stores nothing of it."""
-    from simulator.sharded import layer_cost
+    from simulator.sharded_layer import layer_cost
 
     h, model = hw("map_8xa100"), gpt()
     plan = map_plan(model, h, _megatron)

@@ -5,7 +5,9 @@ knows Hydra; files are written through reports.outputs / reports.profile_io, and
 spec and profiles come from model_costs.
 
     simulate   plan, then predict (simulator or analytic); policy=capture also reports the
-               throughput baseline (planners.json)
+               throughput baseline (planners.json). A plan that does not fit (device memory, the
+               policy's memory budget, a node's host RAM or NVMe) is written and printed, then
+               exits with NOT_FIT_STATUS (3)
     execute    run the plan with torch.distributed on this machine (measured.json)
     compare    simulate + execute the same plan (compare.json with per-action time errors,
                compare.png, trace_simulated.json / trace_measured.json / trace_compare.json)
@@ -14,14 +16,15 @@ spec and profiles come from model_costs.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from model_costs import (
     CostsError, capture_profiling_runs, closed_form_spec, model_spec, symbolic_profile,
 )
-from planning import plan_file_errors, plan_for, planner_report, report_files
+from planning import plan_file_errors, plan_for, planner_report, report_files, result_limits
 from reports.figure_base import human_bytes
-from reports.outputs import summary, write_compare_figure, write_json, write_run
+from reports.outputs import fit_check, summary, write_compare_figure, write_json, write_run
 from runconfig import RunConfig, UsageError
 from simulator.analytic import estimate
 from specs.hardware import HardwareSpec
@@ -31,8 +34,28 @@ from specs.result import Result
 from specs.training import Precision
 
 
+#: the exit status of a run whose plan does not fit: device memory, the policy's memory budget
+#: (MAP's policy.memory_budget_gib), a node's host RAM or NVMe. Its files are written and its table
+#: printed as for any plan; then one line on stderr and this status (0: fits; 2: bad input; 1: a bug)
+NOT_FIT_STATUS = 3
+
+
+class PlanDoesNotFit(SystemExit):
+    """Raised by :func:`run` (mode=simulate) after everything is written and printed, when the
+    predicted plan does not fit what the summary line measured it against (reports.outputs.fit_check).
+    A SystemExit, so run.report_errors lets it through: ``code`` is NOT_FIT_STATUS, ``line`` the one
+    line for stderr (run.JobFailed's attributes), ``result`` the Result that does not fit."""
+
+    def __init__(self, line: str, result: Result) -> None:
+        super().__init__(NOT_FIT_STATUS)
+        self.line = line
+        self.result = result
+
+
 def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
-    """Plan, simulate (or estimate), write plan.json + results.json (+ trace.json) into outdir."""
+    """Plan, simulate (or estimate), write plan.json + results.json (+ trace.json) into outdir.
+    A plan that does not fit (reports.outputs.fit_check against planning.result_limits) ends in
+    PlanDoesNotFit (exit status NOT_FIT_STATUS) after all of that."""
     model, plan = plan_for(cfg, outdir)
     trace = None
     with plan_file_errors(cfg):
@@ -46,9 +69,16 @@ def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
         else:
             result = estimate(plan, model, cfg.hardware)
     written = report_files(cfg, outdir) + write_run(outdir, plan, result, trace)
-    print(summary(plan, result, written))
+    limits = result_limits(cfg)
+    print(summary(plan, result, written, limits))
     if cfg.policy.kind == "capture" and cfg.policy.compare_throughput and cfg.plan_file is None:
         planner_report(cfg, model, plan, result, outdir)
+    fit = fit_check(result, limits)
+    if not fit.fits:
+        line = (f"memwall: plan {plan.id}: {fit.words} (exit status {NOT_FIT_STATUS}; the plan is written in "
+                f"{outdir})")
+        print(line, file=sys.stderr, flush=True)
+        raise PlanDoesNotFit(line, result)
     return result
 
 
@@ -342,7 +372,5 @@ def run(cfg: RunConfig, outdir: Path) -> Result:
 def _model_build_error(exc: BaseException) -> bool:
     """``exc`` is an executor.user_model.ModelBuildError (the user's factory or kwargs). Asked of the
     loaded module only: raising one loaded it, and importing it here would import torch for every run."""
-    import sys
-
     user_model = sys.modules.get("executor.user_model")
     return user_model is not None and isinstance(exc, user_model.ModelBuildError)

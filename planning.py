@@ -4,14 +4,16 @@ planners.json) and its console lines, and the simulated or analytic prediction o
 Shell level (beside modes.py, which calls it for every mode)."""
 from __future__ import annotations
 
+import sys
+
 from contextlib import contextmanager
 from pathlib import Path
 
 from model_costs import capture_profile_for, model_spec
 from planners import PlanningError, make_plan, verdict
-from planners.capture.planner import capture_space_check
+from planners.capture.planner import PROFILED_DEGREES, capture_space_check
 from reports.figure_base import human_bytes
-from reports.outputs import write_json
+from reports.outputs import Limits, write_json
 from reports.progress import after
 from runconfig import RunConfig, UsageError
 from simulator.analytic import estimate
@@ -75,6 +77,23 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
     if not fit.fits:  # the planner returned its closest plan: say plainly that nothing fits, and what would
         print(fit.text(), flush=True)
     return model, plan
+
+
+def memory_budget_bytes(policy) -> int | None:
+    """The per-device memory budget the user asked for, against which the table's capacity and
+    use %, the summary line and the exit status measure each peak (reports.outputs.Limits): MAP's
+    ``policy.memory_budget_gib`` (the only policy with a budget knob). None when none was asked,
+    and for ``policy.constrain=params``, whose budget bounds parameter state only, not the peak."""
+    gib = getattr(policy, "memory_budget_gib", None)
+    if gib is None or getattr(policy, "constrain", "all") != "all":
+        return None
+    return int(gib * (1 << 30))
+
+
+def result_limits(cfg: RunConfig) -> Limits:
+    """What this run's Result is measured against: device memory, the user's budget
+    (:func:`memory_budget_bytes`), each node's host RAM and NVMe (cfg.hardware)."""
+    return Limits(budget_bytes=memory_budget_bytes(cfg.policy), hardware=cfg.hardware)
 
 
 def simulator_refused(exc: BaseException) -> bool:
@@ -179,8 +198,11 @@ def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Pl
 
         profile = capture_profile_for(cfg.model_copy(update={"policy": capture_policy()}), outdir)
     outcome = mpress_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress, profile)
-    return _publish(cfg, model, outdir, outcome, REPORT_FILES["mpress"], report(outcome), summary_lines(outcome),
-                    "MPress compacted every layer it could")
+    host_over = [(n, b) for n, b in enumerate(outcome.host_bytes_per_node) if b > cfg.hardware.host.memory_bytes]
+    why = ("; ".join(f"host RAM: node {n} needs {human_bytes(b)} (CPU swaps, offloaded optimizer state), has "
+                     f"{human_bytes(cfg.hardware.host.memory_bytes)}" for n, b in host_over)
+           or "MPress compacted every layer it could")
+    return _publish(cfg, model, outdir, outcome, REPORT_FILES["mpress"], report(outcome), summary_lines(outcome), why)
 
 
 #: the report file each searching planner writes beside plan.json (_publish)
@@ -216,7 +238,24 @@ def _plan_stronghold(cfg: RunConfig, model: ModelSpec, outdir: Path) -> Plan:
 
     outcome = stronghold_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule)
     return _publish(cfg, model, outdir, outcome, REPORT_FILES["stronghold"], report(outcome), summary_lines(outcome),
-                    "even the smallest window (or the host tier) does not fit")
+                    stronghold_short(outcome, cfg.hardware))
+
+
+def stronghold_short(outcome, hardware: HardwareSpec) -> str:
+    """What a STRONGHOLD outcome that does not fit is short of, with the bytes: each node's host RAM
+    and NVMe (its streamed state, §III-G), the device memory of stages whose smallest window does
+    not fit."""
+    host = hardware.host
+    why = [f"host RAM: node {n} needs {human_bytes(b)}, has {human_bytes(host.memory_bytes)}"
+           + (" even with the optimizer state on NVMe" if outcome.nvme_bytes_per_node.get(n) else "")
+           for n, b in sorted(outcome.host_bytes_per_node.items()) if b > host.memory_bytes]
+    why += [f"NVMe: node {n} needs {human_bytes(b)}, has {human_bytes(host.nvme_bytes)}"
+            for n, b in sorted(outcome.nvme_bytes_per_node.items()) if b > host.nvme_bytes]
+    over = [c for c in outcome.stages if not next(p for p in c.prices if p.window == c.window).fits]
+    if over:
+        why.append(f"device memory: even the smallest window of stage(s) {', '.join(str(c.stage) for c in over)} "
+                   f"does not fit the {human_bytes(hardware.device.memory_bytes)} of a device")
+    return "; ".join(why) or "even the smallest window (or the host tier) does not fit"
 
 
 def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
@@ -228,9 +267,12 @@ def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
     if cfg.schedule.virtual_stages > 1:  # its stages are whole meshes, one per pipeline position
         raise PlanningError(f"MAP plans non-interleaved schedules (one stage per device group), but "
                             f"schedule.virtual_stages is {cfg.schedule.virtual_stages}; use schedule=1f1b or gpipe")
-    outcome = map_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress)
+    # a line per phase on stderr (issue 22: progress per phase; the planner only calls back)
+    outcome = map_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress,
+                         phase=lambda name, s: print(f"[map] {name}: {s:.2f} s", file=sys.stderr, flush=True))
     return _publish(cfg, model, outdir, outcome, REPORT_FILES["map"], report(outcome), summary_lines(outcome),
-                    "no strategy choice with checkpointing meets the memory budget")
+                    f"no strategy choice with checkpointing meets the {outcome.budget_bytes / (1 << 30):.2f} GiB "
+                    "memory budget per device")
 
 
 def predict(cfg: RunConfig, plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Result:
@@ -246,7 +288,7 @@ def planner_report(cfg: RunConfig, model: ModelSpec, plan: Plan, result: Result,
     """CAPTURE's plan against the throughput-centric baseline on one footing (CAPTURE Fig. 6/8):
     peaks, the peak reduction and the throughput loss; with policy.smallest_hardware also the
     fewest nodes on which each planner's plan still fits (Fig. 9). Writes planners.json."""
-    from planners.capture.planner import predict_devices, stats_from_profile
+    from planners.capture.planner import predict_devices, predicted_degrees, stats_from_profile
     from planners.policy import ThroughputPolicy
 
     pol = cfg.policy
@@ -263,10 +305,13 @@ def planner_report(cfg: RunConfig, model: ModelSpec, plan: Plan, result: Result,
                                  "over_bytes": max((d.oom_over_bytes for d in r.devices), default=0),
                                  "iteration_time_s": r.iteration_time_s,
                                  "samples_per_s": r.samples_per_s, **extra}
+    predicted = {"predicted_peak_bytes": max(predict_devices(plan, stats).values())}
+    if extrapolated := predicted_degrees(plan):  # said only when it happened (4 GPUs per node: never)
+        predicted["predicted_extrapolated"] = extrapolated
     report = {
         "model": model.name, "hardware": cfg.hardware.name, "schedule": cfg.schedule.kind.value,
         "source": result.source, "pipeline_only": pol.pipeline_only,
-        "capture": entry(plan, result, {"predicted_peak_bytes": max(predict_devices(plan, stats).values())}),
+        "capture": entry(plan, result, predicted),
         "throughput": entry(tplan, tres, {}),
         "peak_reduction_pct": 100.0 * (tres.max_peak_bytes - result.max_peak_bytes) / tres.max_peak_bytes,
         "throughput_loss_pct": 100.0 * (tres.samples_per_s - result.samples_per_s) / tres.samples_per_s,
@@ -288,7 +333,8 @@ def planner_lines(report: dict, hardware: HardwareSpec, path: Path) -> str:
         return (f"{name:<10} peak {human_bytes(e['peak_bytes'], 2)}{extra}, {e['samples_per_s']:.4g} samples/s, "
                 f"{len(e['stages'])} stages{oom}")
 
-    lines = [line("CAPTURE", cap, f" (predicted {human_bytes(cap['predicted_peak_bytes'], 2)})"),
+    lines = [line("CAPTURE", cap, f" (predicted {human_bytes(cap['predicted_peak_bytes'], 2)}"
+                                  f"{extrapolated_words(cap.get('predicted_extrapolated'))})"),
              line("throughput", thr),
              (f"peak reduction {report['peak_reduction_pct']:+.1f} %, throughput loss "
               f"{report['throughput_loss_pct']:+.1f} % ({report['source']}); wrote {path}")]
@@ -307,6 +353,15 @@ def planner_lines(report: dict, hardware: HardwareSpec, path: Path) -> str:
             lines.append(f"smallest hardware under {label}: {fit['nodes']} node(s) = {fit['devices']} devices, "
                          f"peak {human_bytes(fit['peak_bytes'], 2)}, {fit['samples_per_s']:.4g} samples/s")
     return "\n".join(lines)
+
+
+def extrapolated_words(degrees: dict[str, list[int]] | None) -> str:
+    """', extrapolated to tp 8 from the profiled 2 and 4' for planners.json's predicted_extrapolated
+    (CAPTURE profiles degrees 2 and 4 only; planners.capture.planner.degree_at); '' when none."""
+    if not degrees:
+        return ""
+    said = ", ".join(f"{par} {'/'.join(map(str, ds))}" for par, ds in degrees.items())
+    return f", extrapolated to {said} from the profiled {' and '.join(map(str, PROFILED_DEGREES))}"
 
 
 def smallest_fit(cfg: RunConfig, model: ModelSpec, stats, baseline, outdir: Path) -> dict:

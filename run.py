@@ -25,12 +25,13 @@ from hydra.types import RunMode
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from modes import run
+from modes import PlanDoesNotFit, run
 from runconfig import (  # noqa: F401 - CONF_DIR, options, RunConfig: re-exported for tests and tools
     CONF_DIR, RunConfig, UsageError, from_hydra, null_group, one_line, options, validate_config,
 )
 from reports.files import write_text
-from reports.outputs import GIB, find_jobs, write_sweep_summary
+from reports.outputs import GIB
+from reports.sweep import NOT_FIT_FILE, find_jobs, job_exit_status, write_sweep_summary
 
 def _error_log(outdir: Path | None, text: str) -> Path:
     """Write ``text`` to ``<outdir>/error.log`` (atomically), else to a temp file; return the path."""
@@ -45,17 +46,29 @@ def _error_log(outdir: Path | None, text: str) -> Path:
     return Path(name)
 
 
+class JobFailed(SystemExit):
+    """The SystemExit report_errors raises: ``code`` is the exit status, ``line`` the one line
+    printed for it (a sweep keeps it in the job's error.txt and summary.csv's error column)."""
+
+    def __init__(self, code: int, line: str) -> None:
+        super().__init__(code)
+        self.line = line
+
+
+def _fail(code: int, line: str):
+    print(line, file=sys.stderr)
+    raise JobFailed(code, line)
+
+
 def report_errors(fn, outdir: Path | None):
     """Run ``fn()``; turn what escapes into one line on stderr and an exit status:
     UsageError -> 2, KeyboardInterrupt -> 130, anything else -> 1 with the traceback in a file."""
     try:
         return fn()
     except UsageError as exc:
-        print(f"memwall: {one_line(str(exc))}", file=sys.stderr)
-        sys.exit(2)
+        _fail(2, f"memwall: {one_line(str(exc))}")
     except KeyboardInterrupt:
-        print("memwall: interrupted", file=sys.stderr)
-        sys.exit(130)
+        _fail(130, "memwall: interrupted")
     except Exception as exc:  # noqa: BLE001 - the one place every bug is caught and reported
         _internal_error(exc, outdir)
 
@@ -64,8 +77,7 @@ def _internal_error(exc: BaseException, outdir: Path | None) -> None:
     path = _error_log(outdir, "".join(traceback.format_exception(exc)))
     msg = one_line(str(exc))
     msg = msg if len(msg) <= 300 else msg[:297] + "..."
-    print(f"memwall: internal error: {type(exc).__name__}: {msg} (full traceback in {path})", file=sys.stderr)
-    sys.exit(1)
+    _fail(1, f"memwall: internal error: {type(exc).__name__}: {msg} (full traceback in {path})")
 
 
 class SweepSummary(Callback):
@@ -73,6 +85,10 @@ class SweepSummary(Callback):
     and summary.png at the sweep root, one row per job. It reads each job's
     .hydra/overrides.yaml and results.json from disk, so it works whichever launcher ran the jobs
     (joblib and submitit run them in other processes, where this object's state is not shared)."""
+
+    # the exit status of the sweep that just ended: the largest of its failed jobs' statuses (0 when
+    # none failed). Class-level, because Hydra builds the callback itself; cli() exits with it.
+    exit_status: int = 0
 
     def __init__(self) -> None:
         self.sweep_dir: Path | None = None
@@ -86,10 +102,13 @@ class SweepSummary(Callback):
         jobs = [(name, [str(o) for o in OmegaConf.load(f)], f.parent.parent) for name, f in find_jobs(sweep_dir)]
         if jobs:
             written = write_sweep_summary(sweep_dir, jobs)
-            failed = [name for name, _, job_dir in jobs if not (job_dir / "results.json").exists()
+            failed = [(name, job_dir) for name, _, job_dir in jobs if not (job_dir / "results.json").exists()
                       and not (job_dir / "measured.json").exists()]
-            note = f" ({len(failed)} failed: {', '.join(failed)}; see each job's error above)" if failed else ""
+            note = (f" ({len(failed)} failed: {', '.join(n for n, _ in failed)}; see summary.csv's error column)"
+                    if failed else "")
             print(f"memwall: {len(jobs)} jobs{note}; wrote {', '.join(str(p) for p in written)}")
+            # a sweep with a failed job is a failed command: exit with the worst job's status
+            SweepSummary.exit_status = max((max(1, job_exit_status(d)) for _, d in failed), default=0)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -102,9 +121,15 @@ def main(cfg: DictConfig) -> float:
     except SystemExit as exc:
         if hc.mode != RunMode.MULTIRUN or exc.code in (0, None, 130):
             raise
+        if isinstance(exc, PlanDoesNotFit):
+            # not a failed job: its files are written; summary.csv marks it "does not fit" with the
+            # line (reports.sweep.sweep_row); a sweeper (Optuna) still gets the peak it minimises
+            write_text(outdir / NOT_FIT_FILE, f"{exc.line}\n")
+            return exc.result.max_peak_bytes / GIB
         # one bad job must not end a sweep: its line is printed (above), its error is kept in the
         # job's directory, and summary.csv marks it "failed"; the other jobs go on
-        write_text(outdir / "error.txt", f"exit status {exc.code}\n")
+        line = getattr(exc, "line", "") or f"exit status {exc.code}"
+        write_text(outdir / "error.txt", f"exit status {exc.code}\n{line}\n")
         return float("nan")
     return result.max_peak_bytes / GIB if result is not None else float("nan")
 
@@ -120,6 +145,8 @@ def cli() -> None:
         print(f"memwall: {problem}", file=sys.stderr)
         sys.exit(2)
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise to us rather than print and exit 1
+    for cls in _sweep_summaries():
+        cls.exit_status = 0
     try:
         main()
     except KeyboardInterrupt:
@@ -131,6 +158,16 @@ def cli() -> None:
         # raised while composing the config, before main's body runs: bad overrides or YAML
         print(f"memwall: invalid override or config: {one_line(str(exc))}", file=sys.stderr)
         sys.exit(2)
+    status = max(cls.exit_status for cls in _sweep_summaries())
+    if status:
+        sys.exit(status)
+
+
+def _sweep_summaries() -> list[type[SweepSummary]]:
+    """SweepSummary as this module defines it and as Hydra imported it: under ``python -m run`` this
+    file is ``__main__``, and Hydra's ``_target_: run.SweepSummary`` imports a second copy, ``run``."""
+    other = getattr(sys.modules.get("run"), "SweepSummary", SweepSummary)
+    return [SweepSummary] if other is SweepSummary else [SweepSummary, other]
 
 
 if __name__ == "__main__":

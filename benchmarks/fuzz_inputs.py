@@ -226,7 +226,11 @@ def cli_case_subprocess(args: list[str], outdir: Path, slow_s: float, kill_s: fl
         if len(lines) != 1 or not lines[0].startswith("memwall: "):
             return "multiline", f"usage error on {len(lines)} lines: {err[:200]}", dt
         return ("slow" if dt > slow_s else "usage"), lines[0], dt
-    if proc.returncode != 0:
+    from modes import NOT_FIT_STATUS
+
+    if proc.returncode == NOT_FIT_STATUS and not (err.splitlines() or [""])[-1].startswith("memwall: plan "):
+        return "multiline", f"exit {NOT_FIT_STATUS} without its one 'memwall: plan ...' line: {err[-200:]}", dt
+    if proc.returncode not in (0, NOT_FIT_STATUS):  # 3: the plan does not fit; its results are checked below
         return "traceback", f"rc={proc.returncode}: {err[-200:]}", dt
     from reports.outputs import load_result
     from omegaconf import OmegaConf
@@ -295,12 +299,15 @@ def cli_case_inprocess(args: list[str], outdir: Path, slow_s: float, kill_s: flo
                     holder["cfg"] = rc
                     return shell.run(rc, outdir)
 
+                result = None
                 try:
                     result = shell.report_errors(body, outdir)
                 except SystemExit as exc:
-                    status = "usage" if exc.code == 2 else "traceback"
-                    detail = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f"exit {exc.code}"
-                else:
+                    result = getattr(exc, "result", None)  # modes.PlanDoesNotFit: a Result, exit 3
+                    if result is None:
+                        status = "usage" if exc.code == 2 else "traceback"
+                        detail = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f"exit {exc.code}"
+                if result is not None:
                     rc = holder["cfg"]
                     bad = result_problem(result, rc.hardware, rc.training.precision.value)
                     if bad:

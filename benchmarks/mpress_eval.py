@@ -1,7 +1,7 @@
 """Benchmark (not a test): MPress's evaluation (Zhou et al., HPCA'23, §IV) re-run in memwall.
 
-    python benchmarks/mpress_eval.py            # every model, system and variant (~1 min on 2 cores)
-    python benchmarks/mpress_eval.py --fast     # Bert-0.64B/1.67B, GPT-10.3B/15.4B, DGX-1 only (~15 s)
+    python benchmarks/mpress_eval.py            # every model, system and variant (~2 min on 2 cores)
+    python benchmarks/mpress_eval.py --fast     # Bert-0.64B/1.67B, GPT-10.3B/15.4B, DGX-1 only (~30 s)
     python benchmarks/mpress_eval.py --out DIR  # mpress_eval.json / .png (default outputs/mpress_eval)
 
 For every preset conf/experiment/mpress_*.yaml (Bert-0.35B..6.2B under PipeDream on DGX-1, Fig. 7;

@@ -24,6 +24,7 @@ Pure: no I/O, no torch.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -41,32 +42,51 @@ def elem_bytes(dtype: str) -> int:
 def efficiency(device: DeviceSpec, dtype: str, flops: float) -> float:
     """Achieved / peak for one GEMM kernel of ``flops`` FLOPs, from the device's curve for ``dtype``
     (1.0 where the device has no curve for it), times ``compute_efficiency``."""
-    points = device.gemm_efficiency.get(dtype)
+    return _curve_efficiency(device.gemm_efficiency.get(dtype), device.compute_efficiency, flops)
+
+
+def _curve_efficiency(points, compute_efficiency: float, flops: float) -> float:
+    """:func:`efficiency` from the values it reads: the curve's points (or None) and the flat derate."""
     if not points:
-        return device.compute_efficiency
+        return compute_efficiency
     x = math.log(max(flops, 1.0))
     lo_x, lo_y = math.log(points[0][0]), math.log(points[0][1])
     if x <= lo_x:
-        return points[0][1] * device.compute_efficiency
+        return points[0][1] * compute_efficiency
     for f, e in points[1:]:
         hi_x, hi_y = math.log(f), math.log(e)
         if x <= hi_x:  # a power law between neighbours: straight in log-log
-            return math.exp(lo_y + (hi_y - lo_y) * (x - lo_x) / (hi_x - lo_x)) * device.compute_efficiency
+            return math.exp(lo_y + (hi_y - lo_y) * (x - lo_x) / (hi_x - lo_x)) * compute_efficiency
         lo_x, lo_y = hi_x, hi_y
-    return points[-1][1] * device.compute_efficiency
+    return points[-1][1] * compute_efficiency
 
 
 def gemm_time_s(device: DeviceSpec, dtype: str, m: int, n: int, k: int, batch: int = 1) -> float:
     """Seconds of one GEMM kernel: the roofline max(compute at the curve's efficiency, HBM traffic).
-    A dtype the device lacks raises ValueError (``DeviceSpec.flops_per_s``'s message)."""
-    msg = device.missing_dtype(dtype)
-    if msg is not None:
-        raise ValueError(msg)
+    A dtype the device lacks raises ValueError (``DeviceSpec.flops_per_s``'s message).
+
+    Memoized (:func:`_gemm_time_s`, a bounded LRU) on exactly the values it reads: the dtype's
+    peak and curve, ``compute_efficiency``, the streaming bandwidth and the shape. A planner's
+    search prices the same few shapes thousands of times (MPress's emulator: every candidate
+    plan's every layer), and the curve's logarithms dominated that."""
+    peak = device.peak_tflops.get(dtype)
+    if peak is None:
+        raise ValueError(device.missing_dtype(dtype))
+    points = device.gemm_efficiency.get(dtype)
+    return _gemm_time_s(peak, tuple(points) if points else None, device.compute_efficiency,
+                        device.hbm_bytes_per_s, elem_bytes(dtype), m, n, k, batch)
+
+
+@functools.lru_cache(maxsize=1 << 14, typed=True)
+def _gemm_time_s(peak_tflops: float, points: tuple | None, compute_efficiency: float, hbm_bytes_per_s: float,
+                 elem: int, m: int, n: int, k: int, batch: int) -> float:
+    """:func:`gemm_time_s` from the values it reads (hashable, so the result can be memoized;
+    ``typed``: an int and an equal float are different shapes, as their arithmetic may be)."""
     flops = 2.0 * m * n * k * batch
     if flops <= 0:
         return 0.0
-    compute = flops / (device.peak_tflops[dtype] * 1e12 * efficiency(device, dtype, flops))
-    traffic = elem_bytes(dtype) * (m * k + k * n + m * n) * batch / device.hbm_bytes_per_s
+    compute = flops / (peak_tflops * 1e12 * _curve_efficiency(points, compute_efficiency, flops))
+    traffic = elem * (m * k + k * n + m * n) * batch / hbm_bytes_per_s
     return max(compute, traffic)
 
 

@@ -92,7 +92,10 @@ class MPressPolicy(Spec):
     mapping: Literal["search", "identity"] = "search"
     striping: Literal["weighted", "equal", "none"] = "weighted"
     # a count, not a clock: the same inputs give the same plan
-    max_simulations: int = Field(40, ge=1, le=10_000, description="emulator runs (simulate, repair, improve)")
+    max_simulations: int = Field(1000, ge=1, le=10_000,
+                                 description="safety cap on emulator runs; the search stops when a round gains < min_round_gain")
+    min_round_gain: float = Field(0.005, ge=0, lt=1,
+                                  description="stop when a round makes the iteration less than this fraction faster")
 
 
 class StrongholdPolicy(Spec):

@@ -1,23 +1,24 @@
-"""The one module that writes files: plan.json, results.json, trace.json, the figures
-(memory.png, timeline.png, compare.png, summary.png; drawn by reports.figures_*), a sweep's
-summary.csv, and the console table.
+"""What a run writes and prints: plan.json, results.json, trace.json, the figures (memory.png,
+timeline.png, compare.png; drawn by reports.figures_*), the console table, and what a Result is
+measured against (Limits, fit_check). A sweep's summary.csv/summary.png: reports.sweep.
 
 Plans and results are plain JSON (pydantic dumps), never pickle, so files are safe to load.
 matplotlib and rich are imported lazily, so importing this module needs neither.
 """
 from __future__ import annotations
 
-import csv
 import io
 import json
 import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import BaseModel
 
-from reports import figure_base, figures_compare, figures_run, figures_sweep
+from reports import figure_base, figures_compare, figures_run
 from reports.files import atomic_write, write_text
+from specs.hardware import HardwareSpec
 from specs.plan import Plan
 from specs.plan_file import loads_strict
 from specs.result import Result
@@ -82,23 +83,102 @@ def load_result(path: Path) -> Result:
     return Result.model_validate(read_json_strict(path))
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What the table and the summary line measure a Result against (issue 22: "the verdict, the
+    table's use % and the exit status must agree, measured against the budget the user asked
+    for"): each device's memory, or the per-device ``budget_bytes`` the user asked for when it is
+    lower (MAP's policy.memory_budget_gib: planning.memory_budget_bytes); with ``hardware``, each
+    node's host RAM and NVMe too (the host bytes of a node's devices summed, as the simulator's
+    host_oom does). The default measures device memory only, as before."""
+
+    budget_bytes: int | None = None
+    hardware: HardwareSpec | None = None
+
+    def cap(self, capacity_bytes: int) -> int:
+        """A device's limit: its memory, or the budget when that is lower."""
+        return capacity_bytes if self.budget_bytes is None else min(capacity_bytes, self.budget_bytes)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Whether a Result fits its Limits, and the words the summary line ends with."""
+
+    fits: bool
+    words: str
+    problems: list[str] = field(default_factory=list)  # one phrase per limit exceeded (empty: fits)
+
+
+def _budget_text(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 100 else figure_base.human_bytes(n, 2)
+
+
+def fit_check(result: Result, limits: Limits | None = None) -> Fit:
+    """``result`` against ``limits``: devices out of memory, devices over the user's budget (within
+    their memory), nodes whose host RAM or NVMe is short. ``words``: 'fits' (or 'fits the 2.00 GiB
+    budget'), else every problem, joined by '; '."""
+    limits = limits or Limits()
+    problems = []
+    oom = result.oom_devices
+    if oom:
+        problems.append(f"OOM on {len(oom)} device(s)")
+    budget = limits.budget_bytes
+    over = [d for d in result.devices if not d.oom and budget is not None and d.peak_bytes > limits.cap(d.capacity_bytes)]
+    if over:
+        worst = max(d.peak_bytes - limits.cap(d.capacity_bytes) for d in over)
+        problems.append(f"does not fit the {_budget_text(budget)} budget ({len(over)} device(s) over it, by up to "
+                        f"{figure_base.human_bytes(worst)})")
+    elif oom and budget is not None and budget < max(d.capacity_bytes for d in result.devices):
+        problems.append(f"does not fit the {_budget_text(budget)} budget")
+    hw = limits.hardware
+    if hw is not None:
+        ram: dict[int, int] = {}
+        drive: dict[int, int] = {}
+        flagged: set[int] = set()
+        for d in result.devices:
+            node = hw.node_of(d.device)
+            ram[node] = ram.get(node, 0) + d.host_bytes
+            drive[node] = drive.get(node, 0) + d.nvme_bytes
+            if d.host_oom:
+                flagged.add(node)
+        short = [n for n in sorted(ram) if ram[n] > hw.host.memory_bytes]
+        if short:
+            problems.append("does not fit host RAM: " + ", ".join(
+                f"node {n} needs {figure_base.human_bytes(ram[n])}, has {figure_base.human_bytes(hw.host.memory_bytes)}"
+                for n in short))
+        no_drive = [n for n in sorted(drive) if drive[n] > hw.host.nvme_bytes]
+        if no_drive:
+            problems.append("does not fit NVMe: " + ", ".join(
+                f"node {n} needs {figure_base.human_bytes(drive[n])}, has {figure_base.human_bytes(hw.host.nvme_bytes)}"
+                for n in no_drive))
+        if flagged - set(short) - set(no_drive):  # the simulator's own flag, should its sum differ
+            problems.append("does not fit host memory on node(s) " + ", ".join(map(str, sorted(flagged))))
+    elif any(d.host_oom for d in result.devices):
+        problems.append("does not fit host memory (host_oom)")
+    if problems:
+        return Fit(False, "; ".join(problems), problems)
+    return Fit(True, "fits" if budget is None else f"fits the {_budget_text(budget)} budget")
+
+
 _ranges = figure_base.device_ranges
 TABLE_HEADER = ("device", "stage", "layers", "dp x tp", "memory", "peak GiB", "cap GiB", "use %", "OOM")
 #: the memory actions a stage's ``memory`` list can name, in the order the table lists them
 _ACTIONS = ("recompute", "cpu_swap", "d2d_swap", "nvme")
 
 
-def table_units(result: Result) -> tuple[tuple[str, float], tuple[str, float]]:
+def table_units(result: Result, limits: Limits | None = None) -> tuple[tuple[str, float], tuple[str, float]]:
     """(unit, bytes per unit) for the peak column and for the capacity column, each picked from the
-    column's largest value (figure_base.byte_unit): a CPU run reads 'peak MiB', a DGX run 'peak GiB'."""
+    column's largest value (figure_base.byte_unit): a CPU run reads 'peak MiB', a DGX run 'peak GiB'.
+    The capacity column is each device's limit (Limits.cap: the user's budget where it is lower)."""
+    limits = limits or Limits()
     peak = max((d.peak_bytes for d in result.devices), default=0)
-    cap = max((d.capacity_bytes for d in result.devices), default=0)
+    cap = max((limits.cap(d.capacity_bytes) for d in result.devices), default=0)
     return figure_base.byte_unit(peak), figure_base.byte_unit(cap)
 
 
-def table_header(result: Result) -> tuple[str, ...]:
+def table_header(result: Result, limits: Limits | None = None) -> tuple[str, ...]:
     """TABLE_HEADER with the units table_units picks for ``result``."""
-    (peak_unit, _), (cap_unit, _) = table_units(result)
+    (peak_unit, _), (cap_unit, _) = table_units(result, limits)
     return TABLE_HEADER[:5] + (f"peak {peak_unit}", f"cap {cap_unit}") + TABLE_HEADER[7:]
 
 
@@ -151,13 +231,16 @@ def _stage_cells(plan: Plan, stages: list[int]) -> tuple[str, str]:
     return degrees, ", ".join(memory_words(own, plan.zero_stage)) or "none"
 
 
-def table_rows(result: Result, plan: Plan | None = None) -> list[tuple[bool, tuple[str, ...]]]:
-    """(oom, cells) per row of the device table; consecutive devices with identical stages, peak
+def table_rows(result: Result, plan: Plan | None = None,
+               limits: Limits | None = None) -> list[tuple[bool, tuple[str, ...]]]:
+    """(over, cells) per row of the device table; consecutive devices with identical stages, peak
     and OOM are folded into one row. With ``plan``, each row names its stages' degrees ('dp x tp',
     or a MAP stage's mesh) and memory actions (:func:`memory_words`); without, those cells are
-    empty. Peak and capacity are in table_header's units; the OOM cell names its own unit
-    ('OOM +36.1 GiB')."""
-    (_, peak_scale), (_, cap_scale) = table_units(result)
+    empty. Peak and capacity are in table_header's units; the capacity and use % are against
+    each device's limit (``limits``: the user's budget where it is lower than the device); the
+    OOM cell names its own unit ('OOM +36.1 GiB', or 'budget +4.1 GiB' over a budget only)."""
+    limits = limits or Limits()
+    (_, peak_scale), (_, cap_scale) = table_units(result, limits)
     rows: list[tuple[list[int], object]] = []
     for d in result.devices:
         key = (tuple(d.stages), d.peak_bytes, d.oom)
@@ -172,43 +255,45 @@ def table_rows(result: Result, plan: Plan | None = None) -> list[tuple[bool, tup
         stages = ",".join(str(s) for s in d.stages)
         layers = ",".join(f"{a}-{b - 1}" for a, b in d.layers)
         degrees, memory = _stage_cells(plan, d.stages) if plan is not None else ("", "")
-        use = 100.0 * d.peak_bytes / d.capacity_bytes if d.capacity_bytes else 0.0
-        oom = f"OOM +{figure_base.human_bytes(d.oom_over_bytes)}" if d.oom else ""
-        out.append((d.oom, (_ranges(devices), stages, layers, degrees, memory, f"{d.peak_bytes / peak_scale:.2f}",
-                            f"{d.capacity_bytes / cap_scale:.1f}", _use_pct(use), oom)))
+        cap = limits.cap(d.capacity_bytes)
+        use = 100.0 * d.peak_bytes / cap if cap else 0.0
+        over = not d.oom and d.peak_bytes > cap
+        oom = (f"OOM +{figure_base.human_bytes(d.oom_over_bytes)}" if d.oom else
+               f"budget +{figure_base.human_bytes(d.peak_bytes - cap)}" if over else "")
+        out.append((d.oom or over, (_ranges(devices), stages, layers, degrees, memory,
+                                    f"{d.peak_bytes / peak_scale:.2f}", f"{cap / cap_scale:.1f}", _use_pct(use), oom)))
     return out
 
 
-def device_table(plan: Plan, result: Result) -> str:
+def device_table(plan: Plan, result: Result, limits: Limits | None = None) -> str:
     """Per-device table as plain text; devices with identical stages and peak are folded into one row."""
-    rows = table_rows(result, plan)
-    widths = [max([len(h)] + [len(cells[i]) for _, cells in rows]) for i, h in enumerate(table_header(result)[:-1])]
-    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(table_header(result), widths)) + "  OOM"]
+    rows = table_rows(result, plan, limits)
+    header = table_header(result, limits)
+    widths = [max([len(h)] + [len(cells[i]) for _, cells in rows]) for i, h in enumerate(header[:-1])]
+    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(header, widths)) + "  OOM"]
     for _, cells in rows:
         lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)) + f"  {cells[-1]}")
     return "\n".join(lines)
 
 
-def _heading(plan: Plan, result: Result) -> tuple[str, str]:
-    ooms = result.oom_devices
+def _heading(plan: Plan, result: Result, limits: Limits | None = None) -> tuple[str, str]:
     head = (f"memwall [{result.source}] plan {plan.id} ({plan.planner}, {plan.schedule.kind.value}, "
             f"{len(plan.stages)} stages) model={plan.model} hardware={plan.hardware} ({plan.num_devices} devices)")
     tail = (f"iteration {result.iteration_time_s:.4g} s | {result.samples_per_s:.4g} samples/s | "
-            f"{result.tflops_per_device:.4g} TFLOP/s per device | "
-            f"{'OOM on ' + str(len(ooms)) + ' device(s)' if ooms else 'fits'}")
+            f"{result.tflops_per_device:.4g} TFLOP/s per device | {fit_check(result, limits).words}")
     return head, tail
 
 
-def rich_table(plan: Plan, result: Result):
+def rich_table(plan: Plan, result: Result, limits: Limits | None = None):
     """The device table as a rich Table: use % coloured (red past 100, amber past 90), OOM rows red."""
     from rich.markup import escape
     from rich.table import Table
 
     table = Table(show_edge=False, header_style="bold", pad_edge=False)
-    for h in table_header(result):
+    for h in table_header(result, limits):
         table.add_column(h, justify="left" if h in ("memory", "OOM") else "right", no_wrap=True)
     use_at = TABLE_HEADER.index("use %")
-    for oom, cells in table_rows(result, plan):
+    for oom, cells in table_rows(result, plan, limits):
         use = float(cells[use_at])
         colour = "red" if oom or use > 100 else "yellow" if use > 90 else "green"
         table.add_row(*(escape(c) for c in cells[:use_at]), f"[{colour}]{cells[use_at]}[/]",
@@ -216,115 +301,27 @@ def rich_table(plan: Plan, result: Result):
     return table
 
 
-def summary(plan: Plan, result: Result, written: list[Path]) -> str:
+def summary(plan: Plan, result: Result, written: list[Path], limits: Limits | None = None) -> str:
     """Heading, device table (rich; coloured on a terminal, plain text otherwise), timing line and
-    the files written, as one string to print."""
-    head, tail = _heading(plan, result)
+    the files written, as one string to print. ``limits``: what the table's capacity and use % and
+    the timing line's verdict (fit_check) measure against; None: device memory only."""
+    head, tail = _heading(plan, result, limits)
     try:
         from rich.console import Console
     except ImportError:  # rich is a dependency, but the plain table says the same
-        return "\n".join([head, device_table(plan, result), tail, f"wrote {', '.join(str(p) for p in written)}"])
+        return "\n".join([head, device_table(plan, result, limits), tail,
+                          f"wrote {', '.join(str(p) for p in written)}"])
     tty = sys.stdout.isatty()
     console = Console(file=io.StringIO(), force_terminal=tty, no_color=not tty, highlight=False,
                       width=shutil.get_terminal_size((120, 24)).columns if tty else 160, soft_wrap=True)
     console.print(head, style="bold", markup=False)
-    console.print(rich_table(plan, result))
+    console.print(rich_table(plan, result, limits))
     console.print(tail, markup=False)
     console.print(f"wrote {', '.join(str(p) for p in written)}", markup=False, style="dim")
     return console.file.getvalue().rstrip("\n")
 
 
 # ---------------------------------------------------------------- sweeps
-
-SWEEP_COLUMNS = ("job", "status", "overrides")
-RESULT_COLUMNS = ("model_name", "hardware_name", "plan_id", "devices", "max_peak_gib", "min_peak_gib",
-                  "capacity_gib", "oom_devices", "iteration_time_s", "samples_per_s", "tflops_per_device")
-MEASURED_COLUMNS = ("measured_max_peak_gib", "measured_min_peak_gib", "measured_oom_devices",
-                    "measured_iteration_time_s", "measured_samples_per_s", "peak_error_pct", "time_error_pct")
-
-
-def override_key(override: str) -> tuple[str, str]:
-    """'+hardware=dgx1' -> ('hardware', 'dgx1'); 'policy.pp=4' -> ('policy.pp', '4')."""
-    key, _, value = override.partition("=")
-    return key.lstrip("+~"), value
-
-
-def _result_columns(r: Result, prefix: str = "") -> dict:
-    peaks = [d.peak_bytes for d in r.devices] or [0]
-    cols = {"max_peak_gib": round(max(peaks) / GIB, 6), "min_peak_gib": round(min(peaks) / GIB, 6),
-            "oom_devices": len(r.oom_devices), "iteration_time_s": r.iteration_time_s,
-            "samples_per_s": r.samples_per_s}
-    if not prefix:
-        cols.update(model_name=r.model, hardware_name=r.hardware, plan_id=r.plan_id, devices=len(r.devices),
-                    capacity_gib=round(max((d.capacity_bytes for d in r.devices), default=0) / GIB, 6),
-                    tflops_per_device=r.tflops_per_device)
-    return {prefix + k: v for k, v in cols.items()}
-
-
-def _pct(a, b) -> float | str:
-    return round(100.0 * (a - b) / b, 3) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else ""
-
-
-def sweep_row(job: str, overrides: list[str], job_dir: Path) -> dict:
-    """One summary.csv row: the job's overrides (joined, and one column per key), its results.json
-    (peak over devices, OOM count, time), and measured.json / compare.json when the job has them."""
-    job_dir = Path(job_dir)
-    row: dict = {"job": job, "overrides": " ".join(overrides)}
-    row.update(override_key(o) for o in overrides)
-    if (job_dir / "results.json").exists():
-        row.update(status="ok", **_result_columns(load_result(job_dir / "results.json")))
-    else:
-        row["status"] = "failed"
-    if (job_dir / "measured.json").exists():
-        row.update(_result_columns(load_result(job_dir / "measured.json"), "measured_"))
-        row["peak_error_pct"] = _pct(row.get("max_peak_gib"), row["measured_max_peak_gib"])
-        row["time_error_pct"] = _pct(row.get("iteration_time_s"), row["measured_iteration_time_s"])
-    if (job_dir / "compare.json").exists():
-        data = json.loads((job_dir / "compare.json").read_text())
-        if isinstance(data, dict):
-            row.update({f"compare_{k}": v for k, v in data.items() if isinstance(v, (int, float, str, bool))})
-    return row
-
-
-def _job_order(job: str) -> tuple:
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in job.split("/"))
-
-
-def write_sweep_summary(sweep_dir: Path, jobs: list[tuple[str, list[str], Path]]) -> list[Path]:
-    """summary.csv (one row per job, in job order) and summary.png (the swept keys: those whose
-    value differs between jobs) at ``sweep_dir``. ``jobs``: (job name, override strings, job dir)."""
-    sweep_dir = Path(sweep_dir)
-    rows = [sweep_row(*j) for j in sorted(jobs, key=lambda j: _job_order(j[0]))]
-    keys = list(dict.fromkeys(k for r in rows for k, _ in map(override_key, r["overrides"].split())))
-    swept = [k for k in keys if len({r.get(k) for r in rows}) > 1]
-    extra = sorted({k for r in rows for k in r if k.startswith("compare_")})
-    columns = list(SWEEP_COLUMNS) + keys + list(RESULT_COLUMNS)
-    if any("measured_max_peak_gib" in r for r in rows):
-        columns += list(MEASURED_COLUMNS)
-    columns += extra
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    path = sweep_dir / "summary.csv"
-    write_text(path, buf.getvalue())
-    paths = [path]
-    if rows:
-        paths.append(save_figure(sweep_dir / "summary.png", figures_sweep.summary_figure(rows, swept)))
-    return paths
-
-
-def find_jobs(sweep_dir: Path) -> list[tuple[str, Path]]:
-    """(job name, overrides.yaml) for every job under a multirun directory (Hydra writes
-    <job>/.hydra/overrides.yaml whichever launcher ran it)."""
-    sweep_dir = Path(sweep_dir)
-    found = []
-    for f in sweep_dir.glob("**/.hydra/overrides.yaml"):
-        job_dir = f.parent.parent
-        if job_dir != sweep_dir:
-            found.append((job_dir.relative_to(sweep_dir).as_posix(), f))
-    return sorted(found, key=lambda j: _job_order(j[0]))
-
 
 def write_prediction_error(outdir: Path, report: BaseModel) -> list[Path]:
     """prediction_error.json (the report, a calibration.prediction_error.PredictionErrorReport) and

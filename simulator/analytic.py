@@ -260,6 +260,15 @@ def estimate(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Result:
             capacity_bytes=capacity, peak_bytes=peak, breakdown=mem, host_bytes=host,
             oom=peak > capacity, oom_over_bytes=max(0, peak - capacity),
         ))
+    # a node's devices share its DRAM: flag every device of a node whose host bytes, summed, exceed
+    # it (as simulator.report's _host_over does for the simulator; NVMe is not priced here)
+    ram: dict[int, int] = {}
+    for d in devices:
+        ram[hardware.node_of(d.device)] = ram.get(hardware.node_of(d.device), 0) + d.host_bytes
+    over = {n for n, b in ram.items() if b > hardware.host.memory_bytes}
+    if over:
+        devices = [d.model_copy(update={"host_oom": True}) if hardware.node_of(d.device) in over else d
+                   for d in devices]
     t = iteration_time_s(plan, model, hardware)
     if not (math.isfinite(t) and t > 0):
         # bounded specs (finite rates >= 1e-6, counts <= 2**40) keep t finite and positive; a

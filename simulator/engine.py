@@ -26,7 +26,7 @@ import simpy
 from simulator.links import Links
 from simulator.memory import BUFFERS, GRADS, OPTIM, PARAMS, Timeline
 from simulator.optimizer import OptimizerEvents
-from simulator.stagecost import StageCost, host_link, stage_cost, stage_costs
+from simulator.stagecost import StageCost, cached_stage_cost, cost_context, host_link
 from simulator.trace import TraceBuilder
 from simulator.transfers import Transfers
 from simulator.walk import ScheduleWalk
@@ -39,9 +39,23 @@ from specs.plan import Plan, ScheduleKind, stage_for_microbatch
 PROGRESS_EVERY = 4096
 
 
+class NoTrace:
+    """A trace builder that records nothing, for a caller that reads only the Result (a planner's
+    search simulating hundreds of candidates): the walk's events and the Result are the same,
+    ``build`` gives an empty trace, and the slices are neither kept nor sorted (about a third of
+    MPress's search went there, 2026-11-26)."""
+
+    def slice(self, pid: int, stream: str, name: str, start_ns: int, dur_ns: int, cat: str) -> None:
+        pass
+
+    def build(self, devices: dict, counters: dict, max_events: int | None = None) -> dict:
+        return {}
+
+
 class Engine(ScheduleWalk, Transfers, OptimizerEvents):
     def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec, overlap_dp_allreduce: bool = False,
-                 progress: Callable[[int, int], None] | None = None):
+                 progress: Callable[[int, int], None] | None = None, trace: bool = True):
+        """``trace=False``: record no Perfetto trace (:class:`NoTrace`); nothing else changes."""
         self.plan, self.hardware = plan, hardware
         # Gradient all-reduce: by default after the pipeline flush, blocking the position, as
         # Megatron-LM ran for Narayanan et al. SC'21 and as memwall's executor does. With
@@ -55,7 +69,11 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents):
         self.env = simpy.Environment()
         self.p = plan.pipeline_depth
         self.model = model
-        self.costs: list[StageCost] = stage_costs(plan, model, hardware)
+        # each stage's costs, read back when an earlier simulation priced the same stage (a search's
+        # candidates differ in a stage or two: simulator.stagecost.cached_stage_cost)
+        self._context = cost_context(plan, model, hardware)
+        self.costs: list[StageCost] = [cached_stage_cost(plan, model, hardware, s, stage, self._context)
+                                       for s, stage in enumerate(plan.stages)]
         self._variants: dict[int, tuple] = {}  # id(stage variant) -> (variant, its StageCost)
         # stages whose memory actions apply to some microbatches only (a microbatch_period): their
         # costs depend on the microbatch (_cost); the others' are self.costs[s] for every one
@@ -68,7 +86,7 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents):
         self._progress = progress
         self._report_at = PROGRESS_EVERY if progress is not None else -1
         self.links = Links(hardware)
-        self.trace = TraceBuilder()
+        self.trace = TraceBuilder() if trace else NoTrace()
         self.mem = [Timeline() for _ in range(self.p)]
         self.extra: dict[int, Timeline] = {}       # d2d target device -> bytes held for peers
         self.host_now = [0] * self.p
@@ -125,7 +143,8 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents):
             return self.costs[s]
         hit = self._variants.get(id(variant))
         if hit is None:
-            hit = self._variants[id(variant)] = (variant, stage_cost(self.plan, self.model, self.hardware, s, variant))
+            hit = self._variants[id(variant)] = (variant, cached_stage_cost(self.plan, self.model, self.hardware, s,
+                                                                              variant, self._context))
         return hit[1]
 
     # ---- helpers of the mechanisms: host and peer memory, booked-copy completions ---------------

@@ -200,21 +200,32 @@ def stage_chain(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec
     costs_: list[LayerCost] = []
     prev: dict[str, str] = {}
     graph = None
+    seen: dict[tuple, LayerCost] = {}    # identical layers (issue 22: 500 of them) are priced once
     for l in layers:
         graph = _op_graph(model, l)
         skip = tied_skip(model, layers, l, graph)
-        try:
-            c = layer_cost(graph, shardings[l], mesh, hardware, dtype, bpp,
-                           {"x": prev["x"]} if "x" in prev and any(gi.name == "x" for gi in graph.inputs) else {},
-                           skip, _tied_layouts(model, shardings, l, graph, skip))
-        except ValueError as exc:
-            raise ValueError(f"layer {l} ({model.layers[l].name}): {exc}") from None
+        ins = {"x": prev["x"]} if "x" in prev and any(gi.name == "x" for gi in graph.inputs) else {}
+        tied = _tied_layouts(model, shardings, l, graph, skip)
+        # layer_cost is a function of exactly these (the layer index only names an error)
+        key = (model.layers[l].op_graph, _sharding_key(shardings[l]), tuple(ins.items()), skip,
+               tuple(sorted(tied.items())))
+        c = seen.get(key)
+        if c is None:
+            try:
+                c = seen[key] = layer_cost(graph, shardings[l], mesh, hardware, dtype, bpp, ins, skip, tied)
+            except ValueError as exc:
+                raise ValueError(f"layer {l} ({model.layers[l].name}): {exc}") from None
         costs_.append(c)
         prev = {"x": c.output_spec}
     _replicate_output(costs_, graph, mesh)
     fixed = sum(c.param_elems for c in costs_) * (w_b + g_b + o_b)
     input_bytes = costs.activations.layer_input_bytes(model, layers.start, training.samples_per_microbatch)
     return tuple(costs_), chain_of(costs_, fixed, input_bytes, input_bytes if layers.start > 0 else 0)
+
+
+def _sharding_key(sh: LayerSharding) -> tuple:
+    """Everything of a layer's sharding that layer_cost reads (all of it but the layer index)."""
+    return tuple(sh.mesh), tuple((n.node, tuple(n.inputs), tuple(sorted(n.params.items())), n.output) for n in sh.nodes)
 
 
 def _op_graph(model: ModelSpec, l: int) -> OpGraph:

@@ -5,9 +5,16 @@ Nothing here re-derives a formula: times come from ``stage_pass_times_s`` / ``la
 ``layer_saved_bytes`` / ``stage_activation_bytes`` / ``received_grad_buffer_bytes`` /
 ``sent_grad_buffer_bytes``, so the simulator and
 the analytic estimator agree on static memory and per-microbatch activations by construction.
+
+The Engine reads each stage's costs through :func:`cached_stage_cost`, a bounded LRU memo keyed
+on the stage and a digest of everything else its costs read (:func:`cost_context`): the only state
+this package keeps between simulations, and it never changes a result (a read-back is the same
+frozen value computing it again gives).
 """
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from costs import window
@@ -85,7 +92,53 @@ def host_link(hardware: HardwareSpec):
 
 
 def stage_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> list[StageCost]:
-    return [stage_cost(plan, model, hardware, s, stage) for s, stage in enumerate(plan.stages)]
+    """Every stage's :func:`stage_cost`, each read back from :data:`_CACHE` when computed before."""
+    context = cost_context(plan, model, hardware)
+    return [cached_stage_cost(plan, model, hardware, s, stage, context) for s, stage in enumerate(plan.stages)]
+
+
+#: stage costs kept for reuse (:func:`cached_stage_cost`), least recently used dropped first: a
+#: planner's search (MPress's emulator) simulates hundreds of candidate plans that differ from the
+#: best so far in one stage, so the other stages' costs are the same as last time
+STAGE_COST_CACHE_SIZE = 256
+_CACHE: OrderedDict[tuple, StageCost] = OrderedDict()
+
+
+def cost_context(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> bytes:
+    """A digest (SHA-256) of everything a stage's costs read besides the stage itself: the model,
+    the hardware, every field of the plan but its stages, and the stages' layer ranges, devices
+    and degrees (the count places a stage on its pipeline position; a tied weight's other side
+    is found by layer range and synced between the two stages' devices:
+    costs.params.stage_holding). Other stages' memory actions and offload never enter a stage's
+    costs."""
+    shapes = [(st.layer_start, st.layer_stop, st.devices, st.dp, st.tp) for st in plan.stages]
+    h = hashlib.sha256()
+    for part in (model.model_dump_json(), hardware.model_dump_json(), plan.model_dump_json(exclude={"stages"}),
+                 repr(shapes)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.digest()
+
+
+def cached_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, stage,
+                      context: bytes) -> StageCost:
+    """:func:`stage_cost`, read back from a bounded LRU cache when the same stage (every field,
+    index ``s``) was priced before under the same ``context`` (:func:`cost_context` of ``plan``,
+    ``model``, ``hardware``). The value is a pure function of that key and immutable (frozen
+    dataclasses), so a read-back is what computing it again would give, byte for byte. A MAP
+    stage (``sharding``) is computed every time."""
+    if stage.sharding:
+        return stage_cost(plan, model, hardware, s, stage)
+    key = (context, s, stage.model_dump_json())
+    sc = _CACHE.get(key)
+    if sc is not None:
+        _CACHE.move_to_end(key)
+        return sc
+    sc = stage_cost(plan, model, hardware, s, stage)
+    _CACHE[key] = sc
+    if len(_CACHE) > STAGE_COST_CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return sc
 
 
 def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, stage) -> StageCost:

@@ -18,6 +18,7 @@ _F, _B = ActionKind.forward, ActionKind.backward
 _SA, _SG, _RA, _RG = ActionKind.send_act, ActionKind.send_grad, ActionKind.recv_act, ActionKind.recv_grad
 _SO, _SI, _RC = ActionKind.swap_out, ActionKind.swap_in, ActionKind.recompute
 _AR, _OPT = ActionKind.allreduce_grads, ActionKind.optimizer_step
+_RECOMPUTE = MemoryAction.recompute
 
 
 @dataclass
@@ -84,7 +85,8 @@ class ScheduleWalk:
     # ---- forward -------------------------------------------------------------------------------
     def _forward(self, w: Walker, sc: StageCost, s: int, k: int):
         env = self.env
-        yield from self._wait_swap_out(w, s, k)
+        if self._swapped_out.get(s, 0) > env.now:  # (checked here too: no generator when nothing to wait for)
+            yield from self._wait_swap_out(w, s, k)
         t0 = env.now
         if self._stash:
             self._stash_weights(w, sc, s, t0)
@@ -120,25 +122,14 @@ class ScheduleWalk:
 
     # ---- backward ------------------------------------------------------------------------------
     def _backward(self, w: Walker, sc: StageCost, s: int, k: int):
+        """One backward pass: a window's segments, one timeout, or layer by layer
+        (:meth:`_layered_backward`)."""
         env = self.env
         t0 = env.now
         # the backward's workspace (scratch, recomputed activations) peaks on top of every
         # held microbatch (costs.activations.backward_workspace_bytes); it and this microbatch's
         # activations are gone when the pass ends
         w.mem.add(t0, ACTS, sc.workspace_bytes)
-        yield from self._backward_pass(w, sc, s, k)
-        self.trace.slice(w.rep, "compute", f"B s{s} mb{k}", t0, env.now - t0, "backward")
-        if s not in w.graded:  # the input gradient to send back exists from now on
-            w.graded.add(s)    # (costs.buffers.sent_grad_buffer_bytes)
-            w.mem.add(env.now, BUFFERS, self.costs[s].grad_buffer_bytes)
-        if self.overlap_dp_allreduce and sc.dp_allreduce_ns:
-            self._backward_done(s, sc, t0)
-        if self._stash:
-            self._unstash_weights(w, sc, s)
-
-    def _backward_pass(self, w: Walker, sc: StageCost, s: int, k: int):
-        """The pass itself: a window's segments, one timeout, or layer by layer."""
-        env = self.env
         if sc.window is not None:
             w.busy += yield from self._drive(self.windows[s].backward(k), w.rep)
             w.mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
@@ -149,6 +140,14 @@ class ScheduleWalk:
             w.mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
         else:
             w.busy += yield from self._layered_backward(w.pos, sc, k)
+        self.trace.slice(w.rep, "compute", f"B s{s} mb{k}", t0, env.now - t0, "backward")
+        if s not in w.graded:  # the input gradient to send back exists from now on
+            w.graded.add(s)    # (costs.buffers.sent_grad_buffer_bytes)
+            w.mem.add(env.now, BUFFERS, self.costs[s].grad_buffer_bytes)
+        if self.overlap_dp_allreduce and sc.dp_allreduce_ns:
+            self._backward_done(s, sc, t0)
+        if self._stash:
+            self._unstash_weights(w, sc, s)
 
     def _unstash_weights(self, w: Walker, sc: StageCost, s: int) -> None:
         n = w.in_flight[s] - 1
@@ -163,24 +162,39 @@ class ScheduleWalk:
         layer the backward needs is fetched when its swap_in entry is reached (one pass ahead);
         each further swapped layer is fetched when the backward of the previous swapped layer
         starts — double buffering, so at most two layers' copies are on the device (MPress §IV
-        overlaps swap-in with the backward of the layers above). Returns busy nanoseconds."""
+        overlaps swap-in with the backward of the layers above). Returns busy nanoseconds.
+
+        One generator for the whole pass (the wait for a swapped layer's copy is inline, not a
+        nested generator): every layer's event resumes it, so each frame fewer counts."""
         env, mem, busy = self.env, self.mem[pos], 0
+        timeout, trace, index = env.timeout, self.trace, sc.index
         for lc in reversed(sc.layers):
-            if lc.action is MemoryAction.recompute:
+            action = lc.action
+            if action is _RECOMPUTE:
                 t0 = env.now
-                yield env.timeout(lc.recompute_ns)
+                yield timeout(lc.recompute_ns)
                 self.events += 1
                 busy += lc.recompute_ns
-                self.trace.slice(sc.rep, "compute", f"recompute L{lc.layer} mb{k}", t0, lc.recompute_ns, "recompute")
-            elif lc.action in SWAPS:
-                yield from self._await_swap_in(pos, sc, k, lc.layer)
-            yield env.timeout(lc.bwd_ns)
+                trace.slice(sc.rep, "compute", f"recompute L{lc.layer} mb{k}", t0, lc.recompute_ns, "recompute")
+            elif action in SWAPS:
+                # wait for its copy, and start the next one's
+                layer = lc.layer
+                queue = self._prefetch.get((index, k), [])
+                if layer in queue:  # not prefetched yet (listed out of order): fetch now
+                    queue.remove(layer)
+                    self._swap_in(pos, sc, k, layer)
+                ready = self._swap_in_done.pop((index, k, layer), None)
+                if ready is not None:
+                    yield ready
+                if queue:  # double buffering: the next swapped layer comes in while this one runs
+                    self._swap_in(pos, sc, k, queue.pop(0))
+            yield timeout(lc.bwd_ns)
             self.events += 1
             busy += lc.bwd_ns
-            if lc.action in SWAPS:
+            if action in SWAPS:
                 mem.add(env.now, SWAPPED, -lc.saved_bytes)
         mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
-        self._prefetch.pop((sc.index, k), None)
+        self._prefetch.pop((index, k), None)
         return busy
 
     # ---- prefetch of swapped layers ------------------------------------------------------------
@@ -193,15 +207,3 @@ class ScheduleWalk:
             self._swap_in(pos, sc, k, layer)
         else:
             queue.append(layer)
-
-    def _await_swap_in(self, pos: int, sc: StageCost, k: int, layer: int):
-        """Before a swapped layer's backward: wait for its copy, and start the next one's."""
-        queue = self._prefetch.get((sc.index, k), [])
-        if layer in queue:  # not prefetched yet (listed out of order): fetch now
-            queue.remove(layer)
-            self._swap_in(pos, sc, k, layer)
-        ready = self._swap_in_done.pop((sc.index, k, layer), None)
-        if ready is not None:
-            yield ready
-        if queue:  # double buffering: the next swapped layer comes in while this one runs
-            self._swap_in(pos, sc, k, queue.pop(0))

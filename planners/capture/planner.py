@@ -57,17 +57,45 @@ def stage_prediction(m_i: list[float], m_a: list[float], start: int, stop: int) 
 
 
 def line_at(x: tuple[float, float], y: tuple[float, float], at: float) -> float:
-    """Straight line through two profiled batch sizes, sampled at the target (Description 2)."""
+    """Straight line through two profiled batch sizes, sampled at the target (Description 2).
+
+    Outside the profiled sizes the line is held to what a stage's memory can be, a fixed part plus
+    a part proportional to the samples, both non-negative (issue 22: an unbounded line went below
+    zero): peaks that fall as the microbatch grows (noise in the M_a differences) are not
+    extrapolated downhill, the nearer profiled value is kept; below the sizes, a line whose fixed
+    part would be negative is bounded by the proportional part through the nearer size."""
     (x0, x1), (y0, y1) = x, y
-    return y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+    line = y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+    if x0 <= at <= x1:
+        return line
+    near_x, near_y = (x1, y1) if at > x1 else (x0, y0)
+    if y1 < y0:
+        return near_y
+    return line if at > x1 else max(line, near_y * at / near_x)
 
 
-def log_at(d: tuple[int, int], y: tuple[float, float], degree: int) -> float:
-    """y = a + b·ln(degree) through the two profiled degrees (2 and 4), sampled at ``degree``:
-    a fixed part plus a part divided by the degree sums to a log-like curve (§III-B3)."""
+def degree_at(d: tuple[int, int], y: tuple[float, float], degree: int) -> float:
+    """The §III-B3 model, M = M_fixed + M_split / degree, through the two profiled degrees (2 and 4),
+    sampled at ``degree``.
+
+    Deviation (issue 22): the paper fits "a logarithmic function" y = a + b·ln(degree) to that
+    model, which falls without bound (at 8 it gives M_fixed, at 16 less, then below zero: a 1-stage
+    tp8 plan was predicted at -1.60 GiB and chosen for it). The model itself is fitted instead; it
+    is exact where the data follow it and never negative: where the profiled peaks fall faster than
+    1/degree (a negative fixed part, which no fixed + split sum explains), the fixed part is taken
+    as 0, i.e. the split part alone through the larger profiled degree."""
     (d0, d1), (y0, y1) = d, y
-    b = (y1 - y0) / (math.log(d1) - math.log(d0))
-    return y0 + b * (math.log(degree) - math.log(d0))
+    if math.isinf(y0) or math.isinf(y1):
+        return math.inf  # a profiled degree outside the space (e.g. dp that cannot split the microbatch)
+    split = (y0 - y1) / (1 / d0 - 1 / d1)
+    fixed = y0 - split / d0
+    if fixed < 0:
+        return y1 * d1 / degree
+    return fixed + split / degree
+
+
+#: the largest degree CAPTURE profiles (§III-A): stages of higher degree are extrapolated (degree_at)
+PROFILED_DEGREES = (2, 4)
 
 
 @dataclass(frozen=True)
@@ -96,7 +124,8 @@ class CaptureStats:
 
     def predictor(self, target_microbatch: int) -> Predictor:
         """The §III-B predictor at the target's pipeline microbatch: profiled scenarios directly
-        (straight line over the two profiled sizes); degrees above 4 by a log fit over 2 and 4."""
+        (straight line over the two profiled sizes, line_at); degrees above 4 by M_fixed +
+        M_split / degree through 2 and 4 (degree_at)."""
         def scenario(name: str, start: int, stop: int) -> float:
             sizes = self.sizes(name)
             if sizes is None:
@@ -107,11 +136,14 @@ class CaptureStats:
 
         def predict(start: int, stop: int, parallelism: str, degree: int) -> float:
             if degree == 1:
-                return scenario("pp", start, stop)
-            if degree in (2, 4):
-                return scenario(f"{parallelism}{degree}", start, stop)
-            ys = (scenario(f"{parallelism}2", start, stop), scenario(f"{parallelism}4", start, stop))
-            return log_at((2, 4), ys, degree)
+                value = scenario("pp", start, stop)
+            elif degree in PROFILED_DEGREES:
+                value = scenario(f"{parallelism}{degree}", start, stop)
+            else:
+                ys = tuple(scenario(f"{parallelism}{d}", start, stop) for d in PROFILED_DEGREES)
+                value = degree_at(PROFILED_DEGREES, ys, degree)
+            # M_a are differences of measured peaks and may be negative; a stage holds no fewer than 0 bytes
+            return max(value, 0.0)
 
         return predict
 
@@ -287,6 +319,17 @@ def stage_kind(dp: int, tp: int) -> tuple[str, int]:
     if dp > 1 and tp > 1:
         raise ValueError(f"CAPTURE stage configs are data- or tensor-parallel, not both (dp={dp}, tp={tp})")
     return ("dp", dp) if dp > 1 else ("tp", tp) if tp > 1 else ("pp", 1)
+
+
+def predicted_degrees(plan) -> dict[str, list[int]]:
+    """The degrees of ``plan``'s stages that CAPTURE's predictor extrapolates (above the profiled
+    2 and 4: degree_at), per parallelism ("dp"/"tp"); empty when every stage was profiled."""
+    out: dict[str, set[int]] = {}
+    for stage in plan.stages:
+        par, degree = stage_kind(stage.dp, stage.tp)
+        if degree > max(PROFILED_DEGREES):
+            out.setdefault(par, set()).add(degree)
+    return {par: sorted(ds) for par, ds in sorted(out.items())}
 
 
 def predict_devices(plan, stats: CaptureStats) -> dict[int, float]:

@@ -26,8 +26,9 @@ between two consecutive blocks (checked by IlpProblem). Steps, after map_ilp's e
    the least bytes of the later blocks exceed the budget, or when a lower bound on every completion's
    time (Lagrangian: min over completions of time + lam * bytes, minus lam * the bytes left; lam at
    the dual optimum, found on the frontiers in a few scalar DPs) puts it above a threshold theta.
-   theta is tried at lb + (ub - lb) / 16, / 4, then ub (lb: the dual bound; ub: the fastest
-   Lagrangian minimiser that fits, a real solution); a run whose best label is <= theta is exact.
+   theta is tried at lb + (ub - lb) / 1024, / 64, / 16, / 4, then ub (lb: the dual bound; ub: the
+   fastest Lagrangian minimiser that fits, a real solution); a run whose best label is <= theta is
+   exact, and every such run returns the same choice (see solve_blocks).
 
 Exactness: eq. (1)'s objective and memory are sums over blocks once each edge is attributed to the
 block of its later endpoint; given the boundary state between two blocks, the two sides add up
@@ -51,6 +52,7 @@ construction order.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -58,6 +60,7 @@ import numpy as np
 from planners.map.problem import IlpProblem, IlpSolution, Reduced, evaluate, min_memory_choice
 
 MAX_STATES = 1 << 14    # boundary states per block: a frontier and a DP step cost about their square
+THETA_FRACTIONS = (1 / 1024, 1 / 64, 1 / 16, 1 / 4, 1.0)   # step 4's thresholds, lb + frac * (ub - lb)
 
 
 def _pareto(group: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -310,6 +313,18 @@ def _cached_frontier(sig: bytes, red, nbr, blk, sigma, tau, cap: int):
     return front
 
 
+_REDUCED: list = []     # the last reduction: §5.3 poses one graph at up to 11 budgets (Reduced ignores them)
+
+
+def _reduced(problem: IlpProblem) -> Reduced:
+    if _REDUCED and _REDUCED[0] is problem.nodes and _REDUCED[1] is problem.edges:
+        return _REDUCED[2]
+    red = Reduced(problem)
+    tuples = isinstance(problem.nodes, tuple) and isinstance(problem.edges, tuple)    # immutable: reusable
+    _REDUCED[:] = [problem.nodes, problem.edges, red] if tuples else []
+    return red
+
+
 def solve_blocks(problem: IlpProblem) -> IlpSolution:
     """Eq. (1) on ``problem.blocks`` (see the module doc). Same contract as map_ilp.solve: the choice
     per node in original strategy indices, its time (s) and bytes recomputed from the input; status
@@ -320,10 +335,11 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
     t_min, min_mem = evaluate(problem, min_choice)
     if min_mem > problem.budget_bytes:
         return IlpSolution(min_choice, t_min, min_mem, "infeasible", min_mem)
-    red = Reduced(problem)
+    red = _reduced(problem)
     q = problem.memory_quantum_bytes
     if q > 0:   # nodes at q/16: a block of <= 16 free nodes is off by < q before its own rounding
         qn = max(q // 16, 1)
+        red = copy.copy(red)     # the cached reduction stays exact
         red.mem = {n: -(-m // qn) * qn for n, m in red.mem.items()} if isinstance(red.mem, dict) else \
             [-(-m // qn) * qn for m in red.mem]
     nbr = _neighbours(red)
@@ -360,10 +376,12 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
     lam, h_lam, h_0, lb, ub = _lagrange(fronts, nstate, rhs)
     tol = 1e-9 * (abs(ub) + lam * rhs + 1e-12)      # far above float noise, far below any real difference
     # Fewer labels survive a lower threshold; a run whose best label is <= its threshold kept every
-    # label of the optimum (their bounds are <= the optimum <= that label), so it is exact. The last
-    # threshold is the incumbent's time, which the incumbent's own labels (or ones dominating them)
-    # always meet.
-    for frac in (1 / 16, 1 / 4, 1.0):
+    # label of the optimum (their bounds are <= the optimum <= that label), so it is exact; the last
+    # threshold is the incumbent's time, which its own labels always meet. Every accepted run returns
+    # the same choice: each label on a path of optimal time survives it, labels are ordered by (state,
+    # bytes) and duplicates resolve to the first candidate. Issue 22: 500 identical layers leave the
+    # optimum (ub - lb) / 2500 above lb; at / 16 ~5000 labels per block (10 s), at / 1024 < 1 s.
+    for frac in THETA_FRACTIONS:
         theta = lb + frac * (ub - lb) + tol
         best, at, back = _chain(fronts, rhs, bmin, (lam, h_lam, h_0), theta)
         if best <= theta:

@@ -23,7 +23,6 @@ Pure: no I/O (the caller writes the report).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 from planners.layout import PlanningError
@@ -31,14 +30,13 @@ from planners.map.cluster import mesh_from_hardware
 from planners.map.problem import IlpEdge, IlpNode, IlpProblem, IlpSolution
 from costs.map_layout import convert
 from costs.rotor import INF, Chain
-from planners.map.rotor import integrate, min_feasible_budget
-from planners.map.rotor import solve as solve_rotor
+from planners.map.stage import PHASES, Clock, solve_stage
 from costs.map_strategies import Strategy, strategies
 from simulator.sharded import stage_chain
 from simulator.sharded_layer import act_dtype_bytes, node_compute_s, stage_mesh
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import CheckpointSegment, LayerSharding, NodeSharding, Plan, ScheduleSpec, StagePlan
+from specs.plan import LayerSharding, NodeSharding, Plan, ScheduleSpec, StagePlan
 from specs.sharding import Mesh, ShardingSpec
 from specs.training import TrainingSpec
 
@@ -109,12 +107,14 @@ class _StageModel:
         self.graphs = [model.op_graphs[model.layers[l].op_graph] for l in layers]
         self.training = training
         self._cands: dict[tuple[str, str], list[Strategy]] = {}
+        self._made: dict[tuple, LayerSharding] = {}
         self.nodes: list[tuple[int, str]] = []       # (layer, node name) per ILP node
         for l, g in zip(layers, self.graphs):
             for n in g.nodes:
                 self.nodes.append((l, n.name))
         self.index = {key: i for i, key in enumerate(self.nodes)}
         self._unary = self._edges = None
+        self._parts: tuple | None = None
 
     def cands(self, layer: int, name: str) -> list[Strategy]:
         key = (self.model.layers[layer].op_graph, name)
@@ -179,20 +179,22 @@ class _StageModel:
                         edges[(u, v)] = [[x + y for x, y in zip(r0, r1)] for r0, r1 in zip(old, mat)]
                     else:
                         edges[(u, v)] = mat
-        self._unary, self._edges = unary, edges
+        self._unary, self._edges, self._parts = unary, edges, None
 
     def problem(self, budget_bytes: int) -> IlpProblem:
-        nodes = tuple(IlpNode(f"L{l}.{name}", tuple(self._unary[i]), tuple(self.memory(l, name)))
-                      for i, (l, name) in enumerate(self.nodes))
-        edges = tuple(IlpEdge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in self._edges.items())
-        blocks, at = [], 0
-        for g in self.graphs:
-            blocks.append(tuple(range(at, at + len(g.nodes))))
-            at += len(g.nodes)
+        if self._parts is None:      # nodes, edges and blocks do not depend on the budget: built once
+            nodes = tuple(IlpNode(f"L{l}.{name}", tuple(self._unary[i]), tuple(self.memory(l, name)))
+                          for i, (l, name) in enumerate(self.nodes))
+            edges = tuple(IlpEdge(u, v, tuple(tuple(r) for r in m)) for (u, v), m in self._edges.items())
+            blocks, at = [], 0
+            for g in self.graphs:
+                blocks.append(tuple(range(at, at + len(g.nodes))))
+                at += len(g.nodes)
+            self._parts = (nodes, edges, tuple(blocks))
         budget = max(int(budget_bytes), 1)
         # one quantum for every budget §5.3 tries (the block DP then reuses its frontiers)
         quantum = (self.quantum_of or budget) // QUANTA
-        return IlpProblem(nodes, edges, budget, tuple(blocks), memory_quantum_bytes=quantum)
+        return IlpProblem(*self._parts[:2], budget, self._parts[2], memory_quantum_bytes=quantum)
 
     def memory(self, layer: int, name: str) -> list[int]:
         """Bytes per candidate that eq. 1's budget row counts: everything the strategy keeps (MAP),
@@ -207,14 +209,19 @@ class _StageModel:
     def shardings(self, choice: tuple[int, ...]) -> list[LayerSharding]:
         out, at = [], 0
         for l, g in zip(self.layers, self.graphs):
-            nodes = []
-            for n in g.nodes:
-                s = self.cands(l, n.name)[choice[at]]
-                at += 1
-                nodes.append(NodeSharding(node=n.name, inputs=[str(x) for x in s.input_specs],
-                                          params={p.name: str(x) for p, x in zip(n.params, s.param_specs)},
-                                          output=str(s.output_spec)))
-            out.append(LayerSharding(layer=l, mesh=list(self.shape), nodes=nodes))
+            mine = tuple(choice[at:at + len(g.nodes)])
+            at += len(g.nodes)
+            key = (self.model.layers[l].op_graph, mine)
+            made = self._made.get(key)
+            if made is None:     # one validated object per distinct layer choice, copied per layer
+                nodes = []
+                for n, c in zip(g.nodes, mine):
+                    s = self.cands(l, n.name)[c]
+                    nodes.append(NodeSharding(node=n.name, inputs=[str(x) for x in s.input_specs],
+                                              params={p.name: str(x) for p, x in zip(n.params, s.param_specs)},
+                                              output=str(s.output_spec)))
+                made = self._made[key] = LayerSharding(layer=l, mesh=list(self.shape), nodes=nodes)
+            out.append(made if made.layer == l else made.model_copy(update={"layer": l}))
         return out
 
     def chain(self, sol: IlpSolution) -> Chain:
@@ -223,53 +230,6 @@ class _StageModel:
     def chain_of_shardings(self, shardings: list[LayerSharding]) -> Chain:
         return stage_chain(self.model, self.hardware, self.training, self.layers, self.mesh,
                            {sh.layer: sh for sh in shardings})[1]
-
-
-def _segments(segs, start: int) -> list[CheckpointSegment]:
-    return [CheckpointSegment(start=g.start + start, stop=g.stop + start, checkpointed=g.checkpointed,
-                              children=_segments(g.children, start)) for g in segs]
-
-
-def _solve_stage(sm: _StageModel, budget_bytes: int, policy, choice: StageChoice,
-                 progress=None) -> tuple[list[LayerSharding], list[CheckpointSegment]]:
-    """§5.3 at ``budget_bytes``; when nothing fits, the minimum-memory choice and its minimum budget."""
-    t0 = time.perf_counter()
-    choice.min_budget_bytes = 0
-    if policy.constrain == "params":  # the baselines' bound: eq. 1 alone, parameter state only, no rotor
-        from planners.map.ilp import solve as solve_ilp
-
-        sol = solve_ilp(sm.problem(budget_bytes), time_limit_s=policy.ilp_time_limit_s)
-        choice.solve_s += time.perf_counter() - t0
-        if sol.status == "infeasible":
-            choice.min_budget_bytes = sol.min_memory_bytes
-        choice.ilp_time_s = sol.time_s
-        return sm.shardings(sol.choice), []
-    sm.quantum_of = budget_bytes
-    res = integrate(sm.problem, sm.chain, budget_bytes, alpha=policy.alpha, n=policy.budgets,
-                    memory_slots=policy.memory_slots, ilp_time_limit_s=policy.ilp_time_limit_s, progress=progress)
-    choice.solve_s += time.perf_counter() - t0
-    choice.tried = [{"k": k, "ilp_budget_bytes": b, "total_s": (t if math.isfinite(t) else None)} for k, b, t in res.tried]
-    if res.ilp is not None and res.rotor is not None and math.isfinite(res.total_s):
-        choice.ilp_time_s, choice.recompute_s, choice.budget_k = res.ilp.time_s, res.rotor.recompute_s, res.k
-        return sm.shardings(res.ilp.choice), _segments(res.rotor.segments, sm.layers.start)
-    # §5.3's budgets all failed (its ILP counts every activation, so near the minimum no inflated
-    # budget leaves rotor room): the least-memory strategies, checkpointed by rotor within B if it can
-    tiny = sm.problem(1)
-    low = tuple(min(range(len(nd.memory_bytes)), key=lambda i: (nd.memory_bytes[i], nd.costs_s[i])) for nd in tiny.nodes)
-    shard = sm.shardings(low)
-    chain = sm.chain_of_shardings(shard)
-    choice.ilp_time_s = sum(chain.t_fwd(l) + chain.t_bwd(l) for l in range(len(chain)))
-    rot = solve_rotor(chain, budget_bytes, policy.memory_slots, find_min=False)
-    if rot.feasible:
-        choice.recompute_s = rot.recompute_s
-        choice.tried.append({"k": None, "ilp_budget_bytes": None, "total_s": choice.ilp_time_s + rot.recompute_s,
-                             "note": "least-memory strategies"})
-        return shard, _segments(rot.segments, sm.layers.start)
-    need = min_feasible_budget(chain, policy.memory_slots, lower_bytes=budget_bytes)
-    choice.min_budget_bytes = need
-    rot = solve_rotor(chain, need, policy.memory_slots, find_min=False)
-    choice.recompute_s = rot.recompute_s if rot.feasible else 0.0
-    return shard, _segments(rot.segments, sm.layers.start) if rot.feasible else []
 
 
 def _stage_ranges(model: ModelSpec, pp: int) -> list[range]:
@@ -285,8 +245,12 @@ def _stage_ranges(model: ModelSpec, pp: int) -> list[range]:
 
 
 def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
-               schedule: ScheduleSpec, progress=None) -> MapOutcome:
+               schedule: ScheduleSpec, progress=None, phase=None) -> MapOutcome:
+    """``progress(done, total)``: §5.3's budgets solved so far; ``phase(name, seconds)``: called as each
+    phase ends (PHASES, in order; the solve phases and the simulation once per refinement round)."""
     from simulator import simulate
+
+    clock = Clock(phase)
 
     if not model.op_graphs or any(l.op_graph is None for l in model.layers):
         raise PlanningError("policy=map needs the model's operator graphs (ModelSpec.op_graphs); the run attaches "
@@ -303,15 +267,18 @@ def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Train
     per = n_dev // pp
     budget = int(policy.memory_budget_gib * GIB) if policy.memory_budget_gib is not None else hardware.device.memory_bytes
     ranges = _stage_ranges(model, pp) if pp > 1 else [range(0, model.num_layers)]
-    models, choices = [], []
+    models, choices, meshes = [], [], []
     for s, r in enumerate(ranges):
         devs = tuple(range(s * per, (s + 1) * per))
-        shape, order = choose_mesh(policy.mesh, hardware, devs)
+        meshes.append(choose_mesh(policy.mesh, hardware, devs))
+    clock.lap(PHASES[0])
+    for s, (r, (shape, order)) in enumerate(zip(ranges, meshes)):
         sm = _StageModel(model, hardware, training, r, order, shape, policy.constrain)
         sm.build()
         models.append(sm)
         choices.append(StageChoice(stage=s, layers=(r.start, r.stop), devices=order, mesh=shape,
                                    nodes=len(sm.nodes), strategies=sum(len(x) for x in sm._unary)))
+    clock.lap(PHASES[1])
     rounds, notes = [], []
     target = budget
     best = None
@@ -321,13 +288,15 @@ def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Train
             done = (rnd * len(models) + ch.stage) * policy.budgets
             total = (policy.refine + 1) * len(models) * policy.budgets
             step = (lambda k, n, done=done, total=total: progress(done + k, total)) if progress is not None else None
-            shard, segs = _solve_stage(sm, target, policy, ch, step)
+            shard, segs = solve_stage(sm, target, policy, ch, step, notes, clock.spent)
             stages.append(StagePlan(layer_start=sm.layers.start, layer_stop=sm.layers.stop, devices=list(sm.devices),
                                     dp=1, tp=len(sm.devices), sharding=shard, checkpoint=segs))
         plan = Plan(planner="map", model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
                     training=training,
                     schedule=schedule, stages=stages)
+        clock.split(PHASES[2], PHASES[3])
         sim = simulate(plan, model, hardware).result
+        clock.lap(PHASES[4])
         peaks = [d.peak_bytes for d in sim.devices]
         peak = max(peaks)
         solved = all(c.min_budget_bytes == 0 for c in choices)

@@ -10,6 +10,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+#: the (nodes, edges, blocks) tuples IlpProblem last checked: MAP §5.3 poses one graph at up to 11
+#: budgets, and the checks cost more than a block DP solve of a 500-layer chain
+_CHECKED: tuple | None = None
+
+
 @dataclass(frozen=True)
 class IlpNode:
     """One operator: per candidate strategy, its time (compute + intra-op communication, s) and the
@@ -50,6 +55,10 @@ class IlpProblem:
     memory_quantum_bytes: int = 0
 
     def __post_init__(self) -> None:
+        global _CHECKED
+        if _CHECKED is not None and isinstance(self.nodes, tuple) and isinstance(self.edges, tuple) and \
+                all(a is b for a, b in zip(_CHECKED, (self.nodes, self.edges, self.blocks))):
+            return       # the same (immutable) nodes, edges and blocks at another budget: checked already
         n = len(self.nodes)
         for e in self.edges:
             if not (0 <= e.src < n and 0 <= e.dst < n) or e.src == e.dst:
@@ -66,6 +75,7 @@ class IlpProblem:
                 if abs(where[e.src] - where[e.dst]) > 1:
                     raise ValueError(f"edge {e.src}->{e.dst}: blocks {where[e.src]} and {where[e.dst]} "
                                      "are not the same or consecutive")
+        _CHECKED = (self.nodes, self.edges, self.blocks) if isinstance(self.blocks, (tuple, type(None))) else None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ so feasibility and time are monotone in the budget.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,6 +31,7 @@ import numpy as np
 from costs.rotor import INF, Chain, Segment, simulate_peak
 from planners.map.ilp import solve as solve_ilp
 from planners.map.problem import IlpProblem, IlpSolution
+from planners.map.rotor_table import Structure, Table
 
 
 @dataclass(frozen=True)
@@ -47,70 +49,20 @@ class RotorSolution:
     budget_bytes: int
     recompute_s: float
     min_budget_bytes: int | None = None
+    every: int = 1               # checkpoints allowed every this many layers (1: exact; see _run)
 
 
-class _Table:
-    """C[s][t]: numpy array over m = 0..S slots of the best time (inf: infeasible); W[s][t]: the
-    choice (-1: F_all at s, s' >= 1: checkpoint a^{s'-1})."""
-
-    def __init__(self, chain: Chain, budget_bytes: int, slots: int) -> None:
-        self.chain, self.S, self.B = chain, slots, budget_bytes
-        L = len(chain)
-        sl = self.slots
-        G = lambda t: chain.w_delta[t] if t < L - 1 else 0          # delta^t live from the start unless t is last
-        self.A = [sl(x) for x in chain.w_a]
-        self.AB = [sl(x) for x in chain.w_abar]
-        of = [chain.o_f[l] + chain.o_fcomm[l] for l in range(L)]
-        bwd = [chain.w_abar[l] + chain.w_delta[l] + chain.delta_in(l) + chain.o_b[l] + chain.o_bcomm[l] for l in range(L)]
-        tf = [chain.t_fwd(l) for l in range(L)]
-        m = np.arange(slots + 1)
-        self.C: dict[tuple[int, int], np.ndarray] = {}
-        self.W: dict[tuple[int, int], np.ndarray] = {}
-        for d in range(L):
-            for s in range(L - d):
-                t = s + d
-                # C_all (eq. 5), gated by m_all (eq. 6): F_all^s's peak with delta^t, and B^s's peak
-                thr = sl(max(G(t) + chain.w_abar[s] + of[s], bwd[s]))
-                if d == 0:
-                    best = np.where(m >= thr, tf[s] + chain.t_bwd(s), INF)
-                else:
-                    best = np.where(m >= max(thr, self.AB[s]), tf[s] + chain.t_bwd(s) + self._shift(self.C[s + 1, t], self.AB[s]), INF)
-                choice = np.full(slots + 1, -1, dtype=np.int32)
-                fwd_bytes, fwd_time = G(t) + chain.w_a[s] + of[s], tf[s]
-                for sp in range(s + 1, t + 1):                 # C_ck (eq. 5): checkpoint a^{sp-1}
-                    if sp > s + 1:
-                        j = sp - 1                             # F_none^j holds a^{j-1} and a^j
-                        fwd_bytes = max(fwd_bytes, G(t) + chain.w_a[j - 1] + chain.w_a[j] + of[j])
-                        fwd_time += tf[j]
-                    gate = max(sl(fwd_bytes), self.A[sp - 1])
-                    val = fwd_time + self._shift(self.C[sp, t], self.A[sp - 1]) + self.C[s, sp - 1]
-                    val = np.where(m >= gate, val, INF)
-                    better = val < best                        # ties keep F_all, then the earliest checkpoint
-                    best = np.where(better, val, best)
-                    choice = np.where(better, sp, choice)
-                self.C[s, t], self.W[s, t] = best, choice
-
-    def slots(self, nbytes: int) -> int:
-        """ceil(nbytes * S / B): sizes round up, so accepted sums never exceed the budget."""
-        return -(-int(nbytes) * self.S // self.B) if nbytes > 0 else 0
-
-    def _shift(self, arr: np.ndarray, k: int) -> np.ndarray:
-        out = np.full_like(arr, INF)
-        if k <= self.S:
-            out[k:] = arr[:len(arr) - k] if k > 0 else arr
-        return out
-
-    def backtrack(self, s: int, t: int, m: int) -> tuple[list[tuple[str, int]], list[Segment]]:
-        if s == t:
-            return [("F_all", s), ("B", s)], [Segment(s, s + 1, False)]
-        sp = int(self.W[s, t][m])
-        if sp < 0:
-            ops, segs = self.backtrack(s + 1, t, m - self.AB[s])
-            return [("F_all", s)] + ops + [("B", s)], [Segment(s, s + 1, False)] + segs
-        right_ops, right = self.backtrack(sp, t, m - self.A[sp - 1])
-        left_ops, left = self.backtrack(s, sp - 1, m)
-        fwd = [("F_ck", s)] + [("F_none", j) for j in range(s + 1, sp)]
-        return fwd + right_ops + left_ops, [Segment(s, sp, True, tuple(_merge(left)))] + right
+def _backtrack(tab: Table, s: int, t: int, m: int) -> tuple[list[tuple[str, int]], list[Segment]]:
+    if s == t:
+        return [("F_all", s), ("B", s)], [Segment(s, s + 1, False)]
+    sp = tab.choice(s, t, m)
+    if sp < 0:
+        ops, segs = _backtrack(tab, s + 1, t, m - tab.AB[s])
+        return [("F_all", s)] + ops + [("B", s)], [Segment(s, s + 1, False)] + segs
+    right_ops, right = _backtrack(tab, sp, t, m - tab.A[sp - 1])
+    left_ops, left = _backtrack(tab, s, sp - 1, m)
+    fwd = [("F_ck", s)] + [("F_none", j) for j in range(s + 1, sp)]
+    return fwd + right_ops + left_ops, [Segment(s, sp, True, tuple(_merge(left)))] + right
 
 
 def _merge(segs: list[Segment]) -> list[Segment]:
@@ -124,26 +76,82 @@ def _merge(segs: list[Segment]) -> list[Segment]:
     return out
 
 
-def _run(chain: Chain, budget_bytes: int, slots: int) -> tuple[float, list, list] | None:
+def _feasible(st: Structure, budget_bytes: int, slots: int) -> tuple[Table, int] | None:
+    """The table at this budget and the slots left beside the input and fixed bytes, or None when no
+    sequence fits (decided by the slot thresholds alone, without the table's rows)."""
     if budget_bytes <= 0:
         return None
-    tab = _Table(chain, budget_bytes, slots)
-    m0 = slots - tab.slots(chain.w_input + chain.fixed_bytes)
-    if m0 < 0 or not np.isfinite(tab.C[0, len(chain) - 1][m0]):
+    tab = Table(st, budget_bytes, slots)
+    m0 = slots - tab.slots(st.chain.w_input + st.chain.fixed_bytes)
+    if m0 < 0 or tab.threshold() > m0:
         return None
-    ops, segs = tab.backtrack(0, len(chain) - 1, m0)
-    return float(tab.C[0, len(chain) - 1][m0]), ops, _merge(segs)
+    return tab, m0
+
+
+#: the most cells (rows x checkpoint options x (slots + 1)) the exact table may fill, about 2 s on one
+#: core; past it checkpoints are restricted to every 2nd, 4th, ... layer (see :func:`_run`). A chain
+#: of L identical layers fills about 2 L^2 (slots + 1) cells (exact up to L = 700 at 500 slots), one
+#: of arbitrary layers L^3 / 6 (slots + 1) (L = 180)
+MAX_EXACT_CELLS = 500_000_000
+#: the checkpoint spacing to use whatever the size (None: the finest within MAX_EXACT_CELLS); the
+#: benchmark and the tests set it to measure what a spacing loses against the exact table
+EVERY: int | None = None
+
+
+def _spacing(chain: Chain, slots: int) -> Structure:
+    every = EVERY or 1
+    st = Structure(chain, every)
+    while EVERY is None and st.work(slots) > MAX_EXACT_CELLS and every < len(chain):
+        every *= 2
+        st = Structure(chain, every)
+    return st
+
+
+def _run(chain: Chain, budget_bytes: int, slots: int) -> tuple[float, list, list, int] | None:
+    """(table time, ops, segments, checkpoint spacing) or None when nothing fits. MAP §5.2.1's DP is
+    exact up to MAX_EXACT_CELLS. Past it (issue 22: 500 layers whose strategies differ in runs, 55
+    of one kind, 75 of another, the rest of the first, keep 84k distinct ranges and took 65 s) the
+    checkpoints a^{s'-1} are restricted to s' = every, 2 every, ... (every a power of two, the
+    smallest within the cap) and the DP is exact over that family: the rows exist only for ranges
+    ending before an allowed s' or at the chain's end, which are all the recursion reads, and the
+    sequence's bytes and time stay exact. A restriction can only lose time, or feasibility near
+    the smallest budget: then, if the exact thresholds say the chain fits, the spacing is halved
+    until it fits, so feasibility is never lost. Measured against the exact table (benchmarks/
+    map_scale.py --spacing, forcing the spacing on models small enough for both): gpt3_2b6 (34
+    layers) at 8-24 GiB loses at most 0.37 % of the iteration at every 2 or 4 and 1.03 % at every
+    8, stronghold_gpt_l20 and gpt_10b3 nothing; stronghold_gpt_l500 at 120 GiB (every 8 chosen)
+    0.14 %, in 3.7 s instead of 38 s."""
+    if budget_bytes <= 0 or -(-(chain.w_input + chain.fixed_bytes) * slots // budget_bytes) > slots:
+        return None                           # the fixed bytes alone exceed the budget (Table.slots)
+    st = _spacing(chain, slots)
+    hit = _feasible(st, budget_bytes, slots)
+    if hit is None and st.every > 1 and _feasible(Structure(chain), budget_bytes, slots) is not None:
+        while hit is None:
+            st = Structure(chain, st.every // 2)
+            hit = _feasible(st, budget_bytes, slots)
+    if hit is None:
+        return None
+    tab, m0 = hit
+    tab.build()
+    L = len(chain)
+    if not np.isfinite(tab.value(0, L - 1, m0)):       # the thresholds said it fits: cannot happen
+        raise AssertionError("rotor: the slot threshold and the table disagree")
+    ops, segs = _backtrack(tab, 0, L - 1, m0)
+    return tab.value(0, L - 1, m0), ops, _merge(segs), st.every
 
 
 def min_feasible_budget(chain: Chain, memory_slots: int = 500, lower_bytes: int = 0) -> int:
     """Smallest budget (bytes) :func:`solve` accepts with this slot count; feasibility is monotone in
-    the budget (see module doc), so doubling then bisection finds it."""
+    the budget (see module doc), so doubling then bisection finds it (each probe: the slot
+    thresholds only, planners.map.rotor_table)."""
+    st = Structure(chain)
+    ok = lambda b: _feasible(st, b, memory_slots) is not None
     lo, hi = max(lower_bytes, 0), max(lower_bytes, 1)
-    while _run(chain, hi, memory_slots) is None:
+    while not ok(hi):
         lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if _run(chain, mid, memory_slots) is not None else (mid, hi)
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
     return hi
 
 
@@ -156,10 +164,11 @@ def solve(chain: Chain, budget_bytes: int, memory_slots: int = 500, find_min: bo
     if res is None:
         need = min_feasible_budget(chain, memory_slots, lower_bytes=budget_bytes) if find_min else None
         return RotorSolution(INF, False, (), (), 0, budget_bytes, INF, need)
-    _, ops, segs = res
+    _, ops, segs, every = res
     seq = tuple(ops)
     time_s = sum(chain.t_fwd(l) if op != "B" else chain.t_bwd(l) for op, l in seq)   # the ops' sum, not the table's
-    return RotorSolution(time_s, True, seq, tuple(segs), simulate_peak(chain, seq), budget_bytes, time_s - base)
+    return RotorSolution(time_s, True, seq, tuple(segs), simulate_peak(chain, seq), budget_bytes, time_s - base,
+                         every=every)
 
 
 @dataclass(frozen=True)
@@ -173,6 +182,8 @@ class Integrated:
     rotor: RotorSolution | None
     total_s: float
     tried: tuple[tuple[int, int, float], ...]
+    ilp_s: float = 0.0           # wall time in the ILP solves
+    rotor_s: float = 0.0         # wall time pricing the chains and checkpointing them
 
 
 def integrate(ilp_problem_builder: Callable[[int], IlpProblem], chain_builder: Callable[[IlpSolution], Chain],
@@ -185,9 +196,11 @@ def integrate(ilp_problem_builder: Callable[[int], IlpProblem], chain_builder: C
     (solved once, first), larger budgets reuse it instead of solving again."""
     best: tuple = (INF, None, None, None, None)
     tried = []
+    t0 = time.perf_counter()
     probe = ilp_problem_builder(budget_bytes)
     roomy = sum(max(nd.memory_bytes) for nd in probe.nodes)
     free = solve_ilp(ilp_problem_builder(roomy), time_limit_s=ilp_time_limit_s)
+    rotor_s = 0.0
     for k in range(n):
         ilp_budget = int(budget_bytes * (1 + alpha) ** k)
         if ilp_budget >= free.memory_bytes and free.status == "optimal":
@@ -196,8 +209,10 @@ def integrate(ilp_problem_builder: Callable[[int], IlpProblem], chain_builder: C
             sol = solve_ilp(ilp_problem_builder(ilp_budget), time_limit_s=ilp_time_limit_s)
         total = INF
         if sol.status != "infeasible":
+            t1 = time.perf_counter()
             chain = chain_builder(sol)
             rot = solve(chain, budget_bytes, memory_slots, find_min=False)
+            rotor_s += time.perf_counter() - t1
             if rot.feasible and rot.peak_bytes <= budget_bytes:
                 total = sol.time_s + rot.recompute_s
                 if total < best[0]:
@@ -206,4 +221,4 @@ def integrate(ilp_problem_builder: Callable[[int], IlpProblem], chain_builder: C
         if progress is not None:
             progress(k + 1, n)
     total, k, sol, chain, rot = best
-    return Integrated(k, sol, chain, rot, total, tuple(tried))
+    return Integrated(k, sol, chain, rot, total, tuple(tried), time.perf_counter() - t0 - rotor_s, rotor_s)

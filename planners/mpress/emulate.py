@@ -1,12 +1,15 @@
 """MPress's emulator (§III-B step 5): one emulation simulates a candidate plan for one iteration
 (simulator/, the same engine the user sees) and reads its per-device memory and iteration time.
 
-:class:`Emulator` counts the simulations against ``policy.max_simulations``, reports progress
-and keeps the planner's log; the functions below read one simulation.
+:class:`Emulator` counts the simulations against ``policy.max_simulations`` (a safety cap),
+reads back a candidate simulated before instead of simulating it again, reports progress and
+keeps the planner's log; the functions below read one simulation.
 
 Pure: no I/O, no clocks.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from planners.layout import PlanningError
 from specs.hardware import HardwareSpec
@@ -15,25 +18,48 @@ from specs.plan import Plan
 
 
 class Emulator:
-    """Runs the simulations of one search: at most ``budget``, each reported to ``progress``."""
+    """Runs the simulations of one search: at most ``budget`` (``policy.max_simulations``, a
+    safety cap: the search stops when a round gains too little, planners/mpress/improve.py),
+    each reported to ``progress``. A candidate plan simulated before is not simulated again: the
+    simulator is deterministic, so its result is read back (``hits`` counts those; they are not
+    simulations and do not count against the cap). A result read back carries no trace."""
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, budget: int, progress=None):
         self.model, self.hardware, self.budget, self.progress = model, hardware, budget, progress
         self.sims = 0
+        self.hits = 0
         self.log: list[str] = []
+        self._seen: dict[str, object] = {}
 
-    def run(self, plan: Plan):
+    def run(self, plan: Plan, trace: bool = False):
+        """``plan``'s Simulation; with ``trace`` its Perfetto trace too (the search reads only the
+        base plan's; the others' would be built and thrown away)."""
         from simulator import simulate
 
+        key = plan.model_dump_json()
+        if (sim := self._seen.get(key)) is not None:
+            self.hits += 1
+            return sim
         self.sims += 1
         if self.progress is not None:
-            self.progress(min(self.sims, self.budget), self.budget)
-        return simulate(plan, self.model, self.hardware)
+            self.progress(self.sims, None)  # no total: the search runs until it converges
+        sim = simulate(plan, self.model, self.hardware, trace=trace)
+        self._seen[key] = replace(sim, trace={})  # the search reads the trace of the base only
+        return sim
+
+    def seen(self, plan: Plan) -> bool:
+        """Whether ``plan`` was simulated before (running it again costs no simulation)."""
+        return plan.model_dump_json() in self._seen
 
     @property
     def left(self) -> bool:
         """Whether the budget allows another simulation."""
         return self.sims < self.budget
+
+    @property
+    def capped(self) -> bool:
+        """Whether the safety cap is spent."""
+        return self.sims >= self.budget
 
 
 def check_size(plan: Plan) -> None:

@@ -2,19 +2,35 @@
 fits, try the costliest compactions with other techniques and accept a change only if the emulated
 iteration is faster (or, for less data moved, no slower) and still fits.
 
-In order: map again for the room compaction made (Fig. 6) when no stage had spare memory at
-first; keep optimizer state resident where it fits; the costliest compacted layers with the other
-techniques, then as keep; hidden CPU swaps to spare peer memory; optimizer state once more.
+First, once: map again for the room compaction made (Fig. 6) when no layer is D2D-swapped after
+the repair, typically because no stage had spare memory at first (:func:`remap`). Then rounds
+(:func:`improve`). A *round* (:class:`Round`,
+:func:`improve_round`) is one pass over every candidate move of the assignment it starts from, in
+order: keep optimizer state resident where it fits; the compacted layers, costliest estimate
+first, with the other techniques, then as keep; hidden CPU swaps to spare peer memory; the
+recomputed layers once more with D2D swap to the spare peer memory the round's moves freed;
+optimizer state once more. Rounds repeat, each from what the last one kept, until a round makes the
+iteration less than ``policy.min_round_gain`` (0.5 %) faster, a round has no move to try, or
+the safety cap ``policy.max_simulations`` is spent; the outcome says which.
+
+A round's small gain need not mean the next round has nothing to find: a move late in a round
+(a D2D-swapped layer moved to CPU swap) can free the peer memory a recomputed layer tried earlier
+in it needed for D2D. The round's last layer pass (:func:`recomputes_to_peers`) retries those
+layers for that reason; other orders of moves can still hide a gain from a round that stops the
+search (docs/mpress.md, "Where we differ" 5 and 9). An optimizer swap is only ever dropped here,
+never added in exchange for fewer compacted layers.
 
 Pure: no I/O, no clocks.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from planners.mpress.assign import Assignment
 from planners.mpress.base import mapping_text
 from planners.mpress.choice import marginal_cost_s, options, reason
 from planners.mpress.emulate import Emulator, better, no_worse
-from planners.mpress.facts import CPU, D2D, KEEP, layer_facts
+from planners.mpress.facts import CPU, D2D, KEEP, RC, layer_facts
 from planners.mpress.mapping import search_mapping
 from planners.policy import MPressPolicy
 from specs.hardware import HardwareSpec
@@ -22,10 +38,11 @@ from specs.hardware import HardwareSpec
 
 def remap(em: Emulator, st: Assignment, policy: MPressPolicy, hardware: HardwareSpec, devices: list,
           boundary: list, trace: dict, capacity: int, best):
-    """Every stage overflowed the base plan, so there was no spare memory to map for; now that
-    recompute, CPU swaps and optimizer swaps made room, map again (Fig. 6) for the costly
-    compactions: their bytes are the demand, what the devices have left the spare. Returns the
-    best simulation (the remapped one if it is no slower)."""
+    """No layer is D2D-swapped after the repair (typically: every stage overflowed the base plan,
+    so there was no spare memory to map for); now that recompute, CPU swaps and optimizer swaps
+    made room, map again (Fig. 6) for the costly compactions: their bytes are the demand, the
+    room left on the devices of stages with no costly compaction the spare. Returns the best
+    simulation (the remapped one if it is no slower)."""
     p = len(devices)
     peak_now = {d.device: d.peak_bytes for d in best.result.devices}
     dev_now = st.mapping.device_of_stage
@@ -47,14 +64,70 @@ def remap(em: Emulator, st: Assignment, policy: MPressPolicy, hardware: Hardware
     return best
 
 
-def improve(em: Emulator, st: Assignment, allowed: list, best):
-    """The improvement rounds on a fitting candidate (``best``, its simulation); returns the
-    best simulation. The optimizer swap is the costliest (its whole state crosses PCIe twice an
-    iteration): first see which stages fit without it now that their activations are compacted,
-    and again at the end, after the layers' actions changed."""
+#: the default of ``policy.min_round_gain``: a round that makes the iteration less than 0.5 %
+#: faster ends the search (MPress §III-D: "terminates if the subsequent assignment brings
+#: nonvisible performance gains over the previous one")
+MIN_ROUND_GAIN = 0.005
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of the search: one pass of the improve step over every candidate move of the
+    assignment it starts from (:func:`improve_round`), its best iteration before and after."""
+
+    number: int
+    start_s: float
+    end_s: float
+    candidates: int     # candidate plans emulated (simulated, or read back when seen before)
+    simulations: int    # the search's simulations so far, at the end of the round
+
+    @property
+    def gain(self) -> float:
+        """How much faster the round made the iteration, as a fraction of where it started."""
+        return (self.start_s - self.end_s) / self.start_s if self.start_s > 0 else 0.0
+
+
+def cap_text(em: Emulator) -> str:
+    return f"safety cap of {em.budget} simulations reached (policy.max_simulations)"
+
+
+def improve(em: Emulator, st: Assignment, allowed: list, best, min_gain: float = MIN_ROUND_GAIN):
+    """Rounds of :func:`improve_round` on a fitting candidate (``best``, its simulation) until
+    one makes the iteration less than ``min_gain`` faster (converged), one has no move to try,
+    or the safety cap of simulations is spent. Returns (best simulation, rounds, why it stopped)."""
+    rounds: list[Round] = []
+    while True:
+        if em.capped:
+            return best, tuple(rounds), cap_text(em)
+        start, before = best.result.iteration_time_s, em.sims + em.hits
+        best = improve_round(em, st, allowed, best)
+        r = Round(len(rounds) + 1, start, best.result.iteration_time_s, em.sims + em.hits - before, em.sims)
+        rounds.append(r)
+        em.log.append(f"round {r.number}: {r.start_s:.3f} -> {r.end_s:.3f} s ({100 * max(r.gain, 0.0):.2f} % faster), "
+                      f"{r.candidates} candidates, {em.sims} simulations so far")
+        if em.capped:
+            return best, tuple(rounds), cap_text(em) + f" in round {r.number}"
+        if not r.candidates:
+            return best, tuple(rounds), f"no move left (round {r.number} had no candidate)"
+        if r.gain < min_gain:
+            return best, tuple(rounds), (f"converged: round {r.number} improved {100 * max(r.gain, 0.0):.2f} % "
+                                         f"< {100 * min_gain:g} %")
+        if r.gain <= 0:  # min_gain 0: until a round gains nothing
+            return best, tuple(rounds), f"converged: round {r.number} improved nothing"
+
+
+def improve_round(em: Emulator, st: Assignment, allowed: list, best):
+    """One round: every candidate move of the assignment, each kept if the emulation says so;
+    returns the best simulation. The optimizer swap is the costliest (its whole state crosses
+    PCIe twice an iteration): first see which stages fit without it now that their activations
+    are compacted, then the compacted layers with the other techniques and as keep, the hidden
+    CPU swaps to spare peer memory, the recomputed layers once more in spare peer memory (the
+    moves before may have freed some: :func:`recomputes_to_peers`), and the optimizer swaps
+    again, after the layers' actions changed."""
     best = keep_optimizers(em, st, best)
     best = other_techniques(em, st, allowed, best)
     best = cpu_swaps_to_peers(em, st, best)
+    best = recomputes_to_peers(em, st, best)
     return keep_optimizers(em, st, best)
 
 
@@ -134,6 +207,37 @@ def cpu_swaps_to_peers(em: Emulator, st: Assignment, best):
             em.log.append(f"emulator {em.sims}: stage {key[0]} layer {key[1]} cpu_swap -> d2d_swap (spare peer memory "
                           f"left): {best_t:.3f} -> {t.result.iteration_time_s:.3f} s")
             st.why[key] = reason(st, key, D2D, st.facts[key].cost_s(D2D)) + " (spare peer memory left over)"
+            best = t
+        else:
+            st.restore(saved)
+    return best
+
+
+def recomputes_to_peers(em: Emulator, st: Assignment, best):
+    """The recomputed layers, costliest estimate first, once more with D2D swap to the spare peer
+    memory left, each kept only if faster (as :func:`try_layer` keeps a D2D move). MPress §III-D
+    replaces recomputation and GPU-CPU swap with D2D swap "whenever possible, e.g., when there is
+    spare GPU memory". Move order: within a round the recomputed layers are tried (in
+    :func:`other_techniques`) before the moves that free peer memory (a D2D-swapped layer that
+    the same pass turns into a CPU swap or keep), so without this last pass the round could end
+    with room a recomputed layer needed, and a round that gains little stops the search before
+    the next round tries again (DGX-2 gpt_15b4: stage 0 layer 5, 2.5 % faster)."""
+    order = sorted((k for k, a in st.actions.items() if a is RC), key=lambda k: (-st.facts[k].cost_s(RC), k))
+    for key in order:
+        if not em.left:
+            break
+        if st.stripes_for(key) is None:
+            continue
+        saved = st.snapshot()
+        cost = marginal_cost_s(st, key, D2D)
+        st.set(key, D2D, "")
+        t = em.run(st.plan_now())
+        best_t = best.result.iteration_time_s
+        if better(t, best_t):
+            em.log.append(f"emulator {em.sims}: stage {key[0]} layer {key[1]} recompute -> d2d_swap (spare peer "
+                          f"memory freed this round): {best_t:.3f} -> {t.result.iteration_time_s:.3f} s")
+            st.why[key] = (reason(st, key, D2D, cost) + " (spare peer memory freed this round)"
+                           + f" (emulator: {best_t:.3f} -> {t.result.iteration_time_s:.3f} s per iteration)")
             best = t
         else:
             st.restore(saved)

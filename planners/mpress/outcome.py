@@ -41,6 +41,9 @@ class MPressOutcome:
     optimizer_swap: tuple[tuple[int, str], ...] = ()  # (stage, why) for stages swapping optimizer state
     host_bytes_per_node: tuple[int, ...] = ()  # simulated host memory (swap space, offloaded state), per node
     host_capacity_bytes: int = 0
+    stop_reason: str = ""           # why the search stopped: converged, no move left, safety cap, does not fit
+    rounds: tuple = ()              # planners/mpress/improve.Round, one per round of improvement
+    read_back: int = 0              # candidates emulated before, whose simulation was reused
 
 
 def fits_as_is(em: Emulator, base: Plan, first, mapping: Mapping) -> MPressOutcome:
@@ -48,8 +51,17 @@ def fits_as_is(em: Emulator, base: Plan, first, mapping: Mapping) -> MPressOutco
     plan = with_actions(base, {}, mapping)
     sim = em.run(plan) if plan != base else first
     em.log.append("every stage fits: no memory action needed (MPress §IV-B, small models)")
+    stop = "no move left: every stage fits without a memory action"
+    em.log.append(result_line(_fits(sim), sim.result.iteration_time_s, em, stop, 0))
     return MPressOutcome(plan, _fits(sim), (), mapping, em.sims,
-                         sim.result.iteration_time_s, first.result.iteration_time_s, tuple(em.log))
+                         sim.result.iteration_time_s, first.result.iteration_time_s, tuple(em.log),
+                         stop_reason=stop, read_back=em.hits)
+
+
+def result_line(fits: bool, iteration_s: float, em: Emulator, stop: str, rounds: int) -> str:
+    """The log's (and the terminal's) last line: the result, the search's cost, why it stopped."""
+    return (f"result: {'fits' if fits else 'does NOT fit'}, iteration {iteration_s:.3f} s after {em.sims} "
+            f"simulation{'' if em.sims == 1 else 's'}, {rounds} round{'' if rounds == 1 else 's'}; stopped: {stop}")
 
 
 def layer_choices(st: Assignment, allowed: list) -> tuple[LayerChoice, ...]:
@@ -65,22 +77,22 @@ def layer_choices(st: Assignment, allowed: list) -> tuple[LayerChoice, ...]:
 
 
 def final_outcome(em: Emulator, st: Assignment, allowed: list, sim, first, fits: bool,
-                  hardware: HardwareSpec) -> MPressOutcome:
-    """The assignment's plan and choices, with ``sim`` its last simulation; a node whose host
-    memory the CPU swaps overfill does not fit either."""
+                  hardware: HardwareSpec, stop: str, rounds: tuple = ()) -> MPressOutcome:
+    """The assignment's plan and choices, with ``sim`` its best simulation, ``stop`` why the
+    search stopped after ``rounds``; a node whose host memory the CPU swaps overfill does not fit
+    either."""
     plan = st.plan_now()
     choices = layer_choices(st, allowed)
-    em.log.append(f"result: {'fits' if fits else 'does NOT fit'}, iteration {sim.result.iteration_time_s:.3f} s "
-                  f"after {em.sims} simulations")
     per_node = host_bytes_per_node(sim, hardware)
     if any(n > hardware.host.memory_bytes for n in per_node):
         fits = False
         em.log.append(f"host memory: {size_text(max(per_node))} on one node is over its "
                       f"{size_text(hardware.host.memory_bytes)}")
+    em.log.append(result_line(fits, sim.result.iteration_time_s, em, stop, len(rounds)))
     return MPressOutcome(plan, fits, choices, st.mapping, em.sims, sim.result.iteration_time_s,
                          first.result.iteration_time_s, tuple(em.log),
                          tuple((s, st.opt_why[s]) for s in sorted(st.opt_swap)), tuple(per_node),
-                         hardware.host.memory_bytes)
+                         hardware.host.memory_bytes, stop, tuple(rounds), em.hits)
 
 
 def report(outcome: MPressOutcome) -> dict:
@@ -94,7 +106,10 @@ def report(outcome: MPressOutcome) -> dict:
     m = outcome.mapping
     return {
         "fits": outcome.fits, "iteration_time_s": outcome.iteration_s, "base_iteration_time_s": outcome.base_iteration_s,
-        "simulations": outcome.simulations,
+        "simulations": outcome.simulations, "stop_reason": outcome.stop_reason,
+        "rounds": [{"round": r.number, "start_s": r.start_s, "end_s": r.end_s, "gain": r.gain,
+                    "candidates": r.candidates, "simulations": r.simulations} for r in outcome.rounds],
+        "candidates_read_back": outcome.read_back,
         "mapping": {"device_of_stage": list(m.device_of_stage), "exact": m.exact, "candidates": m.candidates,
                     "targets": {str(s): [{"stage": t, "device": m.device_of_stage[t], "weight": w} for t, w in ts]
                                 for s, ts in enumerate(m.targets) if ts},

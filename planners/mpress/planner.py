@@ -23,12 +23,16 @@ Start from a compute-balanced pipeline, one stage per device (PipeDream/DAPPLE's
 5. *Emulator loop* (§III-B step 5, §III-D): simulate the candidate (simulator/, the same engine
    the user sees); a stage still over capacity gets more layers, a D2D target over capacity *at
    some moment of its timeline* (its own memory plus what peers hold there) loses its largest
-   stripes; once it fits (and, if no stage had spare memory at first, after mapping again for the
-   room compaction made), optimizer swaps are dropped where they are not needed, the costliest
+   stripes; once it fits (and, if no layer is D2D-swapped then, after mapping again for the room
+   compaction made), optimizer swaps are dropped where they are not needed, the costliest
    compacted layers are tried with the other techniques and as keep (a change is kept only if the
    simulated iteration is faster, or for less data moved no slower, and still fits), and hidden
-   CPU swaps move to spare peer memory when that is no slower. It stops after
-   ``policy.max_simulations`` runs.
+   CPU swaps move to spare peer memory when that is no slower. One pass over all these moves is a
+   *round* (planners/mpress/improve.py); rounds repeat until one makes the iteration less than
+   ``policy.min_round_gain`` (0.5 %) faster (§III-D: "terminates if the subsequent assignment
+   brings nonvisible performance gains"), or has no move to try. ``policy.max_simulations`` is
+   only a safety cap; the outcome says why the search stopped (``stop_reason``), after how many
+   rounds and simulations. A candidate emulated before is read back, not simulated again.
 
 Pure: no I/O, no clocks; the same inputs give the same plan. Returns :class:`MPressOutcome`
 (plan, per-layer choices with their reason, fit, the log of the emulator loop). This module is the
@@ -43,7 +47,7 @@ from planners.mpress.base import base_lines, base_plan, boundary_bytes, map_base
 from planners.mpress.choice import initial_assignment
 from planners.mpress.emulate import Emulator, check_size, fits as _fits, over_and_spare
 from planners.mpress.facts import CPU as _CPU, D2D as _D2D, RC as _RC
-from planners.mpress.improve import improve, remap
+from planners.mpress.improve import cap_text, improve, remap
 from planners.mpress.outcome import MPressOutcome, final_outcome, fits_as_is
 from planners.mpress.repair import repair
 from planners.policy import MPressPolicy
@@ -71,7 +75,7 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
     base = base_plan(policy, model, hardware, training, schedule, profile)
     check_size(base)  # the emulator simulates (§III-B step 5)
     capacity = hardware.device.memory_bytes
-    first = em.run(base)
+    first = em.run(base, trace=True)  # facts (the layers' timing) come from its trace
     devices = [stage.devices[0] for stage in base.stages]
     demand, spare = over_and_spare(first, devices, capacity)
     boundary = boundary_bytes(base, model)  # per microbatch, stage i -> i + 1
@@ -84,8 +88,10 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
     st = initial_assignment(base, model, hardware, first.trace, mapping, allowed, capacity, spare)
     sim = repair(em, st, allowed)
     fits = _fits(sim)
-    if fits and _D2D in allowed and not any(a is _D2D for a in st.actions.values()) and em.left:
+    if not fits:
+        stop = cap_text(em) if em.capped else "does not fit: nothing left to compact"
+        return final_outcome(em, st, allowed, sim, first, fits, hardware, stop)
+    if _D2D in allowed and not any(a is _D2D for a in st.actions.values()) and em.left:
         sim = remap(em, st, policy, hardware, devices, boundary, first.trace, capacity, sim)
-    if fits:
-        sim = improve(em, st, allowed, sim)
-    return final_outcome(em, st, allowed, sim, first, fits, hardware)
+    sim, rounds, stop = improve(em, st, allowed, sim, policy.min_round_gain)
+    return final_outcome(em, st, allowed, sim, first, fits, hardware, stop, rounds)

@@ -103,16 +103,21 @@ def test_multirun_2x2_gives_4_result_files(tmp_path):
     assert {hw for hw, _ in pairs} == {"dgx1", "dgx2"} and len(pairs) == 4
 
 
-def peaks(tmp_path: Path, name: str, *args: str) -> list[int]:
+def peaks(tmp_path: Path, name: str, *args: str, status: int = 0) -> list[int]:
+    """Per-device peaks of a dgx1 gpt run that exits with ``status`` (modes.NOT_FIT_STATUS: a plan
+    that does not fit, still written)."""
     out = tmp_path / name
     proc = run_cli(tmp_path, "+hardware=dgx1", "+model=gpt", *args, f"hydra.run.dir={out}")
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == status, proc.stderr
     return [d.peak_bytes for d in Result.model_validate_json((out / "results.json").read_text()).devices]
 
 
 @pytest.mark.slow
 def test_gpipe_first_stage_peaks_above_1f1b_and_1f1b_first_above_last(tmp_path):
-    gpipe, one_f = peaks(tmp_path, "g", "schedule=gpipe"), peaks(tmp_path, "o", "schedule=1f1b")
+    from modes import NOT_FIT_STATUS
+
+    # GPipe holds every microbatch's activations: on a DGX-1 it runs out of memory (exit status 3)
+    gpipe, one_f = peaks(tmp_path, "g", "schedule=gpipe", status=NOT_FIT_STATUS), peaks(tmp_path, "o", "schedule=1f1b")
     assert gpipe[0] > one_f[0]
     assert one_f[0] > one_f[-1]
 

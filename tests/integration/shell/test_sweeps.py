@@ -14,11 +14,11 @@ COLUMNS = {"job", "status", "overrides", "max_peak_gib", "min_peak_gib", "capaci
            "iteration_time_s", "samples_per_s"}
 
 
-def sweep(tmp_path: Path, *args: str, timeout: int = 240) -> tuple[subprocess.CompletedProcess, Path]:
+def sweep(tmp_path: Path, *args: str, timeout: int = 240, rc: int = 0) -> tuple[subprocess.CompletedProcess, Path]:
     root = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, "-m", "run", "-m", *args, f"hydra.sweep.dir={root}"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == rc, proc.stderr[-3000:]
     return proc, root
 
 
@@ -48,6 +48,9 @@ def test_sweep_counts_oom_devices(tmp_path):
     rows = {r["schedule"]: r for r in summary_rows(root)}
     assert int(rows["gpipe"]["oom_devices"]) > 0 and int(rows["1f1b"]["oom_devices"]) == 0
     assert float(rows["gpipe"]["max_peak_gib"]) > float(rows["gpipe"]["capacity_gib"])
+    # a plan that does not fit is not a failed job: the sweep exits 0, the row says why
+    assert rows["gpipe"]["status"] == "does not fit" and "OOM on" in rows["gpipe"]["error"]
+    assert rows["1f1b"]["status"] == "ok" and rows["1f1b"]["error"] == ""
 
 
 @pytest.mark.slow
@@ -82,10 +85,12 @@ def test_optuna_sweeper_minimises_the_returned_peak(tmp_path):
 @pytest.mark.slow
 def test_a_job_with_bad_input_is_reported_and_the_sweep_goes_on(tmp_path):
     """bf16 on a V100 is a usage error (no bf16 rate): that job fails with its one line, the other
-    jobs still run, and summary.csv marks the failed one."""
+    jobs still run, summary.csv marks the failed one with its line in the error column, and the
+    sweep exits with the failed job's status (2, a usage error) rather than 0."""
     proc, root = sweep(tmp_path, "+hardware=dgx1", "+model=gpt_tiny", "training.precision=bf16,fp16",
-                       "estimator=analytic")
+                       "estimator=analytic", rc=2)
     rows = {r["training.precision"]: r for r in summary_rows(root)}
     assert rows["bf16"]["status"] == "failed" and rows["fp16"]["status"] == "ok"
+    assert "has no bf16 rate" in rows["bf16"]["error"] and rows["fp16"]["error"] == ""
     assert "has no bf16 rate" in proc.stderr and "Traceback" not in proc.stderr
     assert "1 failed" in proc.stdout

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from planners.capture.planner import (
-    CaptureStats, line_at, log_at, merge_layers, recommend, recommend_exhaustive, stage_prediction,
+    CaptureStats, degree_at, line_at, merge_layers, recommend, recommend_exhaustive, stage_prediction,
 )
 
 
@@ -60,8 +60,8 @@ def test_predictor_equations():
     assert line_at((4, 8), (10, 18), 16) == pytest.approx(34)
     # a fixed part F plus A/d is fitted exactly at the profiled degrees, then extrapolated
     y2, y4 = 10 + 8 / 2, 10 + 8 / 4
-    assert log_at((2, 4), (y2, y4), 4) == pytest.approx(y4)
-    assert log_at((2, 4), (y2, y4), 8) == pytest.approx(2 * y4 - y2)  # one more doubling, same step
+    assert degree_at((2, 4), (y2, y4), 4) == pytest.approx(y4)
+    assert degree_at((2, 4), (y2, y4), 8) == pytest.approx(10 + 8 / 8)  # F + A/d, not a log's 2·y4 − y2 = F
 
 
 def test_stats_predictor_scales_batch_and_degree():

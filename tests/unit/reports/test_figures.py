@@ -15,7 +15,8 @@ from specs import DeviceResult, MemoryBreakdown, Result
 from specs.plan import StagePlan
 from reports.figures_compare import compare_figure, error_stats, peak_pairs
 from reports.figures_run import fold_devices, memory_figure, timeline_figure, trace_lanes
-from reports.outputs import summary, write_compare_figure, write_figures, write_json, write_sweep_summary
+from reports.outputs import summary, write_compare_figure, write_figures, write_json
+from reports.sweep import write_sweep_summary
 from reports.progress import task, track
 
 GIB = 1 << 30

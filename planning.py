@@ -267,9 +267,10 @@ def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
     if cfg.schedule.virtual_stages > 1:  # its stages are whole meshes, one per pipeline position
         raise PlanningError(f"MAP plans non-interleaved schedules (one stage per device group), but "
                             f"schedule.virtual_stages is {cfg.schedule.virtual_stages}; use schedule=1f1b or gpipe")
-    # a line per phase on stderr (issue 22: progress per phase; the planner only calls back)
+    # a line per phase (issue 22: progress per phase; the planner only calls back), on stdout with
+    # the planner's other lines: stderr carries only the one line of an error
     outcome = map_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress,
-                         phase=lambda name, s: print(f"[map] {name}: {s:.2f} s", file=sys.stderr, flush=True))
+                         phase=lambda name, s: print(f"[map] {name}: {s:.2f} s", flush=True))
     return _publish(cfg, model, outdir, outcome, REPORT_FILES["map"], report(outcome), summary_lines(outcome),
                     f"no strategy choice with checkpointing meets the {outcome.budget_bytes / (1 << 30):.2f} GiB "
                     "memory budget per device")

@@ -274,8 +274,19 @@ def test_hf_gpt2_example_runs_end_to_end(tmp_path):
     cmp = json.loads((out / "compare.json").read_text())
     assert cmp["failure"] is None and len(cmp["ranks"]) == 4
     # the memory goal on local_cpu is >= 95 % of ranks within 3 % over a matrix of plans
-    # (benchmarks/memory_fidelity.py, this model included); on this one plan the embedding-only
-    # rank 0 measures one 16 KiB output more than predicted (-3.9 %): gloo completes a send whose
-    # receive was posted late only after the next backward has begun. Every rank within 5 %.
-    assert all(abs(r["error_pct"]) <= 5.0 for r in cmp["ranks"]), cmp["ranks"]
-    assert sum(abs(r["error_pct"]) <= 3.0 for r in cmp["ranks"]) >= 3, cmp["ranks"]
+    # (benchmarks/memory_fidelity.py, this model included). On this small plan a rank can measure
+    # pipeline messages the simulator has already delivered: gloo completes a send only once its
+    # receive is posted, so a sender whose receiver is late still holds that buffer (one
+    # microbatch's boundary activation or its gradient: microbatch x seq x n_embd fp32). How many
+    # depends on timing -- rank 0 holds one on most runs (-3.9 %), two on a loaded machine -- but
+    # not past what 1F1B lets a rank have unreceived: rank r's warmup sends, p - 1 - r, and at
+    # least one gradient. So each rank is within 3 %, or over by at most that many messages
+    # (+ 1 KiB of allocator rounding each); never under.
+    kw = yaml.safe_load((EXAMPLES / "model" / "hf_gpt2.yaml").read_text())["kwargs"]
+    plan = json.loads((out / "plan.json").read_text())
+    message = plan["training"]["microbatch_size"] * kw["seq_len"] * kw["n_embd"] * 4
+    p = len(plan["stages"])
+    for r in cmp["ranks"]:
+        over = r["measured_peak_bytes"] - r["simulated_peak_bytes"]
+        in_flight = max(1, p - 1 - r["rank"])
+        assert abs(r["error_pct"]) <= 3.0 or 0 < over <= in_flight * (message + 1024), (message, r)

@@ -145,8 +145,11 @@ def cli() -> None:
         print(f"memwall: {problem}", file=sys.stderr)
         sys.exit(2)
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let Hydra raise to us rather than print and exit 1
-    for cls in _sweep_summaries():
-        cls.exit_status = 0
+    # the callback class Hydra instantiates (`_target_: run.SweepSummary`): under `python -m run`
+    # this file is __main__ and that is a second copy, the module `run`
+    from run import SweepSummary as callback
+
+    callback.exit_status = 0
     try:
         main()
     except KeyboardInterrupt:
@@ -158,16 +161,8 @@ def cli() -> None:
         # raised while composing the config, before main's body runs: bad overrides or YAML
         print(f"memwall: invalid override or config: {one_line(str(exc))}", file=sys.stderr)
         sys.exit(2)
-    status = max(cls.exit_status for cls in _sweep_summaries())
-    if status:
-        sys.exit(status)
-
-
-def _sweep_summaries() -> list[type[SweepSummary]]:
-    """SweepSummary as this module defines it and as Hydra imported it: under ``python -m run`` this
-    file is ``__main__``, and Hydra's ``_target_: run.SweepSummary`` imports a second copy, ``run``."""
-    other = getattr(sys.modules.get("run"), "SweepSummary", SweepSummary)
-    return [SweepSummary] if other is SweepSummary else [SweepSummary, other]
+    if callback.exit_status:
+        sys.exit(callback.exit_status)
 
 
 if __name__ == "__main__":

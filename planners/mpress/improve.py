@@ -196,21 +196,9 @@ def cpu_swaps_to_peers(em: Emulator, st: Assignment, best):
     A departure from §III-D, which keeps D2D for the tensors that need it: by now every tensor
     has had its chance, and a D2D stripe leaves the host link (shared by the GPUs of a PCIe
     switch, and by optimizer swaps) and host memory alone."""
-    for key in sorted((k for k, a in st.actions.items() if a is CPU), key=lambda k: (-st.held_bytes(k), k)):
-        if not em.left or st.stripes_for(key) is None:
-            continue
-        saved = st.snapshot()
-        st.set(key, D2D, "")
-        t = em.run(st.plan_now())
-        best_t = best.result.iteration_time_s
-        if no_worse(t, best_t):
-            em.log.append(f"emulator {em.sims}: stage {key[0]} layer {key[1]} cpu_swap -> d2d_swap (spare peer memory "
-                          f"left): {best_t:.3f} -> {t.result.iteration_time_s:.3f} s")
-            st.why[key] = reason(st, key, D2D, st.facts[key].cost_s(D2D)) + " (spare peer memory left over)"
-            best = t
-        else:
-            st.restore(saved)
-    return best
+    keys = sorted((k for k, a in st.actions.items() if a is CPU), key=lambda k: (-st.held_bytes(k), k))
+    return _to_peers(em, st, best, keys, "cpu_swap", "spare peer memory left over", no_worse,
+                     lambda key: st.facts[key].cost_s(D2D), timed=False)
 
 
 def recomputes_to_peers(em: Emulator, st: Assignment, best):
@@ -222,22 +210,30 @@ def recomputes_to_peers(em: Emulator, st: Assignment, best):
     the same pass turns into a CPU swap or keep), so without this last pass the round could end
     with room a recomputed layer needed, and a round that gains little stops the search before
     the next round tries again (DGX-2 gpt_15b4: stage 0 layer 5, 2.5 % faster)."""
-    order = sorted((k for k, a in st.actions.items() if a is RC), key=lambda k: (-st.facts[k].cost_s(RC), k))
-    for key in order:
+    keys = sorted((k for k, a in st.actions.items() if a is RC), key=lambda k: (-st.facts[k].cost_s(RC), k))
+    return _to_peers(em, st, best, keys, "recompute", "spare peer memory freed this round", better,
+                     lambda key: marginal_cost_s(st, key, D2D), timed=True)
+
+
+def _to_peers(em: Emulator, st: Assignment, best, keys, source: str, note: str, accept, cost_of, timed: bool):
+    """Each of ``keys`` (layers now under ``source``) moved to D2D swap where peers have the room,
+    kept when ``accept(simulation, best seconds)``; ``cost_of(key)``, taken before the move, is the
+    estimate its reason quotes, and ``note`` says why the move is tried now."""
+    for key in keys:
         if not em.left:
             break
         if st.stripes_for(key) is None:
             continue
         saved = st.snapshot()
-        cost = marginal_cost_s(st, key, D2D)
+        cost = cost_of(key)
         st.set(key, D2D, "")
         t = em.run(st.plan_now())
-        best_t = best.result.iteration_time_s
-        if better(t, best_t):
-            em.log.append(f"emulator {em.sims}: stage {key[0]} layer {key[1]} recompute -> d2d_swap (spare peer "
-                          f"memory freed this round): {best_t:.3f} -> {t.result.iteration_time_s:.3f} s")
-            st.why[key] = (reason(st, key, D2D, cost) + " (spare peer memory freed this round)"
-                           + f" (emulator: {best_t:.3f} -> {t.result.iteration_time_s:.3f} s per iteration)")
+        best_t, new_t = best.result.iteration_time_s, t.result.iteration_time_s
+        if accept(t, best_t):
+            em.log.append(f"emulator {em.sims}: stage {key[0]} layer {key[1]} {source} -> d2d_swap ({note}): "
+                          f"{best_t:.3f} -> {new_t:.3f} s")
+            st.why[key] = (reason(st, key, D2D, cost) + f" ({note})"
+                           + (f" (emulator: {best_t:.3f} -> {new_t:.3f} s per iteration)" if timed else ""))
             best = t
         else:
             st.restore(saved)

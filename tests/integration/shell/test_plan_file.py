@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli_asserts
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -23,13 +25,8 @@ def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("memwall: plan_file: "), proc.stderr
-    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
+    """A plan file's error: one line naming ``plan_file``, exit 2."""
+    return cli_asserts.one_line_exit_2(proc, *needles, prefix="memwall: plan_file: ")
 
 
 @pytest.fixture(scope="module")

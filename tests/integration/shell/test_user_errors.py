@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_asserts import one_line_exit_2
+
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs"
 
@@ -21,16 +23,6 @@ def run_cli(tmp_path: Path, *args: str, pythonpath: tuple[Path, ...] = (), cache
     return subprocess.run([sys.executable, "-m", "run", *args, f"profile_cache={cache or tmp_path / 'cache'}",
                            f"hydra.run.dir={tmp_path / 'out'}"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": path})
-
-
-def one_line_exit_2(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("memwall: "), proc.stderr
-    assert "internal error" not in proc.stderr and "Traceback" not in proc.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 def user_model(factory: str, kwargs: str = "{}") -> str:

@@ -118,13 +118,13 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
                 print(f"note: model_costs=closed_form: {cfg.model.name} is a torch_module model, which has no "
                       "closed-form costs; using its traced (symbolic) costs")
             model = model_from_profile(symbolic_profile(cfg))
-            return with_op_graphs(cfg, model) if cfg.policy.kind == "map" else model
+            return with_op_graphs(cfg, model) if wants_op_graphs(cfg) else model
         model = closed_form_spec(cfg)
         if costs_source(cfg) == "symbolic":
             from specs.profile import apply_profile
 
             model = apply_profile(model, symbolic_profile(cfg))
-        if cfg.policy.kind == "map":
+        if wants_op_graphs(cfg):
             model = with_op_graphs(cfg, model)
         return model
     except CostsError:
@@ -132,6 +132,16 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
     except ValueError as exc:
         raise CostsError(str(exc)) from None
 
+
+def wants_op_graphs(cfg: RunConfig) -> bool:
+    """MAP plans from operator graphs: policy=map, and policy=auto when MAP is among its singles
+    (families MAP cannot trace plan without it: auto reports why)."""
+    kind = cfg.policy.kind
+    return kind == "map" or (kind == "auto" and "map" in cfg.policy.singles and cfg.model.family in MAP_FAMILIES)
+
+
+#: the families executor.op_graph traces (MAP's executor runs gpt and bert; executor/measure.py)
+MAP_FAMILIES = ("gpt", "bert")
 
 #: what executor.op_graph measures per node: a cached graph set of another revision is traced again
 #: (2: backward scratch measured below FlopCounterMode's decompositions, e.g. silu_backward)

@@ -22,7 +22,7 @@ from pathlib import Path
 from model_costs import (
     CostsError, capture_profiling_runs, closed_form_spec, model_spec, symbolic_profile,
 )
-from planning import plan_file_errors, plan_for, planner_report, report_files, result_limits
+from planning import plan_file_errors, plan_for, plan_hardware, planner_report, report_files, result_limits
 from reports.figure_base import human_bytes
 from reports.outputs import fit_check, summary, write_compare_figure, write_json, write_run
 from runconfig import RunConfig, UsageError
@@ -57,6 +57,7 @@ def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
     A plan that does not fit (reports.outputs.fit_check against planning.result_limits) ends in
     PlanDoesNotFit (exit status NOT_FIT_STATUS) after all of that."""
     model, plan = plan_for(cfg, outdir)
+    hardware = plan_hardware(cfg, plan)  # policy.find=fewest_nodes plans for another node count
     trace = None
     with plan_file_errors(cfg):
         if cfg.estimator == "simulator":
@@ -64,10 +65,10 @@ def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
             from simulator import simulate  # imported lazily: the analytic path needs no simpy
 
             with after("simulating") as progress:  # a bar only past ~2 s (simulate counts passes, no clock)
-                sim = simulate(plan, model, cfg.hardware, progress=progress)
+                sim = simulate(plan, model, hardware, progress=progress)
             result, trace = sim.result, sim.trace
         else:
-            result = estimate(plan, model, cfg.hardware)
+            result = estimate(plan, model, hardware)
     written = report_files(cfg, outdir) + write_run(outdir, plan, result, trace)
     limits = result_limits(cfg)
     print(summary(plan, result, written, limits))

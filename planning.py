@@ -4,7 +4,6 @@ planners.json) and its console lines, and the simulated or analytic prediction o
 Shell level (beside modes.py, which calls it for every mode)."""
 from __future__ import annotations
 
-import sys
 
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,6 +58,8 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
                 return model, _plan_stronghold(cfg, model, outdir)
             if cfg.policy.kind == "map":
                 return model, _plan_map(cfg, model, outdir, progress)
+            if cfg.policy.kind == "auto":
+                return _plan_auto(cfg, model, outdir, progress)
             plan = make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile, progress)
     except (PlanningError, PlanError) as exc:
         raise UsageError(f"policy {cfg.policy.kind!r} cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
@@ -206,7 +207,7 @@ def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Pl
 
 
 #: the report file each searching planner writes beside plan.json (_publish)
-REPORT_FILES = {"mpress": "mpress.json", "stronghold": "stronghold.json", "map": "map.json"}
+REPORT_FILES = {"mpress": "mpress.json", "stronghold": "stronghold.json", "map": "map.json", "auto": "auto.json"}
 
 
 def report_files(cfg: RunConfig, outdir: Path) -> list[Path]:
@@ -217,12 +218,13 @@ def report_files(cfg: RunConfig, outdir: Path) -> list[Path]:
 
 
 def _publish(cfg: RunConfig, model: ModelSpec, outdir: Path, outcome, name: str, report: dict, lines: list[str],
-             why: str) -> Plan:
+             why: str, hardware: HardwareSpec | None = None) -> Plan:
     """A searching planner's outcome: its validated plan, its report file, its summary lines and,
-    when nothing fits, that plainly with the closest plan."""
+    when nothing fits, that plainly with the closest plan. ``hardware``: what the plan is for
+    (default cfg.hardware)."""
     from specs.plan import validate_plan
 
-    plan = validate_plan(outcome.plan, model, cfg.hardware)
+    plan = validate_plan(outcome.plan, model, hardware or cfg.hardware)
     write_json(outdir / name, report)
     for line in lines:
         print(line, flush=True)
@@ -274,6 +276,80 @@ def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
     return _publish(cfg, model, outdir, outcome, REPORT_FILES["map"], report(outcome), summary_lines(outcome),
                     f"no strategy choice with checkpointing meets the {outcome.budget_bytes / (1 << 30):.2f} GiB "
                     "memory budget per device")
+
+
+def _plan_auto(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> tuple[ModelSpec, Plan]:
+    """policy=auto: every single policy and the joint search (planners/auto), a line per part on
+    stdout; writes auto.json (singles beside auto, the frontier, the winner's stages, the pruning).
+    With policy.find=largest_model the model returned is the grown one; with fewest_nodes the plan
+    is for that many nodes (plan_hardware gives the spec)."""
+    from planners.auto.find import find
+    from planners.auto.report import report, summary_lines
+
+    profile = None
+    if "capture" in cfg.policy.singles and cfg.policy.find == "fastest":
+        from planners.policy import CapturePolicy
+
+        try:  # CAPTURE's profile (cached; profiling runs first otherwise, §III-A)
+            capture_space_check(model, cfg.hardware)
+            # the simulator backend: on hardware that is here (local_cpu) CAPTURE's own default
+            # profiles with the executor, minutes of real runs auto should not spend
+            capture = CapturePolicy(compare_throughput=False, backend="simulator")
+            profile = capture_profile_for(cfg.model_copy(update={"policy": capture}), outdir)
+        except (PlanningError, PlanError, UsageError) as exc:
+            print(f"[auto] policy=capture left out: {exc}", flush=True)
+    grow = None
+    if cfg.policy.find == "largest_model":
+        unit = 1 if cfg.policy.scale == "layers" else 64 * getattr(cfg.model, "heads", 1)
+        grow = (getattr(cfg.model, "num_layers" if cfg.policy.scale == "layers" else "hidden") // unit,
+                lambda n: grown_model(cfg, n * unit))
+    outcome = find(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile, progress,
+                   phase=lambda name, s: print(f"[auto] {name}: {s:.2f} s", flush=True), grow=grow)
+    lines = summary_lines(outcome)
+    plan = _publish(cfg, outcome.model, outdir, outcome, REPORT_FILES["auto"], report(outcome), lines,
+                    auto_short(outcome), hardware=outcome.hardware)
+    return outcome.model, plan
+
+
+def auto_short(outcome) -> str:
+    """Why nothing auto searched fits, and the knobs that would make it fit."""
+    c = outcome.winner
+    host = [d for d in c.result.devices if d.host_oom]
+    closest = (f"the closest peaks at {human_bytes(c.peak)}" + (" and needs more host RAM / NVMe than a node has"
+                                                                if host else ""))
+    return (f"no plan searched (the single policies and {outcome.layouts_realised} compacted layouts) fits the "
+            f"{human_bytes(outcome.capacity_bytes)} per device and each node's host RAM / NVMe; {closest}. "
+            "Knobs: more nodes (policy.find=fewest_nodes says how many), a larger policy.memory_budget_gib, "
+            "policy.zero_stages=[0,1,2,3] (simulation only), a smaller training.microbatch_size")
+
+
+def grown_model(cfg: RunConfig, size: int) -> ModelSpec:
+    """policy.find=largest_model: this family's model with ``size`` layers (policy.scale=layers) or
+    hidden size (policy.scale=hidden; the MLP width follows when the config derives it), its other
+    fields as configured, named ``<name>_l<size>`` / ``<name>_h<size>``. Bad sizes: ValueError."""
+    field_name = "num_layers" if cfg.policy.scale == "layers" else "hidden"
+    if not hasattr(cfg.model, field_name):
+        raise ValueError(f"policy.scale={cfg.policy.scale}: model family {cfg.model.family!r} has no {field_name}")
+    data = cfg.model.model_dump() | {field_name: size, "name": f"{cfg.model.name}_{field_name[0]}{size}"}
+    if field_name == "hidden" and data.get("ffn_hidden"):
+        data["ffn_hidden"] = 4 * size
+    model_cfg = type(cfg.model).model_validate(data)
+    probe = cfg.policy.model_copy(update={"singles": [s for s in cfg.policy.singles if s not in PROBE_SKIPS]})
+    return model_spec(cfg.model_copy(update={"model": model_cfg, "policy": probe}))  # no operator graphs traced
+
+
+#: single policies policy.find's probes leave out: they need the shell's inputs per probe (CAPTURE's
+#: profiling runs, MAP's traced operator graphs), seconds to minutes each
+PROBE_SKIPS = ("capture", "map")
+
+
+def plan_hardware(cfg: RunConfig, plan: Plan) -> HardwareSpec:
+    """The hardware ``plan`` is for: cfg.hardware, or (policy.find=fewest_nodes) the same spec with
+    the plan's node count."""
+    hw = cfg.hardware
+    if plan.num_devices == hw.num_devices or plan.num_devices % hw.devices_per_node:
+        return hw
+    return HardwareSpec.model_validate({**hw.model_dump(), "nodes": plan.num_devices // hw.devices_per_node})
 
 
 def predict(cfg: RunConfig, plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Result:

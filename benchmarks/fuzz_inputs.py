@@ -103,6 +103,17 @@ POLICY_KNOBS = {
                 "merge_layers": ["1", "2", "4", "1000"], "search": ["exact", "exhaustive"],
                 "compare_throughput": ["true", "false"], "smallest_hardware": ["true", "false"]},
     "throughput": {"recompute": ["none", "full", "half"], "pipeline_only": ["true", "false"]},
+    # issue 23; max_nodes and the model sizes stay small so that find=fewest_nodes / largest_model,
+    # a whole search per probe, keep a case short
+    "auto": {"memory_budget_gib": ["0.001", "1", "12", "1e-9", "1e7"],
+             "find": ["fastest", "fewest_nodes", "largest_model", "smallest"],
+             "singles": ["[balanced]", "[mpress,stronghold]", "[]", "[capture]", "[map]", "[balanced,balanced]",
+                         "[manual]"],
+             "microbatch_sizes": ["[1]", "[1,2,4]", "[3]", "[0]", "[]", "[1,2,3,4,5,6,7,8,9]"],
+             "schedules": ["[1f1b]", "[gpipe]", "[pipedream_async]", "[]", "[interleaved_1f1b]"],
+             "allow_async": ["true", "false", "null"], "zero_stages": ["[0]", "[0,1,2,3]", "[3]", "[]", "[4]"],
+             "max_layouts": ["1", "2", "12", "0", "1001"], "max_simulations": ["1", "5", "120", "0"],
+             "max_nodes": ["1", "2", "8", "0", "70000"], "scale": ["layers", "hidden", "width"]},
 }
 #: every experiment= preset (a base whose fields the case then changes)
 PRESETS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
@@ -341,7 +352,10 @@ BASE_SETS = [["+hardware=dgx1", "+model=gpt_tiny", "policy=even", "policy.dp=2"]
              ["+hardware=map_8xa100", "+model=gpt_tiny", "policy=map", "policy.devices=4", "policy.pp=2"],
              ["+hardware=map_8xa100", "+model=gpt_tiny", "policy=map", "policy.memory_budget_gib=0.05"],
              ["+hardware=capture_cluster", "+model=gpt_tiny", "policy=capture", "policy.backend=simulator"],
-             ["+hardware=capture_cluster", "+model=bert_tiny", "policy=throughput"]]
+             ["+hardware=capture_cluster", "+model=bert_tiny", "policy=throughput"],
+             # issue #23: policy=auto's plan (layouts x per-layer actions x windows, or a single's)
+             ["+hardware=local_cpu", "+model=gpt_tiny", "policy=auto", "training.precision=fp32",
+              "hardware.device.memory_bytes=10000000"]]
 
 
 def base_plans(sets: list[list[str]] | None = None):

@@ -32,6 +32,29 @@ def layer_input_bytes(model: ModelSpec, layer: int, samples: int) -> int:
     return samples * (model.layers[layer - 1].output_bytes_per_sample if layer > 0 else model.input_bytes_per_sample)
 
 
+def swapped_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
+    """Bytes a swap of ``layer`` (cpu_swap, nvme, d2d_swap) moves off the device at its forward and
+    brings back for its backward, one microbatch on one TP rank: its saved bytes, less its input
+    when that is the stage's received input. executor.swap keeps the received input in place
+    (``Swapper.begin_forward``: the stage holds it for its backward anyway, the leaf whose gradient
+    it sends back, so a copy would free nothing), and :func:`stage_activation_bytes` counts it once,
+    as held. A first stage receives nothing: the batch tensors its first layer saves
+    (``input_bytes_per_sample``) move with that layer (:func:`keeps_input`)."""
+    spec = model.layers[layer]
+    nbytes = layer_saved_bytes(spec, samples, stage.tp)
+    if layer == stage.layer_start and layer > 0 and spec.saves_input:
+        nbytes -= layer_input_bytes(model, layer, samples)
+    return max(nbytes, 0)
+
+
+def keeps_input(model: ModelSpec, stage: StagePlan) -> bool:
+    """Whether the stage holds its input from its forward to its backward: a received input always
+    (:func:`swapped_bytes`); a first stage's batch tensors unless its first layer, which saves them,
+    is swapped (they then leave with it)."""
+    return not (stage.layer_start == 0 and model.layers[0].saves_input
+                and stage.action_of(0).action in SWAP_ACTIONS)
+
+
 def holds_input(stage: StagePlan, model: ModelSpec, layer: int) -> bool:
     """Whether the layer keeps its input between forward and backward: a kept layer that saves it
     (``saves_input``), or a recomputed one (its checkpoint)."""
@@ -90,7 +113,8 @@ def stage_activation_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
     layer's own saved bytes, the tensors between its layers that a layer saves, and the stage's
     input and output, each once. The input is kept for the backward whether or not the first layer
     saves it (the received tensor is the leaf whose gradient is sent back; Megatron keeps
-    ``input_tensors`` alike). The output is kept only where it is not released once sent
+    ``input_tensors`` alike; a first stage's batch tensors leave with a swapped first layer:
+    :func:`keeps_input`). The output is kept only where it is not released once sent
     (:func:`releases_output`): otherwise the backward starts from it, and it is also the send
     buffer, so a send costs no extra copy."""
     b = samples_per_replica(plan, stage)
@@ -98,7 +122,8 @@ def stage_activation_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
     total = sum(layer_own_bytes(model, stage, l, b) for l in layers)
     total += sum(boundary_held_bytes(model, stage, l, b) for l in layers[:-1])
     output = 0 if releases_output(model, plan, stage) else b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
-    return total + layer_input_bytes(model, stage.layer_start, b) + output
+    held_input = layer_input_bytes(model, stage.layer_start, b) if keeps_input(model, stage) else 0
+    return total + held_input + output
 
 
 def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
@@ -162,11 +187,12 @@ def layer_freed_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: i
 
 def backward_transient_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int]:
     """(workspace, swap-in) bytes during one backward: :func:`backward_workspace_bytes` (scratch and
-    recomputed activations) and the prefetched copies of swapped layers (two at a time)."""
+    recomputed activations) and the prefetched copies of swapped layers (two at a time,
+    :func:`swapped_bytes` each)."""
     b = samples_per_replica(plan, stage)
     # double buffering (simulator/walk.py _layered_backward; executor/swap.py): the layer being
     # run and the next one coming in, so the two largest swapped layers bound the copies
-    sizes = sorted((layer_saved_bytes(model.layers[l], b, stage.tp) for l in stage.layers
+    sizes = sorted((swapped_bytes(model, stage, l, b) for l in stage.layers
                     if stage.action_of(l).action in SWAP_ACTIONS), reverse=True)
     return backward_workspace_bytes(model, plan, stage), sum(sizes[:2])
 

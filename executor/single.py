@@ -58,6 +58,8 @@ def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2
     if stage.tp != 1:
         raise ValueError(f"stages[{stage_index}].tp: {stage.tp}; a stage alone runs without TP (tp must be 1)")
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # "cuda" != "cuda:0": tensors carry an index, and the
+        dev = torch.device("cuda", torch.cuda.current_device())  # swapper compares t.device with it
     tracker = LiveTensorTracker()
     st = _LocalStage(plan, model_cfg, stage_index, stage.devices[0], {}, {}, dev, seed, tracker)
     position = plan.device_group_of(stage_index)

@@ -231,9 +231,10 @@ class Swapper:
     def end_backward(self, k: int) -> None:
         """Fetch (and drop) what the backward never touched, in order (the d2d targets expect
         every request); forget the microbatch."""
-        queue = self.queues.pop(k, [])
+        queue = self.queues.get(k, [])
         while self.next.get(k, 0) < len(queue):
-            self._fetch_next(k)
+            self._fetch_next(k)  # reads self.queues[k]: popped only after (the first H200 run's KeyError)
+        self.queues.pop(k, None)
         for rec in queue:
             self._wait(rec)
         self.next.pop(k, None)

@@ -39,6 +39,10 @@ def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, tr
         from planners.stronghold.planner import plan_stronghold  # prices windows with the simulator's mechanism
 
         plan = plan_stronghold(policy, model, hardware, training, schedule)
+    elif policy.kind == "auto":
+        from planners.auto.search import auto_search  # runs every planner and the simulator (issue 23)
+
+        plan = auto_search(policy, model, hardware, training, schedule, profile, progress).plan
     elif policy.kind == "map":
         from planners.map.plan import plan_map  # simulates its plan (MAP §5.3 refinement against the simulator)
 
@@ -55,7 +59,7 @@ def verdict(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, trai
     chooses = policy.kind == "throughput" or (policy.kind in ("even", "balanced") and policy.pp is None)
     replan = (lambda pol, hw: make_plan(pol, model, hw, training, schedule)) if chooses else None
     return fit_verdict(policy, model, hardware, training, schedule, plan, replan,
-                       searched=policy.kind in ("throughput", "capture"))
+                       searched=policy.kind in ("throughput", "capture", "auto"))
 
 
 __all__ = ["PLANNERS", "PlanningError", "PolicyConfig", "Verdict", "make_plan", "parse_policy", "verdict"]

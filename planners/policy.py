@@ -137,8 +137,42 @@ class MapPolicy(Spec):
                            "parameter state only (what autoparallel / ColossalAI's auto_parallel bound)")
 
 
+SINGLE_POLICIES = ("balanced", "throughput", "capture", "mpress", "stronghold", "map")
+
+
+class AutoPolicy(Spec):
+    """One search over every technique (issue 23): the fastest plan that fits the devices (or
+    ``memory_budget_gib``). An outer search over layouts (pipeline depth, contiguous split, per-stage
+    dp × tp, schedule, microbatch size) priced by the analytic stage table with a lower bound on what
+    memory actions can save; an inner per-stage compaction (MPress's per-layer recompute / CPU swap /
+    D2D swap, a STRONGHOLD window where a stage's state does not fit); the simulator verifies every
+    candidate. Each single policy in ``singles`` is planned on the same inputs and is a candidate
+    too, so the answer is never worse than theirs. ``find``: the fastest plan (default), the fewest
+    nodes of this hardware that train the model, or the largest model of this family that trains."""
+
+    kind: Literal["auto"] = "auto"
+    memory_budget_gib: float | None = Field(None, gt=0, le=1 << 20, description="per device; null: device memory")
+    find: Literal["fastest", "fewest_nodes", "largest_model"] = "fastest"
+    singles: list[Literal["balanced", "throughput", "capture", "mpress", "stronghold", "map"]] = Field(
+        list(SINGLE_POLICIES), description="single-technique policies planned beside the joint search")
+    microbatch_sizes: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(
+        None, max_length=8, description="samples per microbatch tried; null: the training's, half and double")
+    schedules: list[Literal["1f1b", "gpipe", "pipedream_async"]] | None = Field(
+        None, description="pipeline schedules tried; null: 1f1b and gpipe (and the training's own)")
+    allow_async: bool | None = Field(None, description="also PipeDream-async (it changes the optimisation); "
+                                                       "null: only when schedule=pipedream_async")
+    zero_stages: list[Annotated[int, Field(ge=0, le=3)]] = Field(
+        [0], min_length=1, description="ZeRO stages tried (the executor runs 0 only)")
+    max_layouts: int = Field(12, ge=1, le=1000, description="layouts compacted and simulated, best bound first")
+    max_simulations: int = Field(120, ge=1, le=10_000, description="emulator runs per layout's compaction")
+    improve_layouts: int = Field(3, ge=0, le=1000, description="layouts whose compaction gets MPress's improve "
+                                                               "rounds (the fastest after the screening pass)")
+    max_nodes: int = Field(1024, ge=1, le=1 << 16, description="find=fewest_nodes: the most nodes tried")
+    scale: Literal["layers", "hidden"] = Field("layers", description="find=largest_model: what grows")
+
+
 PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy, CapturePolicy, ThroughputPolicy,
-                               MPressPolicy, StrongholdPolicy, MapPolicy],
+                               MPressPolicy, StrongholdPolicy, MapPolicy, AutoPolicy],
                          Field(discriminator="kind")]
 _adapter: TypeAdapter = TypeAdapter(PolicyConfig)
 

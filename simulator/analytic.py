@@ -170,7 +170,7 @@ def _swapping(in_flight: int, item) -> int:
 
 def _swapped_to_host(model: ModelSpec, plan: Plan, stage, in_flight: int) -> int:
     b = costs.params.samples_per_replica(plan, stage)
-    return sum(_swapping(in_flight, item) * costs.activations.layer_saved_bytes(model.layers[item.layer], b, stage.tp)
+    return sum(_swapping(in_flight, item) * costs.activations.swapped_bytes(model, stage, item.layer, b)
                for item in stage.memory if item.action in (MemoryAction.cpu_swap, MemoryAction.nvme))
 
 
@@ -194,7 +194,7 @@ def _d2d_held(model: ModelSpec, plan: Plan, stage, in_flight: int) -> dict[int, 
     for item in stage.memory:
         if item.action is not MemoryAction.d2d_swap:
             continue
-        nbytes = _swapping(in_flight, item) * costs.activations.layer_saved_bytes(model.layers[item.layer], b, stage.tp)
+        nbytes = _swapping(in_flight, item) * costs.activations.swapped_bytes(model, stage, item.layer, b)
         total = sum(t.weight for t in item.targets)
         for t in item.targets:
             held[t.device] = held.get(t.device, 0) + round(nbytes * t.weight / total)

@@ -7,7 +7,8 @@ its memory to the group's other devices (STYLE simpy notes).
 Streams of the representative: the compute stream is the walking process itself (passes,
 recompute, optimizer, and the blocking gradient all-reduce); sends, swaps and prefetches are
 booked on links / copy engines (see links.py) and complete as one simpy timeout each, so the
-compute stream never waits for them except where a recv or a backward needs their data.
+compute stream never waits for them except where a recv or a backward needs their data (a CPU
+rank's swap copies are memcpys on its compute stream instead: ``_sync_copies``).
 Send -> recv dependencies use a mailbox of simpy events keyed by (kind, sending stage, mb): no
 polling. Memory is a Timeline per position plus, per d2d target device, a Timeline of the bytes
 it holds for its peers (MPress §IV-C).
@@ -31,6 +32,7 @@ from simulator.trace import TraceBuilder
 from simulator.transfers import Transfers
 from simulator.walk import ScheduleWalk
 from simulator.window import WindowWalk, resources as window_resources
+from specs.dtype_support import is_cpu
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, ScheduleKind, stage_for_microbatch
@@ -104,6 +106,11 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents):
         self._xfer_ns: dict[tuple[int, int, int], int] = {}
         self._stash = plan.schedule.kind is ScheduleKind.pipedream_async
         self._pcie = host_link(hardware)
+        # A CPU rank's host copies are memcpys on its compute thread (executor.swap: ``host.copy_``
+        # as each tensor is saved, ``clone`` when a swap-in is issued), not copies on a copy engine
+        # beside the compute: they take compute time, and a swap-out ends with its layer's forward
+        # (transfers._swap_out, _swap_in; walk.py _forward)
+        self._sync_copies = is_cpu(hardware.device)
         nvme_gbps = min(hardware.host.pcie_gbps, hardware.host.nvme_gbps or hardware.host.pcie_gbps)
         self._nvme = LinkSpec(kind="pcie", bw_gbps=nvme_gbps, latency_s=hardware.host.pcie_latency_s)
         # STRONGHOLD windows (simulator/window.py), one per windowed stage, on its representative

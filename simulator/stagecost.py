@@ -43,7 +43,8 @@ class LayerCost:
     layer: int
     action: MemoryAction
     targets: tuple[tuple[int, float], ...]  # d2d: (device, weight)
-    saved_bytes: int      # everything the layer saves for backward (keep)
+    saved_bytes: int      # everything the layer saves for backward (keep); a swapped layer: what
+                          # its swap moves (costs.activations.swapped_bytes: the received input stays)
     recompute_ns: int     # one forward of the layer incl. its TP all-reduces
     bwd_ns: int           # its backward: dgrad + wgrad GEMMs, elementwise backward, TP all-reduces
     fwd_ns: int = 0       # its forward (the window walks passes layer by layer)
@@ -51,6 +52,8 @@ class LayerCost:
     fetch_ns: int = 0     # host -> device copy of its weights into a slot
     grad_ns: int = 0      # device -> host copy of its gradients after each backward
     cpu_step_ns: int = 0  # its CPU optimizer step (with NVMe: the drive's read + write)
+    after_ns: int = 0     # forward time of the stage's layers after this one: a swapped layer's copy
+                          # starts that long before the stage's forward ends (executor.swap)
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ class StageCost:
     bwd_ns: int
     layers: tuple[LayerCost, ...]
     simple: bool                  # no swapped layer: one event per pass, no per-layer walk
-    fwd_alloc_bytes: int          # activation bytes allocated when the forward ends
+    fwd_alloc_bytes: int          # activation bytes allocated when the forward ends (a swapped
+                                  # layer's are booked by its swap-out: transfers._swap_out)
     act_bytes: int                # of those, what the backward frees (swapped layers leave by copy-out)
     sent_output_bytes: int        # of those, the released output, freed when its send is done
     workspace_bytes: int          # peak excess during one backward (scratch, recomputed activations)
@@ -151,14 +155,18 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     streamed = window.streamed_params(model, stage)
     link = host_link(hardware)
     layers = []
-    for l in stage.layers:
+    times = [costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l) for l in stage.layers]
+    for j, l in enumerate(stage.layers):
         item = stage.action_of(l)
-        f_c, b_c, _ = costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l)
+        f_c, b_c, _ = times[j]
         n = streamed.get(l)
+        swapped = item.action in SWAPS
         layers.append(LayerCost(
             layer=l, action=item.action, targets=tuple((t.device, t.weight) for t in item.targets),
-            saved_bytes=costs.activations.layer_saved_bytes(model.layers[l], b, stage.tp),
+            saved_bytes=(costs.activations.swapped_bytes(model, stage, l, b) if swapped
+                         else costs.activations.layer_saved_bytes(model.layers[l], b, stage.tp)),
             recompute_ns=ns(f_c), bwd_ns=ns(b_c), fwd_ns=ns(f_c), streamed=n is not None,
+            after_ns=ns(sum(t[0] for t in times[j + 1:])) if swapped else 0,
             fetch_ns=ns(costs.collectives.transfer_s(window.fetch_bytes(plan, n), link)) if n else 0,
             grad_ns=ns(costs.collectives.transfer_s(window.grad_bytes(plan, n), link)) if n else 0,
             cpu_step_ns=ns(window.cpu_step_s(plan, hardware, stage, n)) if n else 0,
@@ -172,11 +180,12 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         offload = (ns(costs.collectives.transfer_s(window.grad_bytes(plan, params), link)),
                    ns(params / hardware.host.cpu_adam_params_per_s),
                    ns(costs.collectives.transfer_s(window.fetch_bytes(plan, params), link)))
-    # A swapped layer's activations stay resident until its copy-out finishes.
     act = costs.activations.stage_activation_bytes(model, plan, stage)
     # A released output (training.deallocate_pipeline_outputs) lives until its send is done.
     sent = costs.activations.sent_output_bytes(model, plan, stage)
-    fwd_alloc = act + sent + sum(lc.saved_bytes for lc in layers if lc.action in SWAPS)
+    # A swapped layer's activations stay resident until its copy-out finishes: the swap-out books
+    # them (simulator.transfers._swap_out), from the layer's end, not the stage forward's.
+    fwd_alloc = act + sent
     dp_s = costs.collectives.dp_allreduce_s(model, plan, hardware, stage)
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],

@@ -2,13 +2,14 @@
 for them (a mailbox of simpy events), the release of sent outputs, and the swap-out / swap-in
 copies of saved activations — to host memory or NVMe over PCIe, or striped over peer devices'
 memory (MPress §IV-C d2d swap). Each copy is booked on the links (links.py) and completes as one
-simpy timeout; the compute stream waits only where a receive or a backward needs the data.
+simpy timeout; the compute stream waits only where a receive or a backward needs the data. A CPU
+rank's host copies are memcpys on its compute stream (Engine._sync_copies): they hold it instead.
 """
 from __future__ import annotations
 
 from simulator.links import pcie_switch
 from simulator.memory import ACTS, SWAPPED
-from simulator.stagecost import StageCost, ns
+from simulator.stagecost import SWAPS, StageCost, ns
 import costs.collectives
 from specs.hardware import RENDEZVOUS_KINDS
 from specs.plan import MemoryAction
@@ -94,53 +95,97 @@ class Transfers:
     def _switch(self, device: int) -> int:
         return pcie_switch(self.hardware, device)
 
+    def _host_copy_ns(self, action: MemoryAction, nbytes: int) -> int:
+        """One host copy of ``nbytes`` (PCIe, or the NVMe drive's rate)."""
+        return ns(costs.collectives.transfer_s(nbytes, self._nvme if action is MemoryAction.nvme else self._pcie))
+
+    def _sync_copy(self, lc) -> bool:
+        """Whether ``lc``'s swap copies run on the compute thread (:attr:`Engine._sync_copies`: a
+        CPU rank's host copies; d2d stripes are gloo sends, asynchronous everywhere)."""
+        return self._sync_copies and lc.action is not MemoryAction.d2d_swap
+
+    def _sync_swap_out_ns(self, sc: StageCost, after: int = -1) -> int:
+        """Compute time of the synchronous swap-out copies of ``sc``'s layers after layer
+        ``after`` (all of them by default): part of the stage's forward (walk.py _forward)."""
+        return sum(self._host_copy_ns(lc.action, lc.saved_bytes) for lc in sc.layers
+                   if lc.layer > after and lc.action in SWAPS and self._sync_copy(lc))
+
     def _swap_out(self, pos: int, sc: StageCost, k: int, layer: int) -> None:
-        """Copy a layer's saved activations off the device; the source is freed when the copy has
-        finished, and the stage's next forward waits for it (walk.py _wait_swap_out)."""
+        """Copy a layer's saved activations off the device (the schedule's swap_out entry, right
+        after the stage's forward); the source is freed when the copy has finished, and the
+        stage's next forward waits for it (walk.py _wait_swap_out).
+
+        The copy starts where the layer's forward ended, ``after_ns`` (and the later layers'
+        synchronous copies) before the stage's did: executor.swap copies each saved tensor as it
+        is saved and lets the layer's storages go at the layer's end. On CUDA the allocator reuses
+        them once the side-stream copy is done; on a CPU rank the copy is a memcpy on the compute
+        thread (:attr:`Engine._sync_copies`), done by the layer's end. Forward activations appear
+        at the pass's end here (walk.py _forward), so the layer's bytes are booked from now on
+        only if its copy is still running: one that ended inside the forward freed them before."""
         lc = sc.layers[layer - sc.layers[0].layer]
         now = self.env.now
         nbytes = lc.saved_bytes
-        if lc.action is MemoryAction.d2d_swap:
-            end = self._d2d_out(sc, k, layer, nbytes, lc.targets, now)
+        if sc.window is None:
+            issued = max(now - lc.after_ns - (self._sync_swap_out_ns(sc, layer) if self._sync_copies else 0), 0)
         else:
-            end = self._host_out(pos, sc, k, layer, lc.action, nbytes, now)
+            issued = now
+        if lc.action is MemoryAction.d2d_swap:
+            end = self._d2d_out(sc, k, layer, nbytes, lc.targets, issued)
+        elif self._sync_copy(lc):  # ran inside the layer's forward, ending with it
+            end = issued
+            dur = self._host_copy_ns(lc.action, nbytes)
+            self.trace.slice(sc.rep, "d2h", f"swap_out L{layer} mb{k} (memcpy)", max(end - dur, 0), dur, "swap")
+            self._host(pos, nbytes)
+        else:
+            end = self._host_out(pos, sc, k, layer, lc.action, nbytes, issued)
         self._swap_out_end[(sc.index, k, layer)] = end
         self._swapped_out[sc.index] = max(self._swapped_out.get(sc.index, 0), end)
-        self._free_acts(pos, end, nbytes)  # the source is freed when the copy has finished
+        if end > now:
+            self.mem[pos].add(now, ACTS, nbytes)
+            self._free_acts(pos, end, nbytes)  # the source is freed when the copy has finished
 
-    def _d2d_out(self, sc: StageCost, k: int, layer: int, nbytes: int, targets, now: int) -> int:
-        """Stripes to the peers' memory; returns when the last one lands."""
-        end = now
+    def _d2d_out(self, sc: StageCost, k: int, layer: int, nbytes: int, targets, issued: int) -> int:
+        """Stripes to the peers' memory, sent from ``issued`` on; returns when the last one lands."""
+        end = issued
         for dev, part in self._stripes(nbytes, targets):
             dur, res = self._transfer_ns(part, sc.rep, dev)
-            start, e = self.links.reserve(res, dur, now)
-            self._extra(dev).add(now, SWAPPED, part)  # the peer's buffer is allocated at enqueue
+            start, e = self.links.reserve(res, dur, issued)
+            # the peer's buffer is allocated at enqueue (booked now: a timeline only moves forward)
+            self._extra(dev).add(self.env.now, SWAPPED, part)
             self.trace.slice(sc.rep, f"peer->{dev}", f"swap_out L{layer} mb{k}", start, dur, "swap")
             end = max(end, e)
         return end
 
     def _host_out(self, pos: int, sc: StageCost, k: int, layer: int, action: MemoryAction, nbytes: int,
-                  now: int) -> int:
-        """One copy to pinned host memory (or NVMe, at the drive's rate); returns when it ends."""
-        link = self._nvme if action is MemoryAction.nvme else self._pcie
-        dur = ns(costs.collectives.transfer_s(nbytes, link))
-        start, end = self.links.reserve((("d2h", self._switch(sc.rep)),), dur, now)
+                  issued: int) -> int:
+        """One copy to pinned host memory (or NVMe, at the drive's rate) from ``issued`` on;
+        returns when it ends."""
+        dur = self._host_copy_ns(action, nbytes)
+        start, end = self.links.reserve((("d2h", self._switch(sc.rep)),), dur, issued)
         self.trace.slice(sc.rep, "d2h", f"swap_out L{layer} mb{k}", start, dur, "swap")
         self._host(pos, nbytes)  # pinned host buffer reserved at enqueue
         return end
 
-    def _swap_in(self, pos: int, sc: StageCost, k: int, layer: int) -> None:
+    def _swap_in(self, pos: int, sc: StageCost, k: int, layer: int) -> int:
         """Copy a layer's saved activations back, not before its swap-out has ended; the event a
-        backward waits on goes in ``_swap_in_done``."""
+        backward waits on goes in ``_swap_in_done``. Returns the nanoseconds the compute stream
+        must stall for it now: a synchronous copy's (:attr:`Engine._sync_copies`: executor.swap
+        clones the host copy on a CPU rank's compute thread when the swap-in is issued), else 0."""
         lc = sc.layers[layer - sc.layers[0].layer]
         now, nbytes = self.env.now, lc.saved_bytes
         earliest = max(now, self._swap_out_end.pop((sc.index, k, layer)))
         self.mem[pos].add(now, SWAPPED, nbytes)  # destination allocated when the copy is enqueued
+        stall = 0
         if lc.action is MemoryAction.d2d_swap:
             done = self._d2d_in(sc, k, layer, nbytes, lc.targets, now, earliest)
+        elif self._sync_copy(lc):
+            stall = self._host_copy_ns(lc.action, nbytes) + earliest - now
+            self.trace.slice(sc.rep, "h2d", f"swap_in L{layer} mb{k} (memcpy)", earliest, stall - (earliest - now), "swap")
+            done = self._later(stall, lambda _e: self._host(pos, -nbytes))
         else:
             done = self._host_in(pos, sc, k, layer, lc.action, nbytes, now, earliest)
         self._swap_in_done[(sc.index, k, layer)] = done
+        return stall
 
     def _d2d_in(self, sc: StageCost, k: int, layer: int, nbytes: int, targets, now: int, earliest: int):
         """Stripes back from the peers, each peer's buffer freed as its stripe lands."""
@@ -158,8 +203,7 @@ class Transfers:
     def _host_in(self, pos: int, sc: StageCost, k: int, layer: int, action: MemoryAction, nbytes: int, now: int,
                  earliest: int):
         """One copy from host memory (or NVMe); the pinned host buffer is freed when it ends."""
-        link = self._nvme if action is MemoryAction.nvme else self._pcie
-        dur = ns(costs.collectives.transfer_s(nbytes, link))
+        dur = self._host_copy_ns(action, nbytes)
         start, end = self.links.reserve((("h2d", self._switch(sc.rep)),), dur, earliest)
         self.trace.slice(sc.rep, "h2d", f"swap_in L{layer} mb{k}", start, dur, "swap")
         return self._later(end - now, lambda _e: self._host(pos, -nbytes))

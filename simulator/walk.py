@@ -61,7 +61,13 @@ class ScheduleWalk:
             elif kind is _SO:
                 self._swap_out(pos, sc, k, layer)
             elif kind is _SI:
-                self._swap_in_entry(pos, sc, s, k, layer)
+                stall = self._swap_in_entry(pos, sc, s, k, layer)
+                if stall:  # a synchronous copy (transfers._swap_in) holds the compute stream
+                    t0 = self.env.now
+                    yield self.env.timeout(stall)
+                    self.events += 1
+                    w.busy += stall
+                    self.trace.slice(w.rep, "compute", f"swap-in memcpy mb{k}", t0, stall, "swap")
             elif kind is _RC:
                 pass  # the backward re-runs recompute layers; the entry tells the executor which
             elif kind is _OPT or kind is _AR:
@@ -93,9 +99,11 @@ class ScheduleWalk:
         if sc.window is not None:
             w.busy += yield from self._drive(self.windows[s].forward(k), w.rep)
         else:
-            yield env.timeout(sc.fwd_ns)
+            # with a CPU rank's swap-out memcpys (transfers._swap_out), run as each layer saves
+            dur = sc.fwd_ns + (self._sync_swap_out_ns(sc) if self._sync_copies and not sc.simple else 0)
+            yield env.timeout(dur)
             self.events += 1
-            w.busy += sc.fwd_ns
+            w.busy += dur
         self.trace.slice(w.rep, "compute", f"F s{s} mb{k}", t0, env.now - t0, "forward")
         w.mem.add(env.now, ACTS, sc.fwd_alloc_bytes)  # activations exist once the pass ends
 
@@ -158,7 +166,8 @@ class ScheduleWalk:
     def _layered_backward(self, pos: int, sc: StageCost, k: int):
         """Backward one layer at a time (last first) when a stage swaps: a recomputed layer re-runs
         its forward first (its activations are in the stage's workspace, allocated by the caller);
-        a swapped layer waits for its prefetch. Prefetch policy: the first
+        a swapped layer waits for its prefetch (a synchronous one, :attr:`Engine._sync_copies`,
+        stalls the pass while it copies). Prefetch policy: the first
         layer the backward needs is fetched when its swap_in entry is reached (one pass ahead);
         each further swapped layer is fetched when the backward of the previous swapped layer
         starts — double buffering, so at most two layers' copies are on the device (MPress §IV
@@ -182,12 +191,19 @@ class ScheduleWalk:
                 queue = self._prefetch.get((index, k), [])
                 if layer in queue:  # not prefetched yet (listed out of order): fetch now
                     queue.remove(layer)
-                    self._swap_in(pos, sc, k, layer)
+                    self._swap_in(pos, sc, k, layer)  # (a synchronous copy: waited for as ``ready``)
                 ready = self._swap_in_done.pop((index, k, layer), None)
                 if ready is not None:
                     yield ready
-                if queue:  # double buffering: the next swapped layer comes in while this one runs
-                    self._swap_in(pos, sc, k, queue.pop(0))
+                # double buffering: the next swapped layer comes in while this one runs (a CPU
+                # rank's memcpy first holds the compute stream: transfers._swap_in)
+                stall = self._swap_in(pos, sc, k, queue.pop(0)) if queue else 0
+                if stall:
+                    t0 = env.now
+                    yield timeout(stall)
+                    self.events += 1
+                    busy += stall
+                    trace.slice(sc.rep, "compute", f"swap-in memcpy mb{k}", t0, stall, "swap")
             yield timeout(lc.bwd_ns)
             self.events += 1
             busy += lc.bwd_ns
@@ -198,12 +214,13 @@ class ScheduleWalk:
         return busy
 
     # ---- prefetch of swapped layers ------------------------------------------------------------
-    def _swap_in_entry(self, pos: int, sc: StageCost, s: int, k: int, layer: int) -> None:
+    def _swap_in_entry(self, pos: int, sc: StageCost, s: int, k: int, layer: int) -> int:
         """A swap_in entry of the list: the first layer the backward needs is prefetched now, the
-        rest follow one layer ahead of the backward (see _layered_backward)."""
+        rest follow one layer ahead of the backward (see _layered_backward). Returns the
+        compute stall of a synchronous copy (transfers._swap_in)."""
         queue = self._prefetch.get((s, k))
         if queue is None:
             self._prefetch[(s, k)] = []
-            self._swap_in(pos, sc, k, layer)
-        else:
-            queue.append(layer)
+            return self._swap_in(pos, sc, k, layer)
+        queue.append(layer)
+        return 0

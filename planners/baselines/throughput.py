@@ -176,7 +176,8 @@ def _bisect(feasible: Callable[[float], list | None], hi: float, rel: float = 1e
 
 
 def uniform_plans(table: StageTable, capacity_bytes: float, max_degree: int | None = None,
-                  progress: Progress | None = None, lowest_peak: bool = False) -> list[list[Placed]]:
+                  progress: Progress | None = None, lowest_peak: bool = False,
+                  prune: bool = True) -> list[list[Placed]]:
     """For every uniform config, the cut with the smallest bottleneck stage that fits in
     ``capacity_bytes`` — or, with ``lowest_peak``, the cut with the lowest peak (no limit).
 
@@ -184,7 +185,8 @@ def uniform_plans(table: StageTable, capacity_bytes: float, max_degree: int | No
     on their objective — iteration time ≥ W + (m − 1) · W / p (1F1B, GPipe) or m · W / p
     (PipeDream) with W the whole model's work on that config, since the stages' work sums to W;
     peak ≥ (the whole model's static + one microbatch's activation bytes) / p — and a config whose
-    bound cannot beat the best plan found so far is skipped."""
+    bound cannot beat the best plan found so far is skipped. ``prune=False`` keeps every config's
+    cut (policy=auto compacts layouts this search discards: a slower one may fit after actions)."""
     L, m = table.model.num_layers, table.training.microbatches
     async_ = table.schedule.kind.value == "pipedream_async"
     ranked = []
@@ -205,7 +207,7 @@ def uniform_plans(table: StageTable, capacity_bytes: float, max_degree: int | No
     for n, (bound, p, par, g, tp, fns, whole) in enumerate(ranked):
         if progress is not None:
             progress(n, len(ranked))
-        if bound >= best:
+        if prune and bound >= best:
             continue
         if lowest_peak:
             hi = 2.0 * fns[0][1](0, L, p - 1) + 2.0 ** 30  # above any stage's peak, boundary buffers included

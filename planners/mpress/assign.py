@@ -30,11 +30,24 @@ def size_text(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
+def stage_devices(stage, device: int) -> list[int]:
+    """The devices of ``stage`` once a mapping puts it on ``device``: its own when the mapping
+    leaves its first device in place (the identity over a fixed layout, any dp x tp:
+    planners/mpress/compact.py), else ``[device]``: only MPress's one-device stages move (Fig. 6)."""
+    if stage.devices[0] == device:
+        return stage.devices
+    if len(stage.devices) > 1:
+        raise ValueError(f"a stage of {len(stage.devices)} devices {stage.devices} cannot move to device {device}: "
+                         "the stage->device mapping permutes one-device stages only")
+    return [device]
+
+
 def with_actions(plan: Plan, actions: dict[tuple[int, int], MemoryAction], mapping: Mapping,
                   stripes: dict | None = None, opt_swap: frozenset | set = frozenset(),
                   period: dict | None = None) -> Plan:
-    """``plan`` with stage devices from ``mapping`` and the given per-layer actions (others keep);
-    a D2D swap stripes over ``stripes[(stage, layer)]`` ((target stage, weight), ...)."""
+    """``plan`` with stage devices from ``mapping`` (:func:`stage_devices`) and the given per-layer
+    actions (others keep); a D2D swap stripes over ``stripes[(stage, layer)]`` ((target stage,
+    weight), ...), each target stage's stripe on its mapped device."""
     stages = []
     for s, stage in enumerate(plan.stages):
         items = []
@@ -47,7 +60,7 @@ def with_actions(plan: Plan, actions: dict[tuple[int, int], MemoryAction], mappi
             items.append(LayerMemory(layer=l, action=action, targets=targets,
                                      microbatch_period=(period or {}).get((s, l), 1)))
         offload = stage.offload.model_copy(update={"optimizer_swap": s in opt_swap})
-        stages.append(stage.model_copy(update={"devices": [mapping.device_of_stage[s]], "memory": items,
+        stages.append(stage.model_copy(update={"devices": stage_devices(stage, mapping.device_of_stage[s]), "memory": items,
                                                "offload": offload}))
     return plan.model_copy(update={"stages": stages})
 
@@ -84,6 +97,25 @@ class Assignment:
         self.in_flight = {s: costs.activations.in_flight_microbatches(plan, s) for s in range(len(plan.stages))}
         self.fwd_s: dict[int, float] = {}  # stage -> one forward pass (set by the search)
         self.bwd_s: dict[int, float] = {}
+
+    def adopt(self) -> None:
+        """Start from the actions the plan already carries: its layers' recompute and CPU swaps
+        (each with its microbatch period) and its stages' optimizer swaps (a fixed layout's own
+        choices, planners/mpress/compact.py; MPress's base carries none). D2D stripes and NVMe
+        spills name devices, not the mapping's stages: ValueError."""
+        for s, stage in enumerate(self.plan.stages):
+            for item in stage.memory:
+                if item.action in (D2D, MemoryAction.nvme):
+                    raise ValueError(f"stage {s} layer {item.layer}: a given {item.action.value} cannot be adopted")
+                if item.action is KEEP:
+                    continue
+                self.actions[(s, item.layer)] = item.action
+                self.why[(s, item.layer)] = f"{item.action.value}: given by the plan"
+                if item.microbatch_period > 1:
+                    self.period[(s, item.layer)] = item.microbatch_period
+            if stage.offload.optimizer_swap:
+                self.opt_swap.add(s)
+                self.opt_why[s] = "optimizer state swapped to host between steps: given by the plan"
 
     def plan_now(self, actions=None) -> Plan:
         return with_actions(self.plan, self.actions if actions is None else actions, self.mapping, self.stripes,

@@ -106,7 +106,7 @@ def fill(st: Assignment, over: dict[int, int], techniques) -> bool:
         for s in sorted(need):
             best = cheapest_layer(st, s, techniques)
             if best is None:
-                if CPU in techniques and s not in st.opt_swap:
+                if CPU in techniques and s not in st.opt_swap and not _state_on_host(st.plan.stages[s]):
                     # every layer's activations are compacted and the stage is still over:
                     # GPU-CPU swap of model data (§II-D), the optimizer state first (used by
                     # the step alone, so it can be away for the whole forward and backward)
@@ -124,13 +124,21 @@ def fill(st: Assignment, over: dict[int, int], techniques) -> bool:
         over = st.over()
 
 
+def _state_on_host(stage) -> bool:
+    """The stage's optimizer state already lives on the host (ZeRO-Offload, a window): no swap."""
+    return stage.offload.optimizer_on_cpu or stage.offload.window_layers is not None
+
+
 def initial_assignment(base: Plan, model: ModelSpec, hardware: HardwareSpec, trace: dict, mapping: Mapping,
-                       allowed: list, capacity: int, spare: list) -> Assignment:
+                       allowed: list, capacity: int, spare: list, adopt: bool = False) -> Assignment:
     """The layers' facts from the base's simulated schedule (``trace``) and the §III-D initial
     assignment of the stages over ``capacity``: recompute and CPU swap, D2D replaces the costliest
-    later; a D2D-only policy (the paper's "D2D swap" baseline) places D2D from the start."""
+    later; a D2D-only policy (the paper's "D2D swap" baseline) places D2D from the start.
+    ``adopt``: start from the actions ``base`` carries (Assignment.adopt) instead of none."""
     facts = layer_facts(base, model, hardware, trace, mapping)
     st = Assignment(base, model, facts, mapping, allowed, capacity)
+    if adopt:
+        st.adopt()
     st.spare_left = {t: int(spare[t]) for t in range(len(spare))}
     passes = [costs.layer_time.stage_pass_times_s(model, base, hardware, stage) for stage in base.stages]
     st.fwd_s = {s: f for s, (f, _) in enumerate(passes)}

@@ -57,8 +57,8 @@ def layer_facts(plan: Plan, model: ModelSpec, hardware: HardwareSpec, trace: dic
     """LayerFacts per (stage, layer) from the base plan's simulated schedule."""
     starts = _pass_times(trace)
     m = plan.training.microbatches
-    p = len(plan.stages)
-    share = min(hardware.host.gpus_per_pcie_switch, p)  # every stage may swap at once
+    # every device may swap at once (a stage's replicas and TP ranks each swap their own share)
+    share = min(hardware.host.gpus_per_pcie_switch, len(plan.used_devices()))
     pcie = LinkSpec(kind="pcie", bw_gbps=hardware.host.pcie_gbps / share, latency_s=hardware.host.pcie_latency_s)
     out = {}
     for s, stage in enumerate(plan.stages):

@@ -37,21 +37,24 @@ from specs.hardware import HardwareSpec
 
 
 def remap(em: Emulator, st: Assignment, policy: MPressPolicy, hardware: HardwareSpec, devices: list,
-          boundary: list, trace: dict, capacity: int, best):
+          boundary: list, trace: dict, capacity: int, best, pairs=None):
     """No layer is D2D-swapped after the repair (typically: every stage overflowed the base plan,
     so there was no spare memory to map for); now that recompute, CPU swaps and optimizer swaps
     made room, map again (Fig. 6) for the costly compactions: their bytes are the demand, the
-    room left on the devices of stages with no costly compaction the spare. Returns the best
-    simulation (the remapped one if it is no slower)."""
+    room left on the devices of stages with no costly compaction the spare. ``pairs``: the
+    source->target stage rule of a fixed layout (search_mapping; identity mapping only), a stage
+    with no allowed target demands nothing. Returns the best simulation (the remapped one if it
+    is no slower)."""
     p = len(devices)
     peak_now = {d.device: d.peak_bytes for d in best.result.devices}
     dev_now = st.mapping.device_of_stage
     demand2 = [sum(st.held_bytes(k) for k, a in st.actions.items() if k[0] == s and st.facts[k].cost_s(a) > 0)
-               for s in range(p)]
+               if pairs is None or any(pairs[s]) else 0 for s in range(p)]
     spare2 = [max(0, capacity - peak_now[dev_now[s]]) if not demand2[s] else 0 for s in range(p)]
     if not (any(demand2) and any(spare2)):
         return best
-    new = search_mapping(hardware, devices, demand2, spare2, boundary, striping=policy.striping, mode=policy.mapping)
+    new = search_mapping(hardware, devices, demand2, spare2, boundary, striping=policy.striping, mode=policy.mapping,
+                         pairs=pairs)
     saved, old_map, old_facts = st.snapshot(), st.mapping, st.facts
     st.mapping, st.spare_left = new, dict(enumerate(spare2))
     st.facts = layer_facts(st.plan, st.model, hardware, trace, new)
@@ -209,7 +212,8 @@ def recomputes_to_peers(em: Emulator, st: Assignment, best):
     :func:`other_techniques`) before the moves that free peer memory (a D2D-swapped layer that
     the same pass turns into a CPU swap or keep), so without this last pass the round could end
     with room a recomputed layer needed, and a round that gains little stops the search before
-    the next round tries again (DGX-2 gpt_15b4: stage 0 layer 5, 2.5 % faster)."""
+    the next round tries again (DGX-2 gpt_15b4 under the swap model before issue 23: stage 0
+    layer 5, 2.5 % faster; since then no preset needs the move, docs/mpress.md)."""
     keys = sorted((k for k, a in st.actions.items() if a is RC), key=lambda k: (-st.facts[k].cost_s(RC), k))
     return _to_peers(em, st, best, keys, "recompute", "spare peer memory freed this round", better,
                      lambda key: marginal_cost_s(st, key, D2D), timed=True)

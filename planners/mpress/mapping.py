@@ -221,7 +221,7 @@ def _local_search(score, p: int, identity: np.ndarray):
     return best, scored
 
 
-def _check(hardware, devices, demand, spare, boundary, striping, mode) -> None:
+def _check(hardware, devices, demand, spare, boundary, striping, mode, pairs=None) -> None:
     p = len(devices)
     if p == 0:
         raise ValueError("devices: give at least one device")
@@ -239,11 +239,18 @@ def _check(hardware, devices, demand, spare, boundary, striping, mode) -> None:
         raise ValueError(f"striping: one of {', '.join(STRIPING)}; got {striping!r}")
     if mode not in MODES:
         raise ValueError(f"mode: one of {', '.join(MODES)}; got {mode!r}")
+    if pairs is not None:
+        if mode != "identity":
+            raise ValueError("pairs: a rule over stage pairs holds for a fixed layout only: use mode='identity' "
+                             "(a search moves the stages)")
+        if len(pairs) != p or any(len(row) != p for row in pairs):
+            raise ValueError(f"pairs: expected {p} x {p} booleans (one per source and target stage)")
 
 
 def search_mapping(hardware: HardwareSpec, devices: Sequence[int], demand_bytes: Sequence[float],
                    spare_bytes: Sequence[float], boundary_bytes: Sequence[float] = (),
-                   striping: str = "weighted", mode: str = "search") -> Mapping:
+                   striping: str = "weighted", mode: str = "search",
+                   pairs: Sequence[Sequence[bool]] | None = None) -> Mapping:
     """Map p pipeline stages onto ``devices`` (p distinct devices of ``hardware``) for D2D swap.
 
     ``demand_bytes[i]``: bytes stage i wants to swap out (0 for light stages); ``spare_bytes[i]``:
@@ -253,13 +260,20 @@ def search_mapping(hardware: HardwareSpec, devices: Sequence[int], demand_bytes:
     MPress Fig. 9) or "search" (exhaustive for p <= 8, seeded 2-swap hill climbing beyond).
     Identity is returned without a search when p == 1, nothing can be swapped (no demand or no
     spare), or every device pair is linked alike (MPress skips the search on symmetric NVSwitch).
+    ``pairs`` (identity only): ``pairs[i][j]`` False keeps stage i's stripes off stage j even where
+    their devices are peers (a fixed layout's rules, planners/mpress/compact.py); None: any peer.
     Returns the best :class:`Mapping` by the module's ranking, with its stripes (bytes), placed bytes
     and one-way swap times (s) per stage; ValueError names the argument when an input is malformed.
     """
-    _check(hardware, devices, demand_bytes, spare_bytes, boundary_bytes, striping, mode)
+    _check(hardware, devices, demand_bytes, spare_bytes, boundary_bytes, striping, mode, pairs)
     p = len(devices)
     devs = sorted(devices)
     peer, switched, full = _matrices(hardware, devs)
+    if pairs is not None:  # the matrices are over positions in devs: stage i sits at at[i]
+        at = [devs.index(d) for d in devices]
+        allowed = np.zeros((p, p), dtype=bool)
+        allowed[np.ix_(at, at)] = np.asarray(pairs, dtype=bool)
+        peer = peer * allowed
     demand = np.asarray(demand_bytes, dtype=float)
     spare = np.asarray(spare_bytes, dtype=float)
     boundary = np.asarray(boundary_bytes, dtype=float)

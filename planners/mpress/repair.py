@@ -31,15 +31,18 @@ def repair(em: Emulator, st: Assignment, allowed: list):
 
 def repair_round(em: Emulator, st: Assignment, sim, over: dict, allowed: list) -> bool:
     """One repair of every device over capacity in ``sim``, lowest device first; whether
-    anything changed."""
+    anything changed. A stage of several devices (dp x tp, planners/mpress/compact.py) is
+    compacted once, for its lowest device over capacity: its replicas and TP ranks hold alike."""
     changed = False
-    stage_of = {d: s for s, d in enumerate(st.mapping.device_of_stage)}
     plan_now = st.plan_now()
+    stage_of = {d: s for s, stage in enumerate(plan_now.stages) for d in stage.devices}
+    done: set[int] = set()
     for device, over_b in sorted(over.items()):
         held = d2d_held_by_device(plan_now, st.model).get(device, 0)
         if held:  # a target over capacity at some moment: take back its largest stripes
             changed |= take_back_stripes(em, st, device, over_b, allowed)
-        if device in stage_of:  # a stage over on its own: learn the gap, assign more layers
+        if device in stage_of and stage_of[device] not in done:  # a stage over on its own: learn the gap, assign more
+            done.add(stage_of[device])
             changed |= compact_more(em, st, sim, stage_of[device], device, over_b, allowed)
     return changed
 

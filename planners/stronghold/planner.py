@@ -47,6 +47,11 @@ GIB = 1 << 30
 #: a window within this fraction of the best fitting window's time is on the plateau (Fig. 9):
 #: STRONGHOLD §V-D measures run-to-run variance "less than 3%", so a smaller gain is not measurable
 PLATEAU = 0.03
+#: schedules a window cannot run under: an interleaved device walks several chunks' passes (one
+#: window walk per stage assumes one stage per device), PipeDream's weight stash keeps older weight
+#: versions a slot would have to hold as well (STRONGHOLD §III-C's window walks one flushing
+#: iteration: FP then BP, then the update)
+WINDOWLESS_SCHEDULES = (ScheduleKind.interleaved_1f1b, ScheduleKind.pipedream_async)
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ def plan_stronghold(policy: StrongholdPolicy, model: ModelSpec, hardware: Hardwa
 
 
 def _base_plan(policy: StrongholdPolicy, model, hardware, training, schedule) -> Plan:
-    if schedule.kind is ScheduleKind.interleaved_1f1b or schedule.kind is ScheduleKind.pipedream_async:
+    if schedule.kind in WINDOWLESS_SCHEDULES:
         raise PlanningError(f"schedule: policy=stronghold runs a window per stage under a flushing schedule "
                             f"(1f1b or gpipe); {schedule.kind.value} is not supported")
     pp = policy.pp
@@ -109,7 +114,10 @@ def _base_plan(policy: StrongholdPolicy, model, hardware, training, schedule) ->
                                    "num_devices": hardware.num_devices})
 
 
-def _with_window(plan: Plan, s: int, w: int | None, resident: list[int], nvme: bool) -> Plan:
+def with_window(plan: Plan, s: int, w: int | None, resident: list[int], nvme: bool) -> Plan:
+    """``plan`` with stage ``s``'s offload replaced by a window of ``w`` slots (None: no offload),
+    ``resident`` layers kept on the device and the streamed optimizer state on NVMe with ``nvme``;
+    every other stage is the input's own object."""
     stages = list(plan.stages)
     offload = OffloadPolicy() if w is None else OffloadPolicy(window_layers=w, resident_layers=resident, nvme=nvme)
     stages[s] = stages[s].model_copy(update={"offload": offload})
@@ -124,11 +132,12 @@ def _passes(plan: Plan, s: int) -> list[tuple[str, int]]:
 
 
 def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=None,
-          peak: int | None = None) -> WindowPrice:
+          peak: int | None = None, capacity_bytes: int | None = None) -> WindowPrice:
     """Walk stage ``s``'s passes back to back with its window (simulator/window.py) and its memory.
     ``base``: (stage costs, passes) of this stage with any window, from :func:`price_base`: only
     the slot count differs between windows, so pricing many reuses them; ``peak``: its device
-    peak if known (:func:`_peak_of`)."""
+    peak if known (:func:`_peak_of`); ``capacity_bytes``: what ``fits`` compares the peak with
+    (default: the device's memory)."""
     from dataclasses import replace
 
     from simulator.links import Links  # the planner borrows the simulator's mechanism (lazy: STYLE)
@@ -142,10 +151,11 @@ def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=Non
     walk_passes(walk, passes, clock)  # exact; the periodic middle is not re-walked
     cpu_wait = drive(walk.step(), clock)
     if peak is None:
-        peak = max(peaks(plan, model)[d] for d in stage.devices)
+        peak = max(peaks(plan, model, hardware)[d] for d in stage.devices)
+    capacity = hardware.device.memory_bytes if capacity_bytes is None else capacity_bytes
     cold = walk.passes[0][2] if walk.passes else 0
     return WindowPrice(window=stage.offload.window_layers, peak_bytes=peak,
-                       fits=peak <= hardware.device.memory_bytes, stall_s=(walk.stall_ns - cold) / 1e9,
+                       fits=peak <= capacity, stall_s=(walk.stall_ns - cold) / 1e9,
                        cold_stall_s=cold / 1e9, cpu_wait_s=cpu_wait / 1e9, time_s=clock.t / 1e9)
 
 
@@ -156,12 +166,13 @@ def price_base(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int) -> 
     return stage_cost(plan, model, hardware, s, plan.stages[s]), _passes(plan, s)
 
 
-def _peak_of(plan, model, s, resident, nvme):
+def _peak_of(plan, model, hardware, s, resident, nvme):
     """w -> stage ``s``'s device peak. A window changes only static memory, by one slot's weights
     and gradients per slot (costs.window.window_static), so the peak is linear in w: one
-    analytic evaluation serves every window (the simulator's peak agrees: a test checks each)."""
-    one = _with_window(plan, s, 1, resident, nvme)
-    p1 = max(peaks(one, model)[d] for d in plan.stages[s].devices)
+    analytic evaluation serves every window (the simulator's peak agrees: a test checks each).
+    ``hardware``: for MAP-sharded stages elsewhere in the plan (simulator.analytic.device_memory)."""
+    one = with_window(plan, s, 1, resident, nvme)
+    p1 = max(peaks(one, model, hardware)[d] for d in plan.stages[s].devices)
     w_b, g_b, _ = plan.training.bytes_per_param()
     slot = win.slot_params(model, one.stages[s]) * (w_b + g_b)
     return lambda w: p1 + (w - 1) * slot
@@ -171,6 +182,36 @@ def _largest_fit(peak_of, capacity: int, hi: int) -> int:
     """The largest window whose stage peak fits device memory; 0 if none."""
     fitting = [w for w in range(1, hi + 1) if peak_of(w) <= capacity]
     return fitting[-1] if fitting else 0
+
+
+def choose_window(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, resident: list[int], nvme: bool,
+                  capacity_bytes: int, forced: int | None = None) -> tuple[int, list[WindowPrice]]:
+    """Stage ``s``'s window (§III-D) with ``resident`` layers kept and the streamed optimizer state
+    on NVMe with ``nvme``: (the window, every window priced, ascending). The smallest window
+    whose peak fits ``capacity_bytes`` and that has no stall after the cold start (P1, P2); when
+    none is stall-free, the smallest within PLATEAU of the fastest that fits (see below); when
+    none fits, 1 (its price says ``fits=False``). ``forced``: that window, priced."""
+    peak_of = _peak_of(plan, model, hardware, s, resident, nvme)
+    top = _largest_fit(peak_of, capacity_bytes, win.max_window(plan.stages[s], resident))
+    base = price_base(with_window(plan, s, 1, resident, nvme), model, hardware, s)
+
+    def at(w: int) -> WindowPrice:
+        return price(with_window(plan, s, w, resident, nvme), model, hardware, s, base, peak_of(w), capacity_bytes)
+
+    if forced is not None:
+        return forced, [at(forced)]
+    if not top:
+        return 1, [at(1)]
+    prices: list[WindowPrice] = []
+    for w in range(1, top + 1):  # smallest stall-free window that fits (P1, P2)
+        prices.append(at(w))
+        if prices[-1].stall_s == 0:
+            return w, prices
+    # none hides the transfers: §III-D takes the largest m that fits, but Fig. 9's plateau (past
+    # it "a larger window does not justify the gain ... but will increase the GPU memory
+    # pressure") argues for the smallest window within PLATEAU of it
+    best = min(p.time_s for p in prices)
+    return next(p.window for p in prices if p.time_s <= best * (1 + PLATEAU)), prices
 
 
 def _layer_times(plan, model, hardware, s) -> dict[str, float]:
@@ -212,25 +253,36 @@ def _bottleneck(choice_price: WindowPrice | None, times: dict, nvme: bool) -> tu
     return found[0][0], "; ".join(f[2] for f in found)
 
 
-def _host_tier(policy, model, plan, hardware, residents) -> tuple[dict, dict, dict, list[str]]:
-    """Which stages keep their optimizer state on NVMe, and the host/NVMe bytes per node (§III-G),
-    from the window's closed form (costs.window.window_static: what the simulator counts)."""
+def host_tier(mode: str, model: ModelSpec, plan: Plan, hardware: HardwareSpec, residents: dict[int, list[int]],
+              ram_bytes: int) -> tuple[bool, int, int, int]:
+    """§III-G for the streamed state of the stages ``residents`` names (stage -> its resident
+    layers; stages of one node), windowed: whether their optimizer state goes to NVMe under
+    ``policy.nvme`` = ``mode`` (on, off, auto: only when it does not fit the ``ram_bytes`` of host
+    RAM there are, and only to a drive that exists), and (their host RAM bytes with everything
+    in RAM, host RAM bytes, NVMe bytes) as decided; from the window's closed form
+    (costs.window.window_static: what the simulator counts; the window's size does not enter)."""
     def tiers(s: int, nvme: bool) -> tuple[int, int]:  # (host RAM, NVMe) bytes of stage s
-        one = _with_window(plan, s, 1, residents[s], nvme)
+        one = with_window(plan, s, 1, residents[s], nvme)
         return win.window_static(model, one, one.stages[s])[3:]
 
+    ram = sum(tiers(s, False)[0] for s in residents)
+    use = mode == "on" or (mode == "auto" and ram > ram_bytes and hardware.host.nvme_bytes > 0)
+    return use, ram, sum(tiers(s, use)[0] for s in residents), sum(tiers(s, use)[1] for s in residents)
+
+
+def _host_tier(policy, model, plan, hardware, residents) -> tuple[dict, dict, dict, list[str]]:
+    """Which stages keep their optimizer state on NVMe, and the host/NVMe bytes per node (§III-G):
+    :func:`host_tier` per node, all of its stages together."""
     nodes: dict[int, list[int]] = {}
     for s, st in enumerate(plan.stages):
         nodes.setdefault(hardware.node_of(st.devices[0]), []).append(s)
     nvme, host, drive_bytes, notes = {}, {}, {}, []
     for node, stages in nodes.items():
-        ram = sum(tiers(s, False)[0] for s in stages)
-        use = policy.nvme == "on" or (policy.nvme == "auto" and ram > hardware.host.memory_bytes
-                                      and hardware.host.nvme_bytes > 0)  # auto: only to a drive that exists
+        use, ram, host[node], drive_bytes[node] = host_tier(policy.nvme, model, plan, hardware,
+                                                            {s: residents[s] for s in stages},
+                                                            hardware.host.memory_bytes)
         for s in stages:
             nvme[s] = use
-        host[node] = sum(tiers(s, use)[0] for s in stages)
-        drive_bytes[node] = sum(tiers(s, use)[1] for s in stages)
         if use and policy.nvme == "auto":
             notes.append(f"node {node}: the streamed state needs {ram / GIB:.0f} GiB of host RAM, the node has "
                          f"{hardware.host.memory_bytes / GIB:.0f} GiB: optimizer state to NVMe (§III-G)")
@@ -294,32 +346,9 @@ def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, 
             raise PlanningError(f"policy.window_layers: {policy.window_layers} is more than stage {s}'s {n} "
                                 f"streamed layers (layers {st.layer_start}..{st.layer_stop - 1} less the resident "
                                 f"{residents[s]})")
-        peak_of = _peak_of(plan, model, s, residents[s], nvme[s])
-        top = _largest_fit(peak_of, hardware.device.memory_bytes, n)
-        prices: list[WindowPrice] = []
-        chosen = None
-        base = price_base(_with_window(plan, s, 1, residents[s], nvme[s]), model, hardware, s)
-        if policy.window_layers is not None:
-            chosen = policy.window_layers
-            forced = _with_window(plan, s, chosen, residents[s], nvme[s])
-            prices.append(price(forced, model, hardware, s, base, peak_of(chosen)))
-        elif top:
-            for w in range(1, top + 1):  # smallest stall-free window that fits (P1, P2)
-                p = price(_with_window(plan, s, w, residents[s], nvme[s]), model, hardware, s, base, peak_of(w))
-                prices.append(p)
-                if p.stall_s == 0:
-                    chosen = w
-                    break
-            if chosen is None:
-                # none hides the transfers: §III-D takes the largest m that fits, but Fig. 9's
-                # plateau (past it "a larger window does not justify the gain ... but will increase
-                # the GPU memory pressure") argues for the smallest window within PLATEAU of it
-                best = min(p.time_s for p in prices)
-                chosen = next(p.window for p in prices if p.time_s <= best * (1 + PLATEAU))
-        else:
-            chosen = 1
-            prices.append(price(_with_window(plan, s, 1, residents[s], nvme[s]), model, hardware, s, base, peak_of(1)))
-        plan = _with_window(plan, s, chosen, residents[s], nvme[s])
+        chosen, prices = choose_window(plan, model, hardware, s, residents[s], nvme[s], hardware.device.memory_bytes,
+                                       policy.window_layers)
+        plan = with_window(plan, s, chosen, residents[s], nvme[s])
         final = next(p for p in prices if p.window == chosen)
         fits = fits and final.fits
         times = _layer_times(plan, model, hardware, s)

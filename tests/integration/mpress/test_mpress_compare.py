@@ -1,6 +1,6 @@
 """Issue 12's local_cpu check, end to end through the CLI: policy=mpress on gpt_tiny with device
 memory at 80 % of the no-swap run's largest measured peak. The plan must swap for real: the
-measured peaks of the stages that compact fall below the no-swap run's, the D2D targets' rise
+measured peaks of the stages that compact fall below the no-swap run's, any D2D targets' rise
 above theirs, and every rank's measured peak is within 10 % of the simulated one (issue 12 goal;
 the fidelity goal elsewhere is 3 %).
 """
@@ -34,7 +34,12 @@ def test_mpress_swaps_for_real_on_local_cpu(tmp_path):
     after = {d["device"]: d["peak_bytes"] for d in got["measured"]["devices"]}
     sources = {st["devices"][0] for st in plan["stages"] if st["memory"] or st["offload"]["optimizer_swap"]}
     targets = {t["device"] for st in plan["stages"] for m in st["memory"] for t in m["targets"]}
-    assert sources and targets, "the planner compacted nothing or used no D2D swap"
+    # whether peers can hold a D2D share turns on the measured budget: since issue 23's swap model
+    # (a swap moves the saved bytes less the received input, a CPU rank's copy is a memcpy) the
+    # peers' spare memory at 80 % can be too small for D2D alone (measured: "does not fit" with
+    # policy.techniques=[d2d_swap]) and MPress CPU-swaps instead; D2D on gloo runs for real in
+    # tests/integration/executor/test_executor_swap.py
+    assert sources, "the planner compacted nothing"
     for d in sources:
         assert after[d] < before[d], f"source device {d}: {after[d]} >= {before[d]} without swaps"
     for d in targets - sources:

@@ -153,7 +153,7 @@ def test_help_describes_memwall_its_modes_and_groups(tmp_path):
                  "stronghold_gpt_l500 39.5B", "gpt3_175b 174.6B"):
         assert word in text, word
     policies = text.split("Policies (policy=NAME)")[1].split("Models (+model=NAME)")[0]
-    for name in ("balanced", "even", "manual", "throughput", "capture", "mpress", "stronghold", "map"):
+    for name in ("balanced", "even", "manual", "throughput", "capture", "mpress", "stronghold", "map", "auto"):
         assert f"\n  {name} " in policies, name
     groups = {line.split(":")[0]: line for line in text.splitlines() if ": " in line}
     assert "dgx1" in groups["hardware"] and "gpt_tiny" in groups["model"] and "capture" in groups["policy"]

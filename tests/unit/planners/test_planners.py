@@ -95,7 +95,19 @@ def test_dp_not_dividing_microbatch_names_training(model, hardware):
 def test_unknown_policy_kind_lists_allowed():
     with pytest.raises(Exception) as err:
         parse_policy({"kind": "greedy"})
-    assert all(k in str(err.value) for k in ("even", "balanced", "manual"))
+    assert all(k in str(err.value) for k in ("even", "balanced", "manual", "auto"))
+
+
+def test_auto_through_the_registry_is_no_slower_than_balanced(model, hardware, training):
+    """policy=auto through make_plan (planners/auto, issue 23): a valid plan, written down as auto's,
+    that simulates no slower than policy=balanced's (one of the singles auto compares with)."""
+    from simulator import simulate
+
+    auto = make_plan(parse_policy({"kind": "auto", "singles": ["balanced"]}), model, hardware, training, ScheduleSpec())
+    balanced = make_plan(parse_policy({"kind": "balanced"}), model, hardware, training, ScheduleSpec())
+    assert auto.planner == "auto"
+    times = [simulate(p, model, hardware, trace=False).result.iteration_time_s for p in (auto, balanced)]
+    assert times[0] <= times[1]
 
 
 def test_capture_without_a_profile_says_how_to_get_one(model, hardware, training):

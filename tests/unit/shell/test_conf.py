@@ -30,6 +30,13 @@ def test_policy_yaml_validates(name):
     assert parse_policy(OmegaConf.to_container(OmegaConf.load(CONF / "policy" / f"{name}.yaml"))).kind == name
 
 
+@pytest.mark.parametrize("name", names("policy"))
+def test_policy_yaml_states_the_codes_defaults(name):
+    """`policy=NAME` and a bare {kind: NAME} plan alike: the YAML a user reads is what the code does."""
+    assert parse_policy(OmegaConf.to_container(OmegaConf.load(CONF / "policy" / f"{name}.yaml"))) == \
+        parse_policy({"kind": name})
+
+
 @pytest.mark.parametrize("name", names("schedule"))
 def test_schedule_yaml_validates(name):
     assert ScheduleSpec.model_validate(OmegaConf.to_container(OmegaConf.load(CONF / "schedule" / f"{name}.yaml")))

@@ -18,7 +18,7 @@ def test_every_policy_knob_and_preset_is_drawn():
     presets = {a.split("=", 1)[1] for a in args if a.startswith("experiment=")}
     assert presets == {p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")}
     kinds = {a.split("=", 1)[1] for a in args if a.startswith("policy=")}
-    assert kinds >= {"even", "balanced", "manual", "map", "stronghold", "mpress", "capture", "throughput"}
+    assert kinds >= {"even", "balanced", "manual", "map", "stronghold", "mpress", "capture", "throughput", "auto"}
     for kind, knobs in fz.POLICY_KNOBS.items():
         model = next(m for m in PolicyConfig.__args__[0].__args__ if m.model_fields["kind"].default == kind)
         assert set(knobs) <= set(model.model_fields), kind  # each knob is a real field of that policy

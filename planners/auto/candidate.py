@@ -1,0 +1,91 @@
+"""A plan policy=auto considered, with its simulated result and what it combines (issue 23)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specs.plan import MemoryAction, Plan
+from specs.result import Result
+
+
+def over_capacity(result: Result, capacity: int) -> bool:
+    """Some device's simulated peak above ``capacity`` (device memory or the user's budget), or a
+    node short of host RAM / NVMe."""
+    return any(d.peak_bytes > capacity or d.host_oom for d in result.devices)
+
+
+def peak_bytes(result: Result) -> int:
+    return max(d.peak_bytes for d in result.devices)
+
+
+def techniques(plan: Plan) -> list[str]:
+    """What the plan combines, in a fixed order: pipeline, dp, tp, ZeRO, each per-layer action, the
+    STRONGHOLD window (with CPU optimizer / NVMe), MPress's optimizer swap, MAP's sharding."""
+    found = set()
+    if plan.pipeline_depth > 1:
+        found.add("pipeline")
+    if plan.zero_stage:
+        found.add(f"zero{plan.zero_stage}")
+    for stage in plan.stages:
+        if stage.sharding:
+            found.add("map_sharding")
+            if stage.checkpoint:
+                found.add("rotor_checkpointing")
+            continue
+        if stage.dp > 1:
+            found.add("dp")
+        if stage.tp > 1:
+            found.add("tp")
+        for item in stage.memory:
+            if item.action is not MemoryAction.keep:
+                found.add(item.action.value)
+        if stage.offload.window_layers:
+            found.add("window")
+        if stage.offload.nvme:
+            found.add("nvme")
+        if stage.offload.optimizer_swap:
+            found.add("optimizer_swap")
+    order = ["pipeline", "dp", "tp", "zero1", "zero2", "zero3", "recompute", "cpu_swap", "d2d_swap", "nvme",
+             "window", "optimizer_swap", "map_sharding", "rotor_checkpointing"]
+    return [t for t in order if t in found]
+
+
+#: techniques that are not memory actions: a plan "combines" when it has ≥ 2 of the others or mixes
+LAYOUT_ONLY = {"pipeline", "dp", "tp"}
+
+
+@dataclass
+class Candidate:
+    """One simulated plan: where it came from (a single policy's name, or "auto" with how it was
+    built), whether it fits the capacity, its time and peak."""
+
+    source: str
+    how: str
+    plan: Plan
+    result: Result
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+    layout: object = field(default=None, repr=False, compare=False)  # the auto layout it realises, if any
+
+    @property
+    def time_s(self) -> float:
+        return self.result.iteration_time_s
+
+    @property
+    def peak(self) -> int:
+        return peak_bytes(self.result)
+
+    def row(self) -> dict:
+        return {"source": self.source, "how": self.how, "fits": self.fits,
+                "iteration_time_s": self.time_s, "samples_per_s": self.result.samples_per_s,
+                "peak_bytes": self.peak, "techniques": techniques(self.plan), "plan_id": self.plan.id}
+
+
+def pareto(cands: list[Candidate]) -> list[Candidate]:
+    """The frontier of (peak bytes, iteration time) over ``cands``: no other is lower in both
+    (ties broken by source, so the same inputs give the same frontier), fastest last."""
+    ordered = sorted(cands, key=lambda c: (c.peak, c.time_s, c.source, c.how))
+    out: list[Candidate] = []
+    for c in ordered:
+        if not out or c.time_s < out[-1].time_s:
+            out.append(c)
+    return out

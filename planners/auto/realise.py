@@ -1,0 +1,109 @@
+"""policy=auto's inner step: one layout made to fit, per stage (issue 23).
+
+For a layout (planners/auto/layouts.py) this builds, simulates and returns the plans worth
+comparing:
+
+1. the layout as it is (no memory action): it may already fit;
+2. every layer recomputed (Megatron's full activation checkpointing), when that fits in closed form;
+3. compacted: MPress's per-layer compaction (planners/mpress/compact.py: recompute / CPU swap /
+   D2D swap and optimizer swap, cheapest seconds per saved byte, emulator-verified, MPress
+   §III-C/D), then a STRONGHOLD window (planners/stronghold/stage_window.py: the smallest window
+   that hides its transfers, STRONGHOLD §III-D) on each stage whose parameter state and working
+   set alone exceed the capacity (its floor) and, after a simulation, on each stage still over
+   that can take one. A window stage keeps its recomputes and drops its swaps (specs/plan.py
+   allows no swap beside a window); compaction does not run again once a window is in the plan
+   (compact() takes no windowed plan), so the other stages keep what the first pass gave them.
+
+Heuristic, not exact: the order (compact, then window) and the single retry. Exact: each plan's
+time and peak are the simulator's.
+"""
+from __future__ import annotations
+
+from planners.auto.candidate import Candidate, over_capacity
+from planners.auto.layouts import Layout, window_possible
+from planners.mpress.compact import compact
+from planners.stronghold.stage_window import window_stage
+from simulator import simulate
+from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
+from specs.plan import MemoryAction, Plan, validate_plan
+
+
+def _candidate(how: str, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
+               notes: list[str] | None = None) -> Candidate:
+    plan = validate_plan(plan, model, hardware)
+    result = simulate(plan, model, hardware, trace=False).result
+    return Candidate("auto", how, plan, result, not over_capacity(result, capacity), list(notes or []))
+
+
+def _over_stages(plan: Plan, cand: Candidate, capacity: int) -> list[int]:
+    over = {d.device for d in cand.result.devices if d.peak_bytes > capacity}
+    return [s for s, st in enumerate(plan.stages) if over.intersection(st.devices)]
+
+
+def _drop_swaps(plan: Plan, s: int) -> Plan:
+    """Stage ``s`` keeping only its recompute actions (a window stage swaps nothing: specs/plan.py)."""
+    stage = plan.stages[s]
+    kept = [m for m in stage.memory if m.action is MemoryAction.recompute]
+    stages = list(plan.stages)
+    stages[s] = stage.model_copy(update={"memory": kept})
+    return plan.model_copy(update={"stages": stages})
+
+
+def _windowed(plan: Plan, stages: list[int], model: ModelSpec, hardware: HardwareSpec, capacity: int,
+              notes: list[str]) -> Plan | None:
+    for s in stages:
+        got = window_stage(_drop_swaps(plan, s), model, hardware, s, capacity)
+        if got is None or not got.host_fits:  # blocked, or host RAM / NVMe cannot hold the streamed state
+            return None
+        notes.append(f"stage {s}: {got.reason}")
+        plan = got.plan
+    return plan
+
+
+def _compacted(plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int, max_simulations: int,
+               notes: list[str], improve: bool = True) -> Plan:
+    got = compact(plan, model, hardware, capacity, max_simulations=max_simulations, improve_rounds=improve)
+    if got is None:
+        return plan
+    notes.append(f"compaction: {got.stop} ({got.simulations} simulations)")
+    return got.plan
+
+
+def realise(layout: Layout, model: ModelSpec, hardware: HardwareSpec, capacity: int,
+            max_simulations: int, improve: bool = True) -> list[Candidate]:
+    """The simulated plans of one layout (module doc). ``improve=False``: the compaction stops once
+    its repair fits (a screening pass; search.py improves the most promising layouts after)."""
+    base = _candidate("layout as is", layout.plan("none"), model, hardware, capacity)
+    if base.fits:
+        return [base]
+    out = [base]
+    if max(layout.peaks_full) <= capacity:
+        out.append(_candidate("every layer recomputed", layout.plan("full"), model, hardware, capacity))
+    got = compacted(layout, base.plan, model, hardware, capacity, max_simulations, improve)
+    return out + ([got] if got is not None else [])
+
+
+def compacted(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
+              max_simulations: int, improve: bool = True) -> Candidate | None:
+    """``plan`` (the layout with no action) compacted and windowed (module doc, step 3)."""
+    notes: list[str] = []
+    base_plan = plan
+    must = [i for i, f in enumerate(layout.floors) if f > capacity]
+    # compaction first (planners/mpress/compact.py takes no windowed plan), then the windows: a
+    # window stage keeps its recomputes and drops its swaps (_drop_swaps)
+    plan = _compacted(base_plan, model, hardware, capacity, max_simulations, notes, improve)
+    how = "compacted" if improve else "compacted (screening: repair only)"
+    if must:
+        plan = _windowed(plan, must, model, hardware, capacity, notes)
+        if plan is None:
+            return None
+    cand = _candidate(how, plan, model, hardware, capacity, notes)
+    if not cand.fits:  # a stage still over: a window where one is possible, then compact again
+        more = [s for s in _over_stages(plan, cand, capacity)
+                if not plan.stages[s].offload.window_layers and window_possible(layout.stages[s], layout.variant)]
+        if more:
+            again = _windowed(plan, more, model, hardware, capacity, notes)
+            if again is not None:
+                cand = _candidate(how, again, model, hardware, capacity, notes)
+    return cand

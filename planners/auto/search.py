@@ -1,0 +1,187 @@
+"""policy=auto: one search over every technique memwall has (issue 23).
+
+"What is the fastest way to train this model on this cluster?" The product of the techniques is
+not enumerated; the search decomposes as the papers' own solvers do:
+
+1. **singles** (planners/auto/singles.py): balanced, throughput, CAPTURE, MPress, STRONGHOLD and
+   MAP each plan the same inputs with their default knobs; each answer is simulated and is a
+   candidate, so auto's answer is never slower than the best of them (and fits whenever one does).
+2. **outer search over layouts** (planners/auto/layouts.py): pipeline depth, contiguous split,
+   per-stage dp × tp, microbatch size and schedule, from the throughput planner's stage table,
+   each priced in closed form with no memory action (a lower bound on its time) and at its floor
+   (what no activation action goes below); layouts that cannot fit are pruned.
+3. **inner per-stage compaction** (planners/auto/realise.py): in order of the lower bound, each
+   layout is simulated as is, with full recompute, and compacted (STRONGHOLD windows where a
+   stage's state does not fit, MPress's per-layer actions elsewhere).
+4. **branch and bound**: the loop stops once a layout's lower bound reaches the fastest fitting
+   simulated plan so far (exact for the closed-form bound; a heuristic against the simulator,
+   which adds contention the bound omits), or after ``policy.max_layouts`` layouts.
+
+The winner is the fastest simulated candidate that fits; if none fits, the one with the lowest
+peak (the closest), which the shell reports as "does not fit" with its knobs. MAP's per-operator
+sharding enters as policy=map's whole plan (single 1): mixing sharded and dp × tp stages in one
+pipeline is not searched.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from planners.auto.candidate import Candidate, pareto
+from planners.auto.layouts import search_layouts
+from planners.auto.realise import compacted, realise
+from planners.auto.singles import Single, run_single
+from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
+from planners.layout import PlanningError
+from specs.plan import Plan, PlanError, ScheduleSpec
+from specs.training import TrainingSpec
+
+GIB = 1 << 30
+
+#: a layout's lower bound (layouts.compute_bound_s) against simulated times: the simulator's
+#: per-layer timing sits ≥ 0.987 × the closed form on the test configs (tests/unit/auto), so a
+#: layout is cut only once its bound exceeds the best by this much
+BOUND_SLACK = 1.02
+
+
+@dataclass
+class AutoOutcome:
+    plan: Plan
+    fits: bool
+    capacity_bytes: int
+    winner: Candidate
+    singles: list[Single]
+    candidates: list[Candidate]          # auto's own simulated plans
+    layouts_priced: int
+    layouts_kept: int
+    layouts_realised: int
+    pruned: Counter
+    left_out: list[str]
+    stop: str
+    notes: list[str] = field(default_factory=list)
+    hardware: HardwareSpec | None = None   # what the plan is for (policy.find=fewest_nodes: other nodes)
+    model: ModelSpec | None = None         # the model planned (policy.find=largest_model: a grown one)
+    find_answer: str | None = None         # policy.find's answer in words
+
+    @property
+    def everything(self) -> list[Candidate]:
+        return [s.candidate for s in self.singles if s.candidate is not None] + self.candidates
+
+    @property
+    def best_single(self) -> Single | None:
+        fit = [s for s in self.singles if s.candidate is not None and s.candidate.fits]
+        return min(fit, key=lambda s: (s.candidate.time_s, s.name)) if fit else None
+
+    @property
+    def frontier(self) -> list[Candidate]:
+        return pareto(self.everything)
+
+
+def capacity_bytes(policy, hardware: HardwareSpec) -> int:
+    """What each device may hold: ``policy.memory_budget_gib``, or the device memory."""
+    cap = hardware.device.memory_bytes
+    if policy.memory_budget_gib is not None:
+        cap = min(cap, int(policy.memory_budget_gib * GIB))
+    return cap
+
+
+def planning_hardware(hardware: HardwareSpec, capacity: int) -> HardwareSpec:
+    """The hardware the planners see: device memory = the capacity (a budget below it binds them all)."""
+    if capacity >= hardware.device.memory_bytes:
+        return hardware
+    device = hardware.device.model_copy(update={"memory_bytes": capacity})
+    return HardwareSpec.model_validate({**hardware.model_dump(), "device": device.model_dump()})
+
+
+def _host_short(c: Candidate) -> bool:
+    return any(d.host_oom for d in c.result.devices)
+
+
+def _pick(cands: list[Candidate], singles: list[Single], pruned: Counter) -> Candidate:
+    """The fastest fitting candidate; else the closest: within host RAM / NVMe first, then the
+    lowest device peak. No candidate at all: PlanningError naming why."""
+    if not cands:
+        why = [f"policy={s.name}: {s.error}" for s in singles if s.error] + [f"{n} layout(s): {r}" for r, n in
+                                                                            sorted(pruned.items())]
+        raise PlanningError("policy=auto found no plan to simulate: " + ("; ".join(why) or "no layout in the space"))
+    fit = [c for c in cands if c.fits]
+    if fit:
+        return min(fit, key=lambda c: (c.time_s, c.peak, c.source != "auto", c.source, c.how))
+    return min(cands, key=lambda c: (_host_short(c), c.peak, c.time_s, c.source, c.how))
+
+
+def _improve(policy, cands: list[Candidate], best: float, model: ModelSpec, hardware: HardwareSpec,
+             capacity: int) -> list[Candidate]:
+    """MPress's improve rounds (§III-D) on the ``policy.improve_layouts`` layouts whose screening
+    compaction (repair only) fit fastest, each only while its lower bound can still beat the best
+    fitting plan (rounds only make a plan faster, never below its layout's bound)."""
+    screened = sorted((c for c in cands if c.fits and c.how.endswith("(screening: repair only)")),
+                      key=lambda c: (c.time_s, c.how))
+    out: list[Candidate] = []
+    for c in screened[:policy.improve_layouts]:
+        layout = c.layout
+        if layout.time_lb_s >= best * BOUND_SLACK:
+            continue
+        try:
+            got = compacted(layout, layout.plan("none"), model, hardware, capacity, policy.max_simulations, True)
+        except (PlanningError, PlanError, ValueError):
+            continue
+        if got is not None:
+            got.how, got.layout = f"{layout.text()}: {got.how}", layout
+            out.append(got)
+            if got.fits:
+                best = min(best, got.time_s)
+    return out
+
+
+def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, schedule: ScheduleSpec,
+                profile=None, progress=None, phase=None) -> AutoOutcome:
+    """The fastest plan that fits (module doc). ``progress(done, total)``: layouts realised;
+    ``phase(name, seconds)``: called as each part ends (the shell prints it)."""
+    say = phase or (lambda name, s: None)
+    capacity = capacity_bytes(policy, hardware)
+    plan_hw = planning_hardware(hardware, capacity)
+    singles = []
+    for name in policy.singles:
+        single = run_single(name, model, hardware, plan_hw, training, schedule, capacity, profile)
+        singles.append(single)
+        say(f"policy={name}", single.planning_s)
+    start = time.perf_counter()
+    layouts, pruned, left_out, priced = search_layouts(policy, model, plan_hw, training, schedule, capacity)
+    say(f"layouts: {priced} priced, {len(layouts)} kept", time.perf_counter() - start)
+    best = min((s.candidate.time_s for s in singles if s.candidate is not None and s.candidate.fits),
+               default=float("inf"))
+    cands: list[Candidate] = []
+    stop, realised = "every kept layout realised", 0
+    start = time.perf_counter()
+    for n, layout in enumerate(layouts):
+        if layout.time_lb_s >= best * BOUND_SLACK:
+            stop = (f"bound: the next layout's lower bound {layout.time_lb_s:.3f} s ≥ the fastest fitting plan's "
+                    f"{best:.3f} s ({len(layouts) - n} layouts left)")
+            break
+        if realised >= policy.max_layouts:
+            stop = f"policy.max_layouts={policy.max_layouts} reached ({len(layouts) - n} layouts left unrealised)"
+            break
+        if progress is not None:
+            progress(realised, min(len(layouts), policy.max_layouts))
+        try:
+            got = realise(layout, model, hardware, capacity, policy.max_simulations, improve=False)
+        except (PlanningError, PlanError, ValueError) as exc:  # e.g. the simulator refuses its size
+            pruned[f"could not be realised: {' '.join(str(exc).split())[:160]}"] += 1
+            continue
+        realised += 1
+        for c in got:
+            c.how = f"{layout.text()}: {c.how}"
+            c.layout = layout
+        cands += got
+        best = min([best] + [c.time_s for c in got if c.fits])
+    say(f"layouts realised: {realised}", time.perf_counter() - start)
+    start = time.perf_counter()
+    improved = _improve(policy, cands, best, model, hardware, capacity)
+    cands += improved
+    say(f"improve rounds on the {len(improved)} most promising layouts", time.perf_counter() - start)
+    winner = _pick([s.candidate for s in singles if s.candidate is not None] + cands, singles, pruned)
+    return AutoOutcome(winner.plan.model_copy(update={"planner": "auto"}), winner.fits, capacity, winner, singles,
+                       cands, priced, len(layouts), realised, pruned, left_out, stop, hardware=hardware, model=model)

@@ -1,0 +1,133 @@
+"""policy=auto's outer search (planners/auto/layouts.py) against the simulator that judges it: the
+layout's no-action time bounds its plans' simulated times from below (what lets the search stop
+early), no memory action makes a layout faster, the floors bound what compaction reaches, every
+pruned layout really cannot fit, and stopping at the bound loses nothing an exhaustive
+realisation of every kept layout finds.
+"""
+from __future__ import annotations
+
+import pytest
+
+from planners.auto import layouts as L
+from planners.auto.layouts import search_layouts
+from planners.auto.realise import realise
+from planners.auto.search import BOUND_SLACK, planning_hardware
+from simulator import simulate
+from specs.plan import LayerMemory, MemoryAction, OffloadPolicy, validate_plan
+from tests.unit.auto.auto_cases import ONE_F_ONE_B, searched
+
+#: the search cuts a layout once its lower bound (planners/auto/layouts.compute_bound_s: compute
+#: alone, Σ work + (m − 1) · max work) exceeds the best simulated time by BOUND_SLACK; a realised
+#: plan simulating faster than bound / BOUND_SLACK would mean the search could cut a winner. The
+#: table's full estimate (with p2p and the slowest all-reduce after the drain) was no bound: a dp
+#: stage late in the pipeline overlaps its all-reduce in the simulator (0.885x measured).
+
+
+def _key(plan) -> tuple:
+    """A plan's layout: schedule, microbatch, ZeRO and each stage's layers, devices and degrees."""
+    return (plan.schedule.kind.value, plan.training.samples_per_microbatch, plan.zero_stage,
+            tuple((s.layer_start, s.layer_stop, tuple(s.devices), s.dp, s.tp) for s in plan.stages))
+
+
+def _layouts(case: str):
+    model, hw, training, policy, out = searched(case)
+    cap = out.capacity_bytes
+    layouts, pruned, _, _ = search_layouts(policy, model, planning_hardware(hw, cap), training, ONE_F_ONE_B, cap)
+    return model, hw, training, policy, out, layouts, pruned
+
+
+@pytest.mark.parametrize("case", [
+    "gpt_5b3-dgx1-12GiB",
+    "gpt_tiny-local_cpu",
+    "bert_tiny-local_cpu-1.6MiB",
+])
+def test_every_realised_plan_takes_at_least_its_layouts_lower_bound(case):
+    _, _, _, _, out, layouts, _ = _layouts(case)
+    by_key: dict[tuple, list] = {}
+    for lay in layouts:
+        by_key.setdefault(_key(lay.plan("none")), []).append(lay)
+    assert out.candidates
+    low = []
+    for c in out.candidates:
+        bound = min(lay.time_lb_s for lay in by_key[_key(c.plan)])
+        if c.time_s * BOUND_SLACK < bound:
+            low.append(f"{c.how}: simulated {c.time_s:.6g} s < bound {bound:.6g} s ({c.time_s / bound:.3f}x)")
+    assert not low, "\n".join(low)
+
+
+@pytest.mark.parametrize("case", ["gpt_tiny-local_cpu-1.2MiB", "gpt_5b3-dgx1-12GiB"])
+def test_memory_actions_never_make_a_layout_faster_and_never_go_below_its_floor(case):
+    """Each compacted / recomputed plan simulates no faster than its layout as it is, and no stage
+    without a window peaks below the floor the prune trusts (a floor above what compaction
+    reaches would prune layouts that fit)."""
+    _, _, _, _, out, layouts, _ = _layouts(case)
+    by_key = {_key(lay.plan("none")): lay for lay in layouts}
+    as_is = {_key(c.plan): c for c in out.candidates if c.how.endswith(": layout as is")}
+    checked = 0
+    for c in out.candidates:
+        if c.how.endswith(": layout as is"):
+            continue
+        lay, base = by_key[_key(c.plan)], as_is[_key(c.plan)]
+        assert c.time_s >= base.time_s * (1 - 1e-6), f"{c.how}: faster than with no action ({base.time_s} s)"
+        peaks = {d.device: d.peak_bytes for d in c.result.devices}
+        for s, (stage, floor) in enumerate(zip(c.plan.stages, lay.floors)):
+            if stage.offload.window_layers is None:
+                peak = max(peaks[d] for d in stage.devices)
+                assert peak >= floor, f"{c.how}: stage {s} peaks {peak} B under its floor {floor} B"
+                checked += 1
+    assert checked, "no compacted plan was checked"
+
+
+def _most_compacted(plan, recompute: bool):
+    """Every layer recomputed or swapped to the host, and the optimizer state between steps there
+    (MPress §III-C / §II-D): the least device memory per-layer actions reach."""
+    action = MemoryAction.recompute if recompute else MemoryAction.cpu_swap
+    stages = [s.model_copy(update={"memory": [LayerMemory(layer=i, action=action)
+                                              for i in range(s.layer_start, s.layer_stop)],
+                                   "offload": OffloadPolicy(optimizer_swap=True)}) for s in plan.stages]
+    return plan.model_copy(update={"stages": stages})
+
+
+def test_every_pruned_layout_exceeds_the_capacity_at_its_floor():
+    """gpt_5b3 under 12 GiB on the DGX-1 prunes most layouts. Each one is generated again, its floor
+    recomputed, and its most compacted plans (every layer recomputed, or swapped to the host, with
+    MPress's optimizer swap) simulated: a stage that cannot take a window stays over the capacity."""
+    model, hw, training, policy, out, _, pruned = _layouts("gpt_5b3-dgx1-12GiB")
+    cap = out.capacity_bytes
+    plan_hw = planning_hardware(hw, cap)
+    variants, _ = L.variants(policy, training, ONE_F_ONE_B)
+    found = 0
+    for v in variants:
+        stage_lists, tables = L.generate(model, plan_hw, v, cap)
+        seen = set()
+        for stages in stage_lists:
+            if tuple(stages) in seen:
+                continue
+            seen.add(tuple(stages))
+            p = len(stages)
+            floors = [min(L.floor_bytes(t, st, p - 1 - i) for t in tables) for i, st in enumerate(stages)]
+            over = [i for i, (st, f) in enumerate(zip(stages, floors)) if f > cap and not L.window_possible(st, v)]
+            if not over:
+                continue
+            found += 1
+            for recompute in (False, True):
+                plan = _most_compacted(tables[recompute].to_plan(list(stages), "test"), recompute)
+                result = simulate(validate_plan(plan, model, hw), model, hw, trace=False).result
+                peaks = {d.device: d.peak_bytes for d in result.devices}
+                for i in over:
+                    peak = max(peaks[d] for d in plan.stages[i].devices)
+                    assert peak > cap, (f"pruned {v.text()} stage {i} ({stages[i]}) peaks {peak} B <= {cap} B "
+                                        f"with every layer {'recomputed' if recompute else 'swapped'}")
+    assert found >= 20, "the budget should prune many layouts"
+    assert found == sum(pruned.values())
+
+
+@pytest.mark.parametrize("case", ["gpt_tiny-local_cpu", "gpt_tiny-local_cpu-1.2MiB"])
+def test_stopping_at_the_bound_loses_nothing_against_every_layout_realised(case):
+    """The branch and bound stops early; realising every kept layout finds nothing faster that fits."""
+    model, hw, _, policy, out, layouts, _ = _layouts(case)
+    assert out.layouts_realised < len(layouts)  # the bound (or max_layouts) did stop the search
+    best = min((c.time_s for lay in layouts for c in realise(lay, model, hw, out.capacity_bytes,
+                                                             policy.max_simulations) if c.fits), default=None)
+    assert out.fits and best is not None
+    assert out.winner.time_s <= best * (1 + 1e-9), f"auto {out.winner.time_s} s, an unrealised layout {best} s"

@@ -287,7 +287,7 @@ def _plan_auto(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> tupl
     from planners.auto.report import report, summary_lines
 
     profile = None
-    if "capture" in cfg.policy.singles and cfg.policy.find == "fastest":
+    if "capture" in cfg.policy.singles and cfg.policy.find == "fastest" and cfg.hardware.num_devices > 1:
         from planners.policy import CapturePolicy
 
         try:  # CAPTURE's profile (cached; profiling runs first otherwise, §III-A)

@@ -63,6 +63,8 @@ def _plan(name: str, model: ModelSpec, plan_hw: HardwareSpec, training: Training
 
         return stronghold_search(StrongholdPolicy(), model, plan_hw, training, schedule).plan
     if name == "map":
+        if schedule.virtual_stages > 1:  # as planning._plan_map: its stages are whole meshes
+            raise PlanningError("MAP plans non-interleaved schedules (one stage per device group)")
         if not model.op_graphs:
             raise PlanningError("the model carries no operator graphs (MAP profiles gpt/bert families)")
         from planners.map.plan import map_search

@@ -59,24 +59,24 @@ def _frontier(probe: Callable[[int], AutoOutcome | None], start: int, limit: int
     if grow_fits:
         if hi is None:
             return None, None, notes
-        lo = lo if lo is not None else hi
-        while hi - lo > 1:  # fits(hi), not fits(lo)
-            mid = (lo + hi) // 2
-            if fits(mid):
-                hi = mid
-            else:
-                lo = mid
+        hi = _split(lo if lo is not None else hi - 1, hi, fits)[1]  # fits(hi), not fits(lo)
         return hi, cache[hi], notes
     if lo is None:  # the configured size already fails
         return None, cache.get(start), notes
-    upper = hi if hi is not None else limit + 1
-    while upper - lo > 1:  # fits(lo), not fits(upper)
-        mid = (lo + upper) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            upper = mid
+    lo = _split(lo, hi if hi is not None else limit + 1, fits)[0]  # fits(lo), not fits(upper)
     return lo, cache[lo], notes
+
+
+def _split(a: int, b: int, fits: Callable[[int], bool]) -> tuple[int, int]:
+    """Bisection between sizes ``a`` and ``b`` on opposite sides of the fit (``fits(b)`` is never
+    asked, nor ``fits(a)`` when a + 1 = b): the adjacent pair where the answer changes."""
+    while b - a > 1:
+        mid = (a + b) // 2
+        if fits(mid) == fits(a):
+            a = mid
+        else:
+            b = mid
+    return a, b
 
 
 def find(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, schedule: ScheduleSpec,

@@ -8,9 +8,9 @@ from collections import Counter
 
 from planners.auto.candidate import Candidate, LAYOUT_ONLY, techniques
 from planners.auto.search import AutoOutcome
+from planners.mpress.assign import size_text
 from specs.plan import Plan
 
-GIB = float(1 << 30)
 
 
 def stage_rows(plan: Plan, cand: Candidate, capacity: int) -> list[dict]:
@@ -61,14 +61,6 @@ def report(outcome: AutoOutcome) -> dict:
                    "pruned": dict(sorted(outcome.pruned.items())), "left_out": outcome.left_out,
                    "simulated": [c.row() for c in outcome.candidates]},
     }
-
-
-def size_text(n: float) -> str:
-    """Bytes for the table: GiB for model-sized amounts, MiB/KiB for the tiny CPU models."""
-    for unit, scale in (("GiB", GIB), ("MiB", float(1 << 20)), ("KiB", 1024.0)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def summary_lines(outcome: AutoOutcome) -> list[str]:

@@ -35,6 +35,7 @@ from planners.auto.singles import Single, run_single
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from planners.layout import PlanningError
+from planners.mpress.compact import budget_hardware
 from specs.plan import Plan, PlanError, ScheduleSpec
 from specs.training import TrainingSpec
 
@@ -89,10 +90,7 @@ def capacity_bytes(policy, hardware: HardwareSpec) -> int:
 
 def planning_hardware(hardware: HardwareSpec, capacity: int) -> HardwareSpec:
     """The hardware the planners see: device memory = the capacity (a budget below it binds them all)."""
-    if capacity >= hardware.device.memory_bytes:
-        return hardware
-    device = hardware.device.model_copy(update={"memory_bytes": capacity})
-    return HardwareSpec.model_validate({**hardware.model_dump(), "device": device.model_dump()})
+    return budget_hardware(hardware, min(capacity, hardware.device.memory_bytes))
 
 
 def _host_short(c: Candidate) -> bool:

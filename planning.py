@@ -278,6 +278,18 @@ def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
                     "memory budget per device")
 
 
+#: policy=auto builds CAPTURE's profile itself only up to this many layers (about a minute on one
+#: core, see _plan_auto); above it a cached profile is used, or CAPTURE is left out with the reason
+AUTO_CAPTURE_MAX_LAYERS = 128
+
+
+def capture_cached(cfg: RunConfig) -> bool:
+    """Whether CAPTURE's profile for ``cfg`` is on disk (model_costs.capture_profile_for's path)."""
+    from model_costs import capture_fingerprint, profile_cache_dir
+
+    return (profile_cache_dir(cfg) / f"capture_{capture_fingerprint(cfg)}.json").is_file()
+
+
 def _plan_auto(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> tuple[ModelSpec, Plan]:
     """policy=auto: every single policy and the joint search (planners/auto), a line per part on
     stdout; writes auto.json (singles beside auto, the frontier, the winner's stages, the pruning).
@@ -295,7 +307,13 @@ def _plan_auto(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> tupl
             # the simulator backend: on hardware that is here (local_cpu) CAPTURE's own default
             # profiles with the executor, minutes of real runs auto should not spend
             capture = CapturePolicy(compare_throughput=False, backend="simulator")
-            profile = capture_profile_for(cfg.model_copy(update={"policy": capture}), outdir)
+            capture_cfg = cfg.model_copy(update={"policy": capture})
+            if not capture_cached(capture_cfg) and model.num_layers > AUTO_CAPTURE_MAX_LAYERS:
+                raise PlanningError(
+                    f"its profile is not cached and model {model.name!r} has {model.num_layers} layers: ~10(L-1) "
+                    "simulator runs of the whole model, growing as L² (measured here: 15 s at 66 layers, 1014 s "
+                    f"at 502), more than auto's one-minute search; `policy=capture` once caches it for auto")
+            profile = capture_profile_for(capture_cfg, outdir)
         except (PlanningError, PlanError, UsageError) as exc:
             print(f"[auto] policy=capture left out: {exc}", flush=True)
     grow = None

@@ -130,6 +130,8 @@ def validate_config(cfg: DictConfig) -> RunConfig:
     if not isinstance(data, dict):
         raise UsageError(f"the config must be a mapping, got {type(data).__name__}")
     data.pop("hydra", None)
+    if note := _auto_over_experiment(data):
+        print(note)
     try:
         rc = RunConfig.model_validate(data)
     except ValidationError as exc:
@@ -142,6 +144,28 @@ def validate_config(cfg: DictConfig) -> RunConfig:
         if missing is not None:
             raise UsageError(missing)
     return rc
+
+
+def _auto_over_experiment(data: dict) -> str | None:
+    """``experiment=X policy=auto``: the preset's own policy fields (``policy.pp``,
+    ``policy.recompute``, ...) belong to the policy it was written for; auto chooses them itself, so
+    they are dropped with a note instead of refusing the run. Only fields the preset's YAML sets
+    and AutoPolicy does not know are dropped: a mistyped auto knob is still refused."""
+    from planners.policy import AutoPolicy
+
+    policy, exp = data.get("policy"), data.get("experiment")
+    if not (isinstance(policy, dict) and policy.get("kind") == "auto" and isinstance(exp, dict)):
+        return None
+    path = CONF_DIR / "experiment" / f"{exp.get('name')}.yaml"
+    if not path.is_file():
+        return None
+    preset = yaml.safe_load(path.read_text()) or {}
+    theirs = set((preset.get("policy") or {}) if isinstance(preset, dict) else {})
+    dropped = sorted(k for k in theirs & set(policy) if k not in AutoPolicy.model_fields)
+    for k in dropped:
+        del policy[k]
+    return (f"note: policy=auto chooses these itself; ignoring experiment {exp['name']}'s "
+            f"{', '.join('policy.' + k for k in dropped)}") if dropped else None
 
 
 def from_hydra(exc: BaseException) -> bool:

@@ -29,6 +29,8 @@ single-GPU check of a plan made for many), its simulated peak/time from ``simula
                        (compute_bench.pinned_copy_gbps) vs host.pcie_gbps, device copy vs hbm_gbps
     execute            (not in --quick) the whole launcher: executor.measure.execute of the one-stage
                        plan, one rank (NCCL world of one on CUDA), its Result vs the simulated one
+    auto               (not in --quick) policy=auto on one device under 80 % and 60 % of the no-action peak:
+                       the plan it picks run by the launcher vs its simulation, gradients vs no action
 
 D2D swap (executor/d2d.py, MPress §III-C) needs two GPUs (NCCL between peers) and is NOT checked here;
 nor are tensor parallelism, data parallelism or pipelines across devices (a stage run alone replaces
@@ -449,6 +451,49 @@ def check_execute(setup: Setup) -> None:
     setup.add(Row("execute", "iteration time (median)", "s", sim.iteration_time_s, got.iteration_time_s))
 
 
+def check_auto(setup: Setup) -> None:
+    """policy=auto on one device under budgets of 80 % and 60 % of the no-action plan's simulated
+    peak (issue 23's local_cpu check, on the GPU; at 80 % the optimizer swap alone may do): the plan
+    auto picks run by the launcher vs its simulation, its gradients vs the no-action plan's (every
+    technique auto combines is a copy, a recompute or a window: ~0 apart from non-deterministic
+    reductions)."""
+    from executor.measure import execute
+    from planners.auto.candidate import techniques
+    from planners.auto.search import auto_search
+    from planners.policy import AutoPolicy
+    from specs.plan import ScheduleSpec
+
+    cfg, spec, training = model_and_training(setup, "swap")
+    hw = hardware(setup.hardware_name, devices=1)
+    keep = one_stage_plan(spec, hw, training)
+    kept_peak = simulated(keep, spec, hw).result.devices[0].peak_bytes
+    a = None
+    for fraction in (0.8, 0.6):
+        budget = fraction * kept_peak
+        policy = AutoPolicy(memory_budget_gib=budget / (1 << 30), singles=["balanced", "mpress", "stronghold"])
+        out = auto_search(policy, spec, hw, training, ScheduleSpec(kind="1f1b"))
+        plan = out.plan
+        used = ", ".join(techniques(plan))
+        print(f"  auto at {fraction:.0%}: {out.winner.how}; techniques {used}; fits {out.fits}", flush=True)
+        if len(plan.stages) != 1:
+            raise RuntimeError(f"auto chose {len(plan.stages)} stages on one device: nothing to run alone")
+        sim = simulated(plan, spec, hw).result
+        tag = f"{fraction:.0%}"
+        empty_cache(setup)
+        got = execute(plan, cfg, hw, iterations=setup.iterations, warmup=1, timeout_s=150, device=setup.device)
+        if got.failure:
+            raise RuntimeError(f"execute failed: {got.failure}")
+        setup.add(Row("auto", f"{tag}: peak (launcher, one rank)", "bytes", sim.devices[0].peak_bytes,
+                      got.devices[0].peak_bytes, f"budget {budget / MIB:.1f} MiB; {used}"))
+        setup.add(Row("auto", f"{tag}: host bytes", "bytes", sim.devices[0].host_bytes, got.devices[0].host_bytes))
+        setup.add(Row("auto", f"{tag}: iteration time (median)", "s", sim.iteration_time_s, got.iteration_time_s))
+        if a is None:
+            a = run_alone(setup, keep, cfg, 0, collect=True)
+        b = run_alone(setup, plan, cfg, 0, collect=True)
+        setup.add(Row("auto", f"{tag}: gradients vs no action: max |diff|", "diff", 0.0, grad_diff(a, b),
+                      "copies, recomputes and windows change no value (non-deterministic reductions aside)"))
+
+
 #: every path, in the order they run; --quick runs QUICK
 PATHS: dict[str, Callable[[Setup], None]] = {
     "memtrack": check_memtrack,
@@ -457,6 +502,7 @@ PATHS: dict[str, Callable[[Setup], None]] = {
     "optimizer_swap": check_optimizer_swap,
     "calibration": check_calibration,
     "execute": check_execute,
+    "auto": check_auto,
 }
 QUICK = ("memtrack", "cpu_swap", "stronghold_window", "optimizer_swap", "calibration")
 

@@ -165,7 +165,7 @@ class AutoPolicy(Spec):
         [0], min_length=1, description="ZeRO stages tried (the executor runs 0 only)")
     max_layouts: int = Field(12, ge=1, le=1000, description="layouts compacted and simulated, best bound first")
     max_simulations: int = Field(120, ge=1, le=10_000, description="emulator runs per layout's compaction")
-    improve_layouts: int = Field(3, ge=0, le=1000, description="layouts whose compaction gets MPress's improve "
+    improve_layouts: int = Field(6, ge=0, le=1000, description="layouts whose compaction gets MPress's improve "
                                                                "rounds (the fastest after the screening pass)")
     max_nodes: int = Field(1024, ge=1, le=1 << 16, description="find=fewest_nodes: the most nodes tried")
     scale: Literal["layers", "hidden"] = Field("layers", description="find=largest_model: what grows")

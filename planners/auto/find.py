@@ -16,6 +16,8 @@ from configs), so this module stays pure.
 """
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable
 
 from planners.auto.report import size_text
@@ -79,6 +81,10 @@ def _split(a: int, b: int, fits: Callable[[int], bool]) -> tuple[int, int]:
     return a, b
 
 
+def _verdict(out: AutoOutcome, yes: str, no: str) -> str:
+    return f"{yes} ({out.winner.result.samples_per_s:.4g} samples/s)" if out.fits else no
+
+
 def find(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, schedule: ScheduleSpec,
          profile=None, progress=None, phase=None,
          grow: tuple[int, Callable[[int], ModelSpec]] | None = None) -> AutoOutcome:
@@ -96,8 +102,9 @@ def find(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
                 hw = with_nodes(hardware, n)
             except ValueError:
                 return None  # a one-node spec without inter_node links cannot grow
+            start = time.perf_counter()
             out = auto_search(quiet, model, hw, training, schedule, None, progress, None)
-            say(f"fewest_nodes: {n} node(s) {'fit' if out.fits else 'do not fit'}", 0.0)
+            say(f"fewest_nodes: {n} node(s) {_verdict(out, 'fit', 'do not fit')}", time.perf_counter() - start)
             return out
 
         size, outcome, notes = _frontier(probe, 1, policy.max_nodes, grow_fits=True)
@@ -113,8 +120,9 @@ def find(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
                 m = build(n)
             except ValueError:
                 return None
+            start = time.perf_counter()
             out = auto_search(quiet, m, hardware, training, schedule, None, progress, None)
-            say(f"largest_model: {policy.scale}={n} {'fits' if out.fits else 'does not fit'}", 0.0)
+            say(f"largest_model: {policy.scale}={n} {_verdict(out, 'fits', 'does not fit')}", time.perf_counter() - start)
             return out
 
         size, outcome, notes = _frontier(probe, start, start * 64, grow_fits=False)

@@ -157,15 +157,24 @@ def floor_bytes(table: StageTable, p: Placed, stages_after: int) -> int:
 
 
 def generate(model: ModelSpec, hardware: HardwareSpec, variant: Variant, capacity: int,
-             progress=None) -> list[list[Placed]]:
+             progress=None, unlimited: dict | None = None) -> list[list[Placed]]:
     """The layouts of one variant (module doc): fastest with no limit, fitting as they are, fitting
-    once every layer is recomputed."""
+    once every layer is recomputed. ``unlimited``: the exact DP's no-limit fronts by (microbatch
+    size, ZeRO stage), shared between schedules: with no memory limit the DP reads only stage work,
+    sync and p2p times, which do not depend on the schedule (StageTable.cost)."""
     none = StageTable(model, hardware, variant.training, variant.schedule, variant.zero_stage, "none")
     full = StageTable(model, hardware, variant.training, variant.schedule, variant.zero_stage, "full")
     out: list[list[Placed]] = []
     if exact_transitions(none) <= EXACT_TRANSITIONS:
-        for table, cap in ((none, INF), (none, capacity), (full, capacity)):
-            out += candidates(table, cap)
+        key = (variant.training.samples_per_microbatch, variant.zero_stage)
+        free = None if unlimited is None else unlimited.get(key)
+        if free is None:
+            free = candidates(none, INF)
+            if unlimited is not None:
+                unlimited[key] = free
+        out += free
+        for table in (none, full):
+            out += candidates(table, capacity)
     else:
         for table, cap in ((none, INF), (none, capacity), (full, capacity)):
             out += uniform_plans(table, cap, None, progress, prune=False)
@@ -181,11 +190,12 @@ def search_layouts(policy, model: ModelSpec, hardware: HardwareSpec, training: T
     seen: set = set()
     kept: list[Layout] = []
     pruned: Counter = Counter()
+    unlimited: dict = {}
     for n, v in enumerate(vs):
         if progress is not None:
             progress(n, len(vs))
         try:
-            stage_lists, tables = generate(model, hardware, v, capacity)
+            stage_lists, tables = generate(model, hardware, v, capacity, unlimited=unlimited)
         except ValueError as exc:
             pruned[f"{v.text()}: {exc}"] += 1
             continue

@@ -13,6 +13,8 @@ comparing:
    that can take one. A window stage keeps its recomputes and drops its swaps (specs/plan.py
    allows no swap beside a window); compaction does not run again once a window is in the plan
    (compact() takes no windowed plan), so the other stages keep what the first pass gave them.
+   When every stage is over its floor, compaction is skipped: windows go on the layout with
+   every layer recomputed and with none (:func:`_all_windowed`).
 
 Heuristic, not exact: the order (compact, then window) and the single retry. Exact: each plan's
 time and peak are the simulator's.
@@ -52,13 +54,26 @@ def _drop_swaps(plan: Plan, s: int) -> Plan:
 
 def _windowed(plan: Plan, stages: list[int], model: ModelSpec, hardware: HardwareSpec, capacity: int,
               notes: list[str]) -> Plan | None:
-    for s in stages:
-        got = window_stage(_drop_swaps(plan, s), model, hardware, s, capacity)
-        if got is None or not got.host_fits:  # blocked, or host RAM / NVMe cannot hold the streamed state
-            return None
-        notes.append(f"stage {s}: {got.reason}")
-        plan = got.plan
-    return plan
+    """``stages`` each given a window, in order; None if one is blocked or host RAM / NVMe cannot hold
+    the streamed state. The host tier is chosen per stage (nvme=auto: RAM until it runs short), a
+    greedy that fills the node's RAM with the first stages' optimizer state and then leaves a late
+    stage too little even for its weights (GPT-3 175B, pp8 on one Selene node: stage 6); when it
+    fails so and the node has a drive, every window's optimizer state goes to NVMe (nvme=on)."""
+    for nvme in ("auto", "on") if hardware.host.nvme_bytes else ("auto",):
+        got_plan, got_notes = plan, []
+        for s in stages:
+            got = window_stage(_drop_swaps(got_plan, s), model, hardware, s, capacity, nvme=nvme)
+            if got is None:
+                return None  # blocked (not a host-tier question)
+            if not got.host_fits:
+                got_plan = None
+                break
+            got_notes.append(f"stage {s}: {got.reason}")
+            got_plan = got.plan
+        if got_plan is not None:
+            notes.extend(got_notes)
+            return got_plan
+    return None
 
 
 def _compacted(plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int, max_simulations: int,
@@ -90,6 +105,8 @@ def compacted(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSp
     notes: list[str] = []
     base_plan = plan
     must = [i for i, f in enumerate(layout.floors) if f > capacity]
+    if len(must) == len(layout.stages):
+        return _all_windowed(layout, model, hardware, capacity)
     # compaction first (planners/mpress/compact.py takes no windowed plan), then the windows: a
     # window stage keeps its recomputes and drops its swaps (_drop_swaps)
     plan = _compacted(base_plan, model, hardware, capacity, max_simulations, notes, improve)
@@ -107,3 +124,21 @@ def compacted(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSp
             if again is not None:
                 cand = _candidate(how, again, model, hardware, capacity, notes)
     return cand
+
+
+def _all_windowed(layout: Layout, model: ModelSpec, hardware: HardwareSpec, capacity: int) -> Candidate | None:
+    """Every stage's parameter state and working set exceed the capacity: each stage takes a
+    window, and a window stage keeps only its recomputes, so MPress's compaction (whose swaps
+    the window drops) is skipped: the windows go on the layout with every layer recomputed
+    (STRONGHOLD §V-D's setting) and with none, and the faster fitting one is kept. On GPT-39.4B
+    / one V100 the compaction this replaces spent 25 s per layout to choose recomputes."""
+    got = []
+    for recompute in ("full", "none"):
+        notes: list[str] = []
+        plan = _windowed(layout.plan(recompute), list(range(len(layout.stages))), model, hardware, capacity, notes)
+        if plan is not None:
+            how = "windowed" + (", every layer recomputed" if recompute == "full" else "")
+            got.append(_candidate(how, plan, model, hardware, capacity, notes))
+    if not got:
+        return None
+    return min(got, key=lambda c: (not c.fits, c.time_s if c.fits else c.peak))

@@ -40,13 +40,21 @@ def _plan():
 @pytest.mark.parametrize("stage", [1, 2])
 def test_single_gpu_stage_peak_matches_costs(stage):
     plan, spec, hw = _plan()
+    import gc
+
     torch.cuda.empty_cache()
     got = run_stage_alone(plan, CFG, stage, iterations=3, device="cuda")
+    gc.collect()
+    torch.cuda.synchronize()
+    # what stays allocated once the run's tensors are gone: the CUDA libraries' workspaces (cuBLAS:
+    # 65.0 MiB on an H100 and an H200, docs/gpu_check.md), in max_memory_allocated but no tensor of
+    # the model's; the prediction (like the tracker) counts the model's tensors only
+    workspace = torch.cuda.memory_allocated()
     predicted = estimate(plan, spec, hw).devices[stage]
     params = sum(spec.layers[i].params for i in plan.stages[stage].layers)
-    err = (got["peak_bytes"] - predicted.peak_bytes) / predicted.peak_bytes
-    print(f"\nstage {stage}: measured max_memory_allocated {got['peak_bytes']} B, predicted "
-          f"{predicted.peak_bytes} B ({err:+.1%}); tracker breakdown {got['breakdown']}; "
+    err = (got["peak_bytes"] - workspace - predicted.peak_bytes) / predicted.peak_bytes
+    print(f"\nstage {stage}: measured max_memory_allocated {got['peak_bytes']} B less {workspace} B of library "
+          f"workspace, predicted {predicted.peak_bytes} B ({err:+.1%}); tracker breakdown {got['breakdown']}; "
           f"predicted {predicted.breakdown.model_dump()}")
     assert got["breakdown"]["parameters"] == 4 * params
     assert got["peak_bytes"] >= 16 * params  # fp32 weights, grads, Adam m and v are all resident

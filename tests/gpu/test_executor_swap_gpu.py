@@ -57,10 +57,22 @@ def test_gpu_swap_lowers_peak_and_keeps_gradients(action):
     print(f"\n{action}: max_memory_allocated kept {a['peak_bytes']} B, swapped {b['peak_bytes']} B "
           f"({b['peak_bytes'] - a['peak_bytes']:+d}); host {b['host_peak_bytes']} B (closed-form bound {bound}); "
           f"iteration {a['iteration_time_s']:.3f} s -> {b['iteration_time_s']:.3f} s")
-    # a swap copies bytes; the same kernels run on the same inputs. Tolerance only for kernels
-    # whose reductions are not run-to-run deterministic (cuBLAS split-K, SDPA backward atomics)
+    # a swap copies bytes; the same kernels run on the same values. Two things still move the
+    # float32 result: (1) reductions that are not run-to-run deterministic (SDPA backward atomics,
+    # split-K GEMMs): on an H100 the kept plan run twice differs by up to 0.13 in gradients up to
+    # ~1,200, measured here as `noise`; (2) a restored tensor's storage sits at another address, so
+    # a kernel may pick another (deterministic) reduction order: a weight's gradient sums b·s
+    # tokens per microbatch over m microbatches, and reordering a sum of K float32 terms moves it
+    # by at most ~K·eps of its magnitudes (measured on an H100: LayerNorm weight 1.2e-3 on |g| ≤ 81,
+    # 1.5e-5 relative, with a rerun noise of 3.4e-5)
+    torch.cuda.empty_cache()
+    again = run_stage_alone(keep, CFG, 1, iterations=2, device="cuda", collect=True)
+    terms = TRAINING.samples_per_microbatch * CFG.seq_len * TRAINING.microbatches
     for name, g in a["grads"].items():
-        torch.testing.assert_close(b["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
+        noise = float((again["grads"][name] - g).abs().max())
+        ulps = terms * torch.finfo(torch.float32).eps * float(g.abs().max())
+        diff = float((b["grads"][name] - g).abs().max())
+        assert diff <= 4 * noise + ulps, f"{name}: swapped vs kept {diff:.3g} > 4 x rerun noise {noise:.3g} + reorder {ulps:.3g}"
     assert 0 < b["host_peak_bytes"] <= bound
     assert b["peak_bytes"] < a["peak_bytes"]
     assert b["peak_bytes"] + b["host_peak_bytes"] >= a["peak_bytes"]  # moved, not lost

@@ -64,10 +64,17 @@ def test_gpu_window_peak_is_resident_plus_pool(w):
     print(f"\nw={w}: max_memory_allocated {kept['peak_bytes']} B -> {win['peak_bytes']} B "
           f"(closed-form static {static_kept} -> {static_win} B); host {win['host_peak_bytes']} B; "
           f"iteration {kept['iteration_time_s']:.3f} s -> {win['iteration_time_s']:.3f} s")
-    # same kernels on the same bytes; tolerance only for non-deterministic reductions (split-K, SDPA)
-    assert win["loss"] == pytest.approx(kept["loss"], rel=1e-5)
+    # same kernels on the same bytes; the tolerance is the measured run-to-run noise of the kept
+    # plan (non-deterministic reductions: SDPA backward, split-K; tests/gpu/test_executor_swap_gpu.py)
+    # times 4, plus 64 float32 ulps of each tensor's largest magnitude
+    torch.cuda.empty_cache()
+    again = run_stage_alone(_plan(None), CFG, 0, iterations=2, device="cuda", collect=True)
+    eps = 64 * torch.finfo(torch.float32).eps
+    assert abs(win["loss"] - kept["loss"]) <= 4 * abs(again["loss"] - kept["loss"]) + eps * abs(kept["loss"])
     for name, g in kept["grads"].items():
-        torch.testing.assert_close(win["grads"][name], g, rtol=1e-5, atol=1e-7, msg=name)
+        noise = float((again["grads"][name] - g).abs().max())
+        diff = float((win["grads"][name] - g).abs().max())
+        assert diff <= 4 * noise + eps * float(g.abs().max()), f"{name}: window vs kept {diff:.3g}, rerun noise {noise:.3g}"
     assert win["breakdown"]["parameters"] == fp32 * (resident + w * largest)
     assert win["peak_bytes"] >= static_win
     activations_kept = kept["peak_bytes"] - static_kept

@@ -131,3 +131,63 @@ def test_stopping_at_the_bound_loses_nothing_against_every_layout_realised(case)
                                                              policy.max_simulations) if c.fits), default=None)
     assert out.fits and best is not None
     assert out.winner.time_s <= best * (1 + 1e-9), f"auto {out.winner.time_s} s, an unrealised layout {best} s"
+
+
+@pytest.mark.parametrize("case", ["gpt_tiny-local_cpu", "gpt_5b3-dgx1-12GiB"])
+def test_schedules_share_the_no_limit_front_without_changing_it(case):
+    """layouts.generate shares the exact DP's no-limit front between schedules (with no limit it
+    reads no memory): each schedule's layouts are those it generates alone."""
+    model, hw, training, policy, out = searched(case)
+    cap = out.capacity_bytes
+    plan_hw = planning_hardware(hw, cap)
+    shared: dict = {}
+    vs, _ = L.variants(policy, training, ONE_F_ONE_B)
+    assert {v.schedule.kind.value for v in vs} >= {"1f1b", "gpipe"}
+    for v in vs:
+        alone, _ = L.generate(model, plan_hw, v, cap)
+        with_memo, _ = L.generate(model, plan_hw, v, cap, unlimited=shared)
+        assert with_memo == alone
+    assert shared  # the memo was used
+
+
+def test_when_every_stage_needs_a_window_the_compaction_is_skipped_and_nothing_lost():
+    """GPT-3 13B on one V100 (STRONGHOLD's setting): the only layout's stage is over its floor,
+    realise windows it with every layer recomputed; it fits, and matches policy=stronghold."""
+    from planners.auto.search import auto_search
+    from planners.policy import AutoPolicy
+    from specs import HardwareSpec, TrainingSpec
+    from tests.conftest import conf
+    from tests.unit.auto.auto_cases import spec
+
+    hw = HardwareSpec.model_validate(conf("hardware", "v100_single"))
+    training = TrainingSpec(global_batch=8, microbatch_size=8, precision="fp16", mixed_bytes_per_param=16)
+    model = spec("gpt3_13b", training)
+    out = auto_search(AutoPolicy(singles=["stronghold"]), model, hw, training, ONE_F_ONE_B)
+    windowed = [c for c in out.candidates if c.how.split(": ", 1)[1].startswith("windowed")]
+    assert windowed and all(c.plan.stages[0].offload.window_layers for c in windowed)
+    assert not any("compacted" in c.how for c in out.candidates)
+    assert out.fits
+    best_single = out.best_single.candidate
+    assert out.winner.time_s <= best_single.time_s
+    assert min(c.time_s for c in windowed if c.fits) <= best_single.time_s * 1.0000001
+
+
+def test_windows_on_every_stage_move_the_optimizer_to_nvme_when_ram_runs_short():
+    """GPT-3 175B on one Selene node (8 A100-80GB, 2 TiB RAM, NVMe): a window per stage of pp8
+    needs 364 GiB of streamed state per stage; nvme=auto per stage fills RAM with the first stages
+    and leaves stage 6 short, so realise puts every window's optimizer state on NVMe — a fitting
+    pp8 plan, faster than STRONGHOLD's one-device plan."""
+    from planners.auto.search import auto_search
+    from planners.policy import AutoPolicy
+    from specs import HardwareSpec
+    from tests.conftest import conf
+    from tests.unit.auto.auto_cases import GPT_TRAINING, spec
+
+    hw = HardwareSpec.model_validate({**conf("hardware", "selene"), "nodes": 1})
+    model = spec("gpt3_175b", GPT_TRAINING)
+    out = auto_search(AutoPolicy(singles=["stronghold"]), model, hw, GPT_TRAINING, ONE_F_ONE_B)
+    assert out.fits and out.winner.source == "auto"
+    stages = out.plan.stages
+    assert len(stages) == 8 and all(st.offload.window_layers and st.offload.nvme for st in stages)
+    assert not any(d.host_oom for d in out.winner.result.devices)
+    assert out.winner.time_s < out.best_single.candidate.time_s

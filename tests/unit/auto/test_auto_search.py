@@ -101,3 +101,36 @@ def test_pareto_frontier_is_undominated_and_covers_the_rest(case):
             assert any(f.peak <= c.peak and f.time_s <= c.time_s for f in front), f"{c.source} {c.how} not covered"
     # reported fastest last: peaks rise as times fall
     assert all(a.peak < b.peak and a.time_s > b.time_s for a, b in zip(front, front[1:]))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mpress_bound_is_below_what_policy_mpress_simulates(case):
+    """singles.single_bound_s: MPress's layout compute alone never exceeds (beyond BOUND_SLACK) the
+    time its own search's plan simulates to, so skipping it when the bound loses is exact."""
+    from planners.auto.search import BOUND_SLACK, planning_hardware
+    from planners.auto.singles import run_single, single_bound_s
+
+    model, hw, training, policy, out = searched(case)
+    plan_hw = planning_hardware(hw, out.capacity_bytes)
+    bound = single_bound_s("mpress", model, plan_hw, training, ONE_F_ONE_B)
+    got = run_single("mpress", model, hw, plan_hw, training, ONE_F_ONE_B, out.capacity_bytes)
+    assert bound is not None and got.candidate is not None
+    assert bound <= got.candidate.time_s * BOUND_SLACK
+
+
+def test_mpress_is_not_searched_when_its_bound_loses_and_would_not_have_won():
+    """gpt_tiny on 4 local_cpu devices, 32 microbatches: MPress's one-layer-per-device pipeline is
+    bound above auto's answer, so auto skips it (saying so) — and MPress run apart is slower."""
+    from planners.auto.singles import run_single
+    from specs import TrainingSpec
+    from tests.unit.auto.auto_cases import spec
+
+    training = TrainingSpec(global_batch=64, microbatch_size=2, precision="fp32")
+    model = spec("gpt_tiny", training)
+    out = auto_search(AutoPolicy(singles=["balanced", "mpress"]), model, LOCAL_CPU, training, ONE_F_ONE_B)
+    [mp] = [s for s in out.singles if s.name == "mpress"]
+    assert [s.name for s in out.singles] == ["balanced", "mpress"]
+    assert mp.candidate is None and mp.bound_s is not None and "not searched" in mp.error
+    assert mp.bound_s >= out.winner.time_s
+    apart = run_single("mpress", model, LOCAL_CPU, LOCAL_CPU, training, ONE_F_ONE_B, out.capacity_bytes)
+    assert apart.candidate.time_s > out.winner.time_s

@@ -94,3 +94,22 @@ def test_missing_groups_name_the_options():
 
 def test_node_count_override_scales_the_hardware():
     assert composed("+model=gpt", "+hardware=selene", "hardware.nodes=128").hardware.num_devices == 1024
+
+
+@pytest.mark.parametrize("name", names("experiment"))
+def test_every_experiment_composes_with_policy_auto(name, capsys):
+    """``experiment=X policy=auto``: the preset's own policy fields (pp, recompute, devices, ...)
+    are dropped with a note naming them; auto's knobs are untouched."""
+    import yaml
+
+    theirs = set((yaml.safe_load((CONF / "experiment" / f"{name}.yaml").read_text()).get("policy") or {}))
+    rc = composed(f"experiment={name}", "policy=auto", "policy.max_layouts=5")
+    assert rc.policy.kind == "auto" and rc.policy.max_layouts == 5
+    out = capsys.readouterr().out
+    for field in theirs - set(type(rc.policy).model_fields):
+        assert f"policy.{field}" in out
+
+
+def test_policy_auto_still_refuses_a_mistyped_knob_under_an_experiment():
+    with pytest.raises(run.UsageError, match="policy.auto.max_layout"):
+        composed("experiment=megatron_gpt3_175b", "policy=auto", "+policy.max_layout=5")

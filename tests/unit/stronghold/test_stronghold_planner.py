@@ -201,3 +201,22 @@ def test_nvme_without_a_drive_is_refused_by_name_or_left_off():
     auto = stronghold_search(policy(), model, no_drive, training, ScheduleSpec())
     assert not auto.plan.stages[0].offload.nvme and not auto.fits
     assert any("has no NVMe" in n for n in auto.notes)
+
+
+@pytest.mark.parametrize("kind,v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
+def test_a_stages_passes_are_its_forwards_and_backwards_in_schedule_order(kind, v):
+    """planners.stronghold.planner._passes reads the compute order alone; it equals the forwards and
+    backwards of the stage in the device's full action list (specs.schedule.build_schedule)."""
+    from planners.stronghold.planner import _passes
+    from specs.schedule import ActionKind, build_schedule
+
+    model = gpt("gpt_tiny")
+    hw = make_hardware(4 // v)
+    training = TrainingSpec(global_batch=16, microbatch_size=2, precision="fp32")
+    sched = ScheduleSpec(kind=kind, virtual_stages=v)
+    plan = make_plan(parse_policy({"kind": "even", "pp": 4 // v}), model, hw, training, sched)
+    for s in range(len(plan.stages)):
+        acts = build_schedule(plan)[plan.device_group_of(s)]
+        want = [("F" if a.kind is ActionKind.forward else "B", a.microbatch) for a in acts
+                if a.stage == s and a.kind in (ActionKind.forward, ActionKind.backward)]
+        assert _passes(plan, s) == want

@@ -98,9 +98,9 @@ def variants(policy, training: TrainingSpec, schedule: ScheduleSpec) -> tuple[li
     if not async_ok and "pipedream_async" in kinds:
         kinds.remove("pipedream_async")
         left_out.append("pipedream_async: it changes the optimisation (stale weights); policy.allow_async=true adds it")
-    if schedule.virtual_stages > 1:
-        left_out.append("interleaved 1F1B: the layout table prices non-interleaved pipelines only "
-                        "(the single policies that plan it still run with schedule=interleaved_1f1b)")
+    left_out.append("interleaved 1F1B: not in the layout table (it prices non-interleaved pipelines); tried after "
+                    "the search on the fastest uniform layouts (v = 2, 3, 4, balanced chunks, no action or full "
+                    "recompute: per-layer actions and windows take no interleaved plan)")
     if any(z > 0 for z in policy.zero_stages):
         left_out.append("ZeRO > 0 is searched, but the executor refuses zero_stage > 0 (executor/measure.py): "
                         "such a plan simulates, it does not run")

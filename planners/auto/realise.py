@@ -77,8 +77,9 @@ def _windowed(plan: Plan, stages: list[int], model: ModelSpec, hardware: Hardwar
 
 
 def _compacted(plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int, max_simulations: int,
-               notes: list[str], improve: bool = True) -> Plan:
-    got = compact(plan, model, hardware, capacity, max_simulations=max_simulations, improve_rounds=improve)
+               notes: list[str], improve: bool = True, progress=None) -> Plan:
+    got = compact(plan, model, hardware, capacity, max_simulations=max_simulations, progress=progress,
+                  improve_rounds=improve)
     if got is None:
         return plan
     notes.append(f"compaction: {got.stop} ({got.simulations} simulations)")
@@ -100,8 +101,9 @@ def realise(layout: Layout, model: ModelSpec, hardware: HardwareSpec, capacity: 
 
 
 def compacted(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
-              max_simulations: int, improve: bool = True) -> Candidate | None:
-    """``plan`` (the layout with no action) compacted and windowed (module doc, step 3)."""
+              max_simulations: int, improve: bool = True, progress=None) -> Candidate | None:
+    """``plan`` (the layout with no action) compacted and windowed (module doc, step 3);
+    ``progress(simulations, None)`` after each of the compaction's simulations."""
     notes: list[str] = []
     base_plan = plan
     must = [i for i, f in enumerate(layout.floors) if f > capacity]
@@ -109,7 +111,7 @@ def compacted(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSp
         return _all_windowed(layout, model, hardware, capacity)
     # compaction first (planners/mpress/compact.py takes no windowed plan), then the windows: a
     # window stage keeps its recomputes and drops its swaps (_drop_swaps)
-    plan = _compacted(base_plan, model, hardware, capacity, max_simulations, notes, improve)
+    plan = _compacted(base_plan, model, hardware, capacity, max_simulations, notes, improve, progress)
     how = "compacted" if improve else "compacted (screening: repair only)"
     if must:
         plan = _windowed(plan, must, model, hardware, capacity, notes)

@@ -16,7 +16,9 @@ not enumerated; the search decomposes as the papers' own solvers do:
 3. **inner per-stage compaction** (planners/auto/realise.py): in order of the lower bound, each
    layout is simulated as is, with full recompute, and compacted (STRONGHOLD windows where a
    stage's state does not fit, MPress's per-layer actions elsewhere).
-4. **branch and bound**: the loop stops once a layout's lower bound reaches the fastest fitting
+4. **interleaved 1F1B** (planners/auto/interleave.py): the fastest fitting uniform layouts again
+   with v = 2, 3, 4 chunks per device group (Megatron-LM's schedule), no action or full recompute.
+5. **branch and bound**: the loop stops once a layout's lower bound reaches the fastest fitting
    simulated plan so far (exact for the closed-form bound; a heuristic against the simulator,
    which adds contention the bound omits), or after ``policy.max_layouts`` layouts.
 
@@ -32,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from planners.auto.candidate import Candidate, pareto
+from planners.auto.interleave import interleaved
 from planners.auto.layouts import search_layouts
 from planners.auto.realise import compacted, realise
 from planners.auto.singles import BOUNDED, Single, run_single, single_bound_s
@@ -114,7 +117,7 @@ def _pick(cands: list[Candidate], singles: list[Single], pruned: Counter) -> Can
 
 
 def _improve(policy, cands: list[Candidate], best: float, model: ModelSpec, hardware: HardwareSpec,
-             capacity: int) -> list[Candidate]:
+             capacity: int, progress=None) -> list[Candidate]:
     """MPress's improve rounds (§III-D) on the ``policy.improve_layouts`` layouts whose screening
     compaction (repair only) fit fastest, each only while its lower bound can still beat the best
     fitting plan (rounds only make a plan faster, never below its layout's bound)."""
@@ -130,7 +133,8 @@ def _improve(policy, cands: list[Candidate], best: float, model: ModelSpec, hard
         if layout.time_lb_s >= best * BOUND_SLACK:
             continue
         try:
-            got = compacted(layout, layout.plan("none"), model, hardware, capacity, policy.max_simulations, True)
+            got = compacted(layout, layout.plan("none"), model, hardware, capacity, policy.max_simulations, True,
+                            progress)
         except (PlanningError, PlanError, ValueError):
             continue
         if got is not None:
@@ -152,7 +156,7 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     for name in policy.singles:
         if name in BOUNDED:
             continue
-        single = run_single(name, model, hardware, plan_hw, training, schedule, capacity, profile)
+        single = run_single(name, model, hardware, plan_hw, training, schedule, capacity, profile, progress)
         singles.append(single)
         say(f"policy={name}", single.planning_s)
     start = time.perf_counter()
@@ -204,9 +208,13 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
         best = min([best] + [c.time_s for c in got if c.fits])
     say(f"layouts realised: {realised}", time.perf_counter() - start)
     start = time.perf_counter()
-    improved = _improve(policy, cands, best, model, hardware, capacity)
+    improved = _improve(policy, cands, best, model, hardware, capacity, progress)
     cands += improved
     say(f"improve rounds on the {len(improved)} most promising layouts", time.perf_counter() - start)
+    start = time.perf_counter()
+    inter = interleaved(cands, model, hardware, plan_hw, capacity, schedule)
+    cands += inter
+    say(f"interleaved 1F1B on the fastest uniform layouts: {len(inter)} simulated", time.perf_counter() - start)
     best = min([best] + [c.time_s for c in cands if c.fits])
     for name in policy.singles:  # the bounded singles last, each only while its bound can win
         if name not in BOUNDED:
@@ -218,7 +226,7 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
                             f"not searched: its layout's lower bound {bound:.3f} s ≥ {best:.3f} s, the fastest "
                             "fitting plan found (it cannot win)", bound_s=bound)
         else:
-            single = run_single(name, model, hardware, plan_hw, training, schedule, capacity, profile)
+            single = run_single(name, model, hardware, plan_hw, training, schedule, capacity, profile, progress)
         singles.append(single)
         say(f"policy={name}", single.planning_s)
     singles.sort(key=lambda s: policy.singles.index(s.name))

@@ -134,3 +134,30 @@ def test_mpress_is_not_searched_when_its_bound_loses_and_would_not_have_won():
     assert mp.bound_s >= out.winner.time_s
     apart = run_single("mpress", model, LOCAL_CPU, LOCAL_CPU, training, ONE_F_ONE_B, out.capacity_bytes)
     assert apart.candidate.time_s > out.winner.time_s
+
+
+def test_progress_is_reported_inside_the_long_parts():
+    """The shell's bar (reports.progress.after) moves during the singles' and the compaction's
+    simulations, not only between layouts: progress(done, None) comes from the emulator."""
+    calls = []
+    model, hw, training, policy, _ = searched("gpt_tiny-local_cpu-1.2MiB")
+    auto_search(policy, model, hw, training, ONE_F_ONE_B, progress=lambda done, total: calls.append((done, total)))
+    assert any(total is None for _, total in calls)       # MPress's emulator / the compaction
+    assert any(total is not None for _, total in calls)   # the layouts realised
+
+
+def test_interleaved_variants_of_the_fastest_uniform_layouts_are_simulated():
+    """planners/auto/interleave.py: for a uniform 1F1B layout that fits, interleaved 1F1B plans
+    with v chunks per device group (p · v stages, chunk j on group j mod p, the layout's dp × tp)
+    are candidates, with no action and with every layer recomputed."""
+    model, hw, training, policy, out = searched("gpt_tiny-local_cpu")
+    inter = [c for c in out.candidates if c.plan.schedule.kind.value == "interleaved_1f1b"]
+    assert {c.plan.schedule.virtual_stages for c in inter} >= {2, 3}
+    for c in inter:
+        p, v = c.plan.pipeline_depth, c.plan.schedule.virtual_stages
+        assert len(c.plan.stages) == p * v and p >= 2
+        assert len({(st.dp, st.tp) for st in c.plan.stages}) == 1
+        for j, st in enumerate(c.plan.stages):
+            assert st.devices == c.plan.stages[j % p].devices
+        assert "interleaved 1F1B" in c.how and c.result.iteration_time_s > 0
+    assert {any(st.memory for st in c.plan.stages) for c in inter} == {False, True}  # none and full recompute

@@ -6,9 +6,10 @@ not enumerated; the search decomposes as the papers' own solvers do:
 1. **singles** (planners/auto/singles.py): balanced, throughput, CAPTURE, MPress, STRONGHOLD and
    MAP each plan the same inputs with their default knobs; each answer is simulated and is a
    candidate, so auto's answer is never slower than the best of them (and fits whenever one does).
-   MPress (singles.BOUNDED: its search is minutes at 64 devices) runs last, and only while its
-   layout's lower bound (singles.single_bound_s) can beat the fastest fitting plan found; else
-   the report says "not searched" with both times, and the never-worse promise still holds.
+   MPress and STRONGHOLD (singles.BOUNDED: their searches take minutes at 64-512 devices) run
+   last, each only while a lower bound on its answer (singles.single_bound_s) can beat the
+   fastest fitting plan found; else the report says "not searched" with both times, and the
+   never-worse promise still holds.
 2. **outer search over layouts** (planners/auto/layouts.py): pipeline depth, contiguous split,
    per-stage dp × tp, microbatch size and schedule, from the throughput planner's stage table,
    each priced in closed form with no memory action (a lower bound on its time) and at its floor

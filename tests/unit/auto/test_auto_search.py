@@ -103,17 +103,19 @@ def test_pareto_frontier_is_undominated_and_covers_the_rest(case):
     assert all(a.peak < b.peak and a.time_s > b.time_s for a, b in zip(front, front[1:]))
 
 
+@pytest.mark.parametrize("name", ["mpress", "stronghold"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_mpress_bound_is_below_what_policy_mpress_simulates(case):
-    """singles.single_bound_s: MPress's layout compute alone never exceeds (beyond BOUND_SLACK) the
-    time its own search's plan simulates to, so skipping it when the bound loses is exact."""
+def test_a_bounded_singles_bound_is_below_what_it_simulates(case, name):
+    """singles.single_bound_s: MPress's layout compute alone, and STRONGHOLD's whole-model
+    recomputed work spread over its deepest pipeline, never exceed (beyond BOUND_SLACK) the time
+    the policy's own plan simulates to, so skipping it when the bound loses is exact."""
     from planners.auto.search import BOUND_SLACK, planning_hardware
     from planners.auto.singles import run_single, single_bound_s
 
     model, hw, training, policy, out = searched(case)
     plan_hw = planning_hardware(hw, out.capacity_bytes)
-    bound = single_bound_s("mpress", model, plan_hw, training, ONE_F_ONE_B)
-    got = run_single("mpress", model, hw, plan_hw, training, ONE_F_ONE_B, out.capacity_bytes)
+    bound = single_bound_s(name, model, plan_hw, training, ONE_F_ONE_B)
+    got = run_single(name, model, hw, plan_hw, training, ONE_F_ONE_B, out.capacity_bytes)
     assert bound is not None and got.candidate is not None
     assert bound <= got.candidate.time_s * BOUND_SLACK
 

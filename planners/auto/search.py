@@ -25,8 +25,9 @@ not enumerated; the search decomposes as the papers' own solvers do:
 
 The winner is the fastest simulated candidate that fits; if none fits, the one with the lowest
 peak (the closest), which the shell reports as "does not fit" with its knobs. MAP's per-operator
-sharding enters as policy=map's whole plan (single 1): mixing sharded and dp × tp stages in one
-pipeline is not searched.
+sharding enters twice: as policy=map's whole plan (single 1), and per stage of the fastest plan at
+the configured microbatch (planners/auto/map_mix.py: a stage replaced by MAP's sharding of its
+devices, kept when the simulator says faster).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 from planners.auto.candidate import Candidate, pareto
 from planners.auto.interleave import interleaved
 from planners.auto.layouts import search_layouts
+from planners.auto.map_mix import map_mixed
 from planners.auto.realise import compacted, realise
 from planners.auto.singles import BOUNDED, Single, run_single, single_bound_s
 from specs.hardware import HardwareSpec
@@ -216,6 +218,15 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     inter = interleaved(cands, model, hardware, plan_hw, capacity, schedule)
     cands += inter
     say(f"interleaved 1F1B on the fastest uniform layouts: {len(inter)} simulated", time.perf_counter() - start)
+    # MAP's strategies come from operator graphs traced at the configured microbatch
+    # (specs/plan.py refuses a sharded stage at another): the fastest own plan at that size
+    own = [c for c in cands if c.fits and c.layout is not None
+           and c.plan.training.samples_per_microbatch == training.samples_per_microbatch]
+    if own:
+        start = time.perf_counter()
+        mixed = map_mixed(min(own, key=lambda c: (c.time_s, c.how)), model, hardware, capacity)
+        cands += mixed
+        say(f"MAP sharding on the fastest plan's stages: {len(mixed)} simulated", time.perf_counter() - start)
     best = min([best] + [c.time_s for c in cands if c.fits])
     for name in policy.singles:  # the bounded singles last, each only while its bound can win
         if name not in BOUNDED:

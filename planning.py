@@ -278,9 +278,11 @@ def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
                     "memory budget per device")
 
 
-#: policy=auto builds CAPTURE's profile itself only up to this many layers (about a minute on one
-#: core, see _plan_auto); above it a cached profile is used, or CAPTURE is left out with the reason
-AUTO_CAPTURE_MAX_LAYERS = 128
+#: policy=auto builds CAPTURE's profile itself only up to this many layers; above it a cached
+#: profile is used, or CAPTURE is left out with the reason. Measured on one core: GPT-20.4B (66
+#: layers, 848 runs) 15 s, whole CLI run 33 s; GPT-3 175B (98 layers, 1,336 runs) about 45 s,
+#: whole CLI run on 64 A100s 87 s of CPU — over the minute auto's search is meant to take
+AUTO_CAPTURE_MAX_LAYERS = 72
 
 
 def capture_cached(cfg: RunConfig) -> bool:
@@ -310,9 +312,10 @@ def _plan_auto(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> tupl
             capture_cfg = cfg.model_copy(update={"policy": capture})
             if not capture_cached(capture_cfg) and model.num_layers > AUTO_CAPTURE_MAX_LAYERS:
                 raise PlanningError(
-                    f"its profile is not cached and model {model.name!r} has {model.num_layers} layers: ~10(L-1) "
-                    "simulator runs of the whole model, growing as L² (measured here: 15 s at 66 layers, 1014 s "
-                    f"at 502), more than auto's one-minute search; `policy=capture` once caches it for auto")
+                    f"its profile is not cached and model {model.name!r} has {model.num_layers} layers "
+                    f"(> {AUTO_CAPTURE_MAX_LAYERS}): ~10(L-1) simulator runs of the whole model, growing as L² "
+                    "(measured here: 15 s at 66 layers, ~45 s at 98, 1014 s at 502), more than auto's one-minute "
+                    "search; `policy=capture` once caches it for auto")
             profile = capture_profile_for(capture_cfg, outdir)
         except (PlanningError, PlanError, UsageError) as exc:
             print(f"[auto] policy=capture left out: {exc}", flush=True)

@@ -125,13 +125,30 @@ def _numbers(text: str) -> set[float]:
     return {float(x) for x in re.findall(r"\d+(?:\.\d+)?", text)}
 
 
+def _ratio_stated(r) -> bool:
+    """The quote states the ratio: its number (or its percent), or — only for "an improvement over"
+    with no number — the bound "> 1" in words (issue 25: the words alone used to excuse any value)."""
+    stated = _numbers(r.quote)
+    if r.value in stated or round(r.value * 100, 1) in stated:
+        return True
+    return r.value == 1.0 and r.bound == ">" and "improvement over" in r.quote and not stated
+
+
+def test_a_ratio_whose_value_the_quote_does_not_state_is_caught():
+    """The check above can fail: every ratio set to 42.0 (a number no quote states) is refused."""
+    from dataclasses import replace
+
+    assert paper.RATIOS
+    for r in paper.RATIOS:
+        assert not _ratio_stated(replace(r, value=42.0)), r
+
+
 def test_every_number_is_in_its_quote():
     """No number without a sentence that states it (percent as a fraction, 'half trillions' as 500)."""
     for c in paper.LARGEST:
         assert c.billions in _numbers(c.quote) or (c.billions == 500 and "half trillion" in c.quote), c
     for r in paper.RATIOS:
-        stated = _numbers(r.quote)
-        assert r.value in stated or round(r.value * 100, 1) in stated or "improvement over" in r.quote, r
+        assert _ratio_stated(r), r
     for n in paper.NUMBERS:
         stated = _numbers(n.quote)
         for v in (n.value, n.hi):

@@ -122,7 +122,8 @@ def find(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
                 return None
             start = time.perf_counter()
             out = auto_search(quiet, m, hardware, training, schedule, None, progress, None)
-            say(f"largest_model: {policy.scale}={n} {_verdict(out, 'fits', 'does not fit')}", time.perf_counter() - start)
+            say(f"largest_model: {policy.scale}={n} {_verdict(out, 'fits', 'does not fit')}",
+                time.perf_counter() - start)
             return out
 
         size, outcome, notes = _frontier(probe, start, start * 64, grow_fits=False)

@@ -15,7 +15,7 @@ Heuristic, not exact: which layouts (the ``top`` fastest distinct uniform ones),
 from __future__ import annotations
 
 from planners.auto.candidate import Candidate
-from planners.auto.realise import _candidate
+from planners.auto.realise import simulated_candidate
 from planners.layout import PlanningError
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -61,7 +61,7 @@ def interleaved(cands: list[Candidate], model: ModelSpec, hardware: HardwareSpec
                 try:
                     plan = plan_balanced(BalancedPolicy(pp=p, dp=dp, tp=tp, recompute=recompute), model, plan_hw,
                                          training, ScheduleSpec(kind="interleaved_1f1b", virtual_stages=v))
-                    got = _candidate(f"interleaved 1F1B, v={v}" + (", every layer recomputed"
+                    got = simulated_candidate(f"interleaved 1F1B, v={v}" + (", every layer recomputed"
                                                                    if recompute == "full" else ""),
                                      plan.model_copy(update={"planner": "auto"}), model, hardware, capacity)
                 except (PlanningError, PlanError, ValueError):

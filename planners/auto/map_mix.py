@@ -17,7 +17,7 @@ attaches them for policy=auto: model_costs.wants_op_graphs); without them nothin
 from __future__ import annotations
 
 from planners.auto.candidate import Candidate, over_capacity
-from planners.auto.realise import _candidate
+from planners.auto.realise import simulated_candidate
 from planners.layout import PlanningError
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -66,7 +66,7 @@ def map_mixed(winner: Candidate, model: ModelSpec, hardware: HardwareSpec, capac
         for _ in range(2):  # the solve, then MAP's one refinement if the simulator says it is over
             try:
                 mixed = _with_stage(best.plan, s, _sharded_stage(best.plan, s, model, hardware, budget))
-                got = _candidate(f"stage {s} as MAP's sharding", mixed, model, hardware, capacity)
+                got = simulated_candidate(f"stage {s} as MAP's sharding", mixed, model, hardware, capacity)
             except (PlanningError, PlanError, ValueError):
                 break
             got.how = f"{winner.how} + MAP sharding on stage {s}"

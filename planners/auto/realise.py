@@ -31,7 +31,7 @@ from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan, validate_plan
 
 
-def _candidate(how: str, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
+def simulated_candidate(how: str, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
                notes: list[str] | None = None) -> Candidate:
     plan = validate_plan(plan, model, hardware)
     result = simulate(plan, model, hardware, trace=False).result
@@ -90,12 +90,12 @@ def realise(layout: Layout, model: ModelSpec, hardware: HardwareSpec, capacity: 
             max_simulations: int, improve: bool = True) -> list[Candidate]:
     """The simulated plans of one layout (module doc). ``improve=False``: the compaction stops once
     its repair fits (a screening pass; search.py improves the most promising layouts after)."""
-    base = _candidate("layout as is", layout.plan("none"), model, hardware, capacity)
+    base = simulated_candidate("layout as is", layout.plan("none"), model, hardware, capacity)
     if base.fits:
         return [base]
     out = [base]
     if max(layout.peaks_full) <= capacity:
-        out.append(_candidate("every layer recomputed", layout.plan("full"), model, hardware, capacity))
+        out.append(simulated_candidate("every layer recomputed", layout.plan("full"), model, hardware, capacity))
     got = compacted(layout, base.plan, model, hardware, capacity, max_simulations, improve)
     return out + ([got] if got is not None else [])
 
@@ -117,14 +117,14 @@ def compacted(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSp
         plan = _windowed(plan, must, model, hardware, capacity, notes)
         if plan is None:
             return None
-    cand = _candidate(how, plan, model, hardware, capacity, notes)
+    cand = simulated_candidate(how, plan, model, hardware, capacity, notes)
     if not cand.fits:  # a stage still over: a window where one is possible, then compact again
         more = [s for s in _over_stages(plan, cand, capacity)
                 if not plan.stages[s].offload.window_layers and window_possible(layout.stages[s], layout.variant)]
         if more:
             again = _windowed(plan, more, model, hardware, capacity, notes)
             if again is not None:
-                cand = _candidate(how, again, model, hardware, capacity, notes)
+                cand = simulated_candidate(how, again, model, hardware, capacity, notes)
     return cand
 
 
@@ -140,7 +140,7 @@ def _all_windowed(layout: Layout, model: ModelSpec, hardware: HardwareSpec, capa
         plan = _windowed(layout.plan(recompute), list(range(len(layout.stages))), model, hardware, capacity, notes)
         if plan is not None:
             how = "windowed" + (", every layer recomputed" if recompute == "full" else "")
-            got.append(_candidate(how, plan, model, hardware, capacity, notes))
+            got.append(simulated_candidate(how, plan, model, hardware, capacity, notes))
     if not got:
         return None
     return min(got, key=lambda c: (not c.fits, c.time_s if c.fits else c.peak))

@@ -105,14 +105,13 @@ def single_bound_s(name: str, model: ModelSpec, plan_hw: HardwareSpec, training:
     only add time (recompute, swap traffic) and the mapping moves only transfers, so the base's
     compute alone, Σ work + (m − 1) · max work (layouts.compute_bound_s), bounds it from below.
     GPT-3 175B on 64 A100s: its search took 128 s of auto's 179 s for an answer at half auto's speed."""
-    from planners.auto.layouts import compute_bound_s
-    from planners.baselines.stage_place import Placed
-    from planners.baselines.stagetable import StageTable
-
     if name == "stronghold":
         return _stronghold_bound_s(model, plan_hw, training, schedule)
     if name != "mpress":
         return None
+    from planners.auto.layouts import compute_bound_s
+    from planners.baselines.stage_place import Placed
+    from planners.baselines.stagetable import StageTable
     from planners.mpress.base import base_plan
 
     try:

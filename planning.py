@@ -202,7 +202,7 @@ def _plan_mpress(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Pl
     host_over = [(n, b) for n, b in enumerate(outcome.host_bytes_per_node) if b > cfg.hardware.host.memory_bytes]
     why = ("; ".join(f"host RAM: node {n} needs {human_bytes(b)} (CPU swaps, offloaded optimizer state), has "
                      f"{human_bytes(cfg.hardware.host.memory_bytes)}" for n, b in host_over)
-           or "MPress compacted every layer it could")
+           or f"the MPress search stopped: {outcome.stop_reason}")
     return _publish(cfg, model, outdir, outcome, REPORT_FILES["mpress"], report(outcome), summary_lines(outcome), why)
 
 

@@ -54,3 +54,30 @@ def optimizer_swap_chunks(model: ModelSpec, plan: Plan, stage: StagePlan) -> lis
 #: chunks of a streamed optimizer step on the device at once: the one being stepped, the next
 #: coming in, the previous going out (the in and out copies run on opposite directions)
 OPTIMIZER_SWAP_RESIDENT_CHUNKS = 3
+
+
+def stash_layer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> int:
+    """Bytes of one PipeDream stashed weight version of ``layer`` on one device of ``stage`` (its
+    TP shard at the weights' precision; a tied copy whose owner shares the stage's devices holds
+    no weights of its own, as in :func:`costs.params.stage_params_on_device`)."""
+    from costs.params import tied_copies
+
+    w_b = plan.training.bytes_per_param()[0]
+    params = layer_params_on_device(model.layers[layer], stage.tp)
+    for _, copy, shared in tied_copies(model, plan, stage):
+        if shared and copy == layer:
+            params -= math.ceil(model.layers[copy].tied_params / stage.tp)
+    return max(params, 0) * w_b
+
+
+def stash_swap_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """Bytes of one stashed weight version that ``offload.stash_swap_layers`` keep in host memory
+    (MPress §II-D: GPU-CPU swap of model data, here PipeDream's stashed versions, PipeDream §3.3),
+    at most the stage's parameter bytes; 0 without the field."""
+    layers = stage.offload.stash_swap_layers
+    if not layers:
+        return 0
+    total = sum(stash_layer_bytes(model, plan, stage, l) for l in sorted(set(layers)))
+    if plan.zero_stage >= 3:  # ZeRO-3 shards the weights over dp (stage_static)
+        total = math.ceil(total / stage.dp)
+    return min(total, stage_static(model, plan, stage)[0].parameters_bytes)

@@ -36,6 +36,8 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
                                f"(d2d targets must be among the plan's stage devices {sorted(used)})")
     if plan.zero_stage:
         out.append(f"zero_stage: {plan.zero_stage} (ZeRO sharding is not implemented; use 0)")
+    if plan.schedule.kind.value == "pipedream_async":
+        out += _pipedream_unsupported(plan, model_cfg)
     for i, st in enumerate(plan.stages):
         out += _offload_unsupported(plan, i, model_cfg)
         if st.sharding:
@@ -62,6 +64,30 @@ def _map_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
     if cfg is not None and cfg.family not in ("gpt", "bert"):
         out.append(f"{where}.sharding: family {cfg.family!r} (the MAP executor runs GPT and BERT: "
                    "stateless layers of (x, batch))")
+    return out
+
+
+def _pipedream_unsupported(plan: Plan, model_cfg) -> list[str]:
+    """What executor.pipedream (PipeDream's per-microbatch updates with weight stashing) does not
+    run: replicated or tensor-parallel stages (a per-microbatch all-reduce), host-side weights
+    (windows, ZeRO-Offload), MAP stages, a user's own model (its ties are summed once per step)."""
+    out = []
+    for i, st in enumerate(plan.stages):
+        where = f"stages[{i}]"
+        for name, degree in (("dp", st.dp), ("tp", st.tp)):
+            if degree > 1:
+                out.append(f"{where}.{name}: {degree} with schedule pipedream_async (PipeDream's per-microbatch "
+                           "update of a replicated or sharded stage is not implemented; use 1)")
+        if st.offload.window_layers is not None or st.offload.optimizer_on_cpu:
+            out.append(f"{where}.offload: a window or optimizer_on_cpu with schedule pipedream_async (weights "
+                       "homed on the host are not stashed; use keep/recompute/swap, optimizer_swap or "
+                       "stash_swap_layers)")
+        if st.sharding:
+            out.append(f"{where}.sharding: a MAP stage with schedule pipedream_async (not implemented)")
+    cfg = _config(model_cfg) if model_cfg is not None else None
+    if cfg is not None and cfg.family == "torch_module":
+        out.append("model.family: torch_module with schedule pipedream_async (a user model's tied weights are "
+                   "synced once per step; use schedule 1f1b)")
     return out
 
 

@@ -29,6 +29,8 @@ CATEGORY_FIELDS = {
     "activations": "activations_bytes", "buffers": "buffers_bytes",
     # swap-ins on the source and stripes held for d2d peers (executor.swap, executor.d2d)
     "swapped": "swapped_in_bytes",
+    # PipeDream's stale weight versions that in-flight microbatches still need (executor.pipedream)
+    "stashed": "stashed_weights_bytes",
 }
 #: the one category that is not device memory: swapped-out copies in host RAM (executor.swap).
 #: On a CPU rank host and "device" are the same DRAM, so only this tag tells them apart.

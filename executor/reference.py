@@ -44,6 +44,75 @@ def train_reference(cfg, training: TrainingSpec, iterations: int, seed: int = 0,
             "grads": {n: p.grad.detach().numpy().copy() for n, p in named}}
 
 
+def pipedream_versions(plan) -> list[list[int]]:
+    """PipeDream's weight version per (stage, microbatch) within an iteration: how many updates
+    the stage applied (backwards it ran, executor.pipedream) before its forward of microbatch k,
+    read off the stage's own action list (specs.schedule.position_schedule)."""
+    from specs.schedule import ActionKind, position_schedule
+
+    out = []
+    for i in range(len(plan.stages)):
+        done, seen = 0, {}
+        for a in position_schedule(plan, i):
+            if a.kind is ActionKind.backward:
+                done += 1
+            elif a.kind is ActionKind.forward:
+                seen[a.microbatch] = done
+        out.append([seen[k] for k in range(plan.training.microbatches)])
+    return out
+
+
+def train_reference_pipedream(cfg, plan, iterations: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> dict:
+    """The single-process reference of a ``pipedream_async`` run (executor.pipedream) with the
+    same staleness: microbatch k runs stage i with the weights after :func:`pipedream_versions`
+    [i][k] of the iteration's updates (a tied embedding/head with stage 0's: the last stage's copy
+    has the same version at every forward, executor.pipedream), its gradient is that of its own
+    mean loss, and update k steps every stage's live weights with it. Returns what
+    :func:`train_reference` does (``grads``: the last update's)."""
+    training = plan.training
+    torch.manual_seed(seed)
+    layers = build_layers(cfg, seed=seed, dtype=dtype, rows=training.samples_per_microbatch)
+    stage_of = {layer: i for i, st in enumerate(plan.stages) for layer in st.layers}
+    owner: dict[int, tuple] = {}
+    for index, _, mod in layers:
+        for p in mod.parameters():
+            owner.setdefault(id(p), (p, stage_of[index]))
+    params = [p for p, _ in owner.values()]
+    if training.optimizer is Optimizer.adam:
+        opt = torch.optim.Adam(params, lr=LR[training.optimizer], fused=True)
+    else:
+        opt = torch.optim.SGD(params, lr=LR[training.optimizer], momentum=0.9)
+    versions = pipedream_versions(plan)
+    m, b = training.microbatches, training.samples_per_microbatch
+    losses = []
+    for it in range(iterations):
+        batch = make_batch(cfg, training.global_batch, it, seed, dtype)
+        snaps = [[p.detach().clone() for p in params]]  # snaps[v]: after v updates of this iteration
+        total = 0.0
+        for k in range(m):
+            with torch.no_grad():
+                for j, (p, s) in enumerate(owner.values()):
+                    p.copy_(snaps[versions[s][k]][j])
+            for p in params:
+                p.grad = None
+            mb = microbatch(batch, k * b, (k + 1) * b)
+            x = None
+            for _, _, mod in layers:
+                x = mod(x, mb)
+            x.backward()
+            total += float(x.detach()) / m
+            with torch.no_grad():  # the update applies to the live weights
+                for j, p in enumerate(params):
+                    p.copy_(snaps[k][j])
+            opt.step()
+            snaps.append([p.detach().clone() for p in params])
+        losses.append(total)
+    named = [(f"{name}.{pn}", p) for _, name, mod in layers for pn, p in mod.named_parameters()]
+    return {"losses": losses,
+            "params": {n: p.detach().numpy().copy() for n, p in named},
+            "grads": {n: p.grad.detach().numpy().copy() for n, p in named}}
+
+
 def longest_reduction(cfg, training: TrainingSpec) -> int:
     """An upper bound on the number of terms of any one sum in a training step: matmul inner
     dims (h, f), the softmax over the vocabulary, and weight gradients / norm
@@ -75,16 +144,44 @@ def reorder_rtol(terms: int, dtype=np.float64, amplification: float = 1e4) -> fl
 CHECKED_ITERATIONS = 2
 
 
-def check_losses(cfg, training: TrainingSpec, losses: list[float], seed: int = 0) -> tuple[bool, str]:
+def check_losses(cfg, training: TrainingSpec, losses: list[float], seed: int = 0, plan=None) -> tuple[bool, str]:
     """A run's float32 losses against the single-process float32 reference (same weights, data,
     microbatches): every checked iteration within float32's reordering bound γ_n (n: the longest
     sum of a step). Returns (ok, one line saying so with the figures)."""
     n = min(CHECKED_ITERATIONS, len(losses))
     if n == 0:
         return False, "numerics: the run reported no loss"
-    ref = train_reference(cfg, training, n, seed=seed, dtype=torch.float32)["losses"]
+    pipedream = plan is not None and plan.schedule.kind.value == "pipedream_async"
+    ref = (train_reference_pipedream(cfg, plan, n, seed=seed, dtype=torch.float32) if pipedream
+           else train_reference(cfg, training, n, seed=seed, dtype=torch.float32))["losses"]
     tol = reorder_rtol(longest_reduction(cfg, training), np.float32, amplification=1)
     errs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses[:n], ref)]
     ok = max(errs) <= tol
     return ok, (f"numerics: loss of iterations 1-{n} vs the single-process reference: max relative error "
                 f"{max(errs):.2e} (float32 reordering bound {tol:.2e}) {'PASS' if ok else 'FAIL'}")
+
+
+def check_pipedream_params(cfg, plan, seed: int = 0, timeout_s: float = 120.0) -> tuple[bool, str]:
+    """A ``pipedream_async`` plan's final weights: the plan re-run on its ranks in float64 (the
+    executor's ``dtype`` option, as tests/conftest.run_plan_float64) for :data:`CHECKED_ITERATIONS`
+    iterations against :func:`train_reference_pipedream` in float64. The losses alone would miss
+    a wrong version in a backward (a stale gradient changes the weights, not the forward's loss
+    of that microbatch); the parameters see every update. Error: the largest difference over all
+    weights relative to the largest weight, bounded by float64's reordering bound. Returns (ok,
+    one line)."""
+    from executor.launch import launch
+
+    opts = {"iterations": CHECKED_ITERATIONS, "collect": True, "memory_iteration": None, "track_memory": False,
+            "fault": None, "seed": seed, "device": "cpu", "threads": 1, "capacity_bytes": None, "dtype": "float64"}
+    out = launch(plan, cfg, opts, timeout_s)
+    if out.failure is not None:
+        return False, f"numerics: the float64 re-run failed: {out.failure}"
+    got = {k: v for rep in out.reports.values() for k, v in rep["params"].items()}
+    want = train_reference_pipedream(cfg, plan, CHECKED_ITERATIONS, seed=seed, dtype=torch.float64)["params"]
+    scale = max(float(np.abs(v).max()) for v in want.values())
+    err = max(float(np.abs(got[k] - v).max()) for k, v in want.items()) / scale
+    tol = reorder_rtol(longest_reduction(cfg, plan.training))
+    ok = err <= tol
+    return ok, (f"numerics: parameters after {CHECKED_ITERATIONS} PipeDream iterations (float64 re-run) vs the "
+                f"stale-weight reference: max relative error {err:.2e} (float64 reordering bound {tol:.2e}) "
+                f"{'PASS' if ok else 'FAIL'}")

@@ -20,7 +20,7 @@ from executor.stage_passes import SWAPS, StagePasses
 from executor.swap import Swapper
 from executor.window import Window
 from executor.topology import coords, replica_rows, routes
-from specs.plan import Plan
+from specs.plan import Plan, ScheduleKind
 from specs.training import Optimizer
 
 LR = {Optimizer.adam: 1e-3, Optimizer.sgd: 1e-2}
@@ -118,6 +118,16 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         self.grad_out_routes = routes(plan, index, index - 1) if not self.first else []
         # after TP: the swapper records the (local) parameter storages it must never move
         self.swapper = Swapper(self, d2d) if any(item.action in SWAPS for item in st.memory) else None
+        # PipeDream: an update after every backward, weight versions stashed (executor.pipedream);
+        # each microbatch's gradient is that of its own mean loss (it is PipeDream's minibatch)
+        self.pipedream = None
+        if plan.schedule.kind is ScheduleKind.pipedream_async:
+            from executor.pipedream import PipeDreamStash
+
+            self.pipedream = PipeDreamStash(self)
+            self.loss_scale = 1.0
+            if self.swapper is not None and self.pipedream.swap_slots:
+                self.swapper.param_pack = self.pipedream.pack
 
     def _check_streamable(self, streamed: set[int]) -> None:
         """A streamed parameter must belong to its layer alone: its home is one layer's slot and

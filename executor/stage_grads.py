@@ -49,6 +49,8 @@ class StageGrads:
             self.ties.reset()
 
     def allreduce_grads(self) -> None:
+        if self.pipedream is not None:  # PipeDream stepped after every backward (dp 1: unsupported())
+            return
         """One SUM all-reduce of the stage's flattened gradients over its replicas (one bucket, as
         the simulator charges one ring all-reduce per stage; per-tensor calls cost gloo ~0.6 ms
         of latency each on local_cpu). Tied weights of a user model are summed over their copies
@@ -75,7 +77,7 @@ class StageGrads:
         all-reduce every rank of a stage holds its stage's whole gradient (TP shards gathered
         here), so one rank per stage contributes it and the others zeros: the sum is exactly
         embedding grad + head grad, as one process accumulates it."""
-        if self.tied is None:
+        if self.tied is None or self.pipedream is not None:  # PipeDream: executor.pipedream syncs it
             return
         param, group = self.tied
         g = param.grad
@@ -94,6 +96,12 @@ class StageGrads:
         del full
 
     def step(self) -> None:
+        if self.pipedream is not None:  # the updates ran after each backward: the tied ones left
+            self.pipedream.end_iteration(self.m)
+            return
+        self.step_optimizer()
+
+    def step_optimizer(self) -> None:
         if self.window is not None:  # the streamed layers' CPU steps (overlapped with the backward)
             self.window.step()
         if self.opt_swap is not None:

@@ -53,10 +53,16 @@ class StagePasses:
         self.inputs[k] = x
         if self.swapper is not None:
             self.swapper.begin_forward(k, x)
-        with self.window.pass_("F", k) if self.window is not None else contextlib.nullcontext():
+        pd = self.pipedream
+        if pd is not None:
+            pd.begin_forward(k)
+        with (self.window.pass_("F", k) if self.window is not None else
+              torch.autograd.graph.saved_tensors_hooks(pd.pack, pd.unpack) if pd is not None and pd.swap_slots
+              else contextlib.nullcontext()):
             y = self._layers_forward(k, x, mb)
         if self.last:
-            self.loss_sum += float(y.detach()) * self.loss_scale
+            # PipeDream: the loss reported is the microbatches' mean, the gradient each one's own
+            self.loss_sum += float(y.detach()) * (self.loss_scale if pd is None else 1.0 / self.m)
             y = y * self.loss_scale
         self.outputs[k] = y
 
@@ -87,10 +93,14 @@ class StagePasses:
         y = self.outputs.pop(k)
         if self.swapper is not None:
             self.swapper.begin_backward(k)
+        if self.pipedream is not None:  # k's stashed weight version in the modules (executor.pipedream)
+            self.pipedream.begin_backward(k)
         with self.window.pass_("B", k) if self.window is not None else contextlib.nullcontext():
             self._run_backward(y, grad)
         if self.swapper is not None:
             self.swapper.end_backward(k)
+        if self.pipedream is not None:
+            self.pipedream.end_backward(k)
         for p in self.params:  # accumulation may have replaced a grad tensor: keep it filed
             self.tracker.tag(p.grad, "gradients")
         x = self.inputs.pop(k)

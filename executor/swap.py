@@ -61,6 +61,10 @@ PACK_BELOW_BYTES = 4096
 ALIGN = 64
 
 
+def _same(t):
+    return t
+
+
 def _raw(storage) -> torch.Tensor:
     """A flat uint8 tensor over a whole storage (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -138,6 +142,7 @@ class Swapper:
         self.params = {getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
                        for _, _, mod in st.layers for t in (*mod.parameters(), *mod.buffers())}
         self.keep: set[int] = set()
+        self.param_pack = _same  # a saved tensor the swap leaves in place (executor.pipedream replaces it)
         self.queues: dict[int, list[_Record]] = {}  # microbatch -> its records, backward order
         self.next: dict[int, int] = {}              # microbatch -> index of the next record to fetch
 
@@ -180,7 +185,7 @@ class Swapper:
             inner = self._pack(rec, local)  # a DTensor: swap its shard, keep its placement spec
             return _SavedDTensor(inner, t._spec) if isinstance(inner, _Saved) else t
         if not self._offloadable(t):
-            return t
+            return self.param_pack(t)  # PipeDream's stash swap keeps no view of a stale version
         storage = t.untyped_storage()
         index = rec.ptrs.get(storage.data_ptr())
         if index is None:  # the storage is held until the layer's end, so its address is not reused
@@ -310,7 +315,7 @@ class Swapper:
 
             return DTensor(self._unpack(saved.local), saved.spec, requires_grad=False)
         if not isinstance(saved, _Saved):
-            return saved
+            return saved.unpack() if hasattr(saved, "unpack") else saved  # executor.pipedream._ParamView
         rec = saved.record
         if not rec.touched:  # the backward has reached this layer: the next one comes in meanwhile
             rec.touched = True

@@ -276,8 +276,12 @@ def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opt
                 _fault(opts, rank, iteration)
                 faulted = True
             st.backward(k, grads.pop((a.stage, k), None))
+            if st.first and st.pipedream is not None:  # nothing to send back: PipeDream's update now
+                st.pipedream.update()
         elif kind is ActionKind.send_grad:
             st.send("grad", k, st.grad_to_send, rec.sent(a))
+            if st.pipedream is not None:  # the input gradient is on its way: the update
+                st.pipedream.update()
         elif kind is ActionKind.allreduce_grads:
             st.wait_sends()  # every send has been consumed by now (its reply came back): free them
             t_start = rec.now()  # the drain above is waiting, not all-reduce

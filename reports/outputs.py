@@ -214,6 +214,8 @@ def memory_words(stages: list, zero_stage: int = 0) -> list[str]:
             others.append("optimizer on CPU")
         if off.optimizer_swap:
             others.append("optimizer swap")
+        if off.stash_swap_layers:  # PipeDream's stashed weight versions in host memory
+            others.append(f"stash swap {len(off.stash_swap_layers)}")
         if off.nvme:
             others.append("NVMe")
         checkpointed = [g for g in stage.checkpoint if g.checkpointed]

@@ -9,9 +9,10 @@ read) and of GEMM times (costs.gemm): values, never results, so no output depend
 
 Modules: stagecost (ns/bytes from costs), links (FIFO-booked links and copy engines),
 memory (step functions, peak, OOM), engine (the simpy processes: walk — the schedule's passes,
-transfers — sends, swaps and D2D stripes, optimizer — all-reduce and optimizer steps), window
-(STRONGHOLD's window walk), sharded + sharded_layer (MAP stages), trace, report (Result), and
-analytic (the closed-form estimator).
+transfers — sends, swaps and D2D stripes, optimizer — all-reduce and optimizer steps, stash —
+PipeDream's stashed weight versions and their swap to the host), window (STRONGHOLD's window walk),
+sharded + sharded_layer (MAP stages), trace, report (Result), and analytic (the closed-form
+estimator; stash_peak its walk of a PipeDream position whose memory moves every backward).
 """
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ import costs.layer_time
 import costs.params
 import costs.static
 from simulator.sharded import sharded_stage
+from simulator.stagecost import host_link
+from simulator.stash_peak import PeakParts, pipedream_peak
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan, ScheduleKind, stage_for_microbatch
@@ -50,7 +52,10 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     back once its first backward has ended) — and (b) the flat gradient copy of a data-parallel
     all-reduce (after the last backward, when activations are gone, the sent gradients not); plus the
     largest swap-in copy and bytes peers D2D-swapped here (held for the in-flight microbatches,
-    striped by weight, MPress §IV-C).
+    striped by weight, MPress §IV-C). A PipeDream position whose stashed versions go to the host
+    (``offload.stash_swap_layers``) or whose optimizer state is streamed through the device for
+    each per-backward update walks its pass order with those moving bytes instead
+    (simulator.stash_peak), its stash in (a) only.
     """
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
     acts, work, swap_in, allreduce, sent, grads = {}, {}, {}, {}, {}, {}
@@ -70,10 +75,19 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
         work[i], swap_in[i] = (max(x) for x in zip(*(costs.activations.backward_transient_bytes(model, plan, v) for v in variants)))
         allreduce[i] = costs.buffers.allreduce_buffer_bytes(model, plan, stage)
     peaks = {pos: activation_peak(plan, pos, acts, work, sent, grads) for pos in range(plan.pipeline_depth)}
+    walked: dict[int, PeakParts] = {}  # PipeDream positions whose memory moves each backward
     for i, stage in enumerate(plan.stages):
         static, host = (sharded[i].static, 0) if i in sharded else costs.static.stage_static(model, plan, stage)
         in_flight = peaks[plan.device_group_of(i)][1][i]
-        stashed = costs.activations.stashed_versions(plan, i) * static.parameters_bytes
+        versions = costs.activations.stashed_versions(plan, i)
+        stashed = versions * static.parameters_bytes
+        if _moves_each_backward(plan, stage):
+            swap = costs.static.stash_swap_bytes(model, plan, stage)
+            opt = costs.static.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(
+                costs.static.optimizer_swap_chunks(model, plan, stage), default=0)
+            walked[i] = pipedream_peak(plan, i, acts[i], work[i], sent[i], grads[i],
+                                       static.parameters_bytes - swap, swap, opt)
+            stashed, host = 0, host + versions * swap  # (on the host: at most one per stashed version)
         buffers = costs.buffers.received_grad_buffer_bytes(model, plan, stage)  # the sent one (grads[i]) is in the walk
         for device in stage.devices:
             mem, h = out[device]
@@ -94,12 +108,26 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
             # swapped-in optimizer state for the step (MPress optimizer swap)
             opt_in = max(costs.static.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(costs.static.optimizer_swap_chunks(
                 model, plan, plan.stages[s]), default=0) for s in stages)
-            if act_peak >= flat + opt_in + sent_grads:
+            if plan.schedule.kind is ScheduleKind.pipedream_async:
+                opt_in = 0  # PipeDream updates after every backward, none after the last one's all-reduce
+            if pos in walked:  # simulator.stash_peak: the walk with the moving versions and updates
+                w = walked[pos]
+                extra = ({"activations_bytes": w.activations_bytes, "buffers_bytes": w.buffers_bytes,
+                          "stashed_weights_bytes": w.stashed_weights_bytes, "optimizer_bytes": w.optimizer_bytes}
+                         if w.total_bytes >= flat + sent_grads else {"buffers_bytes": flat + sent_grads})
+            elif act_peak >= flat + opt_in + sent_grads:
                 extra = {"activations_bytes": act_peak - grad_peak, "buffers_bytes": grad_peak}
             else:
                 extra = {"buffers_bytes": flat + sent_grads, "optimizer_bytes": opt_in}
             out[device] = (_add(mem, **extra), h)
     return out
+
+
+def _moves_each_backward(plan: Plan, stage) -> bool:
+    """A PipeDream stage whose device memory changes with every update: stashed versions swapped
+    to the host, or optimizer state streamed in and out for each of its per-backward steps."""
+    return (plan.schedule.kind is ScheduleKind.pipedream_async and not stage.sharding
+            and (bool(stage.offload.stash_swap_layers) or stage.offload.optimizer_swap))
 
 
 def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = None,
@@ -207,7 +235,9 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
     GPipe / 1F1B (flush): Σ_i (F_i + B_i + p2p) + (m − 1) · max_i (F_i + B_i) — the first microbatch
     crosses every stage, the rest queue behind the slowest; uniform stages give the bubble
     (p − 1)/(m + p − 1) (GPipe §2.2). Interleaved: (m + (p − 1)/v) · max_i work (Megatron §2.2).
-    PipeDream async has no flush: m · max_i work per iteration in steady state.
+    PipeDream async has no flush: m · max_i (work + update) per iteration in steady state, the
+    update after every backward (PipeDream §3.3; with an optimizer swap at least the state's copy
+    one way, :func:`_update_s`); its iteration ends with the all-reduce only.
     Stage times come from costs (shape-aware GEMMs, memory-bound ops, synchronous TP
     all-reduces), exactly what the simulator walks. The gradient all-reduce follows the flush,
     blocking, on an idle fabric (Megatron-LM as run for Narayanan et al. SC'21, and memwall's
@@ -227,8 +257,17 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
             nbytes = costs.params.samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
             src, dst = stage.devices[0], nxt.devices[0]
             p2p[i % p] += 2 * costs.collectives.transfer_s(nbytes, hardware.link(src, dst)) if src != dst else 0.0
-    slowest = max(work)
     kind = plan.schedule.kind
+    stepped = kind is ScheduleKind.pipedream_async
+    if stepped:  # an update after every backward (a STRONGHOLD window steps once, at the end)
+        for i, stage in enumerate(plan.stages):
+            if i not in sharded and stage.offload.window_layers is None:
+                # a replicated stage all-reduces each microbatch's gradient first (walk.py _update)
+                ar_s = costs.collectives.dp_allreduce_s(model, plan, hardware, stage)
+                if ar_s:
+                    ar_s += costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)
+                work[i % p] += ar_s + _update_s(model, plan, hardware, stage)
+    slowest = max(work)
     if kind is ScheduleKind.pipedream_async:
         pipe = m * slowest
     elif kind is ScheduleKind.interleaved_1f1b:
@@ -241,10 +280,25 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         # strategies' backward collectives) and steps only the shards it stores
         sync = ((0.0, sharded[i].optimizer_s) if i in sharded else
                 (costs.collectives.dp_allreduce_s(model, plan, hardware, stage), costs.layer_time.optimizer_step_s(model, plan, hardware, stage)))
-        t = sum(sync) + costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)
+        tied_s = costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)
+        if stepped and i not in sharded and stage.offload.window_layers is None:
+            sync, tied_s = (), 0.0  # all-reduced and stepped in the pipeline, after each backward
+        t = sum(sync) + tied_s
         for d in stage.devices:
             per_device_sync[d] = per_device_sync.get(d, 0.0) + t
     return pipe + max(per_device_sync.values())
+
+
+def _update_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> float:
+    """One optimizer update of ``stage``; with MPress's optimizer swap the state streams in while
+    it steps and out behind it (simulator/optimizer.py), so at least its copy one way plus the last
+    chunk's way back."""
+    step_s = costs.layer_time.optimizer_step_s(model, plan, hardware, stage)
+    chunks = costs.static.optimizer_swap_chunks(model, plan, stage)
+    if not chunks:
+        return step_s
+    link = host_link(hardware)
+    return max(step_s, sum(costs.collectives.transfer_s(c, link) for c in chunks)) + costs.collectives.transfer_s(chunks[-1], link)
 
 
 def estimate(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Result:

@@ -27,6 +27,7 @@ import simpy
 from simulator.links import Links
 from simulator.memory import BUFFERS, GRADS, OPTIM, PARAMS, Timeline
 from simulator.optimizer import OptimizerEvents
+from simulator.stash import StashEvents
 from simulator.stagecost import StageCost, cached_stage_cost, cost_context, host_link
 from simulator.trace import TraceBuilder
 from simulator.transfers import Transfers
@@ -54,7 +55,7 @@ class NoTrace:
         return {}
 
 
-class Engine(ScheduleWalk, Transfers, OptimizerEvents):
+class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents):
     def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec, overlap_dp_allreduce: bool = False,
                  progress: Callable[[int, int], None] | None = None, trace: bool = True):
         """``trace=False``: record no Perfetto trace (:class:`NoTrace`); nothing else changes."""
@@ -105,6 +106,7 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents):
         self._prefetch: dict[tuple[int, int], list[int]] = {}  # (stage, mb) -> layers not yet fetched
         self._xfer_ns: dict[tuple[int, int, int], int] = {}
         self._stash = plan.schedule.kind is ScheduleKind.pipedream_async
+        self._stash_setup()  # weight versions and their host swap (stash.py)
         self._pcie = host_link(hardware)
         # A CPU rank's host copies are memcpys on its compute thread (executor.swap: ``host.copy_``
         # as each tensor is saved, ``clone`` when a swap-in is issued), not copies on a copy engine

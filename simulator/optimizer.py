@@ -88,12 +88,14 @@ class OptimizerEvents:
     def _swapped_step(self, pos: int, sc: StageCost):
         """The update streamed layer by layer: chunk j+1 comes in while chunk j is stepped, and
         each stepped chunk goes back out (costs.static.optimizer_swap_chunks). The position waits for the
-        last copy-out: the next iteration's forwards would otherwise peak with state on the device."""
+        last copy-out: the next iteration's forwards would otherwise peak with state on the device.
+        Returns the nanoseconds the compute stream was held, the copies' waits included (PipeDream's
+        steady state counts them: there it runs after every backward, walk.py _update)."""
         env = self.env
+        t_start = env.now
         total = sum(sc.opt_chunks)
         ready = self._chunk_in(pos, sc, 0)
         last_out = env.now
-        busy = 0
         for j, nbytes in enumerate(sc.opt_chunks):
             yield ready
             if j + 1 < len(sc.opt_chunks):
@@ -101,14 +103,13 @@ class OptimizerEvents:
             step_ns = sc.optimizer_ns * nbytes // total
             t0 = env.now
             yield env.timeout(step_ns)
-            busy += step_ns
             self.trace.slice(sc.rep, "compute", f"optimizer_step s{sc.index} part {j}", t0, step_ns, "optimizer_step")
             end = self._chunk_out(pos, sc, j, nbytes)
             last_out = max(last_out, end)
         self.events += 2 * len(sc.opt_chunks)
         if last_out > env.now:
             yield env.timeout(last_out - env.now)
-        return busy
+        return env.now - t_start
 
     # ---- gradient all-reduce on the links ----------------------------------------------------
     def _ar_resources(self, s: int) -> tuple:

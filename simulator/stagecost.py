@@ -86,6 +86,9 @@ class StageCost:
     nvme_bytes: int = 0           # the streamed layers' optimizer state on NVMe
     offload_ns: tuple[int, int, int] = (0, 0, 0)  # ZeRO-Offload step: grads out, CPU step, weights in
     grad_buffer_bytes: int = 0    # the input gradient sent back: allocated when the first backward ends
+    stash_swap_bytes: int = 0     # of each PipeDream stashed version, what waits in host memory
+                                  # (offload.stash_swap_layers, MPress §II-D; costs.static.stash_swap_bytes)
+    stash_copy_ns: int = 0        # one direction of that version over the host link
 
 
 def host_link(hardware: HardwareSpec):
@@ -187,6 +190,7 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     # them (simulator.transfers._swap_out), from the layer's end, not the stage forward's.
     fwd_alloc = act + sent
     dp_s = costs.collectives.dp_allreduce_s(model, plan, hardware, stage)
+    stash = costs.static.stash_swap_bytes(model, plan, stage)
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],
         fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
@@ -206,6 +210,7 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         opt_chunks=tuple(chunks := costs.static.optimizer_swap_chunks(model, plan, stage)),
         opt_chunk_ns=tuple(ns(costs.collectives.transfer_s(c, host_link(hardware))) for c in chunks),
         window=stage.offload.window_layers, nvme_bytes=nvme, offload_ns=offload,
+        stash_swap_bytes=stash, stash_copy_ns=ns(costs.collectives.transfer_s(stash, link)) if stash else 0,
     )
 
 

@@ -1,15 +1,16 @@
 """The schedule walk, mixed into simulator.engine.Engine: one simpy process per pipeline position
 steps through its action list, one method per action kind. Here are the passes' compute events
 (forward, backward, the layer-by-layer backward of a stage that swaps or recomputes, a STRONGHOLD
-window's segments), PipeDream's weight stashing (PipeDream §3.3) and the prefetch policy of
-swapped layers (MPress §IV); sends, receives and copies are in transfers.py, the all-reduce and
-optimizer step in optimizer.py.
+window's segments), PipeDream's update after every backward (PipeDream §3.3) and the prefetch
+policy of swapped layers (MPress §IV); sends, receives and copies are in transfers.py, the
+all-reduce and optimizer step in optimizer.py, PipeDream's weight stashing and the host swap of its
+stashed versions in stash.py.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from simulator.memory import ACTS, BUFFERS, STASHED, SWAPPED, Timeline
+from simulator.memory import ACTS, BUFFERS, SWAPPED, Timeline
 from simulator.stagecost import SWAPS, StageCost
 from specs.plan import MemoryAction
 from specs.schedule import ActionKind, position_steps
@@ -54,8 +55,12 @@ class ScheduleWalk:
                 self.passes += 1
                 if self.passes == self._report_at:
                     self._report()
+                if self._stash and s == 0:  # nothing to send back: the update follows at once
+                    yield from self._update(w, sc, s)
             elif kind is _SA or kind is _SG:
                 self._send(kind is _SA, s, k, peer, sc, w.rep)
+                if kind is _SG and self._stash:  # the input gradient is on its way: update
+                    yield from self._update(w, sc, s)
             elif kind is _RA or kind is _RG:
                 yield self._recv(("act" if kind is _RA else "grad", peer, k))
             elif kind is _SO:
@@ -71,6 +76,10 @@ class ScheduleWalk:
             elif kind is _RC:
                 pass  # the backward re-runs recompute layers; the entry tells the executor which
             elif kind is _OPT or kind is _AR:
+                if self._stash and sc.window is None:
+                    # PipeDream stepped (and all-reduced a replicated stage) after every backward
+                    # (_update); a tied embedding's sync is per update too (stash.py _tied_update)
+                    continue
                 yield from self._iteration_end(w, kind, sc, s)
         self.finish_ns[pos] = self.env.now
         self.busy_ns[pos] = w.busy
@@ -95,7 +104,10 @@ class ScheduleWalk:
             yield from self._wait_swap_out(w, s, k)
         t0 = env.now
         if self._stash:
-            self._stash_weights(w, sc, s, t0)
+            self._tied_forward(s, k)
+            self._stash_weights(w, sc, s, k, t0)
+            if self._stash_swap:
+                self._stash_pass(w.pos)
         if sc.window is not None:
             w.busy += yield from self._drive(self.windows[s].forward(k), w.rep)
         else:
@@ -120,19 +132,14 @@ class ScheduleWalk:
             self.trace.slice(w.rep, "compute", f"wait swap-out s{s} mb{k}", t_wait, env.now - t_wait, "stall")
             w.busy += env.now - t_wait  # the compute stream is held: PipeDream's steady state counts it
 
-    def _stash_weights(self, w: Walker, sc: StageCost, s: int, t0: int) -> None:
-        """Weight stashing: every in-flight microbatch but the newest keeps the version its forward
-        used (PipeDream §3.3)."""
-        n = w.in_flight.get(s, 0)
-        if n:
-            w.mem.add(t0, STASHED, sc.static.parameters_bytes)
-        w.in_flight[s] = n + 1
-
     # ---- backward ------------------------------------------------------------------------------
     def _backward(self, w: Walker, sc: StageCost, s: int, k: int):
         """One backward pass: a window's segments, one timeout, or layer by layer
         (:meth:`_layered_backward`)."""
         env = self.env
+        if self._stash_swap:  # its stashed version, if it waits in host memory, must be back
+            yield from self._stash_wait(w, s, k)
+            self._stash_pass(w.pos)
         t0 = env.now
         # the backward's workspace (scratch, recomputed activations) peaks on top of every
         # held microbatch (costs.activations.backward_workspace_bytes); it and this microbatch's
@@ -155,13 +162,19 @@ class ScheduleWalk:
         if self.overlap_dp_allreduce and sc.dp_allreduce_ns:
             self._backward_done(s, sc, t0)
         if self._stash:
-            self._unstash_weights(w, sc, s)
+            self._unstash_weights(w, sc, s, k)
 
-    def _unstash_weights(self, w: Walker, sc: StageCost, s: int) -> None:
-        n = w.in_flight[s] - 1
-        w.in_flight[s] = n
-        if n:
-            w.mem.add(self.env.now, STASHED, -sc.static.parameters_bytes)
+    def _update(self, w: Walker, sc: StageCost, s: int):
+        """PipeDream's update after every backward (PipeDream §3.3: no gradient accumulation), on
+        the compute stream, in the stage's optimizer form (optimizer.py; with MPress's optimizer
+        swap the state comes in and goes out each time); the version it replaces goes stale
+        (stash.py). A STRONGHOLD window steps once, at the iteration's end."""
+        if sc.window is None:
+            if sc.dp_allreduce_ns:  # a replicated stage sums each microbatch's gradient first (an
+                yield from self._iteration_end(w, _AR, sc, s)  # over-count: a tied group's share rides along)
+            yield from self._iteration_end(w, _OPT, sc, s)
+        self._stash_stale(w, sc, s)
+        self._tied_update(s)
 
     def _layered_backward(self, pos: int, sc: StageCost, k: int):
         """Backward one layer at a time (last first) when a stage swaps: a recomputed layer re-runs

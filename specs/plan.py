@@ -81,6 +81,10 @@ class Plan(Spec):
     @model_validator(mode="after")
     def _window(self) -> Plan:
         for i, st in enumerate(self.stages):
+            if st.offload.stash_swap_layers and self.schedule.kind is not ScheduleKind.pipedream_async:
+                raise ValueError(f"stages[{i}].offload.stash_swap_layers: only PipeDream's asynchronous schedule "
+                                 f"stashes weight versions; the schedule is {self.schedule.kind.value} "
+                                 "(use schedule pipedream_async or drop the field)")
             if st.offload.window_layers is None:
                 continue
             if self.zero_stage:

@@ -90,6 +90,13 @@ class OffloadPolicy(Spec):
     # update, is the longest-lived: it stays in host memory between steps, comes back for the
     # (GPU) update and leaves again after it
     optimizer_swap: bool = Field(False, description="optimizer state in host memory between steps (MPress)")
+    # MPress §II-D (swap applies to all model data) on PipeDream's weight stashing (§II-C: "stashing
+    # multiple versions of model data"): a stashed version of these layers' weights is needed
+    # only by the backward of the microbatch whose forward used it; between the update that makes
+    # it stale and that backward it lives in host memory, copied back before the backward
+    stash_swap_layers: list[Annotated[int, Field(ge=0, lt=MAX_COUNT)]] = Field(
+        default_factory=list, max_length=MAX_COUNT,
+        description="PipeDream: layers whose stashed weight versions wait in host memory (MPress §II-D)")
 
     @model_validator(mode="after")
     def _one_home(self) -> OffloadPolicy:
@@ -99,6 +106,11 @@ class OffloadPolicy(Spec):
         if self.resident_layers and self.window_layers is None:
             raise ValueError("resident_layers: only a window (window_layers) streams layers; without one every "
                              "layer is resident")
+        if len(set(self.stash_swap_layers)) != len(self.stash_swap_layers):
+            raise ValueError(f"stash_swap_layers: a layer is listed twice: {self.stash_swap_layers}")
+        if self.stash_swap_layers and (self.window_layers is not None or self.optimizer_on_cpu):
+            raise ValueError("stash_swap_layers: a window or optimizer_on_cpu already keeps the weights' home on "
+                             "the host; stashed-version swap applies to device-resident weights")
         if len(set(self.resident_layers)) != len(self.resident_layers):
             raise ValueError(f"resident_layers: a layer is listed twice: {self.resident_layers}")
         if self.nvme and self.window_layers is None and not self.optimizer_on_cpu:

@@ -144,11 +144,14 @@ def window_possible(p: Placed, variant: Variant) -> bool:
 def floor_bytes(table: StageTable, p: Placed, stages_after: int) -> int:
     """What no activation action gets stage ``p`` below (module doc): its peak with no microbatch's
     activations held — static state, one layer's working set and the sent gradient (or the flat
-    all-reduce copy), the received-gradient buffer, PipeDream's stashed weight versions."""
+    all-reduce copy), the received-gradient buffer, PipeDream's stashed weight versions (at most two
+    on the device once the others are swapped to the host)."""
     c = table.cost(p)
     if c is None:
         return 0
-    stash = stages_after if table.schedule.kind.value == "pipedream_async" else 0
+    # PipeDream: the stash swap (planners/mpress/stash.py, MPress §II-D) sends every stashed version
+    # to the host but the two a backward may hold (its own and the next one's, simulator/stash.py)
+    stash = min(stages_after, 2) if table.schedule.kind.value == "pipedream_async" else 0
     w_b, g_b, o_b = table.training.bytes_per_param()
     # MPress's optimizer swap (§III-C) keeps the Adam state in host memory between steps; with
     # ZeRO it is sharded already (and the executor's swap is for unsharded state), so it stays

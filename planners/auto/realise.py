@@ -5,7 +5,9 @@ comparing:
 
 1. the layout as it is (no memory action): it may already fit;
 2. every layer recomputed (Megatron's full activation checkpointing), when that fits in closed form;
-3. compacted: MPress's per-layer compaction (planners/mpress/compact.py: recompute / CPU swap /
+3. compacted: under PipeDream, the over-full stages' stashed weight versions to host memory first
+   (planners/mpress/stash.py, as policy=mpress does); then MPress's per-layer compaction
+   (planners/mpress/compact.py: recompute / CPU swap /
    D2D swap and optimizer swap, cheapest seconds per saved byte, emulator-verified, MPress
    §III-C/D), then a STRONGHOLD window (planners/stronghold/stage_window.py: the smallest window
    that hides its transfers, STRONGHOLD §III-D) on each stage whose parameter state and working
@@ -76,6 +78,27 @@ def _windowed(plan: Plan, stages: list[int], model: ModelSpec, hardware: Hardwar
     return None
 
 
+def _stash_swapped(plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int, notes: list[str]) -> Plan:
+    """A PipeDream layout: the over-full stages' stashed weight versions to host memory first, as
+    policy=mpress does (planners/mpress/stash.py, MPress §II-D: the longest-lived tensors), so the
+    compaction that follows starts from that."""
+    from planners.mpress.stash import choose_stash_swap, stash_line, with_stash_swap
+    from specs.plan import ScheduleKind
+
+    if plan.schedule.kind is not ScheduleKind.pipedream_async:
+        return plan
+    sim = simulate(validate_plan(plan, model, hardware), model, hardware)
+    peak = {d.device: d.peak_bytes for d in sim.result.devices}
+    demand = [max(0, peak[st.devices[0]] - capacity) for st in plan.stages]
+    chosen, windows = choose_stash_swap(plan, model, hardware, sim.trace, demand, True)
+    if not chosen:
+        return plan
+    swapped = with_stash_swap(plan, chosen)
+    traced = simulate(validate_plan(swapped, model, hardware), model, hardware).trace
+    notes.append(stash_line(swapped, model, hardware, chosen, windows, traced, demand))
+    return swapped
+
+
 def _compacted(plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int, max_simulations: int,
                notes: list[str], improve: bool = True, progress=None) -> Plan:
     got = compact(plan, model, hardware, capacity, max_simulations=max_simulations, progress=progress,
@@ -103,7 +126,21 @@ def realise(layout: Layout, model: ModelSpec, hardware: HardwareSpec, capacity: 
 def compacted(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
               max_simulations: int, improve: bool = True, progress=None) -> Candidate | None:
     """``plan`` (the layout with no action) compacted and windowed (module doc, step 3);
-    ``progress(simulations, None)`` after each of the compaction's simulations."""
+    ``progress(simulations, None)`` after each of the compaction's simulations. Under PipeDream
+    also with the stashed versions swapped first, the faster fitting of the two kept (the swap
+    moves weights every microbatch: where activations alone fit cheaper it loses)."""
+    got = _compacted_layout(layout, plan, model, hardware, capacity, max_simulations, improve, progress, False)
+    if plan.schedule.kind.value != "pipedream_async":
+        return got
+    stashed = _compacted_layout(layout, plan, model, hardware, capacity, max_simulations, improve, progress, True)
+    cands = [c for c in (got, stashed) if c is not None]
+    if not cands:
+        return None
+    return min(cands, key=lambda c: (not c.fits, c.result.iteration_time_s))
+
+
+def _compacted_layout(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
+                      max_simulations: int, improve: bool, progress, stash: bool) -> Candidate | None:
     notes: list[str] = []
     base_plan = plan
     must = [i for i, f in enumerate(layout.floors) if f > capacity]
@@ -111,6 +148,10 @@ def compacted(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSp
         return _all_windowed(layout, model, hardware, capacity)
     # compaction first (planners/mpress/compact.py takes no windowed plan), then the windows: a
     # window stage keeps its recomputes and drops its swaps (_drop_swaps)
+    if stash:
+        base_plan = _stash_swapped(base_plan, model, hardware, capacity, notes)
+        if not any(st.offload.stash_swap_layers for st in base_plan.stages):
+            return None  # nothing to swap: the plain compaction is the same plan
     plan = _compacted(base_plan, model, hardware, capacity, max_simulations, notes, improve, progress)
     how = "compacted" if improve else "compacted (screening: repair only)"
     if must:

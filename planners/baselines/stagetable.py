@@ -29,7 +29,7 @@ import costs.collectives
 import costs.params
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import Plan, ScheduleSpec, StagePlan
+from specs.plan import Plan, ScheduleKind, ScheduleSpec, StagePlan
 from specs.training import TrainingSpec
 
 
@@ -125,9 +125,14 @@ class StageTable(StageMemory, StageTiming):
         params -= costs.params.shared_tied_params_on_device(self.tied_pairs, a, b, lay.tp)  # tied embed + head, one stage
         weights, grads, optim = self._static_split(params, dp)
         out = lay.samples * m.layers[b - 1].output_bytes_per_sample
+        work_s, sync_s = self._work_s(lay, a, b), self._sync_s(params, dp, lay.dp_link)
+        if self.schedule.kind is ScheduleKind.pipedream_async:
+            # PipeDream all-reduces and steps after every backward (simulator/walk.py _update): the
+            # sync is part of the stage's per-microbatch work, none is left for the iteration's end
+            work_s, sync_s = work_s + sync_s, 0.0
         return StageCost(
-            work_s=self._work_s(lay, a, b),
-            sync_s=self._sync_s(params, dp, lay.dp_link),
+            work_s=work_s,
+            sync_s=sync_s,
             static_bytes=weights + grads + optim,
             weights_bytes=weights,
             act_bytes=lay.act(a, b),

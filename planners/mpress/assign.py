@@ -30,6 +30,17 @@ def size_text(nbytes: float) -> str:
     return f"{nbytes:.0f} B"
 
 
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, 11th, 12th, 13th, 21st."""
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def period_text(n: int) -> str:
+    """LayerMemory.microbatch_period in words: 'every microbatch', 'every 2nd microbatch'."""
+    return "every microbatch" if n == 1 else f"every {ordinal(n)} microbatch"
+
+
 def stage_devices(stage, device: int) -> list[int]:
     """The devices of ``stage`` once a mapping puts it on ``device``: its own when the mapping
     leaves its first device in place (the identity over a fixed layout, any dp x tp:

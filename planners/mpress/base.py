@@ -90,8 +90,13 @@ def map_base(policy: MPressPolicy, hardware: HardwareSpec, model: ModelSpec, bas
 
 def mapping_text(mapping: Mapping) -> str:
     """How a mapping was found and what it maps, for the log."""
-    return (f"({'exact' if mapping.exact else 'local search'}, {mapping.candidates} candidates): "
-            + " ".join(f"s{s}->d{d}" for s, d in enumerate(mapping.device_of_stage)))
+    perm = list(mapping.device_of_stage)
+    what = ("identity (stage i on device i)" if perm == list(range(len(perm)))
+            else " ".join(f"s{s}->d{d}" for s, d in enumerate(perm)))
+    n = mapping.candidates
+    if n == 1 and not mapping.exact:  # mapping=identity (or nothing to search): no search ran
+        return f"(not searched): {what}"
+    return f"({'exact' if mapping.exact else 'local search'}, {n} candidate{'' if n == 1 else 's'}): {what}"
 
 
 def base_lines(iteration_s: float, demand: list, mapping: Mapping, allowed: list) -> list[str]:

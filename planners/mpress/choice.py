@@ -11,7 +11,7 @@ Pure: no I/O, no clocks; they read and edit a planners/mpress/assign.py ``Assign
 """
 from __future__ import annotations
 
-from planners.mpress.assign import Assignment
+from planners.mpress.assign import Assignment, period_text
 from planners.mpress.facts import CPU, D2D, RC, layer_facts
 from planners.mpress.mapping import Mapping
 import costs.layer_time
@@ -49,15 +49,28 @@ def stall_s(st: Assignment, s: int, channel_s: float) -> float:
     return (n * max(0.0, channel_s - f) + (m - n) * max(0.0, channel_s - fb)) / m
 
 
+#: tie order between techniques whose estimates are equal (MPress §IV-D, Table III): a CPU swap
+#: that hides is preferred to a D2D swap that hides (t1: "D2D swap can be saved for other tasks
+#: with more stringent demands"), recompute to a D2D swap of the same cost (t3: "Recomputation does
+#: not consume limited spare GPU memory"); D2D last, as spare peer memory is scarce (§III-D bullet 4).
+TIE_ORDER = (CPU, RC, D2D)
+
+
+def cost_key_us(cost_s: float) -> int:
+    """A cost estimate in whole microseconds: "the same extra overhead" (Table III prints whole ms)
+    must not be decided by float noise between two sums of the same terms."""
+    return round(cost_s * 1e6)
+
+
 def options(st: Assignment, key: tuple[int, int], techniques) -> list[tuple[float, MemoryAction]]:
-    """(marginal cost, technique) for ``key``, cheapest first (ties: D2D, CPU, recompute); D2D
-    only where the spare peer memory left holds some of it."""
+    """(marginal cost, technique) for ``key``, cheapest first, equal costs (to the microsecond) in
+    :data:`TIE_ORDER`; D2D only where the spare peer memory left holds some of it."""
     out = []
     for a in techniques:
         if a is D2D and st.stripes_for(key) is None:
             continue
         out.append((marginal_cost_s(st, key, a), a))
-    return sorted(out, key=lambda x: (x[0], [D2D, CPU, RC].index(x[1])))
+    return sorted(out, key=lambda x: (cost_key_us(x[0]), TIE_ORDER.index(x[1])))
 
 
 def reason(st: Assignment, key, action: MemoryAction, cost_s: float) -> str:
@@ -69,14 +82,18 @@ def reason(st: Assignment, key, action: MemoryAction, cost_s: float) -> str:
     where = "PCIe" if action is CPU else "NVLink stripes"
     hid = "hides in" if 2 * one <= f.live_s else "does not hide in"
     every = st.period.get(key, 1)
-    which = f"; every {every}th microbatch (the peers' spare memory holds no more)" if every > 1 else ""
+    which = f"; {period_text(every)} (the peers' spare memory holds no more)" if every > 1 else ""
     return (f"{action.value}: round trip 2 x {one * 1e3:.2f} ms over {where} {hid} its {live}; "
             f"extra {cost_s * 1e3:.2f} ms/microbatch{which}")
 
 
 def cheapest_layer(st: Assignment, s: int, techniques):
-    """The layer of stage ``s`` without an action that is cheapest per saved byte to compact
-    (ties: the longer-lived, then the lower layer): (rank, key, technique, cost), or None."""
+    """The layer of stage ``s`` without an action that is cheapest per saved byte to compact:
+    (rank, key, technique, cost), or None. Ties (equal cost per byte, to the microsecond): the
+    technique in :data:`TIE_ORDER`; a swap goes to the longer-lived layer (more time to hide in);
+    recompute goes to a layer next to one already recomputed, then to the later layer (MPress
+    §III-D: "prioritize Recomputation to alleviate the memory limitations of the latter layers",
+    "apply Recomputation to reduce tensors from consecutive layers")."""
     best = None
     for l in st.plan.stages[s].layers:
         key = (s, l)
@@ -87,7 +104,12 @@ def cheapest_layer(st: Assignment, s: int, techniques):
             continue
         cost, a = opts[0]
         f = st.facts[key]
-        rank = (cost / max(f.saved_bytes, 1), -f.live_s, l)
+        if a is RC:
+            beside = any(st.actions.get((s, n)) is RC for n in (l - 1, l + 1))
+            tie = (not beside, -l)
+        else:
+            tie = (False, -f.live_s)
+        rank = (cost_key_us(cost) / max(f.saved_bytes, 1), TIE_ORDER.index(a), *tie, l)
         if best is None or rank < best[0]:
             best = (rank, key, a, cost)
     return best

@@ -8,8 +8,9 @@ the repair, typically because no stage had spare memory at first (:func:`remap`)
 :func:`improve_round`) is one pass over every candidate move of the assignment it starts from, in
 order: keep optimizer state resident where it fits; the compacted layers, costliest estimate
 first, with the other techniques, then as keep; hidden CPU swaps to spare peer memory; the
-recomputed layers once more with D2D swap to the spare peer memory the round's moves freed;
-optimizer state once more. Rounds repeat, each from what the last one kept, until a round makes the
+recomputed layers once more with D2D swap to the spare peer memory the round's moves freed; the
+costly compactions whose D2D swap would hide, with room made for them on less loaded peers that
+compact more (planners/mpress/joint.py, MPress Table IV); optimizer state once more. Rounds repeat, each from what the last one kept, until a round makes the
 iteration less than ``policy.min_round_gain`` (0.5 %) faster, a round has no move to try, or
 the safety cap ``policy.max_simulations`` is spent; the outcome says which.
 
@@ -31,6 +32,7 @@ from planners.mpress.base import mapping_text
 from planners.mpress.choice import marginal_cost_s, options, reason
 from planners.mpress.emulate import Emulator, better, no_worse
 from planners.mpress.facts import CPU, D2D, KEEP, RC, layer_facts
+from planners.mpress.joint import room_for_d2d
 from planners.mpress.mapping import search_mapping
 from planners.policy import MPressPolicy
 from specs.hardware import HardwareSpec
@@ -40,8 +42,10 @@ def remap(em: Emulator, st: Assignment, policy: MPressPolicy, hardware: Hardware
           boundary: list, trace: dict, capacity: int, best, pairs=None):
     """No layer is D2D-swapped after the repair (typically: every stage overflowed the base plan,
     so there was no spare memory to map for); now that recompute, CPU swaps and optimizer swaps
-    made room, map again (Fig. 6) for the costly compactions: their bytes are the demand, the
-    room left on the devices of stages with no costly compaction the spare. ``pairs``: the
+    made room, map again (Fig. 6) for the costly compactions: their bytes are the demand; the
+    spare a stage offers is the room left on its device plus what its kept layers would free
+    (joint.py makes that room when a peer's D2D swap needs it), and the ledger of spare memory
+    starts from the room there is. ``pairs``: the
     source->target stage rule of a fixed layout (search_mapping; identity mapping only), a stage
     with no allowed target demands nothing. Returns the best simulation (the remapped one if it
     is no slower)."""
@@ -50,13 +54,18 @@ def remap(em: Emulator, st: Assignment, policy: MPressPolicy, hardware: Hardware
     dev_now = st.mapping.device_of_stage
     demand2 = [sum(st.held_bytes(k) for k, a in st.actions.items() if k[0] == s and st.facts[k].cost_s(a) > 0)
                if pairs is None or any(pairs[s]) else 0 for s in range(p)]
-    spare2 = [max(0, capacity - peak_now[dev_now[s]]) if not demand2[s] else 0 for s in range(p)]
+    room = [max(0, capacity - peak_now[dev_now[s]]) for s in range(p)]
+    # the spare a stage could offer: its room now plus what its kept layers would free if it
+    # compacted more (planners/mpress/joint.py makes that room when a peer's D2D swap needs it;
+    # MPress Table IV: later stages compacted more host the early stages' D2D swaps)
+    spare2 = [room[s] + sum(st.held_bytes((s, l)) for l in st.plan.stages[s].layers if (s, l) not in st.actions)
+              for s in range(p)]
     if not (any(demand2) and any(spare2)):
         return best
     new = search_mapping(hardware, devices, demand2, spare2, boundary, striping=policy.striping, mode=policy.mapping,
                          pairs=pairs)
     saved, old_map, old_facts = st.snapshot(), st.mapping, st.facts
-    st.mapping, st.spare_left = new, dict(enumerate(spare2))
+    st.mapping, st.spare_left = new, dict(enumerate(room))  # the room there is; joint.py makes more
     st.facts = layer_facts(st.plan, st.model, hardware, trace, new)
     t = em.run(st.plan_now())
     if no_worse(t, best.result.iteration_time_s):
@@ -125,12 +134,14 @@ def improve_round(em: Emulator, st: Assignment, allowed: list, best):
     PCIe twice an iteration): first see which stages fit without it now that their activations
     are compacted, then the compacted layers with the other techniques and as keep, the hidden
     CPU swaps to spare peer memory, the recomputed layers once more in spare peer memory (the
-    moves before may have freed some: :func:`recomputes_to_peers`), and the optimizer swaps
-    again, after the layers' actions changed."""
+    moves before may have freed some: :func:`recomputes_to_peers`), the costly compactions with
+    room made on their peers (joint.py :func:`room_for_d2d`), and the optimizer swaps again, after
+    the layers' actions changed."""
     best = keep_optimizers(em, st, best)
     best = other_techniques(em, st, allowed, best)
     best = cpu_swaps_to_peers(em, st, best)
     best = recomputes_to_peers(em, st, best)
+    best = room_for_d2d(em, st, allowed, best)
     return keep_optimizers(em, st, best)
 
 
@@ -189,19 +200,24 @@ def try_layer(em: Emulator, st: Assignment, key: tuple[int, int], current, allow
                           f"{best_t:.3f} -> {t.result.iteration_time_s:.3f} s")
             st.why[key] = ((reason(st, key, a, cost) if a is not KEEP else "keep: fits without compaction")
                            + f" (emulator: {best_t:.3f} -> {t.result.iteration_time_s:.3f} s per iteration)")
+            if a is KEEP and key[0] in st.opt_swap:  # its reason said every layer was compacted
+                st.opt_why[key[0]] = (f"{st.opt_why[key[0]].split('; ')[0]}; still swapped after layer {key[1]} "
+                                      f"went back to keep (the emulator kept both)")
             return t
         st.restore(saved)
     return best
 
 
 def cpu_swaps_to_peers(em: Emulator, st: Assignment, best):
-    """Spare peer memory left over: a CPU swap that hides is moved to it if that is no slower.
-    A departure from §III-D, which keeps D2D for the tensors that need it: by now every tensor
-    has had its chance, and a D2D stripe leaves the host link (shared by the GPUs of a PCIe
-    switch, and by optimizer swaps) and host memory alone."""
+    """Spare peer memory left over: a CPU swap is moved to it only if the emulated iteration is
+    faster. A CPU swap that hides is not moved when D2D is merely no slower: MPress Table III t1
+    keeps such a tensor on the host ("D2D swap can be saved for other tasks with more stringent
+    demands", §IV-D), so the peers' memory stays free for a later move (planners/mpress/joint.py,
+    recomputes_to_peers). A CPU swap that the host link's contention (the GPUs of a PCIe switch,
+    optimizer swaps) leaves unhidden does gain from the move, and the emulator sees it."""
     keys = sorted((k for k, a in st.actions.items() if a is CPU), key=lambda k: (-st.held_bytes(k), k))
-    return _to_peers(em, st, best, keys, "cpu_swap", "spare peer memory left over", no_worse,
-                     lambda key: st.facts[key].cost_s(D2D), timed=False)
+    return _to_peers(em, st, best, keys, "cpu_swap", "spare peer memory left over", better,
+                     lambda key: st.facts[key].cost_s(D2D), timed=True)
 
 
 def recomputes_to_peers(em: Emulator, st: Assignment, best):

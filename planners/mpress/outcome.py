@@ -7,9 +7,10 @@ Pure: no I/O, no clocks.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from planners.mpress.assign import Assignment, size_text, with_actions
+from planners.mpress.assign import Assignment, period_text, size_text, with_actions
 from planners.mpress.emulate import Emulator, fits as _fits, host_bytes_per_node
 from planners.mpress.facts import D2D, KEEP
 from planners.mpress.mapping import Mapping
@@ -26,6 +27,7 @@ class LayerChoice:
     live_s: float
     costs_s: dict           # technique -> its estimated extra seconds per microbatch
     why: str
+    microbatch_period: int = 1  # the action takes every n-th microbatch (LayerMemory.microbatch_period)
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,20 @@ def layer_choices(st: Assignment, allowed: list) -> tuple[LayerChoice, ...]:
                     live_s=facts[(s, l)].live_s,
                     costs_s={a.value: facts[(s, l)].cost_s(a) for a in allowed
                              if a is not D2D or mapping.targets[s]},
-                    why=st.why[(s, l)])
+                    why=st.why[(s, l)], microbatch_period=st.period.get((s, l), 1))
         for s, l in sorted(st.why))
+
+
+def optimizer_why(s: int, why: str, choices: tuple[LayerChoice, ...], plan: Plan) -> str:
+    """An optimizer swap's reason as of the final plan: the reason was given when it was assigned
+    (choice.py: with every layer of the stage compacted); layers that went back to keep since are
+    named, so the text does not claim a state the plan no longer has."""
+    kept = [l for l in plan.stages[s].layers if plan.stages[s].action_of(l).action.value == "keep"]
+    if not kept:
+        return why
+    n = len(plan.stages[s].layers)
+    return (f"{why}; since then layer{'s' if len(kept) > 1 else ''} {','.join(map(str, kept))} went back to keep "
+            f"({n - len(kept)} of {n} compacted now)")
 
 
 def final_outcome(em: Emulator, st: Assignment, allowed: list, sim, first, fits: bool,
@@ -91,7 +105,8 @@ def final_outcome(em: Emulator, st: Assignment, allowed: list, sim, first, fits:
     em.log.append(result_line(fits, sim.result.iteration_time_s, em, stop, len(rounds)))
     return MPressOutcome(plan, fits, choices, st.mapping, em.sims, sim.result.iteration_time_s,
                          first.result.iteration_time_s, tuple(em.log),
-                         tuple((s, st.opt_why[s]) for s in sorted(st.opt_swap)), tuple(per_node),
+                         tuple((s, optimizer_why(s, st.opt_why[s], choices, plan)) for s in sorted(st.opt_swap)),
+                         tuple(per_node),
                          hardware.host.memory_bytes, stop, tuple(rounds), em.hits)
 
 
@@ -101,8 +116,10 @@ def report(outcome: MPressOutcome) -> dict:
     stages: dict[str, list] = {}
     for c in outcome.choices:
         stages.setdefault(str(c.stage), []).append({
-            "layer": c.layer, "action": c.action, "saved_bytes_per_microbatch": c.saved_bytes,
-            "live_interval_s": c.live_s, "extra_s_per_microbatch": c.costs_s, "why": c.why})
+            "layer": c.layer, "action": c.action, "microbatch_period": c.microbatch_period,
+            "applies_to": period_text(c.microbatch_period) if c.action != "keep" else "",
+            "saved_bytes_per_microbatch": c.saved_bytes, "live_interval_s": c.live_s,
+            "extra_s_per_microbatch": c.costs_s, "why": c.why})
     m = outcome.mapping
     return {
         "fits": outcome.fits, "iteration_time_s": outcome.iteration_s, "base_iteration_time_s": outcome.base_iteration_s,
@@ -110,31 +127,92 @@ def report(outcome: MPressOutcome) -> dict:
         "rounds": [{"round": r.number, "start_s": r.start_s, "end_s": r.end_s, "gain": r.gain,
                     "candidates": r.candidates, "simulations": r.simulations} for r in outcome.rounds],
         "candidates_read_back": outcome.read_back,
-        "mapping": {"device_of_stage": list(m.device_of_stage), "exact": m.exact, "candidates": m.candidates,
+        "mapping": {"device_of_stage": list(m.device_of_stage), "identity": is_identity(m),
+                    "exact": m.exact, "candidates": m.candidates,
                     "targets": {str(s): [{"stage": t, "device": m.device_of_stage[t], "weight": w} for t, w in ts]
                                 for s, ts in enumerate(m.targets) if ts},
                     "placed_bytes": list(m.placed_bytes), "swap_time_s": list(m.swap_time_s)},
         "stages": stages, "log": list(outcome.log),
         "optimizer_swap": {str(s): why for s, why in outcome.optimizer_swap},
         "host_bytes_per_node": list(outcome.host_bytes_per_node),
+        "why_conflicts": why_conflicts(outcome),
+        # PipeDream's stashed weight versions waiting in host memory (planners/mpress/stash.py)
+        "stash_swap": {str(s): list(st.offload.stash_swap_layers)
+                       for s, st in enumerate(outcome.plan.stages) if st.offload.stash_swap_layers},
     }
 
 
+def is_identity(mapping: Mapping) -> bool:
+    """Stage i on device i: the mapping a run without D2D (or with mapping=identity) keeps."""
+    return list(mapping.device_of_stage) == list(range(len(mapping.device_of_stage)))
+
+
+def mapping_summary(mapping: Mapping) -> str:
+    """'identity (stage i on device i)' or the permutation, for the terminal."""
+    if is_identity(mapping):
+        return "identity (stage i on device i)"
+    return " ".join(f"s{s}->d{d}" for s, d in enumerate(mapping.device_of_stage))
+
+
+_TRIP = re.compile(r"round trip 2 x ([0-9.]+) ms over (PCIe|NVLink stripes) (hides in|does not hide in) its live "
+                   r"([0-9.]+) ms")
+_EVERY = re.compile(r"every (\d+)(?:st|nd|rd|th) microbatch")
+_LINK = {"PCIe": "cpu_swap", "NVLink stripes": "d2d_swap"}
+
+
+def why_conflicts(outcome: MPressOutcome) -> list[str]:
+    """Where a reason text says something the plan does not do: a reason naming another technique
+    than the layer's action, a swap whose 'hides in' disagrees with its own round trip and live
+    interval (at the printed precision), a microbatch period other than the layer's, an
+    optimizer swap claiming every layer compacted while some keep. Empty when all agree."""
+    out = []
+    for c in outcome.choices:
+        where = f"stage {c.stage} layer {c.layer} ({c.action})"
+        if not c.why.startswith(f"{c.action}:"):
+            out.append(f"{where}: reason names another technique: {c.why!r}")
+        trip = _TRIP.search(c.why)
+        if trip is not None:
+            one_ms, link, hides, live_ms = float(trip[1]), trip[2], trip[3] == "hides in", float(trip[4])
+            if _LINK[link] != c.action:
+                out.append(f"{where}: reason prices a swap over {link}: {c.why!r}")
+            slack = 2 * 0.005 + 0.05  # the printed precision: 0.01 ms one way, 0.1 ms live
+            if (hides and 2 * one_ms > live_ms + slack) or (not hides and 2 * one_ms < live_ms - slack):
+                out.append(f"{where}: says it {trip[3]} {live_ms} ms with a round trip of {2 * one_ms:.2f} ms")
+        every = _EVERY.search(c.why)
+        said = int(every[1]) if every else 1
+        if c.action != "keep" and said != c.microbatch_period:
+            out.append(f"{where}: reason says every {said}, the plan every {c.microbatch_period} microbatch")
+    for s, why in outcome.optimizer_swap:
+        stage = outcome.plan.stages[s]
+        kept = [l for l in stage.layers if stage.action_of(l).action.value == "keep"]
+        if "every layer compacted" in why and kept and "went back to keep" not in why:
+            out.append(f"stage {s} optimizer swap: says every layer compacted, layers {kept} keep")
+    return out
+
+
 def summary_lines(outcome: MPressOutcome) -> list[str]:
-    """A few lines for the terminal: per stage the techniques' layer counts and bytes."""
-    per: dict[int, dict[str, list[int]]] = {}
+    """A few lines for the terminal: the result, the device mapping ('identity' when stage i is on
+    device i), host memory, per stage its techniques' layers (a layer taking every n-th microbatch
+    says so), and any reason text that disagrees with the plan (:func:`why_conflicts`)."""
+    per: dict[int, dict[str, list[str]]] = {}
     for c in outcome.choices:
         if c.action != "keep":
-            per.setdefault(c.stage, {}).setdefault(c.action, []).append(c.layer)
-    lines = [f"mpress: {outcome.log[-1]}"]
+            tag = f"{c.layer} ({period_text(c.microbatch_period)})" if c.microbatch_period > 1 else str(c.layer)
+            per.setdefault(c.stage, {}).setdefault(c.action, []).append(tag)
+    lines = [f"mpress: {outcome.log[-1]}", f"  device mapping: {mapping_summary(outcome.mapping)}"]
     for n, nbytes in enumerate(outcome.host_bytes_per_node):
         if nbytes:
             over = " -- OVER host memory" if nbytes > outcome.host_capacity_bytes else ""
-            lines.append(f"  host memory of node {n} (CPU swaps, offloaded optimizer state): {size_text(nbytes)} of "
+            lines.append(f"  host memory of node {n} (swap space, offloaded model state): {size_text(nbytes)} of "
                          f"{size_text(outcome.host_capacity_bytes)}{over}")
     for s, _ in outcome.optimizer_swap:
         per.setdefault(s, {})["optimizer state to host"] = []
+    for s, stage in enumerate(outcome.plan.stages):  # PipeDream's stashed weight versions (MPress §II-D)
+        stashed = list(stage.offload.stash_swap_layers)
+        if stashed:
+            per.setdefault(s, {})["stashed weights to host"] = [str(l) for l in stashed]
     for s in sorted(per):
         parts = [f"{a} L{','.join(map(str, ls))}" if ls else a for a, ls in sorted(per[s].items())]
         lines.append(f"  stage {s} (device {outcome.mapping.device_of_stage[s]}): " + "; ".join(parts))
+    lines += [f"  reason disagrees with the plan: {x}" for x in why_conflicts(outcome)]
     return lines

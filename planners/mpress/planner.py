@@ -50,6 +50,7 @@ from planners.mpress.facts import CPU as _CPU, D2D as _D2D, RC as _RC
 from planners.mpress.improve import cap_text, improve, remap
 from planners.mpress.outcome import MPressOutcome, final_outcome, fits_as_is
 from planners.mpress.repair import repair
+from planners.mpress.stash import choose_stash_swap, stash_line, with_stash_swap
 from planners.policy import MPressPolicy
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -57,6 +58,21 @@ from specs.plan import Plan, ScheduleSpec
 from specs.training import TrainingSpec
 
 __all__ = ["mpress_search", "plan_mpress"]
+
+
+def stash_base(em: Emulator, base: Plan, first, demand: list, spare: list, policy: MPressPolicy, model: ModelSpec,
+               hardware: HardwareSpec, devices: list, capacity: int):
+    """Step 0 under PipeDream: the stashed weight versions of the over-full stages go to host
+    memory first (planners/mpress/stash.py, MPress §II-D and §III-D), and that plan, simulated,
+    is the base the activations' assignment starts from. Returns (base, its simulation, demand,
+    spare), the given ones when nothing is swapped."""
+    chosen, windows = choose_stash_swap(base, model, hardware, first.trace, demand, "cpu_swap" in policy.techniques)
+    if not chosen:
+        return base, first, demand, spare
+    plan = with_stash_swap(base, chosen)
+    sim = em.run(plan, trace=True)
+    em.log.append(stash_line(plan, model, hardware, chosen, windows, sim.trace, demand))
+    return (plan, sim, *over_and_spare(sim, devices, capacity))
 
 _NAMES = {"recompute": _RC, "cpu_swap": _CPU, "d2d_swap": _D2D}
 
@@ -78,6 +94,7 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
     first = em.run(base, trace=True)  # facts (the layers' timing) come from its trace
     devices = [stage.devices[0] for stage in base.stages]
     demand, spare = over_and_spare(first, devices, capacity)
+    base, first, demand, spare = stash_base(em, base, first, demand, spare, policy, model, hardware, devices, capacity)
     boundary = boundary_bytes(base, model)  # per microbatch, stage i -> i + 1
     allowed = [_NAMES[t] for t in policy.techniques]
     mapping = map_base(policy, hardware, model, base, devices, demand, spare, boundary, allowed)

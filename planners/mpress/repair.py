@@ -62,8 +62,9 @@ def take_back_stripes(em: Emulator, st: Assignment, device: int, over_b: int, al
         st.no_d2d.add(key)
         fallback = options(st, key, [a for a in allowed if a is not D2D])
         if fallback:
-            st.set(key, fallback[0][1], reason(st, key, fallback[0][1], fallback[0][0])
-                   + f" (D2D stripes overfilled device {device})")
+            cost, action = fallback[0]
+            st.set(key, action, "")  # first the action: reason() reads its microbatch period
+            st.why[key] = reason(st, key, action, cost) + f" (D2D stripes overfilled device {device})"
         else:
             st.set(key, KEEP, f"keep: D2D stripes overfilled device {device}, no other technique allowed")
         freed += nbytes
@@ -79,11 +80,19 @@ def compact_more(em: Emulator, st: Assignment, sim, s: int, device: int, over_b:
     compact more of its layers. Whether anything changed."""
     simulated = peak_of(sim, device)
     st.margin[s] = max(st.margin[s] + 1, simulated - st.own_peak(s))
+    before = _stage_state(st, s)
     grew = fill(st, st.over(), [a for a in allowed])
     if not grew and RC in allowed:
         grew = recompute_busiest_swap(st, s)
-    em.log.append(f"emulator {em.sims}: stage {s} over by {size_text(over_b)}; more layers compacted")
+    mine = _stage_state(st, s) != before  # fill may have grown other stages only
+    em.log.append(f"emulator {em.sims}: stage {s} over by {size_text(over_b)}; "
+                  + ("more layers compacted" if mine else "nothing more to compact on it"))
     return grew
+
+
+def _stage_state(st: Assignment, s: int) -> tuple:
+    """Stage ``s``'s actions and optimizer swap, to tell whether a repair changed them."""
+    return (tuple(sorted((k, a.value) for k, a in st.actions.items() if k[0] == s)), s in st.opt_swap)
 
 
 def recompute_busiest_swap(st: Assignment, s: int) -> bool:

@@ -74,12 +74,14 @@ def test_swapped_run_equals_unswapped_bit_for_bit(make, kept):
 
 
 def test_pipedream_async_with_d2d_swap_runs_to_the_end():
-    """PipeDream async (1F1B order, executor flushes) with d2d stripes: no deadlock between the
-    pipeline's sends, the stripe sends and the targets' serving threads; trains as the reference."""
-    from executor.reference import train_reference
+    """PipeDream async (executor.pipedream: an update after every backward, weight stashing) with
+    d2d stripes: no deadlock between the pipeline's sends, the tied-gradient messages, the stripe
+    sends and the targets' serving threads; trains as the stale-weight reference."""
+    from executor.reference import train_reference_pipedream
 
-    out = _f64(d2d_plan("pipedream_async"))
-    ref = train_reference(GPT_TINY, CPU_TRAINING, STEPS, dtype=__import__("torch").float64)
+    plan = d2d_plan("pipedream_async")
+    out = _f64(plan)
+    ref = train_reference_pipedream(GPT_TINY, plan, STEPS, dtype=__import__("torch").float64)
     np.testing.assert_allclose(out.losses, ref["losses"], rtol=reorder_rtol(longest_reduction(GPT_TINY, CPU_TRAINING)))
 
 

@@ -154,7 +154,7 @@ def test_tracker_counts_live_storages_once_and_sees_frees():
         c = torch.ones(100)
     assert tracker.peak_bytes == 1024 + 4096 + 2048
     assert tracker.peak_breakdown == {"parameters": 1024, "gradients": 0, "optimizer": 0,
-                                      "activations": 4096, "buffers": 2048, "swapped": 0}
+                                      "activations": 4096, "buffers": 2048, "swapped": 0, "stashed": 0}
     assert tracker.total_bytes == 1024 + 400
     tracker.tag(c, "gradients")  # re-filing moves bytes between categories
     assert tracker.totals["gradients"] == 400 and tracker.totals["activations"] == 0

@@ -94,6 +94,19 @@ def test_every_quote_is_verbatim_in_the_paper():
             if fragment.strip(" ,.;"):
                 assert _squash(fragment.strip(" ,.;")) in text, (fragment, claim)
     assert _squash(paper.TABLE_I_WHERE.split(": ", 1)[1]) in text
+    for _, quote in paper.TABLE_III_PICKS.values():
+        assert _squash(quote) in text, quote
+    assert _squash(paper.TABLE_III_WHERE.split(": ", 1)[1]) in text
+    for row in paper.TABLE_III:  # "t1\t216\t78\t4\t42\t6": the table's own row
+        assert re.search(r"\s+".join(map(str, row[1:])), PAPER_TEXT.read_text()), row
+    lines = PAPER_TEXT.read_text().splitlines()
+    for model, printed in paper.TABLE_II_TEXT.items():  # Table II rows as printed ("578.70" keeps its 0)
+        size = f"{ {**paper.BERT, **paper.GPT}[model]}B"  # "0.35B", "4.0B", as the table's Config. column
+        assert any(re.search(rf"(?<![\d.]){re.escape(size)}\s+" + r"\s+".join(map(re.escape, printed)), ln)
+                   for ln in lines), (model, printed)
+    for (model, _), cols in paper.TABLE_IV_TEXT.items():
+        for stages, gb, pct in cols.values():
+            assert _squash(f"{stages}{gb}({pct})") in text or _squash(f"{stages}{gb} ({pct})") in text, (model, gb)
 
 
 def test_ratios_match_their_quotes():
@@ -107,6 +120,40 @@ def test_ratios_match_their_quotes():
             1 - x / 100 for x in stated} | set(stated)
         for bound in (r.lo, r.hi):
             assert any(abs(bound - x) < 5e-4 for x in readings), (bound, r.quote)
+
+
+def test_stated_numbers_are_in_their_quotes_and_give_the_bounds():
+    """Every claim's ``stated`` text is in its own quote, and (lo, hi) are what it reads as."""
+    for c in (*paper.RATIOS, *paper.MODEL_SIZE_GAIN, *paper.ABLATION, paper.DGX2_OVER_DGX1):
+        assert c.form in ("", *paper.FORMS), c
+        if not c.form:
+            continue
+        assert _squash(c.stated) in _squash(c.quote), c
+        if c.form in ("range", "more_than"):
+            continue
+        lo, hi = (c.speedup, c.speedup) if isinstance(c, paper.Ablation) else (c.lo, c.hi)
+        want = paper.stated_bounds(c)
+        if isinstance(c, paper.Ablation):  # one reading: the first bound
+            want = (want[0], want[0])
+        assert abs(lo - want[0]) < 5e-4 and abs(hi - want[1]) < 5e-4, (c, want)
+        assert paper.claim_agreement(c, lo).agrees  # the claim's own value agrees with itself
+
+
+def test_table_texts_match_the_numbers():
+    for m, printed in paper.TABLE_II_TEXT.items():
+        assert tuple(float(x) for x in printed) == paper.TABLE_II[m]
+    for key, cols in paper.TABLE_IV_TEXT.items():
+        for tech, (stages, gb, pct) in cols.items():
+            want_stages, want_gb, want_pct = paper.TABLE_IV[key][tech]
+            assert stages == ("N/A" if want_stages is None else f"stage {want_stages[0]}-{want_stages[1]}")
+            assert float(paper.parse_stated(gb)[0]) == want_gb and float(paper.parse_stated(pct)[0]) == want_pct
+
+
+def test_table_iii_pick_rule_gives_the_papers_choices():
+    """§III-D footnote 2 (a swap costs its whole swap less the live interval) with §IV-D's tie rule,
+    on the paper's own Table III numbers, picks what §IV-D says MPress picks for t1..t6."""
+    for _, name, _, live, rc, cpu, d2d in paper.TABLE_III:
+        assert paper.table_iii_pick(live, rc, cpu, d2d)[0] == paper.TABLE_III_PICKS[name][0], name
 
 
 def test_paper_fits_follows_the_text():
@@ -143,8 +190,10 @@ def test_eval_comparisons_from_the_small_run(small_run):
     keyed = mpress_eval.by_key(list(rows.values()))
     assert mpress_eval.largest(list(rows.values()), "bert", "dgx1", "mpress") == "bert_0b64"
     assert mpress_eval.largest(list(rows.values()), "bert", "dgx1", "pipedream") == "none"
-    (model, ours, stated), = mpress_eval.memory_rows(keyed)
-    assert model == "bert_0b64" and ours[1] == rows["pipedream"].max_peak_gib and stated == paper.TABLE_II[model]
+    (model, ours, stated, agree), = mpress_eval.memory_rows(keyed)
+    assert model == "bert_0b64" and ours[1] == rows["pipedream"].max_peak_gib and stated == paper.TABLE_II_TEXT[model]
+    # agreement is ours in GB at the table's one decimal: 46.5 GiB = 49.9 GB against 50.6
+    assert [a.agrees for a in agree] == [round(mpress_eval.to_gb(o), 1) == float(t) for o, t in zip(ours, stated)]
     why = mpress_eval.why_fit(rows["pipedream"], keyed, cases[("dgx1", "bert_0b64")])
     assert "GiB" in why
 

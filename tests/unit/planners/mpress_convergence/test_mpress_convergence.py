@@ -121,7 +121,9 @@ def test_a_model_that_fits_stops_with_no_move_left():
 
 
 def test_a_model_that_cannot_fit_says_so():
-    out = search("bert_6b2", BERT, "pipedream_async")
+    # with every technique Bert-6.2B fits since its stashed weight versions swap (issue 24);
+    # recompute alone leaves the weights, stashed versions and optimizer state in place
+    out = search("bert_6b2", BERT, "pipedream_async", techniques=["recompute"])
     assert not out.fits
     assert out.stop_reason == "does not fit: nothing left to compact"
 

@@ -1,0 +1,300 @@
+"""PipeDream's asynchronous 1F1B with weight stashing (Narayanan et al., SOSP'19 §3.3; MPress
+§II-B/C runs Bert on it), for a stage of ``schedule.kind = pipedream_async``.
+
+* **Updates.** After every backward the stage steps its optimizer with that microbatch's gradient
+  alone (no accumulation: each microbatch is PipeDream's minibatch; its loss is not scaled by
+  1/m). The iteration's closing optimizer entry steps nothing more.
+* **Stashing.** The forward of microbatch k uses the live weights; its backward computes the
+  gradient with exactly those weights (the stashed version), and the update is applied to the
+  then-live weights. A parameter that an in-flight microbatch's graph still holds is updated out
+  of place: a new ``nn.Parameter`` takes its slot in the modules and the optimizer (its state is
+  re-keyed), the old one lives on only through the graphs (and :attr:`PipeDreamStash.used`) that
+  need it and is filed ``stashed`` with the memory tracker; a parameter no graph holds is stepped
+  in place. So stage i holds one version per in-flight microbatch (p - i at most), as
+  simulator/stash.py counts them. Why not torch.func.functional_call over per-version leaves: the
+  modules' own attributes must hold the version a backward uses, because a recomputed layer
+  (torch.utils.checkpoint) re-runs the module as it is at backward time; so the backward of k
+  installs k's version in the modules and restores the live one after.
+* **Tied embedding over two stages** (Megatron's shared input/output embedding, stage 0 and the
+  last stage): both copies apply the same updates, update k with the summed gradient
+  g_first(k) + g_last(k). The last stage sends g_last(k) after its backward k; stage 0 adds it,
+  steps, and sends the sum back. The last stage applies tied update k just before its forward of
+  microbatch k + p (stage 0's backward k precedes its forward k + p, so the sum is on its way:
+  no stall), and the ones left at the iteration's end. Both copies then have version
+  max(0, j - p + 1) at forward j (stage 0 has run j - p + 1 backwards by then), the version the
+  float64 reference (executor.reference.train_reference_pipedream) gives both.
+* **Stashed versions in host memory** (``offload.stash_swap_layers``, MPress §II-D): a listed
+  layer's parameter that goes stale is copied to host memory and its device storage released
+  (the graphs hold it through :class:`_ParamView` handles, not views of its storage: see
+  :meth:`PipeDreamStash.pack`); it comes back before the backward that needs it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+#: p2p tags of the tied-gradient messages (their own process group: no clash with boundaries)
+_TO_FIRST, _TO_LAST = 0, 1 << 20
+
+
+class _ParamView:
+    """A saved tensor that is (a view of) a stash-swapped layer's parameter: the parameter object
+    and the view's geometry. Unpacked from the parameter's data as it is then (back on the device
+    for the backward), so the graph never pins the device storage of a stale version."""
+
+    __slots__ = ("param", "offset", "size", "stride")
+
+    def __init__(self, param, t: torch.Tensor):
+        self.param, self.offset, self.size, self.stride = param, t.storage_offset(), t.size(), t.stride()
+
+    def unpack(self) -> torch.Tensor:
+        return self.param.detach().as_strided(self.size, self.stride, self.offset)
+
+
+class PipeDreamStash:
+    def __init__(self, st):
+        """``st``: the executor.stage.StageRuntime (its layers, params, optimizer(s), tracker)."""
+        self.st = st
+        self.p = st.plan.pipeline_depth
+        # every place a parameter sits in the modules: (module, attribute) per distinct parameter
+        self.slots: dict[int, list] = {}
+        for _, _, mod in st.layers:
+            for sub in mod.modules():
+                for name, param in sub._parameters.items():
+                    if param is not None:
+                        self.slots.setdefault(id(param), []).append((sub, name))
+        self.live: list = list(st.params)
+        self.bufs = [p.grad for p in self.live]  # one gradient buffer per slot, for the whole run
+        self.layer_of = {}
+        for i, _, mod in st.layers:
+            for param in mod.parameters():
+                self.layer_of.setdefault(id(param), i)
+        swapped = set(st.stage.offload.stash_swap_layers)
+        self.swap_slots = {j for j, p in enumerate(self.live) if self.layer_of.get(id(p)) in swapped}
+        self.used: dict[int, list] = {}  # in-flight microbatch -> the parameters its forward used
+        self.on_host: dict[int, torch.Tensor] = {}  # id(stale parameter) -> its host copy
+        tied = st.tied  # (parameter, group) across two stages, or None
+        self.tied_slot = next(j for j, p in enumerate(self.live) if p is tied[0]) if tied is not None else None
+        self.group = tied[1] if tied is not None else None
+        self.peer = None
+        if tied is not None:
+            first, last = st.plan.stages[0], st.plan.stages[-1]
+            other = last if st.first else first
+            self.peer = st.rank_of[other.devices[0]]
+        self.sends: list = []
+        # this stage's passes in order ("F"/"B", microbatch): the prefetch looks one pass ahead
+        from specs.schedule import ActionKind, position_schedule
+
+        self.order = [("F" if a.kind is ActionKind.forward else "B", a.microbatch)
+                      for a in position_schedule(st.plan, st.index)
+                      if a.kind in (ActionKind.forward, ActionKind.backward)]
+        self.pass_i = -1
+        self.awaiting: int | None = None  # next pass's backward, whose version is still live
+        self.pending: list[int] = []  # backwards whose update has not run yet
+        self.tied_done = 0  # last stage: tied updates applied this iteration
+        self.iteration_forwards = 0
+
+    # ---- forward ------------------------------------------------------------------------------
+    def begin_forward(self, k: int) -> None:
+        if self.tied_slot is not None and self.st.last:
+            while self.tied_done <= k - self.p:  # tied update k - p before forward k (module doc)
+                self._tied_update_last()
+            self._reap(k - self.p)  # g_last(k - p) was taken by stage 0's update k - p by now
+        self.used[k] = list(self.live)
+        self._pass_start()
+
+    def _reap(self, upto: int) -> None:
+        """Let go of the tied messages numbered <= ``upto``: their receiver has taken them by now
+        (the schedule orders it), so the wait returns at once. Deterministic, where polling
+        gloo's completion would hold a message as long as the sender happens not to look; the
+        simulator books the same holds (simulator/stash.py ``_tied_update``)."""
+        keep = []
+        for k, work, msg in self.sends:
+            if k <= upto:
+                work.wait()
+            else:
+                keep.append((k, work, msg))
+        self.sends = keep
+
+    def pack(self, t: torch.Tensor):
+        """saved_tensors_hooks pack for a stage with stash-swapped layers: a saved tensor sharing a
+        swapped slot's live storage becomes a :class:`_ParamView` (else ``t`` itself)."""
+        if self.swap_slots and type(t) is torch.Tensor and t.layout is torch.strided:
+            ptr = t.untyped_storage().data_ptr()
+            for j in self.swap_slots:
+                p = self.live[j]
+                if p.untyped_storage().data_ptr() == ptr:
+                    return _ParamView(p, t)
+        return t
+
+    @staticmethod
+    def unpack(saved):
+        return saved.unpack() if isinstance(saved, _ParamView) else saved
+
+    # ---- backward -----------------------------------------------------------------------------
+    def begin_backward(self, k: int) -> None:
+        """Install microbatch k's version in the modules (a recomputed layer re-runs with it), its
+        host-resident parameters back on the device, and the gradient buffers, zeroed, on it."""
+        self._pass_start()
+        used = self.used[k]
+        for j, p in enumerate(used):
+            self._fetch(p)  # not prefetched (the first backward of a run without a pass before it)
+            self.bufs[j].zero_()
+            p.grad = self.bufs[j]
+            if p is not self.live[j]:
+                self._install(self.live[j], p)
+
+    def end_backward(self, k: int) -> None:
+        """Restore the live version; the update waits for :meth:`update` (after the gradient
+        send, where simulator/walk.py ``_update`` steps)."""
+        used = self.used.pop(k)
+        held = {id(q) for ps in self.used.values() for q in ps}
+        for j, p in enumerate(used):
+            if p is not self.live[j]:
+                p.grad = None
+                self._install(p, self.live[j])
+                if id(p) in self.on_host:  # a stash-swapped version: its device copy goes now
+                    if id(p) in held:
+                        self._drop(p)
+                    else:
+                        del self.on_host[id(p)]
+        self.pending.append(k)
+
+    def update(self) -> None:
+        """PipeDream's update for the microbatch whose backward ended last (stage 0 right after
+        it, the others after sending its input gradient)."""
+        if not self.pending:
+            return
+        k = self.pending.pop(0)
+        st = self.st
+        skip = set()
+        if self.tied_slot is not None:
+            j = self.tied_slot
+            if st.last:  # g_last(k) to stage 0; the last stage's own tied update comes later
+                with st.tracker.phase("buffers"):
+                    msg = self.bufs[j].clone()
+                self.sends.append((k, dist.isend(msg, self.peer, group=self.group, tag=_TO_FIRST + k), msg))
+                skip.add(j)
+            else:  # stage 0: g_first(k) + g_last(k), the sum back to the last stage
+                self._reap(k - self.p)  # the last stage took sum(k - p) before its backward k
+                with st.tracker.phase("buffers"):
+                    other = torch.empty_like(self.bufs[j])
+                dist.recv(other, self.peer, group=self.group, tag=_TO_FIRST + k)
+                self.bufs[j].add_(other)
+                other.copy_(self.bufs[j])
+                self.sends.append((k, dist.isend(other, self.peer, group=self.group, tag=_TO_LAST + k), other))
+        self._update(skip)
+
+    # ---- the update ---------------------------------------------------------------------------
+    def _update(self, skip: set[int], only: int | None = None) -> None:
+        """Step the live parameters (all but ``skip``, or slot ``only``) with the gradient
+        buffers. A parameter an in-flight graph holds is replaced first (out of place)."""
+        st = self.st
+        held = {id(p) for ps in self.used.values() for p in ps}
+        slots = [only] if only is not None else [j for j in range(len(self.live)) if j not in skip]
+        renamed = {}
+        for j, old in enumerate(self.live):
+            if j in slots and id(old) in held:
+                with st.tracker.phase("parameters"):
+                    new = torch.nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+                renamed[id(old)] = new
+                self._install(old, new)
+                self.live[j] = new
+                st.tracker.tag(old, "stashed")
+                if j in self.swap_slots:
+                    self._to_host(old)
+                    if self.awaiting is None or self.used.get(self.awaiting, [None] * (j + 1))[j] is not old:
+                        self._drop(old)  # (kept for a backward that is the next pass: no round trip)
+        for j, p in enumerate(self.live):
+            p.grad = self.bufs[j] if j in slots else None
+        if renamed:
+            self._rekey(renamed)
+        st.params[:] = self.live
+        st.step_optimizer()
+        for j, p in enumerate(self.live):  # filed with the tracker as the stage's gradients
+            p.grad = self.bufs[j]
+        if renamed and st.swapper is not None:  # the live storages it must never move
+            st.swapper.params |= {p.untyped_storage().data_ptr() for p in renamed.values()}
+
+    def _tied_update_last(self) -> None:
+        """The last stage's tied update number ``tied_done``: stage 0's sum g_first + g_last."""
+        j, k = self.tied_slot, self.tied_done
+        with self.st.tracker.phase("buffers"):
+            total = torch.empty_like(self.bufs[j])
+        dist.recv(total, self.peer, group=self.group, tag=_TO_LAST + k)
+        self.bufs[j].copy_(total)
+        del total
+        self._update(set(), only=j)
+        self.tied_done += 1
+
+    def end_iteration(self, m: int) -> None:
+        """The last stage's tied updates still due; every tied message delivered."""
+        self.update()
+        if self.tied_slot is not None and self.st.last:
+            while self.tied_done < m:
+                self._tied_update_last()
+            self.tied_done = 0
+        self._reap(m)
+        self.pass_i = -1
+
+    def _install(self, old, new) -> None:
+        for mod, name in self.slots.get(id(old), ()):
+            mod._parameters[name] = new
+        self.slots[id(new)] = self.slots.pop(id(old), [])
+
+    def _rekey(self, renamed: dict) -> None:
+        st = self.st
+        if st.tied is not None and id(st.tied[0]) in renamed:
+            st.tied = (renamed[id(st.tied[0])], st.tied[1])
+        opts = [st.optimizer] if st.optimizer is not None else []
+        if st.opt_swap is not None:
+            opts += st.opt_swap.optimizers
+        for opt in opts:
+            for group in opt.param_groups:
+                group["params"] = [renamed.get(id(p), p) for p in group["params"]]
+            for old in [p for p in opt.state if id(p) in renamed]:
+                opt.state[renamed[id(old)]] = opt.state.pop(old)
+        for old_id, new in renamed.items():
+            if old_id in self.layer_of:
+                self.layer_of[id(new)] = self.layer_of[old_id]
+
+    # ---- stashed versions in host memory (offload.stash_swap_layers) ----------------------------
+    def _pass_start(self) -> None:
+        """At each pass: if the next pass of this stage is a backward whose version waits in host
+        memory, fetch it now (one pass ahead, as simulator/stash.py ``_stash_pass``); if its
+        version is still live, it stays on the device when it goes stale (:attr:`awaiting`)."""
+        self.pass_i += 1
+        self.awaiting = None
+        if not self.swap_slots or self.pass_i + 1 >= len(self.order):
+            return
+        kind, k2 = self.order[self.pass_i + 1]
+        if kind != "B" or k2 not in self.used:
+            return
+        used = self.used[k2]
+        stale = [used[j] for j in self.swap_slots if used[j] is not self.live[j]]
+        if not stale:
+            self.awaiting = k2
+        for p in stale:
+            self._fetch(p)
+
+    def _to_host(self, param) -> None:
+        """A stale version of a stash-swapped layer gets its host copy (kept until its last
+        backward); :meth:`_drop` then lets go of the device storage (the graphs hold it through
+        :class:`_ParamView`, the modules no longer)."""
+        st = self.st
+        with st.tracker.phase("host"):
+            host = torch.empty(param.shape, dtype=param.dtype, pin_memory=st.torch_device.type == "cuda")
+        host.copy_(param.detach())
+        self.on_host[id(param)] = host
+
+    @staticmethod
+    def _drop(param) -> None:
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def _fetch(self, param) -> None:
+        """Back on the device (a fresh copy per backward, as the simulator books it)."""
+        host = self.on_host.get(id(param))
+        if host is None or param.numel() == host.numel():
+            return
+        with self.st.tracker.phase("stashed"):
+            param.data = host.to(self.st.torch_device, copy=True)

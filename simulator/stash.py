@@ -1,0 +1,183 @@
+"""PipeDream's weight stashing (PipeDream §3.3), mixed into simulator.engine.Engine, and the swap
+of its stashed versions to host memory (MPress §II-D: GPU-CPU swap applies to all model data;
+``offload.stash_swap_layers``).
+
+Versions. PipeDream updates a stage's weights after every backward (§3.3, no gradient
+accumulation), so every update starts a new version; a microbatch's forward uses the live one and
+its backward needs that same version, which by then is stale. Per stage the walk keeps a version
+counter (one step per backward) and the version each in-flight microbatch's forward used; the
+warm-up's forwards all run before the first update, so they share one version.
+
+Device bytes of the stash (memory category STASHED): the stage's weights that stay on the device
+(``parameters_bytes - stash_swap_bytes``) once per in-flight microbatch but the newest, from its
+forward to its backward (the count model the closed form, simulator.analytic, prices as
+p - i - 1 versions); the swapped part ``stash_swap_bytes`` (costs.static.stash_swap_bytes) per
+version:
+
+* when it goes stale (the end of the update that replaces it) one device->host copy over the
+  node's host link (the d2h copy engine activation swaps use, transfers._host_out); its device
+  bytes go when the copy ends, its pinned host buffer is reserved at the copy's issue;
+* before each backward that needs it, a host->device copy issued when the position's preceding
+  pass starts (not before the version's d2h copy has ended), the backward waiting for it if late;
+  its device bytes exist from the issue to that backward's end; the host buffer goes when the
+  version's last microbatch's copy has ended.
+
+A version whose backward is the very next pass when it goes stale (the cool-down of a position
+with two microbatches in flight) is not copied out: its prefetch point has passed, so it stays on
+the device until that backward ends, as a round trip could only stall it.
+"""
+from __future__ import annotations
+
+from simulator.memory import BUFFERS, STASHED
+from simulator.stagecost import StageCost
+from specs.schedule import iter_compute_order
+
+
+class StashEvents:
+    """Weight stashing and its host swap (the Engine's state: env, mem, links, costs, trace, ...)."""
+
+    def _stash_setup(self) -> None:
+        plan = self.plan
+        self._stash_swap = self._stash and any(sc.stash_swap_bytes for sc in self.costs)
+        self._live_version: dict[int, int] = {}     # stage -> updates so far (the live version's id)
+        self._live_users: dict[int, int] = {}       # stage -> in-flight microbatches on the live version
+        self._mb_version: dict[tuple[int, int], int] = {}   # (stage, mb) -> version its forward used
+        self._version_users: dict[tuple[int, int], int] = {}  # (stage, version) -> fetches still to come
+        self._version_out_ns: dict[tuple[int, int], int] = {}  # (stage, version) -> its d2h copy's end
+        self._stash_fetch: dict[tuple[int, int], int] = {}  # (stage, mb) -> when its copy is on the device
+        self._stash_awaiting: set[tuple[int, int]] = set()  # backward next, version still live
+        self._upcoming: list = []
+        # a tied embedding/head over stage 0 and the last stage (executor.pipedream): the last
+        # stage holds its gradient message of update k until its forward k + p, stage 0 the sum
+        # it sends back until its update k + p (executor.pipedream._reap: by then the schedule
+        # has delivered them); those not due by then are held to the iteration's end
+        self._tied_msg_bytes = 0
+        self._updates: dict[int, int] = {}  # stage -> updates so far this iteration
+        if self._stash and len(plan.stages) > 1:
+            import costs.buffers
+
+            self._tied_msg_bytes = costs.buffers.tied_sync_buffer_bytes(self.model, plan, plan.stages[0])
+        if self._stash_swap:  # the pass after the current one, per position (a prefetch point)
+            p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+            for pos in range(p):
+                order = iter_compute_order(plan.schedule.kind, p, m, v, pos)
+                next(order, None)  # the first pass is the current one when the walk starts
+                self._upcoming.append(order)
+
+    # ---- forward and backward ------------------------------------------------------------------
+    def _stash_weights(self, w, sc: StageCost, s: int, k: int, t0: int) -> None:
+        """At forward ``k``'s start: every in-flight microbatch but the newest keeps the version its
+        forward used (PipeDream §3.3); the part of it that is swapped is booked per version."""
+        n = w.in_flight.get(s, 0)
+        if n:
+            w.mem.add(t0, STASHED, sc.static.parameters_bytes - sc.stash_swap_bytes)
+        w.in_flight[s] = n + 1
+        if sc.stash_swap_bytes:
+            self._mb_version[(s, k)] = self._live_version.get(s, 0)
+            self._live_users[s] = self._live_users.get(s, 0) + 1
+
+    def _unstash_weights(self, w, sc: StageCost, s: int, k: int) -> None:
+        """At backward ``k``'s end: its stashed version (or fetched copy) is no longer needed."""
+        n = w.in_flight[s] - 1
+        w.in_flight[s] = n
+        if n:
+            w.mem.add(self.env.now, STASHED, -(sc.static.parameters_bytes - sc.stash_swap_bytes))
+        if not sc.stash_swap_bytes:
+            return
+        self._stash_awaiting.discard((s, k))
+        if self._mb_version.pop((s, k)) == self._live_version.get(s, 0):
+            self._live_users[s] -= 1  # ran on the live weights: nothing was stashed
+        if self._stash_fetch.pop((s, k), None) is not None:
+            w.mem.add(self.env.now, STASHED, -sc.stash_swap_bytes)
+
+    def _stash_pass(self, pos: int) -> None:
+        """At the start of each pass of position ``pos``: if the next pass is a backward whose
+        version waits in host memory, prefetch it now."""
+        nxt = next(self._upcoming[pos], None)
+        if nxt is None or nxt[0] != "B" or not self.costs[nxt[1]].stash_swap_bytes:
+            return
+        _, s, k = nxt
+        version = self._mb_version[(s, k)]
+        if version == self._live_version.get(s, 0):
+            self._stash_awaiting.add((s, k))  # not stale (yet): see _stash_stale
+            return
+        self._stash_in(pos, self.costs[s], s, k, version)
+
+    def _stash_wait(self, w, s: int, k: int):
+        """Before backward ``k``: wait for its version's host->device copy (the compute stream is
+        held, so PipeDream's steady state counts it)."""
+        ready = self._stash_fetch.get((s, k))
+        env = self.env
+        if ready is not None and ready > env.now:
+            t0 = env.now
+            yield env.timeout(ready - t0)
+            self.events += 1
+            w.busy += env.now - t0
+            self.trace.slice(w.rep, "compute", f"wait stash s{s} mb{k}", t0, env.now - t0, "stall")
+
+    # ---- copies --------------------------------------------------------------------------------
+    def _stash_stale(self, w, sc: StageCost, s: int) -> None:
+        """At the end of stage ``s``'s update: the version it replaced goes stale; if microbatches
+        in flight still need it, it is copied to the host (its device bytes go when the copy ends),
+        except for one whose backward is next (kept on the device until then)."""
+        old = self._live_version.get(s, 0)
+        self._live_version[s] = old + 1
+        users = self._live_users.pop(s, 0)
+        if not sc.stash_swap_bytes or not users:
+            return
+        env, mem, nbytes = self.env, w.mem, sc.stash_swap_bytes
+        now = env.now
+        for key in sorted(self._stash_awaiting):
+            if key[0] == s and self._mb_version[key] == old:  # prefetch point passed: stays here
+                self._stash_awaiting.discard(key)
+                mem.add(now, STASHED, nbytes)
+                self._stash_fetch[key] = now
+                users -= 1
+        if not users:
+            return
+        mem.add(now, STASHED, nbytes)
+        start, end = self.links.reserve((("d2h", self._switch(sc.rep)),), sc.stash_copy_ns, now)
+        self.trace.slice(sc.rep, "d2h", f"stash out s{s} v{old}", start, sc.stash_copy_ns, "swap")
+        self._host(w.pos, nbytes)  # pinned host buffer reserved at enqueue
+        self._later(end - now, lambda _e: mem.add(env.now, STASHED, -nbytes))
+        self._version_users[(s, old)] = users
+        self._version_out_ns[(s, old)] = end
+
+    def _stash_in(self, pos: int, sc: StageCost, s: int, k: int, version: int) -> None:
+        """Copy microbatch ``k``'s stashed version back, not before it has reached the host; the
+        pinned host buffer goes after the version's last such copy."""
+        env, nbytes = self.env, sc.stash_swap_bytes
+        now = env.now
+        earliest = max(now, self._version_out_ns[(s, version)])
+        self.mem[pos].add(now, STASHED, nbytes)  # destination allocated when the copy is enqueued
+        start, end = self.links.reserve((("h2d", self._switch(sc.rep)),), sc.stash_copy_ns, earliest)
+        self.trace.slice(sc.rep, "h2d", f"stash in s{s} mb{k}", start, sc.stash_copy_ns, "swap")
+        self._stash_fetch[(s, k)] = end
+        left = self._version_users[(s, version)] - 1
+        if left:
+            self._version_users[(s, version)] = left
+            return
+        del self._version_users[(s, version)]
+        del self._version_out_ns[(s, version)]
+        self._later(end - now, lambda _e: self._host(pos, -nbytes))
+
+    # ---- tied embedding messages (module doc of executor.pipedream) ---------------------------
+    def _tied_update(self, s: int) -> None:
+        """Update number k of stage ``s`` ran: book the tied-gradient messages it sends or takes."""
+        k = self._updates.get(s, 0)
+        self._updates[s] = k + 1
+        tb, last = self._tied_msg_bytes, len(self.plan.stages) - 1
+        if not tb or s not in (0, last):
+            return
+        now = self.env.now
+        if s == last:
+            self.mem[last].add(now, BUFFERS, tb)
+        else:
+            if k >= self.plan.pipeline_depth:
+                self.mem[0].add(now, BUFFERS, -tb)
+            self.mem[0].add(now, BUFFERS, tb)
+
+    def _tied_forward(self, s: int, k: int) -> None:
+        """The last stage's forward ``k`` lets go of its message of update k - p."""
+        if self._tied_msg_bytes and s == len(self.plan.stages) - 1 and k >= self.plan.pipeline_depth:
+            self.mem[s].add(self.env.now, BUFFERS, -self._tied_msg_bytes)

@@ -72,6 +72,8 @@ class PipeDreamStash:
         swapped = set(st.stage.offload.stash_swap_layers)
         self.swap_slots = {j for j, p in enumerate(self.live) if self.layer_of.get(id(p)) in swapped}
         self.used: dict[int, list] = {}  # in-flight microbatch -> the parameters its forward used
+        self.swap_base = (st.swapper.params - {p.untyped_storage().data_ptr() for p in self.live}
+                          if st.swapper is not None else set())  # the modules' buffers
         self.on_host: dict[int, torch.Tensor] = {}  # id(stale parameter) -> its host copy
         tied = st.tied  # (parameter, group) across two stages, or None
         self.tied_slot = next(j for j, p in enumerate(self.live) if p is tied[0]) if tied is not None else None
@@ -213,8 +215,11 @@ class PipeDreamStash:
         st.step_optimizer()
         for j, p in enumerate(self.live):  # filed with the tracker as the stage's gradients
             p.grad = self.bufs[j]
-        if renamed and st.swapper is not None:  # the live storages it must never move
-            st.swapper.params |= {p.untyped_storage().data_ptr() for p in renamed.values()}
+        if renamed and st.swapper is not None:
+            # the storages the swapper must never move: the live weights' (and the modules'
+            # buffers), rebuilt rather than grown: a freed version's address is reused by
+            # activations, which a stale entry would keep on the device
+            st.swapper.params = self.swap_base | {p.untyped_storage().data_ptr() for p in self.live}
 
     def _tied_update_last(self) -> None:
         """The last stage's tied update number ``tied_done``: stage 0's sum g_first + g_last."""

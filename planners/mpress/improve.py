@@ -10,9 +10,10 @@ order: keep optimizer state resident where it fits; the compacted layers, costli
 first, with the other techniques, then as keep; hidden CPU swaps to spare peer memory; the
 recomputed layers once more with D2D swap to the spare peer memory the round's moves freed; the
 costly compactions whose D2D swap would hide, with room made for them on less loaded peers that
-compact more (planners/mpress/joint.py, MPress Table IV); optimizer state once more. Rounds repeat, each from what the last one kept, until a round makes the
-iteration less than ``policy.min_round_gain`` (0.5 %) faster, a round has no move to try, or
-the safety cap ``policy.max_simulations`` is spent; the outcome says which.
+compact more (planners/mpress/joint.py, MPress Table IV); optimizer state once more. Rounds
+repeat, each from what the last one kept, until a round makes the iteration less than
+``policy.min_round_gain`` (0.5 %) faster, a round has no move to try, or the safety cap
+``policy.max_simulations`` is spent; the outcome says which.
 
 A round's small gain need not mean the next round has nothing to find: a move late in a round
 (a D2D-swapped layer moved to CPU swap) can free the peer memory a recomputed layer tried earlier

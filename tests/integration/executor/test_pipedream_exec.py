@@ -106,3 +106,19 @@ def test_what_pipedream_does_not_run_is_refused():
     problems = unsupported(homed, GPT_TINY)
     assert any(p.startswith("stages[0].offload:") and "optimizer_on_cpu" in p for p in problems), problems
     assert not unsupported(pipedream(), GPT_TINY)
+
+
+def test_swapped_activations_stay_swapped_however_many_updates():
+    # every update frees old versions' storages; their addresses come back as activations, which
+    # the swapper must still move (a grown "never move" set kept them on the device: stage 0's
+    # peak grew with the microbatch count)
+    peaks = []
+    for global_batch in (16, 64):
+        training = TrainingSpec(global_batch=global_batch, microbatch_size=2, precision="fp32")
+        plan = make_plan(parse_policy({"kind": "even", "pp": 4}), SPEC, LOCAL_CPU, training,
+                         ScheduleSpec(kind="pipedream_async"))
+        plan = with_stage0(plan, memory=[LayerMemory(layer=1, action=MemoryAction.cpu_swap)])
+        out = run_plan(plan, GPT_TINY, iterations=2, memory_iteration=1)
+        assert out.failure is None, out.failure
+        peaks.append(out.reports[0]["peak_bytes"])
+    assert peaks[0] == peaks[1], peaks

@@ -121,4 +121,7 @@ def test_swapped_activations_stay_swapped_however_many_updates():
         out = run_plan(plan, GPT_TINY, iterations=2, memory_iteration=1)
         assert out.failure is None, out.failure
         peaks.append(out.reports[0]["peak_bytes"])
-    assert peaks[0] == peaks[1], peaks
+    # equal up to one boundary message (a received activation or gradient, fp32): when a
+    # receive's buffer is freed depends on the other ranks' timing (the leak grew ~40 of them)
+    boundary = TRAINING.samples_per_microbatch * GPT_TINY.seq_len * GPT_TINY.hidden * 4
+    assert abs(peaks[1] - peaks[0]) <= boundary, peaks

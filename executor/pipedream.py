@@ -65,13 +65,14 @@ class PipeDreamStash:
                         self.slots.setdefault(id(param), []).append((sub, name))
         self.live: list = list(st.params)
         self.bufs = [p.grad for p in self.live]  # one gradient buffer per slot, for the whole run
-        self.layer_of = {}
+        layer_of: dict[int, int] = {}  # a tied parameter belongs to its first layer
         for i, _, mod in st.layers:
             for param in mod.parameters():
-                self.layer_of.setdefault(id(param), i)
+                layer_of.setdefault(id(param), i)
         swapped = set(st.stage.offload.stash_swap_layers)
-        self.swap_slots = {j for j, p in enumerate(self.live) if self.layer_of.get(id(p)) in swapped}
+        self.swap_slots = {j for j, p in enumerate(self.live) if layer_of.get(id(p)) in swapped}
         self.used: dict[int, list] = {}  # in-flight microbatch -> the parameters its forward used
+        self.swap_ptrs: dict[int, torch.nn.Parameter] = {}
         self.swap_base = (st.swapper.params - {p.untyped_storage().data_ptr() for p in self.live}
                           if st.swapper is not None else set())  # the modules' buffers
         self.on_host: dict[int, torch.Tensor] = {}  # id(stale parameter) -> its host copy
@@ -103,6 +104,8 @@ class PipeDreamStash:
                 self._tied_update_last()
             self._reap(k - self.p)  # g_last(k - p) was taken by stage 0's update k - p by now
         self.used[k] = list(self.live)
+        # the swapped slots' live storages, looked up by every saved tensor of this forward (pack)
+        self.swap_ptrs = {self.live[j].untyped_storage().data_ptr(): self.live[j] for j in self.swap_slots}
         self._pass_start()
 
     def _reap(self, upto: int) -> None:
@@ -121,12 +124,10 @@ class PipeDreamStash:
     def pack(self, t: torch.Tensor):
         """saved_tensors_hooks pack for a stage with stash-swapped layers: a saved tensor sharing a
         swapped slot's live storage becomes a :class:`_ParamView` (else ``t`` itself)."""
-        if self.swap_slots and type(t) is torch.Tensor and t.layout is torch.strided:
-            ptr = t.untyped_storage().data_ptr()
-            for j in self.swap_slots:
-                p = self.live[j]
-                if p.untyped_storage().data_ptr() == ptr:
-                    return _ParamView(p, t)
+        if type(t) is torch.Tensor and t.layout is torch.strided:
+            p = self.swap_ptrs.get(t.untyped_storage().data_ptr())
+            if p is not None:
+                return _ParamView(p, t)
         return t
 
     @staticmethod
@@ -259,9 +260,6 @@ class PipeDreamStash:
                 group["params"] = [renamed.get(id(p), p) for p in group["params"]]
             for old in [p for p in opt.state if id(p) in renamed]:
                 opt.state[renamed[id(old)]] = opt.state.pop(old)
-        for old_id, new in renamed.items():
-            if old_id in self.layer_of:
-                self.layer_of[id(new)] = self.layer_of[old_id]
 
     # ---- stashed versions in host memory (offload.stash_swap_layers) ----------------------------
     def _pass_start(self) -> None:

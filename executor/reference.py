@@ -19,25 +19,39 @@ def train_reference(cfg, training: TrainingSpec, iterations: int, seed: int = 0,
     layers = build_layers(cfg, seed=seed, dtype=dtype, rows=training.samples_per_microbatch)
     # distinct parameters: a tied LM head shares the embedding's weight (stepped once)
     params = list({id(p): p for _, _, mod in layers for p in mod.parameters()}.values())
-    if training.optimizer is Optimizer.adam:
-        opt = torch.optim.Adam(params, lr=LR[training.optimizer], fused=True)  # as executor.stage
-    else:
-        opt = torch.optim.SGD(params, lr=LR[training.optimizer], momentum=0.9)
-    m, b = training.microbatches, training.samples_per_microbatch
+    opt = _optimizer(params, training)
+    m = training.microbatches
     losses = []
     for it in range(iterations):
         opt.zero_grad(set_to_none=False)
         batch = make_batch(cfg, training.global_batch, it, seed, dtype)
         total = 0.0
         for k in range(m):
-            mb = microbatch(batch, k * b, (k + 1) * b)  # unbatched values (a user model's) whole
-            x = None
-            for _, _, mod in layers:
-                x = mod(x, mb)
+            x = _loss(layers, batch, training, k)
             (x / m).backward()
             total += float(x.detach()) / m
         opt.step()
         losses.append(total)
+    return _result(layers, losses)
+
+
+def _optimizer(params: list, training: TrainingSpec) -> torch.optim.Optimizer:
+    if training.optimizer is Optimizer.adam:
+        return torch.optim.Adam(params, lr=LR[training.optimizer], fused=True)  # as executor.stage
+    return torch.optim.SGD(params, lr=LR[training.optimizer], momentum=0.9)
+
+
+def _loss(layers, batch: dict, training: TrainingSpec, k: int) -> torch.Tensor:
+    """Microbatch ``k``'s mean loss through every layer (unbatched values, a user model's, whole)."""
+    b = training.samples_per_microbatch
+    mb = microbatch(batch, k * b, (k + 1) * b)
+    x = None
+    for _, _, mod in layers:
+        x = mod(x, mb)
+    return x
+
+
+def _result(layers, losses: list[float]) -> dict:
     named = [(f"{name}.{pn}", p) for _, name, mod in layers for pn, p in mod.named_parameters()]
     return {"losses": losses,
             "params": {n: p.detach().numpy().copy() for n, p in named},
@@ -78,12 +92,9 @@ def train_reference_pipedream(cfg, plan, iterations: int, seed: int = 0, dtype: 
         for p in mod.parameters():
             owner.setdefault(id(p), (p, stage_of[index]))
     params = [p for p, _ in owner.values()]
-    if training.optimizer is Optimizer.adam:
-        opt = torch.optim.Adam(params, lr=LR[training.optimizer], fused=True)
-    else:
-        opt = torch.optim.SGD(params, lr=LR[training.optimizer], momentum=0.9)
+    opt = _optimizer(params, training)
     versions = pipedream_versions(plan)
-    m, b = training.microbatches, training.samples_per_microbatch
+    m = training.microbatches
     losses = []
     for it in range(iterations):
         batch = make_batch(cfg, training.global_batch, it, seed, dtype)
@@ -95,10 +106,7 @@ def train_reference_pipedream(cfg, plan, iterations: int, seed: int = 0, dtype: 
                     p.copy_(snaps[versions[s][k]][j])
             for p in params:
                 p.grad = None
-            mb = microbatch(batch, k * b, (k + 1) * b)
-            x = None
-            for _, _, mod in layers:
-                x = mod(x, mb)
+            x = _loss(layers, batch, training, k)
             x.backward()
             total += float(x.detach()) / m
             with torch.no_grad():  # the update applies to the live weights
@@ -107,10 +115,7 @@ def train_reference_pipedream(cfg, plan, iterations: int, seed: int = 0, dtype: 
             opt.step()
             snaps.append([p.detach().clone() for p in params])
         losses.append(total)
-    named = [(f"{name}.{pn}", p) for _, name, mod in layers for pn, p in mod.named_parameters()]
-    return {"losses": losses,
-            "params": {n: p.detach().numpy().copy() for n, p in named},
-            "grads": {n: p.grad.detach().numpy().copy() for n, p in named}}
+    return _result(layers, losses)
 
 
 def longest_reduction(cfg, training: TrainingSpec) -> int:

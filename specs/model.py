@@ -46,6 +46,21 @@ class GemmSpec(Spec):
         return 2.0 * self.m * self.n * self.k * self.batch
 
 
+class SavedTensorSpec(Spec):
+    """One tensor a layer's forward saves for its backward, other than its input and its output
+    (those are the boundaries between layers, counted once each): MPress decides per tensor from
+    each tensor's own live interval (§III-D, Table III's t1-t4).
+
+    ``fwd_fraction``: where in the layer's forward it is saved (the share of the forward's operators
+    before it, 0..1); the backward, walking the forward in reverse, consumes it at about
+    ``1 - fwd_fraction`` of its own time, so its live interval reaches from there to there."""
+
+    name: str = Field("", description="the operator or role that saves it (e.g. 'attn.softmax')")
+    bytes_per_sample: int = Field(ge=0, le=MAX_LAYER_BYTES)
+    tp_sharded: bool = Field(True, description="tensor parallelism divides it by t")
+    fwd_fraction: Annotated[float, finite_in(0.0, 1.0, lo_open=False, hi_open=False)] = 0.5
+
+
 class LayerSpec(Spec):
     """One pipeline-placeable layer.
 
@@ -89,9 +104,23 @@ class LayerSpec(Spec):
         None, description="name of an earlier layer whose weights ``tied_params`` of this layer's params share "
                           "(GPT's LM head and word embedding): one copy where both sit on the same devices")
     tied_params: int = Field(0, ge=0, le=1 << 46, description="params (within ``params``) shared with ``tied_to``")
+    # ---- per-tensor decisions (MPress §III-D, issue #24) ----
+    saved_tensors: list[SavedTensorSpec] = Field(
+        default_factory=list, max_length=4096,
+        description="the saved tensors other than the input and output, in the order the forward saves them "
+                    "(the symbolic profile's unique storages); empty: not known, the layer is one unit")
     # ---- MAP (issue #14) ----
     op_graph: str | None = Field(None, description="key of this layer's operator graph in ModelSpec.op_graphs "
                                                    "(MAP §4.1); identical layers share one")
+
+    @model_validator(mode="after")
+    def _saved_tensors_within(self) -> LayerSpec:
+        # each tensor's per-sample bytes are rounded up on their own (one byte each at most)
+        interior = sum(t.bytes_per_sample for t in self.saved_tensors)
+        if interior > self.saved_bytes_per_sample + len(self.saved_tensors):
+            raise ValueError(f"saved_tensors: layer {self.name!r}'s tensors sum to {interior} B per sample, more "
+                             f"than its saved_bytes_per_sample ({self.saved_bytes_per_sample})")
+        return self
 
 
 class ModelSpec(Spec):

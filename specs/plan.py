@@ -171,8 +171,22 @@ def _check_stages(plan: Plan, model: ModelSpec, hardware: HardwareSpec, layers_o
             check_stage_sharding(i, stage, model, plan.training.samples_per_microbatch, plan.zero_stage, err)
         elif layers_ok:
             _check_tp_cap(i, stage, model, err)
+        if layers_ok:
+            _check_tensors(i, stage, model, err)
         if stage.offload.nvme and hardware.host.nvme_bytes == 0:
             err(f"stages[{i}].offload.nvme", f"hardware {hardware.name!r} has no NVMe")
+
+
+def _check_tensors(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
+    """A per-tensor action (``memory[j].tensors``) names saved tensors the layer has."""
+    for j, item in enumerate(stage.memory):
+        if item.tensors is None or not stage.layer_start <= item.layer < stage.layer_stop:
+            continue
+        have = len(model.layers[item.layer].saved_tensors)
+        if item.tensors[-1] >= have:
+            known = f"indices 0..{have - 1}" if have else "none known: the model spec lists no saved_tensors"
+            err(f"stages[{i}].memory[{j}].tensors", f"layer {item.layer} has {have} saved tensors ({known}), "
+                f"given {item.tensors}")
 
 
 def _check_tp_cap(i: int, stage: StagePlan, model: ModelSpec, err) -> None:

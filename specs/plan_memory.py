@@ -44,6 +44,18 @@ class LayerMemory(Spec):
     microbatch_period: int = Field(1, ge=1, le=MAX_COUNT,
                                    description="act on every n-th microbatch (k % n == 0); the rest keep")
 
+    # MPress §III-D decides per tensor: the indices (into the model layer's ``saved_tensors``) of
+    # the saved tensors the action moves; the layer otherwise behaves as kept (its input, output
+    # and other tensors stay on the device). None: the whole layer
+    tensors: list[Annotated[int, Field(ge=0, lt=4096)]] | None = Field(
+        None, max_length=4096, description="swap only these saved tensors of the layer (indices into the model "
+                                           "layer's saved_tensors); None: the whole layer")
+
+    @property
+    def partial(self) -> bool:
+        """Whether the action moves only some of the layer's saved tensors (the rest keep)."""
+        return self.tensors is not None
+
     def applies(self, k: int) -> bool:
         """Whether microbatch ``k``'s activations of this layer take ``action`` (else keep)."""
         return k % self.microbatch_period == 0
@@ -54,6 +66,13 @@ class LayerMemory(Spec):
             raise ValueError(f"targets: d2d_swap of layer {self.layer} needs at least one target device")
         if self.action is not MemoryAction.d2d_swap and self.targets:
             raise ValueError(f"targets: only d2d_swap takes targets (layer {self.layer} is {self.action.value})")
+        if self.tensors is not None:
+            if self.action not in (MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme):
+                raise ValueError(f"tensors: only a swap (cpu_swap, d2d_swap, nvme) moves single tensors; layer "
+                                 f"{self.layer} is {self.action.value}")
+            if not self.tensors or len(set(self.tensors)) != len(self.tensors) or self.tensors != sorted(self.tensors):
+                raise ValueError(f"tensors: layer {self.layer} lists {self.tensors}; give distinct indices in "
+                                 "ascending order, at least one (None: the whole layer)")
         devices = [t.device for t in self.targets]
         if len(set(devices)) != len(devices):
             raise ValueError(f"targets: a device is listed twice for layer {self.layer}: {devices}")

@@ -24,6 +24,9 @@ single-GPU check of a plan made for many), its simulated peak/time from ``simula
                        (H2D) and gradient copy (D2H) times vs the simulator's window slices
     optimizer_swap     offload.optimizer_swap (executor/optim_swap.py: Adam state in pinned host memory
                        between steps): peaks kept vs swapped, host bytes, the state's copy time
+    pipedream_stash    PipeDream-async with weight stashing (executor/pipedream.py): stage 1 of a pp4 plan,
+                       its stashed versions kept vs swapped to pinned host memory (offload.stash_swap_layers):
+                       peaks, stashed bytes at the peak, host bytes, the versions' copy time
     calibration        GEMM rates (calibration/gemm.py sweep, compute_bench.cuda_matmul) vs the hardware
                        YAML's peak x gemm_efficiency (costs/gemm.py), and copy bandwidth: pinned H2D/D2H
                        (compute_bench.pinned_copy_gbps) vs host.pcie_gbps, device copy vs hbm_gbps
@@ -375,6 +378,48 @@ def check_optimizer_swap(setup: Setup) -> None:
     setup.add(Row("optimizer_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(a, b)))
 
 
+def pipedream_plans(spec, hw, training):
+    """pp4 PipeDream-async (weight stashing: stage 1 holds p - 1 = 3 versions in the steady state),
+    stage 1 = blocks 0 and 1, as is and with its stashed versions swapped to host memory
+    (``offload.stash_swap_layers``, MPress §II-D)."""
+    from planners import make_plan, parse_policy
+    from specs.plan import OffloadPolicy, ScheduleSpec, validate_plan
+
+    keep = make_plan(parse_policy({"kind": "manual", "pp": 4, "layers_per_stage": [1, 2, 2, 1]}), spec, hw,
+                     training, ScheduleSpec(kind="pipedream_async"))
+    off = OffloadPolicy(stash_swap_layers=list(keep.stages[1].layers))
+    swap = keep.model_copy(update={"stages": [st.model_copy(update={"offload": off}) if i == 1 else st
+                                              for i, st in enumerate(keep.stages)]})
+    return keep, validate_plan(swap, spec, hw)
+
+
+def check_pipedream_stash(setup: Setup) -> None:
+    """PipeDream's stashed weight versions (executor/pipedream.py): stage 1 alone, kept vs swapped to pinned host memory."""
+    cfg, spec, training = model_and_training(setup, "swap")
+    hw = hardware(setup.hardware_name, devices=4)
+    keep, swap = pipedream_plans(spec, hw, training)
+    dev = swap.stages[1].devices[0]
+    sim_keep, sim_swap = simulated(keep, spec, hw), simulated(swap, spec, hw)
+    a = run_alone(setup, keep, cfg, 1, collect=True)
+    b = run_alone(setup, swap, cfg, 1, collect=True)
+    sk, ss = sim_keep.result.devices[dev], sim_swap.result.devices[dev]
+    setup.add(Row("pipedream_stash", "peak, versions kept", "bytes", sk.peak_bytes, a["peak_bytes"]))
+    setup.add(Row("pipedream_stash", "stashed versions at the peak, kept", "bytes",
+                  device_bytes(sk, "stashed_weights_bytes"), a["breakdown"].get("stashed", 0)))
+    setup.add(Row("pipedream_stash", "peak, versions swapped", "bytes", ss.peak_bytes, b["peak_bytes"]))
+    setup.add(Row("pipedream_stash", "peak saved by the stash swap", "bytes", sk.peak_bytes - ss.peak_bytes,
+                  a["peak_bytes"] - b["peak_bytes"]))
+    setup.add(Row("pipedream_stash", "host bytes at most", "bytes", ss.host_bytes, b["host_peak_bytes"]))
+    add_copy_rows(setup, "pipedream_stash", swap, cfg, 1, sim_swap, dev,
+                  (("versions out (D2H) per iteration", "d2h", ("stash out",)),
+                   ("versions in (H2D) per iteration", "h2d", ("stash in",))))
+    setup.add(Row("pipedream_stash", "iteration time alone, swapped - kept", "s",
+                  sim_swap.result.iteration_time_s - sim_keep.result.iteration_time_s,
+                  b["iteration_time_s"] - a["iteration_time_s"], "executor copies synchronously (no side stream)"))
+    setup.add(Row("pipedream_stash", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(a, b),
+                  "a swap is a copy: ~0 (non-deterministic reductions aside)"))
+
+
 def check_calibration(setup: Setup) -> None:
     """Calibration: GEMM rates and copy bandwidths vs the hardware YAML."""
     from calibration import compute_bench, gemm
@@ -500,11 +545,12 @@ PATHS: dict[str, Callable[[Setup], None]] = {
     "cpu_swap": check_cpu_swap,
     "stronghold_window": check_stronghold_window,
     "optimizer_swap": check_optimizer_swap,
+    "pipedream_stash": check_pipedream_stash,
     "calibration": check_calibration,
     "execute": check_execute,
     "auto": check_auto,
 }
-QUICK = ("memtrack", "cpu_swap", "stronghold_window", "optimizer_swap", "calibration")
+QUICK = ("memtrack", "cpu_swap", "stronghold_window", "optimizer_swap", "pipedream_stash", "calibration")
 
 
 # ---- running, reporting ----------------------------------------------------------------------------

@@ -92,6 +92,8 @@ def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2
                 elif a.kind is ActionKind.backward:
                     g = st.recv("grad", k, a.stage + 1, tail[a.stage]) if not st.last else None
                     st.backward(k, g)
+                    if st.pipedream is not None:  # PipeDream: an update after every backward (executor.worker
+                        st.pipedream.update()     # updates once the input gradient is sent: none is sent here)
                 elif a.kind is ActionKind.optimizer_step:
                     st.step()
         if cuda:

@@ -26,7 +26,9 @@
 * **Stashed versions in host memory** (``offload.stash_swap_layers``, MPress §II-D): a listed
   layer's parameter that goes stale is copied to host memory and its device storage released
   (the graphs hold it through :class:`_ParamView` handles, not views of its storage: see
-  :meth:`PipeDreamStash.pack`); it comes back before the backward that needs it.
+  :meth:`PipeDreamStash.pack`); it comes back before the backward that needs it. CUDA: pinned
+  host buffers, both copies on a side stream (the allocator keeps a released storage until its
+  copy is done: ``record_stream``), a backward waits only for its own version's copy (an event).
 """
 from __future__ import annotations
 
@@ -76,6 +78,12 @@ class PipeDreamStash:
         self.swap_base = (st.swapper.params - {p.untyped_storage().data_ptr() for p in self.live}
                           if st.swapper is not None else set())  # the modules' buffers
         self.on_host: dict[int, torch.Tensor] = {}  # id(stale parameter) -> its host copy
+        # CUDA: the versions' copies run on a side stream (pinned buffers), as executor.swap's do,
+        # so an update and a backward do not wait for PCIe; a fetched version's backward waits on
+        # its copy's event (``ready``)
+        cuda = st.torch_device.type == "cuda" and bool(self.swap_slots)
+        self.side = torch.cuda.Stream(st.torch_device) if cuda else None
+        self.ready: dict[int, torch.cuda.Event] = {}
         tied = st.tied  # (parameter, group) across two stages, or None
         self.tied_slot = next(j for j, p in enumerate(self.live) if p is tied[0]) if tied is not None else None
         self.group = tied[1] if tied is not None else None
@@ -146,6 +154,8 @@ class PipeDreamStash:
             p.grad = self.bufs[j]
             if p is not self.live[j]:
                 self._install(self.live[j], p)
+        if self.side is not None:
+            self._wait_fetched(used)
 
     def end_backward(self, k: int) -> None:
         """Restore the live version; the update waits for :meth:`update` (after the gradient
@@ -287,7 +297,14 @@ class PipeDreamStash:
         st = self.st
         with st.tracker.phase("host"):
             host = torch.empty(param.shape, dtype=param.dtype, pin_memory=st.torch_device.type == "cuda")
-        host.copy_(param.detach())
+        if self.side is None:
+            host.copy_(param.detach())
+        else:  # after the update's kernels that read it; the allocator keeps the device storage
+            compute = torch.cuda.current_stream(st.torch_device)  # until the side stream's copy is done
+            self.side.wait_stream(compute)
+            with torch.cuda.stream(self.side):
+                host.copy_(param.detach(), non_blocking=True)
+            param.detach().record_stream(self.side)
         self.on_host[id(param)] = host
 
     @staticmethod
@@ -299,5 +316,20 @@ class PipeDreamStash:
         host = self.on_host.get(id(param))
         if host is None or param.numel() == host.numel():
             return
+        dev = self.st.torch_device
         with self.st.tracker.phase("stashed"):
-            param.data = host.to(self.st.torch_device, copy=True)
+            if self.side is None:
+                param.data = host.to(dev, copy=True)
+                return
+            with torch.cuda.stream(self.side):  # after its own device->host copy (same stream)
+                copy = host.to(dev, non_blocking=True)
+            copy.record_stream(torch.cuda.current_stream(dev))  # the backward reads it on the compute stream
+            self.ready[id(param)] = self.side.record_event()
+            param.data = copy
+
+    def _wait_fetched(self, params) -> None:
+        """The compute stream waits for the copies of ``params`` fetched on the side stream."""
+        for p in params:
+            ev = self.ready.pop(id(p), None)
+            if ev is not None:
+                torch.cuda.current_stream(self.st.torch_device).wait_event(ev)

@@ -41,6 +41,9 @@ def build_custom(cfg: CustomConfig, act: int) -> ModelSpec:
             "saved_bytes_per_sample": scale(layer.saved_bytes_per_sample),
             "output_bytes_per_sample": scale(layer.output_bytes_per_sample),
             "workspace_bytes_per_sample": scale(layer.workspace_bytes_per_sample),
+            # each tensor rounded up alone, as LayerSpec allows (one byte per tensor over the total)
+            "saved_tensors": [t.model_copy(update={"bytes_per_sample": scale(t.bytes_per_sample)})
+                              for t in layer.saved_tensors],
         })
         for layer in cfg.layers
     ]

@@ -8,7 +8,10 @@ Large Transformer Models", §4.1, eq. 1): a block keeps s·h·(34 + 5as/h) bytes
 s·h·(24 + 5as/h) is split by tensor parallelism (eq. 2) and 10·s·h (layernorm inputs, the
 attention and MLP inputs, two dropout masks) is replicated. Their 1-byte dropout masks are counted
 like every other element, so the fp32 count is exactly twice the fp16 count (a slight overcount
-of 2·s·h + a·s² bytes per block in fp32, accepted to keep one closed form).
+of 2·s·h + a·s² bytes per block in fp32, accepted to keep one closed form). The same counts,
+tensor by tensor in forward order (``attention_saved``, ``mlp_saved``), are each layer's
+``saved_tensors`` (MPress §III-D swaps per tensor): a block's list with its input sums to its
+saved bytes and its sharded entries to the eq. 2 fraction.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from pydantic import Field, model_validator
 
 from specs._base import Spec
 from costs import op_counts
-from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec
+from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec, SavedTensorSpec
 
 TOKEN_ID_BYTES = 8  # int64 token ids, as torch.nn.Embedding takes them
 LOSS_BYTES = 4  # one fp32 loss per sample leaves the head
@@ -68,7 +71,49 @@ class BertConfig(_TransformerConfig):
     family: Literal["bert"]
 
 
+# ---- saved tensors one by one (Korthikanti et al. 2022 §4.1), fp16 bytes, in forward order ----
+
+#: (role, fp16 bytes per sample, split by tensor parallelism) of each tensor a sublayer saves
+Saved = list[tuple[str, int, bool]]
+
+
+def attention_saved(s: int, h: int, a: int) -> Saved:
+    """What self-attention with its layernorm saves, in the order its forward saves it (Korthikanti
+    §4.1): the layernorm input 2sh (a pre-LN block's input), the QKV input 2sh, Q and K 2sh each
+    (for QKᵀ), the softmax output 2as² (its backward), the softmax-dropout mask as², the dropout
+    output 2as² and V 2sh (for attention·V), the projection input 2sh and the output dropout mask sh.
+    Megatron splits the heads over TP (eq. 2): Q, K, V, the a·s² tensors and the projection input."""
+    sh, as2 = s * h, a * s * s
+    return [("attn.ln_input", 2 * sh, False), ("attn.qkv_input", 2 * sh, False),
+            ("attn.q", 2 * sh, True), ("attn.k", 2 * sh, True),
+            ("attn.softmax_output", 2 * as2, True), ("attn.softmax_dropout_mask", as2, True),
+            ("attn.dropout_output", 2 * as2, True), ("attn.v", 2 * sh, True),
+            ("attn.proj_input", 2 * sh, True), ("attn.dropout_mask", sh, False)]
+
+
+def mlp_saved(s: int, h: int, f: int) -> Saved:
+    """What the MLP with its layernorm saves, in forward order: layernorm input 2sh, fc1 input 2sh,
+    GeLU input 2sf, fc2 input 2sf, dropout mask sh (Korthikanti §4.1 with f = 4h: 19sh + LN 2sh);
+    TP splits the two f-wide tensors (fc1 column-parallel, fc2 row-parallel)."""
+    sh, sf = s * h, s * f
+    return [("mlp.ln_input", 2 * sh, False), ("mlp.fc1_input", 2 * sh, False),
+            ("mlp.gelu_input", 2 * sf, True), ("mlp.fc2_input", 2 * sf, True), ("mlp.dropout_mask", sh, False)]
+
+
+def saved_specs(saved: Saved, scale, skip: int = 0) -> list[SavedTensorSpec]:
+    """``saved`` as SavedTensorSpecs with bytes ``scale(fp16 bytes)``, the first ``skip`` left out
+    (the layer's input, a boundary). Each is placed evenly in the forward by its position among all
+    of them (the input first, at 0): an approximation of its operator share that keeps the order."""
+    n = len(saved)
+    return [SavedTensorSpec(name=role, bytes_per_sample=scale(nbytes), tp_sharded=sharded, fwd_fraction=i / n)
+            for i, (role, nbytes, sharded) in enumerate(saved) if i >= skip]
+
+
 # ---- sublayers: (params, tp-sharded params, fwd flops, saved fp16 bytes, tp-sharded saved) ----
+
+def _totals(saved: Saved) -> tuple[int, int]:
+    return sum(b for _, b, _ in saved), sum(b for _, b, sharded in saved if sharded)
+
 
 def attention_costs(s: int, h: int, a: int) -> tuple[int, int, float, int, int]:
     """Self-attention sublayer with its layernorm.
@@ -84,8 +129,7 @@ def attention_costs(s: int, h: int, a: int) -> tuple[int, int, float, int, int]:
     params = 4 * h * h + 6 * h
     sharded_params = 4 * h * h + 3 * h
     flops = 8.0 * s * h * h + 4.0 * s * s * h
-    saved = 13 * s * h + 5 * a * s * s
-    sharded_saved = 8 * s * h + 5 * a * s * s
+    saved, sharded_saved = _totals(attention_saved(s, h, a))  # 13sh + 5as², 8sh + 5as²
     return params, sharded_params, flops, saved, sharded_saved
 
 
@@ -100,7 +144,7 @@ def mlp_costs(s: int, h: int, f: int) -> tuple[int, int, float, int, int]:
     params = 2 * h * f + f + 3 * h
     sharded_params = 2 * h * f + f
     flops = 4.0 * s * h * f
-    return params, sharded_params, flops, 5 * s * h + 4 * s * f, 4 * s * f
+    return params, sharded_params, flops, *_totals(mlp_saved(s, h, f))  # 5sh + 4sf, 4sf
 
 
 def attention_gemms(s: int, h: int, a: int) -> list[GemmSpec]:
@@ -155,6 +199,8 @@ def block_layer(name: str, s: int, h: int, a: int, f: int, act: int) -> LayerSpe
                GemmSpec(name="fc1", m=s, n=f, k=h, tp_split="n"),
                GemmSpec(name="fc2", m=s, n=h, k=f, tp_split="k")],
         fwd_mem_bytes_per_sample=attention_mem_bytes(s, h, a, act) + mlp_mem_bytes(s, h, f, act),
+        # every tensor but the first, the layernorm input: the block's input (the previous output)
+        saved_tensors=saved_specs([*attention_saved(s, h, a), *mlp_saved(s, h, f)], lambda n: n * act // 2, skip=1),
         **op_counts.ops(op_counts.TRANSFORMER_BLOCK),
     )
 
@@ -167,9 +213,14 @@ def embedding_layer(name: str, s: int, h: int, V: int, act: int, extra_params: i
     (Korthikanti et al. 2022 §4.3 counts the embedding dropout mask), plus ``extra_saved``.
     FLOPs: the position add, s·h (lookups do no arithmetic)."""
     params = V * h + s * h + extra_params
+    # it saves no input (the ids are the batch, counted here): all its saved tensors are its own
+    ids = [(f"ids_{i}", s * TOKEN_ID_BYTES, False) for i in range(id_tensors)]
+    extra = [("ln_input", extra_saved, False)] if extra_saved else []
+    saved = saved_specs([*ids, *extra, ("dropout_mask", s * h, False)], lambda n: n)
     return LayerSpec(
         name=name,
         kind=LayerKind.embedding,
+        saved_tensors=saved,
         params=params,
         fwd_flops_per_sample=float(s * h),
         saved_bytes_per_sample=id_tensors * s * TOKEN_ID_BYTES + s * h + extra_saved,
@@ -188,17 +239,24 @@ def embedding_layer(name: str, s: int, h: int, V: int, act: int, extra_params: i
 
 
 def head_layer(name: str, s: int, h: int, V: int, act: int, params: int, sharded_params: int,
-               flops: float, saved_inputs: int, tied_to: str | None = None,
+               flops: float, saved_inputs: list[tuple[str, int]] | int, tied_to: str | None = None,
                gemms: list[GemmSpec] | None = None) -> LayerSpec:
-    """An LM head ending in the loss: ``saved_inputs`` bytes of hidden-size tensors plus the fp32
+    """An LM head ending in the loss: ``saved_inputs`` (role, bytes) of hidden-size tensors, in
+    forward order and the layer's input first (or their total: no ``saved_tensors``), plus the fp32
     logits s·V·4 that cross-entropy keeps (Korthikanti et al. 2022 §4.3); the logits are split
     over TP by Megatron's vocab-parallel cross-entropy. Workspace: the fp32 gradient of the
     logits, s·V·4, allocated in the backward of the loss (estimate; Megatron computes it in place)."""
     logits = s * V * LOGIT_BYTES
-    saved = saved_inputs + logits
+    if isinstance(saved_inputs, int):  # a total alone (family_moe): the tensors are not known
+        saved, tensors = saved_inputs + logits, []
+    else:  # the first input is the layer's own (the last block's output): a boundary
+        saved = sum(nbytes for _, nbytes in saved_inputs) + logits
+        tensors = saved_specs([*((role, nbytes, False) for role, nbytes in saved_inputs), ("logits", logits, True)],
+                              lambda n: n, skip=1)
     return LayerSpec(
         name=name,
         kind=LayerKind.head,
+        saved_tensors=tensors,
         params=params,
         fwd_flops_per_sample=flops,
         saved_bytes_per_sample=saved,
@@ -238,7 +296,7 @@ def build_gpt(cfg: GPTConfig, act: int) -> ModelSpec:
         "head", s, h, V, act,
         params=2 * h + h * V, sharded_params=h * V,
         flops=2.0 * s * h * V,  # logits GEMM (Narayanan et al. 2021 §5.1: the V/16lh term, 2shV)
-        saved_inputs=2 * s * h * act,  # final-LN input and LM-head input (Korthikanti §4.3)
+        saved_inputs=[("ln_input", s * h * act), ("decoder_input", s * h * act)],  # Korthikanti §4.3
         tied_to="embed" if cfg.tie_embeddings else None,
     )
     head = head.model_copy(update=op_counts.head_ops(op_counts.HEAD["gpt"], act))
@@ -267,7 +325,8 @@ def build_bert(cfg: BertConfig, act: int) -> ModelSpec:
         "head", s, h, V, act,
         params=(h * h + h) + 2 * h + (h * V + V), sharded_params=h * V + V,
         flops=2.0 * s * h * h + 2.0 * s * h * V,
-        saved_inputs=4 * s * h * act,  # inputs of dense, GeLU, layernorm, decoder
+        saved_inputs=[("dense_input", s * h * act), ("gelu_input", s * h * act), ("ln_input", s * h * act),
+                      ("decoder_input", s * h * act)],
         tied_to="embed" if cfg.tie_embeddings else None,
         gemms=[GemmSpec(name="dense", m=s, n=h, k=h), GemmSpec(name="decoder", m=s, n=V, k=h, tp_split="n")],
     )

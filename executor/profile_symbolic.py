@@ -12,6 +12,9 @@ under ``FakeTensorMode``: tensors carry shape, dtype and device but no storage, 
 * bytes saved for backward (``saved_tensors_hooks``; unique storages, parameters and buffers
   excluded, so a tensor saved by q, k and v is counted once and a weight's transposed view or
   BatchNorm's running statistics not at all),
+* the saved storages other than the layer's inputs and outputs, one by one in first-save order
+  (``saved_tensors``: where each was born, its bytes, whether tensor parallelism splits it and the
+  share of the forward's operators before its first save; MPress §III-D swaps per tensor),
 * boundary output bytes, and
 * the transient peak inside the layer: a small dispatch-mode tracker of live storages (each new
   storage counted once, released by a weakref finalizer on the storage). We use our own ~30-line
@@ -41,15 +44,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from executor.models import _layers, make_batch
-from specs.profile import LayerProfile, Profile
+from specs.profile import LayerProfile, Profile, SavedTensorProfile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: bumped when a profile gains a measurement (part of the cache key, model_costs.symbolic_cache_key):
 #: 2 = operator counts fwd_ops/bwd_ops (issue #11; a cached revision-1 profile would read them as 0),
 #: 3 = those counts include nn.Module calls, 4 = saved bytes exclude module buffers (BatchNorm's
 #: running statistics were counted as activations of every microbatch), 5 = the transient is
-#: tracked above FlopCounterMode (its decompositions of fused backward kernels were counted)
-PROFILE_REVISION = 5
+#: tracked above FlopCounterMode (its decompositions of fused backward kernels were counted),
+#: 6 = per-tensor saved lists ``saved_tensors`` (MPress §III-D; a cached revision-5 profile has none)
+PROFILE_REVISION = 6
 
 # ---- FLOP formulas FlopCounterMode lacks: CPU flash attention (same math as the CUDA one) ----
 _aten = torch.ops.aten
@@ -184,6 +188,92 @@ def _tp_fractions(module: nn.Module, saved: dict, saved_attn: dict) -> dict:
     return {"tp_param_fraction": 0.0, "tp_saved_fraction": 0.0}
 
 
+def _sharded_scopes(module: nn.Module) -> tuple[list[nn.Module], bool]:
+    """The submodules inside which a tensor born is divided by t under the executor's tensor
+    parallelism, and whether a scope, once entered, lasts to the end of the forward.
+
+    The per-tensor form of :func:`_tp_fractions`' rule: a Block's attention and MLP (TP_PLAN:
+    column-parallel q, k, v, fc1 give h/t- and f/t-wide outputs; their inputs, born outside, stay
+    replicated), an MoE block's attention only, the LM head's logits and loss from the
+    vocabulary-parallel decoder on; nothing in other layers (embeddings all-reduce their output)."""
+    from executor.models import Block, LMHead, MoEBlock
+
+    if isinstance(module, Block):
+        return [module.attn, module.mlp], False
+    if isinstance(module, MoEBlock):
+        return [module.attn], False
+    if isinstance(module, LMHead):
+        return [module.decoder], True
+    return [], False
+
+
+class Origins(TorchDispatchMode):
+    """Where each storage an op creates while active is born: ``born[storage] = (name, sharded)``
+    with name ``'<module path>:<aten op>'`` (e.g. ``'attn.q:aten.addmm'``; the op alone at the
+    layer's top level) and ``sharded`` whether it was born inside a scope of
+    :func:`_sharded_scopes`. Module paths come from global module hooks, kept while active."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.born: dict[StorageWeakRef, tuple[str, bool]] = {}
+        self._paths = {id(m): n for n, m in module.named_modules()}
+        scopes, self._sticky = _sharded_scopes(module)
+        self._scopes = {id(m) for m in scopes}
+        self._stack: list[str] = []
+        self._inside = 0
+        self._hooks: list = []
+
+    def __enter__(self):
+        def enter(mod, args):
+            if id(mod) in self._paths:
+                self._stack.append(self._paths[id(mod)])
+                self._inside += id(mod) in self._scopes
+
+        def leave(mod, args, out):
+            if id(mod) in self._paths:
+                self._stack.pop()
+                self._inside -= id(mod) in self._scopes and not self._sticky
+
+        self._hooks = [nn.modules.module.register_module_forward_pre_hook(enter),
+                       nn.modules.module.register_module_forward_hook(leave)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {StorageWeakRef(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        path = self._stack[-1] if self._stack else ""
+        name = f"{path}:{func.overloadpacket}" if path else str(func.overloadpacket)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = StorageWeakRef(t.untyped_storage())
+                if key not in inputs:  # a view or in-place output is no birth; a reused address is a new one
+                    self.born[key] = (name, self._inside > 0)
+        return out
+
+
+def _interior_saved(saved: dict, first_at: dict, boundary: set, origins: Origins, batch: dict,
+                    fwd_ops: int) -> list[SavedTensorProfile]:
+    """The saved storages other than the layer's inputs and outputs (``boundary``), in the order
+    the forward first saved them (MPress §III-D decides per tensor): totals at the traced
+    microbatch, where each was born, and the share of the forward's operators before its first save."""
+    batch_names = {StorageWeakRef(t.untyped_storage()): f"batch.{k}" for k, t in batch.items()
+                   if isinstance(t, torch.Tensor)}
+    out = []
+    for key, nbytes in saved.items():
+        if key in boundary:
+            continue
+        name, sharded = origins.born.get(key, (batch_names.get(key, "external"), False))
+        out.append(SavedTensorProfile(name=name, size_bytes=nbytes, tp_sharded=sharded,
+                                      fwd_fraction=min(first_at[key] / max(fwd_ops, 1), 1.0)))
+    return out
+
+
 def state_storages(module: nn.Module) -> set:
     """Storages of the module's state, which a saved tensor of it is not counted as: parameters, and
     buffers too (BatchNorm's running mean and variance, which its backward saves beside the batch
@@ -197,7 +287,9 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
     """Forward + backward of one fake layer: (measurements, output). Call inside FakeTensorMode."""
     module = _fake_module(module, dtype)
     param_keys = state_storages(module)
-    saved: dict[StorageWeakRef, int] = {}
+    saved: dict[StorageWeakRef, int] = {}  # first-seen order
+    first_at: dict[StorageWeakRef, int] = {}  # forward operators dispatched before the first save
+    fwd_ops, origins = OpCount(), Origins(module)
 
     saved_attn: dict[StorageWeakRef, int] = {}  # saved inside an ``attn`` submodule (TP-sharded there)
     in_attn = [False]
@@ -205,6 +297,7 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = StorageWeakRef(t.untyped_storage())
         if key not in param_keys:
+            first_at.setdefault(key, fwd_ops.ops)
             saved[key] = t.untyped_storage().nbytes()
             if in_attn[0] and (x is None or key != StorageWeakRef(x.untyped_storage())):
                 saved_attn[key] = saved[key]  # not its (replicated) input
@@ -229,7 +322,7 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
     # 1 + ..., three muls), and a tracker below it counted those temporaries, five activation-sized
     # tensors the real kernel never allocates (LLaMA's backward transient read 2x too high)
     with kernel:
-        with flop_counter.FlopCounterMode(display=False) as fwd_count, OpCount() as fwd_ops, tracker:
+        with flop_counter.FlopCounterMode(display=False) as fwd_count, fwd_ops, tracker, origins:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = module(x, batch)
         # a layer may return any pytree of tensors (a user's torch_module: tuples, dicts)
@@ -249,6 +342,7 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
         temp_bwd = tracker.peak - before
     for h in hooks:
         h.remove()
+    in_keys = {StorageWeakRef(t.untyped_storage()) for t in _tensors(x if x is not None else batch)}
     stats = {
         "params": sum(p.numel() for p in module.parameters()),
         "fwd_flops": float(fwd_count.get_total_flops()),
@@ -268,6 +362,7 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
         "input_bytes": 0 if x is not None else sum(saved.get(StorageWeakRef(t.untyped_storage()), 0)
                                                    for t in _tensors(batch)),
         "saves_output": any(key in saved for key in out_keys),
+        "saved_tensors": _interior_saved(saved, first_at, {*out_keys, *in_keys}, origins, batch, fwd_ops.ops),
         "fwd_ops": fwd_ops.ops,
         # the in-place add of each weight gradient into its .grad buffer is among them (see above)
         "bwd_ops": bwd_ops.ops,
@@ -372,4 +467,4 @@ def megatron_saved_bytes(s: int, b: int, h: int, a: int) -> float:
     return s * b * h * (34 + 5 * a * s / h)
 
 
-__all__ = ["LiveBytes", "OpCount", "megatron_saved_bytes", "profile_model", "signature"]
+__all__ = ["LiveBytes", "OpCount", "Origins", "megatron_saved_bytes", "profile_model", "signature"]

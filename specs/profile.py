@@ -20,7 +20,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from specs._base import MAX_COUNT, Spec
-from specs.model import MAX_LAYER_BYTES, MAX_LAYERS, ModelSpec
+from specs.model import MAX_LAYER_BYTES, MAX_LAYERS, ModelSpec, SavedTensorSpec
 
 #: a profiled byte count beyond this (per microbatch) is not a measurement
 MAX_BYTES = MAX_LAYER_BYTES
@@ -29,8 +29,21 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SCENARIOS = ("pp", "dp2", "dp4", "tp2", "tp4")
 #: what the symbolic profiler measures; part of the cache key, so a cached profile of an older
 #: profiler is traced again (4: .grad buffers pre-allocated, saves_input / saves_output,
-#: temp_fixed_bytes, no views or in-place outputs counted as memory, the executor's TP fractions)
-PROFILE_FORMAT = 5
+#: temp_fixed_bytes, no views or in-place outputs counted as memory, the executor's TP fractions;
+#: 6: per-layer ``saved_tensors``, the interior saved storages MPress §III-D decides on one by one)
+PROFILE_FORMAT = 6
+
+
+class SavedTensorProfile(Spec):
+    """One storage a layer's forward saves for backward other than its inputs and outputs, at the
+    profile's microbatch (a total): becomes a specs.model.SavedTensorSpec per sample."""
+
+    name: str = Field(description="'<module path>:<aten op>' that made it (e.g. 'attn.q:aten.addmm'), "
+                                  "'batch.<key>' for a batch tensor")
+    size_bytes: int = Field(ge=0, le=MAX_BYTES, description="storage bytes at the profile's microbatch")
+    tp_sharded: bool = Field(False, description="born where the executor's tensor parallelism divides it by t")
+    fwd_fraction: float = Field(ge=0, le=1, allow_inf_nan=False,
+                                description="share of the forward's operators dispatched before its first save")
 
 
 class LayerProfile(Spec):
@@ -60,6 +73,10 @@ class LayerProfile(Spec):
     bwd_ops: int = Field(0, ge=0, le=1 << 20, description="aten operators one backward dispatches (any batch)")
     tied_to: str | None = Field(None, description="earlier layer sharing ``tied_params`` of this layer's params")
     tied_params: int = Field(0, ge=0, le=1 << 46, description="params (within ``params``) shared with ``tied_to``")
+    saved_tensors: list[SavedTensorProfile] = Field(
+        default_factory=list, max_length=4096,
+        description="saved storages other than the inputs and outputs, in first-save order: with the saved input "
+                    "and output they sum to saved_bytes")
 
 
 class CaptureStat(Spec):
@@ -103,6 +120,12 @@ class Profile(Spec):
     def per_sample(self, total: float) -> int:
         return math.ceil(total / self.microbatch)
 
+    def saved_tensors(self, layer: LayerProfile) -> list[SavedTensorSpec]:
+        """``layer``'s interior saved tensors per sample (each rounded up as ``per_sample``)."""
+        return [SavedTensorSpec(name=t.name, bytes_per_sample=self.per_sample(t.size_bytes),
+                                tp_sharded=t.tp_sharded, fwd_fraction=t.fwd_fraction)
+                for t in layer.saved_tensors]
+
 
 def apply_profile(model: ModelSpec, profile: Profile) -> ModelSpec:
     """``model`` with params, FLOPs, saved/output/workspace bytes taken from a symbolic profile
@@ -128,6 +151,7 @@ def apply_profile(model: ModelSpec, profile: Profile) -> ModelSpec:
             "workspace_fixed_bytes": prof.temp_fixed_bytes,
             "fwd_ops": prof.fwd_ops, "bwd_ops": prof.bwd_ops,
             "saves_input": prof.saves_input, "saves_output": prof.saves_output,
+            "saved_tensors": profile.saved_tensors(prof),
             # the executor's TP plan, where it differs from the closed forms' (a profile describes
             # the modules that run: executor.profile_symbolic._tp_fractions)
             **({} if prof.tp_param_fraction is None else {"tp_sharded_param_fraction": prof.tp_param_fraction,
@@ -150,6 +174,7 @@ def model_from_profile(profile: Profile) -> ModelSpec:
                         workspace_fixed_bytes=p.temp_fixed_bytes,
                         fwd_ops=p.fwd_ops, bwd_ops=p.bwd_ops, saves_input=p.saves_input,
                         saves_output=p.saves_output, tied_to=p.tied_to, tied_params=p.tied_params,
+                        saved_tensors=profile.saved_tensors(p),
                         tp_sharded_param_fraction=0.0, tp_sharded_saved_fraction=0.0, max_tp=1)
               for p in profile.layers]
     return ModelSpec(name=profile.model, family=profile.family, layers=layers,

@@ -11,7 +11,7 @@ import math
 
 from costs.params import samples_per_replica
 from specs.model import LayerKind, LayerSpec, ModelSpec
-from specs.plan import MemoryAction, Plan, ScheduleKind, StagePlan
+from specs.plan import LayerMemory, MemoryAction, Plan, ScheduleKind, StagePlan
 
 
 SWAP_ACTIONS = frozenset({MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme})
@@ -32,6 +32,46 @@ def layer_input_bytes(model: ModelSpec, layer: int, samples: int) -> int:
     return samples * (model.layers[layer - 1].output_bytes_per_sample if layer > 0 else model.input_bytes_per_sample)
 
 
+def tensor_bytes(spec: LayerSpec, index: int, samples: int, tp: int) -> int:
+    """Bytes of saved tensor ``index`` of ``spec`` (``LayerSpec.saved_tensors``) for ``samples``
+    samples on one TP rank: its per-sample bytes times the samples, divided by t (rounded up) when
+    tensor parallelism shards it (MPress §III-D decides per tensor, Table III's t1-t4)."""
+    t = spec.saved_tensors[index]
+    nbytes = t.bytes_per_sample * samples
+    return -(-nbytes // tp) if t.tp_sharded else nbytes
+
+
+def _kept_own_bytes(model: ModelSpec, layer: int, samples: int, tp: int) -> int:
+    """A kept layer's saved bytes less its boundaries (its input when it saves it, its output when
+    it saves it): its interior, what :func:`layer_own_bytes` counts for it."""
+    spec = model.layers[layer]
+    own = layer_saved_bytes(spec, samples, tp)
+    if spec.saves_input:
+        own -= layer_input_bytes(model, layer, samples)
+    if spec.saves_output:
+        own -= samples * spec.output_bytes_per_sample
+    return max(own, 0)
+
+
+def moved_bytes(spec: LayerSpec, item: LayerMemory, samples: int, tp: int) -> int:
+    """Bytes a per-tensor swap (``item.tensors``, MPress §III-D) moves, one microbatch of
+    ``samples`` on one TP rank: the listed saved tensors' :func:`tensor_bytes`. The caller caps it
+    at the layer's interior (:func:`swapped_bytes`), so what moves and what stays sum to a kept
+    layer's bytes however the per-tensor sizes round."""
+    return sum(tensor_bytes(spec, i, samples, tp) for i in item.tensors or ())
+
+
+def is_partial(item: LayerMemory) -> bool:
+    """Whether ``item`` swaps some saved tensors of its layer only (``LayerMemory.tensors``): the
+    layer otherwise behaves as kept (its boundaries and unlisted tensors stay on the device)."""
+    return item.tensors is not None and item.action in SWAP_ACTIONS
+
+
+def _kept(item: LayerMemory) -> bool:
+    """Whether the layer holds its boundaries as a kept layer does: kept, or partially swapped."""
+    return item.action is MemoryAction.keep or is_partial(item)
+
+
 def swapped_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
     """Bytes a swap of ``layer`` (cpu_swap, nvme, d2d_swap) moves off the device at its forward and
     brings back for its backward, one microbatch on one TP rank: its saved bytes, less its input
@@ -39,8 +79,13 @@ def swapped_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) 
     (``Swapper.begin_forward``: the stage holds it for its backward anyway, the leaf whose gradient
     it sends back, so a copy would free nothing), and :func:`stage_activation_bytes` counts it once,
     as held. A first stage receives nothing: the batch tensors its first layer saves
-    (``input_bytes_per_sample``) move with that layer (:func:`keeps_input`)."""
+    (``input_bytes_per_sample``) move with that layer (:func:`keeps_input`). A per-tensor swap
+    (``tensors``, MPress §III-D) moves the listed tensors only (:func:`moved_bytes`), at most the
+    layer's interior: its boundaries stay as a kept layer's."""
     spec = model.layers[layer]
+    item = stage.action_of(layer)
+    if is_partial(item):
+        return min(moved_bytes(spec, item, samples, stage.tp), _kept_own_bytes(model, layer, samples, stage.tp))
     nbytes = layer_saved_bytes(spec, samples, stage.tp)
     if layer == stage.layer_start and layer > 0 and spec.saves_input:
         nbytes -= layer_input_bytes(model, layer, samples)
@@ -50,35 +95,36 @@ def swapped_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) 
 def keeps_input(model: ModelSpec, stage: StagePlan) -> bool:
     """Whether the stage holds its input from its forward to its backward: a received input always
     (:func:`swapped_bytes`); a first stage's batch tensors unless its first layer, which saves them,
-    is swapped (they then leave with it)."""
-    return not (stage.layer_start == 0 and model.layers[0].saves_input
-                and stage.action_of(0).action in SWAP_ACTIONS)
+    is swapped whole (they then leave with it; a per-tensor swap leaves them in place)."""
+    item = stage.action_of(0) if stage.layer_start == 0 else None
+    return not (item is not None and model.layers[0].saves_input and item.action in SWAP_ACTIONS
+                and not is_partial(item))
 
 
 def holds_input(stage: StagePlan, model: ModelSpec, layer: int) -> bool:
-    """Whether the layer keeps its input between forward and backward: a kept layer that saves it
-    (``saves_input``), or a recomputed one (its checkpoint)."""
-    action = stage.action_of(layer).action
-    return action is MemoryAction.recompute or (action is MemoryAction.keep and model.layers[layer].saves_input)
+    """Whether the layer keeps its input between forward and backward: a kept (or per-tensor
+    swapped) layer that saves it (``saves_input``), or a recomputed one (its checkpoint)."""
+    item = stage.action_of(layer)
+    return item.action is MemoryAction.recompute or (_kept(item) and model.layers[layer].saves_input)
 
 
 def holds_output(stage: StagePlan, model: ModelSpec, layer: int) -> bool:
-    return stage.action_of(layer).action is MemoryAction.keep and model.layers[layer].saves_output
+    """Whether a kept (or per-tensor swapped) layer keeps its own output (``saves_output``)."""
+    return _kept(stage.action_of(layer)) and model.layers[layer].saves_output
 
 
 def layer_own_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
     """What a layer keeps between forward and backward besides its input and output tensors (the
     boundaries, which :func:`stage_activation_bytes` counts once each): kept layers their saved
-    bytes less those two, recomputed and swapped layers nothing."""
-    if stage.action_of(layer).action is not MemoryAction.keep:
+    bytes less those two, per-tensor swapped layers that less what their swap moves
+    (:func:`swapped_bytes`), recomputed and wholly swapped layers nothing."""
+    item = stage.action_of(layer)
+    if not _kept(item):
         return 0
-    spec = model.layers[layer]
-    own = layer_saved_bytes(spec, samples, stage.tp)
-    if spec.saves_input:
-        own -= layer_input_bytes(model, layer, samples)
-    if spec.saves_output:
-        own -= samples * spec.output_bytes_per_sample
-    return max(own, 0)
+    own = _kept_own_bytes(model, layer, samples, stage.tp)
+    if item.action is not MemoryAction.keep:
+        own -= swapped_bytes(model, stage, layer, samples)
+    return own
 
 
 def boundary_held_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:

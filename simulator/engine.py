@@ -119,6 +119,10 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents):
         self.windows: dict[int, WindowWalk] = {
             sc.index: self._window(sc) for sc in self.costs if sc.window is not None}
         self.nvme_bytes = [0] * self.p
+        # activation bytes each position's swaps copied off the device and back (host, NVMe or
+        # peers; transfers._swap_out, _swap_in): what crossed its copy links in the iteration
+        self.swap_out_bytes = [0] * self.p
+        self.swap_in_bytes = [0] * self.p
 
     def _window(self, sc: StageCost) -> WindowWalk:
         return WindowWalk(sc, self.links, *window_resources(self.hardware, sc), self.plan.training.microbatches,

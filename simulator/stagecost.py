@@ -44,7 +44,9 @@ class LayerCost:
     action: MemoryAction
     targets: tuple[tuple[int, float], ...]  # d2d: (device, weight)
     saved_bytes: int      # everything the layer saves for backward (keep); a swapped layer: what
-                          # its swap moves (costs.activations.swapped_bytes: the received input stays)
+                          # its swap moves (costs.activations.swapped_bytes: the received input stays;
+                          # a per-tensor swap, MPress §III-D, its listed tensors only: the rest of the
+                          # layer counts as kept in the stage's act_bytes)
     recompute_ns: int     # one forward of the layer incl. its TP all-reduces
     bwd_ns: int           # its backward: dgrad + wgrad GEMMs, elementwise backward, TP all-reduces
     fwd_ns: int = 0       # its forward (the window walks passes layer by layer)

@@ -83,7 +83,8 @@ class Transfers:
     # ---- activation swap -----------------------------------------------------------------------
     def _stripes(self, nbytes: int, targets: tuple[tuple[int, float], ...]) -> list[tuple[int, int]]:
         """Split ``nbytes`` over d2d targets proportionally to weight (MPress §IV-C striping);
-        rounding as the analytic estimator does, the last stripe takes the remainder."""
+        rounding as the analytic estimator does, the last stripe takes the remainder. A per-tensor
+        swap stripes the bytes it moves alike."""
         total = sum(w for _, w in targets)
         out, left = [], nbytes
         for j, (dev, w) in enumerate(targets):
@@ -124,7 +125,8 @@ class Transfers:
         only if its copy is still running: one that ended inside the forward freed them before."""
         lc = sc.layers[layer - sc.layers[0].layer]
         now = self.env.now
-        nbytes = lc.saved_bytes
+        nbytes = lc.saved_bytes  # a per-tensor swap's listed tensors only (MPress §III-D; stagecost)
+        self.swap_out_bytes[pos] += nbytes
         if sc.window is None:
             issued = max(now - lc.after_ns - (self._sync_swap_out_ns(sc, layer) if self._sync_copies else 0), 0)
         else:
@@ -173,6 +175,7 @@ class Transfers:
         clones the host copy on a CPU rank's compute thread when the swap-in is issued), else 0."""
         lc = sc.layers[layer - sc.layers[0].layer]
         now, nbytes = self.env.now, lc.saved_bytes
+        self.swap_in_bytes[pos] += nbytes
         earliest = max(now, self._swap_out_end.pop((sc.index, k, layer)))
         self.mem[pos].add(now, SWAPPED, nbytes)  # destination allocated when the copy is enqueued
         stall = 0

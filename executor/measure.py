@@ -69,15 +69,16 @@ def _map_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
 
 def _pipedream_unsupported(plan: Plan, model_cfg) -> list[str]:
     """What executor.pipedream (PipeDream's per-microbatch updates with weight stashing) does not
-    run: replicated or tensor-parallel stages (a per-microbatch all-reduce), host-side weights
-    (windows, ZeRO-Offload), MAP stages, a user's own model (its ties are summed once per step)."""
+    run: tensor-parallel stages, a tied embedding/head over a first and last stage of different
+    replica counts (replica r of one pairs with replica r of the other), host-side weights
+    (windows, ZeRO-Offload), MAP stages, a user's own model (its ties are summed once per step).
+    Replicated stages run (PipeDream §3.1: a per-microbatch all-reduce before each update)."""
     out = []
     for i, st in enumerate(plan.stages):
         where = f"stages[{i}]"
-        for name, degree in (("dp", st.dp), ("tp", st.tp)):
-            if degree > 1:
-                out.append(f"{where}.{name}: {degree} with schedule pipedream_async (PipeDream's per-microbatch "
-                           "update of a replicated or sharded stage is not implemented; use 1)")
+        if st.tp > 1:
+            out.append(f"{where}.tp: {st.tp} with schedule pipedream_async (PipeDream's per-microbatch "
+                       "update of a replicated or sharded stage is not implemented; use 1)")
         if st.offload.window_layers is not None or st.offload.optimizer_on_cpu:
             out.append(f"{where}.offload: a window or optimizer_on_cpu with schedule pipedream_async (weights "
                        "homed on the host are not stashed; use keep/recompute/swap, optimizer_swap or "
@@ -85,6 +86,11 @@ def _pipedream_unsupported(plan: Plan, model_cfg) -> list[str]:
         if st.sharding:
             out.append(f"{where}.sharding: a MAP stage with schedule pipedream_async (not implemented)")
     cfg = _config(model_cfg) if model_cfg is not None else None
+    first, last = plan.stages[0], plan.stages[-1]
+    if (len(plan.stages) > 1 and first.dp != last.dp and getattr(cfg, "tie_embeddings", False)):
+        out.append(f"stages[{len(plan.stages) - 1}].dp: {last.dp} with schedule pipedream_async and a tied "
+                   f"embedding/head (stages[0].dp: {first.dp}; each replica of the first stage sums the tied "
+                   "gradient with its own replica of the last stage: use equal dp, or model.tie_embeddings=false)")
     if cfg is not None and cfg.family == "torch_module":
         out.append("model.family: torch_module with schedule pipedream_async (a user model's tied weights are "
                    "synced once per step; use schedule 1f1b)")

@@ -4,6 +4,11 @@
 * **Updates.** After every backward the stage steps its optimizer with that microbatch's gradient
   alone (no accumulation: each microbatch is PipeDream's minibatch; its loss is not scaled by
   1/m). The iteration's closing optimizer entry steps nothing more.
+* **Replicated stages** (PipeDream §3.1: a stage may run on several workers, each a share of
+  the microbatch's rows): before each update the replicas SUM-all-reduce that microbatch's
+  gradients (one flat bucket, executor.stage_grads ``allreduce_dp``; the loss of a replica's rows
+  is scaled by 1/dp, so the sum is the microbatch's mean-loss gradient), then each applies the
+  same update: replicas stay bit-identical, each stashes its own versions.
 * **Stashing.** The forward of microbatch k uses the live weights; its backward computes the
   gradient with exactly those weights (the stashed version), and the update is applied to the
   then-live weights. A parameter that an in-flight microbatch's graph still holds is updated out
@@ -20,9 +25,12 @@
   g_first(k) + g_last(k). The last stage sends g_last(k) after its backward k; stage 0 adds it,
   steps, and sends the sum back. The last stage applies tied update k just before its forward of
   microbatch k + p (stage 0's backward k precedes its forward k + p, so the sum is on its way:
-  no stall), and the ones left at the iteration's end. Both copies then have version
-  max(0, j - p + 1) at forward j (stage 0 has run j - p + 1 backwards by then), the version the
-  float64 reference (executor.reference.train_reference_pipedream) gives both.
+  no stall), and the ones left at the iteration's end. Replicated stages: replica r of stage 0
+  pairs with replica r of the last stage (equal dp, executor.measure), each message after both
+  sides' DP all-reduce, so every pair sums the same replica-complete gradients. Both copies
+  then have version max(0, j - p + 1) at forward j (stage 0 has run j - p + 1 backwards by
+  then), the version the float64 reference (executor.reference.train_reference_pipedream) gives
+  both.
 * **Stashed versions in host memory** (``offload.stash_swap_layers``, MPress §II-D): a listed
   layer's parameter that goes stale is copied to host memory and its device storage released
   (the graphs hold it through :class:`_ParamView` handles, not views of its storage: see
@@ -91,7 +99,10 @@ class PipeDreamStash:
         if tied is not None:
             first, last = st.plan.stages[0], st.plan.stages[-1]
             other = last if st.first else first
-            self.peer = st.rank_of[other.devices[0]]
+            if first.dp != last.dp:
+                raise ValueError(f"schedule pipedream_async: a tied embedding/head over stages of dp {first.dp} "
+                                 f"and {last.dp} (replica r of the first stage pairs with replica r of the last)")
+            self.peer = st.rank_of[other.devices[st.replica * other.tp]]
         self.sends: list = []
         # this stage's passes in order ("F"/"B", microbatch): the prefetch looks one pass ahead
         from specs.schedule import ActionKind, position_schedule
@@ -180,6 +191,7 @@ class PipeDreamStash:
             return
         k = self.pending.pop(0)
         st = self.st
+        st.allreduce_dp(self.bufs)  # replicas: the microbatch's gradient, summed over its rows' shares
         skip = set()
         if self.tied_slot is not None:
             j = self.tied_slot
@@ -252,6 +264,17 @@ class PipeDreamStash:
             self.tied_done = 0
         self._reap(m)
         self.pass_i = -1
+        if self.st.last:  # the loss reported: each replica added its rows' mean loss / m
+            self.st.loss_sum /= self.st.stage.dp  # (executor.stage_passes), the global mean over all
+
+    def digest(self) -> str:
+        """SHA-256 of the stage's live weights in order: replicas of a stage must agree bit for bit."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for p in self.live:
+            h.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
     def _install(self, old, new) -> None:
         for mod, name in self.slots.get(id(old), ()):

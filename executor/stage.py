@@ -119,13 +119,14 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         # after TP: the swapper records the (local) parameter storages it must never move
         self.swapper = Swapper(self, d2d) if any(item.action in SWAPS for item in st.memory) else None
         # PipeDream: an update after every backward, weight versions stashed (executor.pipedream);
-        # each microbatch's gradient is that of its own mean loss (it is PipeDream's minibatch)
+        # each microbatch's gradient is that of its own mean loss (it is PipeDream's minibatch):
+        # a replica's rows scaled by 1/dp, so its replicas' SUM all-reduce is that gradient
         self.pipedream = None
         if plan.schedule.kind is ScheduleKind.pipedream_async:
             from executor.pipedream import PipeDreamStash
 
             self.pipedream = PipeDreamStash(self)
-            self.loss_scale = 1.0
+            self.loss_scale = 1.0 / st.dp
             if self.swapper is not None and self.pipedream.swap_slots:
                 self.swapper.param_pack = self.pipedream.pack
 

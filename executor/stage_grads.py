@@ -49,18 +49,24 @@ class StageGrads:
             self.ties.reset()
 
     def allreduce_grads(self) -> None:
-        if self.pipedream is not None:  # PipeDream stepped after every backward (dp 1: unsupported())
-            return
         """One SUM all-reduce of the stage's flattened gradients over its replicas (one bucket, as
         the simulator charges one ring all-reduce per stage; per-tensor calls cost gloo ~0.6 ms
         of latency each on local_cpu). Tied weights of a user model are summed over their copies
-        first (user_model.TiedGrads; once per rank and iteration)."""
+        first (user_model.TiedGrads; once per rank and iteration). PipeDream: each microbatch's
+        gradient was all-reduced before its update (executor.pipedream), nothing is left here."""
+        if self.pipedream is not None:
+            return
         if self.ties is not None:
             with self.tracker.phase("buffers"):
                 self.ties.sync()
+        self.allreduce_dp([p.grad for p in self.params])
+
+    def allreduce_dp(self, grads: list) -> None:
+        """SUM all-reduce of ``grads`` (the stage's gradient buffers) over the stage's replicas, as
+        one flat bucket; nothing without replicas."""
         if self.dp_group is None:
             return
-        local = [getattr(p.grad, "_local_tensor", p.grad) for p in self.params]
+        local = [getattr(g, "_local_tensor", g) for g in grads]
         with self.tracker.phase("buffers"):
             flat = torch.cat([g.reshape(-1) for g in local])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)

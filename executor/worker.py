@@ -197,6 +197,10 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         report["window_events"] = windows
     if opts.get("collect"):
         report["params"], report["grads"] = _collect(stages.values())
+        # PipeDream: every rank's weights per stage, hashed (replicas must stay bit-identical)
+        digests = {s: st.pipedream.digest() for s, st in stages.items() if st.pipedream is not None}
+        if digests:
+            report["weights_sha256"] = digests
     hb.beat(total, -4)
     dist.barrier()
     if server is not None:  # every source has fetched everything back: the threads are done

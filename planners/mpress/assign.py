@@ -8,18 +8,28 @@ and the closed-form check of a candidate.
   the D2D targets; what a choice costs and the greedy fill live in planners/mpress/choice.py, the
   layers' facts in planners/mpress/facts.py.
 
+Per tensor (MPress §III-D decides per tensor): a swap of a layer whose model spec lists its saved
+tensors may move some of them only (``Assignment.tensors``, emitted as ``LayerMemory.tensors``;
+the layer otherwise keeps). Such a layer never takes a ``microbatch_period``: where spare peer
+memory is short of its in-flight bytes, its D2D swap moves the longest-lived tensors that fit
+(:meth:`Assignment.d2d_fit`) instead of every n-th microbatch. The two grains are not combined:
+a tensor subset already sizes the swap to what the peers hold, and one grain per layer keeps the
+reason text, the closed form's held bytes and the emulated timeline saying the same thing.
+
 Pure: no I/O, no clocks.
 """
 from __future__ import annotations
 
 from simulator.analytic import d2d_held_by_device, device_memory
-from planners.mpress.facts import D2D, KEEP
+from planners.mpress.facts import CPU, D2D, KEEP
 from planners.mpress.mapping import Mapping
 import costs.activations
 from specs.model import ModelSpec
 from specs.plan import D2DTarget, LayerMemory, MemoryAction, Plan
 
 GIB = float(1 << 30)
+#: "as assigned now" for the per-tensor helpers of :class:`Assignment` (None means the whole layer)
+NOW = object()
 
 
 def size_text(nbytes: float) -> str:
@@ -55,10 +65,11 @@ def stage_devices(stage, device: int) -> list[int]:
 
 def with_actions(plan: Plan, actions: dict[tuple[int, int], MemoryAction], mapping: Mapping,
                   stripes: dict | None = None, opt_swap: frozenset | set = frozenset(),
-                  period: dict | None = None) -> Plan:
+                  period: dict | None = None, tensors: dict | None = None) -> Plan:
     """``plan`` with stage devices from ``mapping`` (:func:`stage_devices`) and the given per-layer
     actions (others keep); a D2D swap stripes over ``stripes[(stage, layer)]`` ((target stage,
-    weight), ...), each target stage's stripe on its mapped device."""
+    weight), ...), each target stage's stripe on its mapped device; a swap in ``tensors`` moves
+    those saved tensors of its layer only (LayerMemory.tensors)."""
     stages = []
     for s, stage in enumerate(plan.stages):
         items = []
@@ -68,8 +79,10 @@ def with_actions(plan: Plan, actions: dict[tuple[int, int], MemoryAction], mappi
                 continue
             targets = ([D2DTarget(device=mapping.device_of_stage[t], weight=w) for t, w in stripes[(s, l)]]
                        if action is D2D else [])
+            subset = (tensors or {}).get((s, l))
             items.append(LayerMemory(layer=l, action=action, targets=targets,
-                                     microbatch_period=(period or {}).get((s, l), 1)))
+                                     microbatch_period=(period or {}).get((s, l), 1),
+                                     tensors=list(subset) if subset is not None else None))
         offload = stage.offload.model_copy(update={"optimizer_swap": s in opt_swap})
         stages.append(stage.model_copy(update={"devices": stage_devices(stage, mapping.device_of_stage[s]), "memory": items,
                                                "offload": offload}))
@@ -101,6 +114,7 @@ class Assignment:
         self.no_d2d: set[tuple[int, int]] = set()
         self.stripes: dict[tuple[int, int], tuple] = {}
         self.period: dict[tuple[int, int], int] = {}  # layers swapping every n-th microbatch only
+        self.tensors: dict[tuple[int, int], tuple[int, ...]] = {}  # swaps moving these saved tensors only
         self.opt_swap: set[int] = set()  # stages whose optimizer state lives on the host between steps
         self.opt_why: dict[int, str] = {}
         self.spare_left: dict[int, int] = {}  # target stage -> bytes it can still hold (set by the search)
@@ -124,20 +138,94 @@ class Assignment:
                 self.why[(s, item.layer)] = f"{item.action.value}: given by the plan"
                 if item.microbatch_period > 1:
                     self.period[(s, item.layer)] = item.microbatch_period
+                if item.tensors is not None:
+                    self.tensors[(s, item.layer)] = tuple(item.tensors)
             if stage.offload.optimizer_swap:
                 self.opt_swap.add(s)
                 self.opt_why[s] = "optimizer state swapped to host between steps: given by the plan"
 
     def plan_now(self, actions=None) -> Plan:
         return with_actions(self.plan, self.actions if actions is None else actions, self.mapping, self.stripes,
-                             self.opt_swap, self.period)
+                             self.opt_swap, self.period, self.tensors)
 
-    def held_bytes(self, key: tuple[int, int], period: int | None = None) -> int:
+    # ---- what a swap of a layer, or of some of its saved tensors, moves and costs (MPress §III-D) ----
+
+    def subset(self, key: tuple[int, int], tensors=NOW) -> tuple[int, ...] | None:
+        """The saved tensors ``key``'s swap moves (None: the whole layer); NOW: as assigned."""
+        return self.tensors.get(key) if tensors is NOW else tensors
+
+    def moved_bytes(self, key: tuple[int, int], tensors=NOW) -> int:
+        """One microbatch of what the swap of ``key`` (or of ``tensors`` of it) moves."""
+        sub = self.subset(key, tensors)
+        f = self.facts[key]
+        return f.saved_bytes if sub is None else sum(t.nbytes for t in f.subset(sub))
+
+    def one_way_s(self, key: tuple[int, int], action: MemoryAction, tensors=NOW) -> float:
+        """One direction of ``key``'s ``action`` swap (of ``tensors``: their transfers in a row)."""
+        sub = self.subset(key, tensors)
+        f = self.facts[key]
+        if sub is None:
+            return f.cpu_s if action is CPU else f.d2d_s
+        return sum(t.one_way_s(action) for t in f.subset(sub))
+
+    def cost_s(self, key: tuple[int, int], action: MemoryAction, tensors=NOW) -> float:
+        """Table III's extra time of ``action`` on ``key`` (LayerFacts.cost_s); a swap of some
+        tensors costs what each one's round trip does not hide in its own live interval."""
+        sub = self.subset(key, tensors) if action in (CPU, D2D) else None
+        f = self.facts[key]
+        return f.cost_s(action) if sub is None else sum(t.cost_s(action) for t in f.subset(sub))
+
+    def held_bytes(self, key: tuple[int, int], period: int | None = None, tensors=NOW) -> int:
         """What a D2D-swapped layer parks on its targets at the source's peak: its saved
-        activations for the in-flight microbatches it swaps (every ``period``-th; the closed
-        form's bound, the emulator checks timelines)."""
+        activations (or the ``tensors`` it moves) for the in-flight microbatches it swaps (every
+        ``period``-th; the closed form's bound, the emulator checks timelines)."""
         period = self.period.get(key, 1) if period is None else period
-        return -(-self.in_flight[key[0]] // period) * self.facts[key].saved_bytes
+        return -(-self.in_flight[key[0]] // period) * self.moved_bytes(key, tensors)
+
+    def _targets_for(self, key: tuple[int, int], held: int, left: dict) -> tuple | None:
+        """The mapping's peers of ``key``'s stage that hold ``held`` bytes striped by weight,
+        dropping the one shortest of room until every stripe fits (§III-C), or None."""
+        cands = list(self.mapping.targets[key[0]])
+        while cands:
+            total = sum(w for _, w in cands)
+            worst = min((left[t] - held * w / total, t, w) for t, w in cands)
+            if worst[0] >= 0:
+                return tuple(cands)
+            cands.remove((worst[1], worst[2]))
+        return None
+
+    def _left_for(self, key: tuple[int, int]) -> dict:
+        """The spare memory left, with what ``key`` holds now as D2D given back to it."""
+        left = dict(self.spare_left)
+        mine = self.stripes.get(key, ()) if self.actions.get(key) is D2D else ()
+        total = sum(w for _, w in mine)
+        for t, w in mine:
+            left[t] += round(self.held_bytes(key) * w / total)
+        return left
+
+    def d2d_fit(self, key: tuple[int, int], tensors=None) -> tuple | None:
+        """(targets, period, tensors) of a D2D swap of ``key`` in the spare memory left, or None.
+        A layer without saved tensors: :meth:`stripes_for` (whole, every n-th microbatch). A layer
+        with them: ``tensors`` (None: the whole layer) if they fit, else the longest-lived of them
+        that fit (MPress §III-D decides per tensor; never a microbatch period, see the module
+        docstring)."""
+        f = self.facts[key]
+        if not f.tensors:
+            got = self.stripes_for(key)
+            return None if got is None else (got[0], got[1], None)
+        if key in self.no_d2d:
+            return None
+        left = self._left_for(key)
+        targets = self._targets_for(key, self.held_bytes(key, 1, tensors), left)
+        if targets is not None:
+            return targets, 1, tensors
+        pool = [t.index for t in f.by_live() if tensors is None or t.index in tensors]
+        for n in range(len(pool) - 1, 0, -1):  # the most bytes first
+            sub = tuple(sorted(pool[:n]))
+            targets = self._targets_for(key, self.held_bytes(key, 1, sub), left)
+            if targets is not None:
+                return targets, 1, sub
+        return None
 
     def stripes_for(self, key: tuple[int, int]) -> tuple | None:
         """((target stage, weight), ...), period: the peers ``key`` can stripe over with the spare
@@ -147,24 +235,22 @@ class Assignment:
         second, third... (MPress picks tensors; a layer's microbatches are ours)."""
         if key in self.no_d2d:
             return None
-        mine = self.stripes.get(key, ()) if self.actions.get(key) is D2D else ()
-        left = dict(self.spare_left)
-        total = sum(w for _, w in mine)
-        for t, w in mine:  # what this layer holds now is free for it
-            left[t] += round(self.held_bytes(key) * w / total)
+        left = self._left_for(key)  # what this layer holds now is free for it
         for period in range(1, self.in_flight[key[0]] + 1):
-            held = self.held_bytes(key, period)
-            cands = list(self.mapping.targets[key[0]])
-            while cands:
-                total = sum(w for _, w in cands)
-                worst = min((left[t] - held * w / total, t, w) for t, w in cands)
-                if worst[0] >= 0:
-                    return tuple(cands), period
-                cands.remove((worst[1], worst[2]))
+            cands = self._targets_for(key, self.held_bytes(key, period, None), left)
+            if cands is not None:
+                return cands, period
         return None
 
-    def set(self, key: tuple[int, int], action: MemoryAction, why: str) -> None:
-        stripes, period = self.stripes_for(key) if action is D2D else (None, 1)
+    def set(self, key: tuple[int, int], action: MemoryAction, why: str, tensors: tuple | None = None) -> None:
+        """Give ``key`` ``action`` (a swap of ``tensors`` of it only, when given: LayerMemory.tensors;
+        recompute and keep are whole-layer). A D2D swap takes the spare peer memory it fits in
+        (:meth:`d2d_fit`: a layer with saved tensors may end up moving fewer of them)."""
+        tensors = tuple(sorted(tensors)) if tensors is not None and action in (CPU, D2D) else None
+        if action is D2D:
+            stripes, period, tensors = self.d2d_fit(key, tensors)
+        else:
+            stripes, period = None, 1
         if self.actions.get(key) is D2D:  # give its spare memory back
             old = self.stripes.pop(key)
             total = sum(w for _, w in old)
@@ -177,6 +263,9 @@ class Assignment:
         self.period.pop(key, None)
         if period > 1:
             self.period[key] = period
+        self.tensors.pop(key, None)
+        if tensors is not None:
+            self.tensors[key] = tensors
         if action is D2D:
             self.stripes[key] = stripes
             total = sum(w for _, w in stripes)
@@ -191,11 +280,11 @@ class Assignment:
 
     def snapshot(self) -> tuple:
         return (dict(self.actions), dict(self.stripes), dict(self.spare_left), dict(self.why), set(self.opt_swap),
-                dict(self.period))
+                dict(self.period), dict(self.tensors))
 
     def restore(self, saved: tuple) -> None:
         self.actions, self.stripes, self.spare_left, self.why = (dict(x) for x in saved[:4])
-        self.opt_swap, self.period = set(saved[4]), dict(saved[5])
+        self.opt_swap, self.period, self.tensors = set(saved[4]), dict(saved[5]), dict(saved[6])
 
     def own_peak(self, s: int) -> int:
         """Closed-form peak of stage ``s``'s device without the stripes peers hold there."""

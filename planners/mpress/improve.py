@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from planners.mpress.assign import Assignment
 from planners.mpress.base import mapping_text
-from planners.mpress.choice import marginal_cost_s, options, reason
+from planners.mpress.choice import choices, marginal_cost_s, reason
 from planners.mpress.emulate import Emulator, better, no_worse
 from planners.mpress.facts import CPU, D2D, KEEP, RC, layer_facts
 from planners.mpress.joint import room_for_d2d
@@ -53,7 +53,7 @@ def remap(em: Emulator, st: Assignment, policy: MPressPolicy, hardware: Hardware
     p = len(devices)
     peak_now = {d.device: d.peak_bytes for d in best.result.devices}
     dev_now = st.mapping.device_of_stage
-    demand2 = [sum(st.held_bytes(k) for k, a in st.actions.items() if k[0] == s and st.facts[k].cost_s(a) > 0)
+    demand2 = [sum(st.held_bytes(k) for k, a in st.actions.items() if k[0] == s and st.cost_s(k, a) > 0)
                if pairs is None or any(pairs[s]) else 0 for s in range(p)]
     room = [max(0, capacity - peak_now[dev_now[s]]) for s in range(p)]
     # the spare a stage could offer: its room now plus what its kept layers would free if it
@@ -167,7 +167,7 @@ def keep_optimizers(em: Emulator, st: Assignment, best):
 
 def other_techniques(em: Emulator, st: Assignment, allowed: list, best):
     """The compacted layers, costliest estimate first, each tried with the other techniques."""
-    order = sorted(st.actions, key=lambda k: (-st.facts[k].cost_s(st.actions[k]), k))
+    order = sorted(st.actions, key=lambda k: (-st.cost_s(k, st.actions[k]), k))
     for key in order:
         if not em.left:
             break
@@ -181,15 +181,17 @@ def other_techniques(em: Emulator, st: Assignment, allowed: list, best):
 def try_layer(em: Emulator, st: Assignment, key: tuple[int, int], current, allowed: list, best):
     """Every other technique for ``key``, cheapest estimate first, then keep: the estimate misses
     link contention (a D2D stripe delays a pipeline send on the same NVLink), the emulator not.
-    The first that is faster (keep: no slower) stays."""
-    tries = [a for _, a in options(st, key, allowed) if a is not current]
-    tries.append(KEEP)
-    for a in tries:
+    The first that is faster (keep: no slower) stays. A layer with saved tensors also tries the
+    swap of those whose own round trip hides (choice.choices, MPress §III-D)."""
+    now = st.tensors.get(key)
+    tries = [(a, sub) for _, a, sub in choices(st, key, allowed) if (a, sub) != (current, now)]
+    tries.append((KEEP, None))
+    for a, sub in tries:
         if not em.left:
             break
         saved = st.snapshot()
-        cost = marginal_cost_s(st, key, a) if a is not KEEP else 0.0
-        st.set(key, a, "")
+        cost = marginal_cost_s(st, key, a, sub) if a is not KEEP else 0.0
+        st.set(key, a, "", sub)
         if a is KEEP and st.over()[key[0]]:
             st.restore(saved)  # the closed form already says it would not fit
             continue
@@ -218,7 +220,7 @@ def cpu_swaps_to_peers(em: Emulator, st: Assignment, best):
     optimizer swaps) leaves unhidden does gain from the move, and the emulator sees it."""
     keys = sorted((k for k, a in st.actions.items() if a is CPU), key=lambda k: (-st.held_bytes(k), k))
     return _to_peers(em, st, best, keys, "cpu_swap", "spare peer memory left over", better,
-                     lambda key: st.facts[key].cost_s(D2D), timed=True)
+                     lambda key: st.cost_s(key, D2D), timed=True)
 
 
 def recomputes_to_peers(em: Emulator, st: Assignment, best):
@@ -231,7 +233,7 @@ def recomputes_to_peers(em: Emulator, st: Assignment, best):
     with room a recomputed layer needed, and a round that gains little stops the search before
     the next round tries again (DGX-2 gpt_15b4 under the swap model before issue 23: stage 0
     layer 5, 2.5 % faster; since then no preset needs the move, docs/mpress.md)."""
-    keys = sorted((k for k, a in st.actions.items() if a is RC), key=lambda k: (-st.facts[k].cost_s(RC), k))
+    keys = sorted((k for k, a in st.actions.items() if a is RC), key=lambda k: (-st.cost_s(k, RC), k))
     return _to_peers(em, st, best, keys, "recompute", "spare peer memory freed this round", better,
                      lambda key: marginal_cost_s(st, key, D2D), timed=True)
 
@@ -239,15 +241,17 @@ def recomputes_to_peers(em: Emulator, st: Assignment, best):
 def _to_peers(em: Emulator, st: Assignment, best, keys, source: str, note: str, accept, cost_of, timed: bool):
     """Each of ``keys`` (layers now under ``source``) moved to D2D swap where peers have the room,
     kept when ``accept(simulation, best seconds)``; ``cost_of(key)``, taken before the move, is the
-    estimate its reason quotes, and ``note`` says why the move is tried now."""
+    estimate its reason quotes, and ``note`` says why the move is tried now. A per-tensor CPU swap
+    moves the same tensors to the peers."""
     for key in keys:
         if not em.left:
             break
-        if st.stripes_for(key) is None:
+        sub = st.tensors.get(key)
+        if st.d2d_fit(key, sub) is None:
             continue
         saved = st.snapshot()
         cost = cost_of(key)
-        st.set(key, D2D, "")
+        st.set(key, D2D, "", sub)
         t = em.run(st.plan_now())
         best_t, new_t = best.result.iteration_time_s, t.result.iteration_time_s
         if accept(t, best_t):

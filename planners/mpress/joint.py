@@ -25,17 +25,29 @@ from planners.mpress.facts import CPU, D2D, RC
 
 
 def d2d_hides(st: Assignment, key: tuple[int, int]) -> bool:
-    """Whether ``key``'s D2D round trip over its stage's stripes hides in its live interval."""
+    """Whether ``key``'s D2D round trip over its stage's stripes hides in its live interval (a
+    per-tensor swap: each of its tensors' in its own)."""
     f = st.facts[key]
+    sub = st.tensors.get(key)
+    if sub is not None:
+        return all(t.d2d_s != float("inf") and t.hides(D2D) for t in f.subset(sub))
     return f.d2d_s != float("inf") and 2 * f.d2d_s <= f.live_s
+
+
+def full_room(st: Assignment, key: tuple[int, int]) -> bool:
+    """Whether the spare peer memory left holds ``key``'s D2D swap of what it moves now (every
+    microbatch, every tensor it swaps)."""
+    sub = st.tensors.get(key)
+    fit = st.d2d_fit(key, sub)
+    return fit is not None and fit[1] == 1 and fit[2] == sub
 
 
 def sources(st: Assignment) -> list[tuple[int, int]]:
     """Layers whose compaction costs time (recompute, or a CPU swap that does not hide) and whose
     D2D swap would hide, costliest estimate first (then stage, layer)."""
     keys = [k for k, a in st.actions.items()
-            if a in (RC, CPU) and st.facts[k].cost_s(a) > 0 and k not in st.no_d2d and d2d_hides(st, k)]
-    return sorted(keys, key=lambda k: (-st.facts[k].cost_s(st.actions[k]), k))
+            if a in (RC, CPU) and st.cost_s(k, a) > 0 and k not in st.no_d2d and d2d_hides(st, k)]
+    return sorted(keys, key=lambda k: (-st.cost_s(k, st.actions[k]), k))
 
 
 def shortfall(st: Assignment, key: tuple[int, int], targets=None) -> dict[int, int]:
@@ -50,7 +62,7 @@ def shortfall(st: Assignment, key: tuple[int, int], targets=None) -> dict[int, i
 
 def load_s(st: Assignment, s: int) -> float:
     """Stage ``s``'s compaction estimate per microbatch: the sum of its layers' Table III costs."""
-    return sum(st.facts[k].cost_s(a) for k, a in sorted(st.actions.items(), key=lambda x: x[0]) if k[0] == s)
+    return sum(st.cost_s(k, a) for k, a in sorted(st.actions.items(), key=lambda x: x[0]) if k[0] == s)
 
 
 def make_room(st: Assignment, key: tuple[int, int], allowed: list, budget_s: float) -> list | None:
@@ -74,11 +86,11 @@ def make_room(st: Assignment, key: tuple[int, int], allowed: list, budget_s: flo
             best = cheapest_layer(st, t, cheap)
             if best is None:
                 return None
-            _, layer, a, cost = best
+            _, layer, a, cost, sub = best
             spent += cost
             if spent >= budget_s:
                 return None
-            st.set(layer, a, "")
+            st.set(layer, a, "", sub)
             st.why[layer] = reason(st, layer, a, cost) + f" (room for stage {key[0]} layer {key[1]}'s D2D stripes)"
             freed = st.held_bytes(layer)
             st.spare_left[t] += freed
@@ -100,17 +112,18 @@ def room_for_d2d(em: Emulator, st: Assignment, allowed: list, best):
         current = st.actions.get(key)
         if current not in (RC, CPU) or key in st.no_d2d:
             continue  # an earlier move of this pass changed it
-        if (st.stripes_for(key) or (None, 0))[1] == 1:
+        if full_room(st, key):
             continue  # room already: the other moves try D2D for it
         saved = st.snapshot()
         budget_s = load_s(st, key[0])
         made = make_room(st, key, allowed, budget_s)
-        if made is None or (st.stripes_for(key) or (None, 0))[1] != 1:
+        if made is None or not full_room(st, key):
             st.restore(saved)
             no_room += 1
             continue
-        cost = marginal_cost_s(st, key, D2D)
-        st.set(key, D2D, "")
+        sub = st.tensors.get(key)
+        cost = marginal_cost_s(st, key, D2D, sub)
+        st.set(key, D2D, "", sub)
         tried += 1
         t = em.run(st.plan_now())
         best_t, new_t = best.result.iteration_time_s, t.result.iteration_time_s

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from planners.mpress.assign import Assignment, period_text, size_text, with_actions
 from planners.mpress.emulate import Emulator, fits as _fits, host_bytes_per_node
-from planners.mpress.facts import D2D, KEEP
+from planners.mpress.facts import CPU, D2D, KEEP
 from planners.mpress.mapping import Mapping
 from specs.hardware import HardwareSpec
 from specs.plan import Plan
@@ -28,6 +28,10 @@ class LayerChoice:
     costs_s: dict           # technique -> its estimated extra seconds per microbatch
     why: str
     microbatch_period: int = 1  # the action takes every n-th microbatch (LayerMemory.microbatch_period)
+    # a swap of some saved tensors only (LayerMemory.tensors, MPress §III-D): per tensor (index,
+    # name, bytes per microbatch, live interval s, whether its round trip hides); () = whole layer
+    tensors: tuple = ()
+    moved_bytes: int = 0        # what the action moves off the device per microbatch (0: keep, recompute)
 
 
 @dataclass(frozen=True)
@@ -66,16 +70,28 @@ def result_line(fits: bool, iteration_s: float, em: Emulator, stop: str, rounds:
             f"simulation{'' if em.sims == 1 else 's'}, {rounds} round{'' if rounds == 1 else 's'}; stopped: {stop}")
 
 
+def tensor_rows(st: Assignment, key: tuple[int, int]) -> tuple:
+    """The tensors a per-tensor swap of ``key`` moves: (index, name, bytes per microbatch, live
+    interval s, hides); () when the layer is not swapped per tensor."""
+    action, sub = st.actions.get(key), st.tensors.get(key)
+    if sub is None or action not in (CPU, D2D):
+        return ()
+    return tuple((t.index, t.name, t.nbytes, t.live_s, t.hides(action)) for t in st.facts[key].subset(sub))
+
+
 def layer_choices(st: Assignment, allowed: list) -> tuple[LayerChoice, ...]:
-    """Per layer that had a choice, its action, facts, every technique's estimate and why."""
+    """Per layer that had a choice, its action, facts, every technique's estimate (whole layer)
+    and why, with the tensors a per-tensor swap moves."""
     facts, mapping = st.facts, st.mapping
-    return tuple(
-        LayerChoice(stage=s, layer=l, action=st.actions.get((s, l), KEEP).value, saved_bytes=facts[(s, l)].saved_bytes,
-                    live_s=facts[(s, l)].live_s,
-                    costs_s={a.value: facts[(s, l)].cost_s(a) for a in allowed
-                             if a is not D2D or mapping.targets[s]},
-                    why=st.why[(s, l)], microbatch_period=st.period.get((s, l), 1))
-        for s, l in sorted(st.why))
+    out = []
+    for s, l in sorted(st.why):
+        action = st.actions.get((s, l), KEEP)
+        out.append(LayerChoice(
+            stage=s, layer=l, action=action.value, saved_bytes=facts[(s, l)].saved_bytes, live_s=facts[(s, l)].live_s,
+            costs_s={a.value: facts[(s, l)].cost_s(a) for a in allowed if a is not D2D or mapping.targets[s]},
+            why=st.why[(s, l)], microbatch_period=st.period.get((s, l), 1), tensors=tensor_rows(st, (s, l)),
+            moved_bytes=st.moved_bytes((s, l)) if action in (CPU, D2D) else 0))
+    return tuple(out)
 
 
 def optimizer_why(s: int, why: str, choices: tuple[LayerChoice, ...], plan: Plan) -> str:
@@ -119,6 +135,10 @@ def report(outcome: MPressOutcome) -> dict:
             "layer": c.layer, "action": c.action, "microbatch_period": c.microbatch_period,
             "applies_to": period_text(c.microbatch_period) if c.action != "keep" else "",
             "saved_bytes_per_microbatch": c.saved_bytes, "live_interval_s": c.live_s,
+            "moved_bytes_per_microbatch": c.moved_bytes,
+            # MPress §III-D per tensor: the saved tensors a partial swap moves (null: the whole layer)
+            "tensors": [{"index": i, "name": n, "bytes_per_microbatch": b, "live_interval_s": live, "hides": h}
+                        for i, n, b, live, h in c.tensors] if c.tensors else None,
             "extra_s_per_microbatch": c.costs_s, "why": c.why})
     m = outcome.mapping
     return {
@@ -158,6 +178,32 @@ _TRIP = re.compile(r"round trip 2 x ([0-9.]+) ms over (PCIe|NVLink stripes) (hid
                    r"([0-9.]+) ms")
 _EVERY = re.compile(r"every (\d+)(?:st|nd|rd|th) microbatch")
 _LINK = {"PCIe": "cpu_swap", "NVLink stripes": "d2d_swap"}
+#: choice.reason's per-tensor clause: 'NAME SIZE UNIT: 2 x ONE ms in its live LIVE ms, hides'
+_TENSOR = re.compile(r"(?:\(|; )([^;()]+?) [0-9.]+ (?:GiB|MiB|KiB|B): 2 x ([0-9.]+) ms in its live ([0-9.]+) ms, "
+                     r"(hides|does not hide)")
+_OF = re.compile(r"^\w+: (\d+) of \d+ saved tensors")
+
+
+def tensor_conflicts(c: LayerChoice, item) -> list[str]:
+    """Where a per-tensor reason disagrees with the plan's item (LayerMemory): tensors named
+    that the plan does not list (or the reverse), or a 'hides' that its own numbers contradict."""
+    where = f"stage {c.stage} layer {c.layer} ({c.action})"
+    of = _OF.search(c.why)
+    listed = list(item.tensors) if item is not None and item.tensors is not None else None
+    if of is None:
+        return [f"{where}: the plan swaps tensors {listed}, the reason names none"] if listed is not None else []
+    said = [m[1] for m in _TENSOR.finditer(c.why)]
+    out = []
+    if listed is None:
+        return [f"{where}: the reason names tensors {said}, the plan swaps the whole layer"]
+    if said != [n for _, n, _, _, _ in c.tensors] or [i for i, *_ in c.tensors] != listed or int(of[1]) != len(listed):
+        out.append(f"{where}: the reason names tensors {said}, the plan swaps {listed}")
+    for m in _TENSOR.finditer(c.why):
+        one_ms, live_ms, hides = float(m[2]), float(m[3]), m[4] == "hides"
+        slack = 2 * 0.005 + 0.05
+        if (hides and 2 * one_ms > live_ms + slack) or (not hides and 2 * one_ms < live_ms - slack):
+            out.append(f"{where}: says {m[1]} {m[4]} in {live_ms} ms with a round trip of {2 * one_ms:.2f} ms")
+    return out
 
 
 def why_conflicts(outcome: MPressOutcome) -> list[str]:
@@ -182,6 +228,9 @@ def why_conflicts(outcome: MPressOutcome) -> list[str]:
         said = int(every[1]) if every else 1
         if c.action != "keep" and said != c.microbatch_period:
             out.append(f"{where}: reason says every {said}, the plan every {c.microbatch_period} microbatch")
+        stage = outcome.plan.stages[c.stage]
+        item = next((m for m in stage.memory if m.layer == c.layer), None)
+        out += tensor_conflicts(c, item)
     for s, why in outcome.optimizer_swap:
         stage = outcome.plan.stages[s]
         kept = [l for l in stage.layers if stage.action_of(l).action.value == "keep"]
@@ -198,6 +247,8 @@ def summary_lines(outcome: MPressOutcome) -> list[str]:
     for c in outcome.choices:
         if c.action != "keep":
             tag = f"{c.layer} ({period_text(c.microbatch_period)})" if c.microbatch_period > 1 else str(c.layer)
+            if c.tensors:
+                tag += f" (tensors {'+'.join(n for _, n, *_ in c.tensors)}, {size_text(c.moved_bytes)})"
             per.setdefault(c.stage, {}).setdefault(c.action, []).append(tag)
     lines = [f"mpress: {outcome.log[-1]}", f"  device mapping: {mapping_summary(outcome.mapping)}"]
     for n, nbytes in enumerate(outcome.host_bytes_per_node):

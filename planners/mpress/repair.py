@@ -98,7 +98,7 @@ def _stage_state(st: Assignment, s: int) -> tuple:
 def recompute_busiest_swap(st: Assignment, s: int) -> bool:
     """Every layer of stage ``s`` has an action: recompute, which frees deterministically,
     replaces the swap with the busiest channel. Whether there was one."""
-    swaps = sorted((st.facts[k].cpu_s if a is CPU else st.facts[k].d2d_s, k)
+    swaps = sorted((st.one_way_s(k, a), k)
                    for k, a in st.actions.items() if k[0] == s and a in (CPU, D2D))
     if not swaps:
         return False

@@ -78,7 +78,7 @@ def test_recompute_goes_to_the_late_layers_first_then_next_to_them(base):
     layers = list(base[1].stages[0].layers)
     chosen = []
     for _ in range(3):
-        _, key, a, _ = cheapest_layer(st, 0, [RC])
+        _, key, a, _, _ = cheapest_layer(st, 0, [RC])
         assert a is RC
         st.set(key, a, "")
         chosen.append(key[1])
@@ -89,17 +89,17 @@ def test_recompute_prefers_a_layer_beside_a_recomputed_one(base):
     st = assignment(base, facts)
     layers = list(base[1].stages[0].layers)
     st.set((0, layers[1]), RC, "")  # recomputed already (e.g. by an earlier repair)
-    _, key, _, _ = cheapest_layer(st, 0, [RC])
+    _, key, _, _, _ = cheapest_layer(st, 0, [RC])
     assert key[1] in (layers[0], layers[2])
     assert key[1] == layers[2]  # of the two neighbours, the later
 
 
 def test_a_swap_still_goes_to_the_longest_lived_layer(base):
     st = assignment(base, lambda s, l: facts(s, l, live_s=1.0 + l))
-    _, key, a, _ = cheapest_layer(st, 0, [CPU])
+    _, key, a, _, _ = cheapest_layer(st, 0, [CPU])
     assert a is CPU and key[1] == base[1].stages[0].layers[-1]
     st2 = assignment(base, lambda s, l: facts(s, l, live_s=10.0 - l))
-    _, key2, _, _ = cheapest_layer(st2, 0, [CPU])
+    _, key2, _, _, _ = cheapest_layer(st2, 0, [CPU])
     assert key2[1] == base[1].stages[0].layers[0]
 
 

@@ -24,6 +24,9 @@ single-GPU check of a plan made for many), its simulated peak/time from ``simula
                        (H2D) and gradient copy (D2H) times vs the simulator's window slices
     optimizer_swap     offload.optimizer_swap (executor/optim_swap.py: Adam state in pinned host memory
                        between steps): peaks kept vs swapped, host bytes, the state's copy time
+    partial_swap       a per-tensor swap (LayerMemory.tensors, MPress §III-D): stage 1 of the cpu_swap plan with
+                       the larger half of each block's saved tensors (the symbolic profile's list) swapped:
+                       peaks, host bytes, copy times vs the simulator on the profile's costs
     pipedream_stash    PipeDream-async with weight stashing (executor/pipedream.py): stage 1 of a pp6 plan,
                        its stashed versions kept vs swapped to pinned host memory (offload.stash_swap_layers):
                        peaks, stashed bytes at the peak, host bytes, the versions' copy time
@@ -381,6 +384,49 @@ def check_optimizer_swap(setup: Setup) -> None:
     setup.add(Row("optimizer_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(a, b)))
 
 
+def partial_plan(spec, hw, keep, cfg, training):
+    """Stage 1 of ``keep`` with a per-tensor cpu_swap (``LayerMemory.tensors``, MPress §III-D): in
+    each block the larger half of its saved tensors by bytes, as the symbolic profile of the
+    executor's modules lists them (the index is the executor's pack order). Returns (plan, spec)."""
+    from executor.profile_symbolic import profile_model
+    from specs.plan import LayerMemory, validate_plan
+    from specs.profile import apply_profile
+
+    prof = profile_model(cfg, microbatch=training.samples_per_microbatch, dtype="fp32")
+    spec = apply_profile(spec, prof)
+    mem = []
+    for layer in keep.stages[1].layers:
+        sizes = [t.bytes_per_sample for t in spec.layers[layer].saved_tensors]
+        big = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))[:max(1, len(sizes) // 2)]
+        mem.append(LayerMemory(layer=layer, action="cpu_swap", tensors=sorted(big)))
+    plan = keep.model_copy(update={"stages": [st.model_copy(update={"memory": mem}) if i == 1 else st
+                                              for i, st in enumerate(keep.stages)]})
+    return validate_plan(plan, spec, hw), spec
+
+
+def check_partial_swap(setup: Setup) -> None:
+    """Per-tensor swap (LayerMemory.tensors): stage 1 of a pp4 plan, the larger half of each block's saved tensors to pinned host memory."""
+    cfg, spec, training = model_and_training(setup, "swap")
+    hw = hardware(setup.hardware_name, devices=4)
+    keep, whole = swap_plans(spec, hw, training)
+    part, pspec = partial_plan(spec, hw, keep, cfg, training)
+    dev = part.stages[1].devices[0]
+    sim_keep, sim_part = simulated(keep, pspec, hw), simulated(part, pspec, hw)
+    a = run_alone(setup, keep, cfg, 1, collect=True)
+    b = run_alone(setup, part, cfg, 1, collect=True)
+    c = run_alone(setup, whole, cfg, 1)
+    sk, sp = sim_keep.result.devices[dev], sim_part.result.devices[dev]
+    setup.add(Row("partial_swap", "peak, kept", "bytes", sk.peak_bytes, a["peak_bytes"], "symbolic-profile costs"))
+    setup.add(Row("partial_swap", "peak, some tensors swapped", "bytes", sp.peak_bytes, b["peak_bytes"]))
+    setup.add(Row("partial_swap", "peak saved", "bytes", sk.peak_bytes - sp.peak_bytes, a["peak_bytes"] - b["peak_bytes"]))
+    setup.add(Row("partial_swap", "host bytes at most", "bytes", sp.host_bytes, b["host_peak_bytes"]))
+    setup.add(Row("partial_swap", "peak, whole layers swapped (reference)", "bytes", None, c["peak_bytes"]))
+    add_copy_rows(setup, "partial_swap", part, cfg, 1, sim_part, dev,
+                  (("swap-out time (D2H) per iteration", "d2h", ("swap_out",)),
+                   ("swap-in time (H2D) per iteration", "h2d", ("swap_in",))))
+    setup.add(Row("partial_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(a, b)))
+
+
 def pipedream_plans(spec, hw, training):
     """pp6 PipeDream-async, one layer per stage (weight stashing: stage 1, block 0, holds p - 1 = 5
     versions in the steady state; with 3 (pp4) the swap's double buffering, a version fetched for
@@ -551,6 +597,7 @@ PATHS: dict[str, Callable[[Setup], None]] = {
     "stronghold_window": check_stronghold_window,
     "optimizer_swap": check_optimizer_swap,
     "pipedream_stash": check_pipedream_stash,
+    "partial_swap": check_partial_swap,
     "calibration": check_calibration,
     "execute": check_execute,
     "auto": check_auto,

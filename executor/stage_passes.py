@@ -78,8 +78,8 @@ class StagePasses:
             elif action is MemoryAction.recompute:
                 y = checkpoint(mod, y, mb, use_reentrant=False)
             elif action in SWAPS:  # saved tensors leave the device at the layer's end (executor.swap)
-                with self.swapper.layer(k, i):
-                    y = mod(y, mb)
+                with self.swapper.layer(k, i, y if y is not None else mb) as output:  # a first layer reads mb
+                    y = output(mod(y, mb))
             else:
                 y = mod(y, mb)
         return y

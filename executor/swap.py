@@ -22,6 +22,16 @@ and come back before its backward, through ``torch.autograd.graph.saved_tensors_
   ones go zero-copy. Without peers (a stage run alone,
   executor.single) a d2d layer is swapped to host instead: the stage's own device memory falls
   exactly as it would, the stripes are reported as host bytes.
+* **Single tensors** (MPress §III-D decides per tensor; ``LayerMemory.tensors``). A partial item
+  moves only the listed saved tensors; the layer otherwise runs as kept (its input, its output
+  and its other saved tensors stay on the device). Index ``j`` is the ``j``-th unique storage the
+  layer's forward saves (pack-hook order), parameters and buffers (and views of them), the
+  layer's input storage(s) and its output storage(s) left out: the order of
+  executor.profile_symbolic's ``saved_tensors``. Which storages those are is known only at the
+  layer's exit (its output), so the storages are collected during the forward and the choice
+  (and, for cpu_swap, the host copy; d2d: the stripes of the moved storages only) is made at the
+  exit; the unmoved ones are then held by autograd's packed objects alone, freed as a kept
+  layer's are. A listed index past what the layer saved raises (a plan for other modules).
 * **When.** Swap-out at the end of each swapped layer's forward (earlier than the schedule's
   ``swap_out`` entry, which follows the whole stage forward: memory falls sooner). Swap-in: a
   microbatch's swapped layers are fetched last layer first, the first at the first ``swap_in``
@@ -78,11 +88,12 @@ class _Saved:
     record's last one goes, no unpack can come any more and the swapped-in copy is let go
     (:meth:`_Record.release`) — the layer's backward is over, as the simulator frees it."""
 
-    __slots__ = ("record", "index", "offset", "size", "stride", "dtype")
+    __slots__ = ("record", "index", "offset", "size", "stride", "dtype", "kept")
 
     def __init__(self, record, index, t: torch.Tensor):
         self.record, self.index = record, index
         self.offset, self.size, self.stride, self.dtype = t.storage_offset(), t.size(), t.stride(), t.dtype
+        self.kept = None  # a partial layer's unmoved storage (set at the layer's exit): stays on the device
         record.handles += 1
 
     def __del__(self):
@@ -104,12 +115,16 @@ class _SavedDTensor:
 class _Record:
     """One swapped layer of one microbatch."""
 
-    def __init__(self, stage: int, k: int, layer: int, action: MemoryAction, targets: list[tuple[int, float]]):
+    def __init__(self, stage: int, k: int, layer: int, action: MemoryAction, targets: list[tuple[int, float]],
+                 tensors: list[int] | None = None):
         self.stage, self.k, self.layer, self.action, self.targets = stage, k, layer, action, targets
-        self.ptrs: dict[int, int] = {}        # storage data_ptr -> index (dedupe within the layer)
+        self.tensors = tensors                # LayerMemory.tensors: None moves the whole layer
+        self.ptrs: dict[int, int] = {}        # storage key -> index (dedupe within the layer)
         self.storages: list | None = []       # device storages, until the layer's end
-        self.host: list = []                  # host copies (cpu_swap), one per storage
-        self.where: list[tuple[int, int]] = []  # storage index -> (chunk, byte offset in it)
+        self.pending: list = []               # partial: the layer's _Saved, until its end
+        self.moved: list[int] = []            # indices of the storages that leave the device
+        self.host: list = []                  # host copies (cpu_swap), one per moved storage
+        self.where: dict[int, tuple[int, int]] = {}  # moved storage index -> (chunk, byte offset in it)
         self.sizes: list[int] = []            # chunk bytes (a host copy, or a d2d message)
         self.events: list = []                # CUDA: the H2D copy's event
         self.fetched: list | None = None      # device storages after the swap-in
@@ -160,22 +175,39 @@ class Swapper:
         self.queues[k], self.next[k] = [], 0
 
     @contextlib.contextmanager
-    def layer(self, k: int, layer: int):
-        """Run one swapped layer's forward under this; its saved tensors leave at the exit."""
+    def layer(self, k: int, layer: int, x=None):
+        """Run one swapped layer's forward under this; its saved tensors leave at the exit.
+        ``x``: the layer's input (a pytree; the batch dict for a first layer that takes none).
+        Yields ``output``, through which the caller passes the layer's output
+        (``y = output(mod(y, mb))``): a partial item (``tensors``) leaves the input and output
+        storages on the device and counts its indices without them."""
         item = stage_for_microbatch(self.st.stage, k).action_of(layer)
         targets = [(t.device, t.weight) for t in item.targets]
-        rec = _Record(self.st.index, k, layer, item.action, targets)
+        rec = _Record(self.st.index, k, layer, item.action, targets, item.tensors)
+        out = []
+
+        def output(y):
+            out.append(y)
+            return y
+
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(rec, t), self._unpack):
-            yield
+            yield output
+        if rec.tensors is not None:
+            if not out:
+                raise RuntimeError(f"swap of stage {self.st.index} layer {layer}: a partial item (tensors "
+                                   f"{rec.tensors}) needs the layer's output: pass it through layer()'s output")
+            self._choose(rec, (x, out))
         self._swap_out(rec)
         self.queues[k].insert(0, rec)  # backward order: last layer first
 
     def _offloadable(self, t: torch.Tensor) -> bool:
         if type(t) is not torch.Tensor or t.device != self.device or t.layout is not torch.strided:
             return False  # parameters (nn.Parameter), subclasses (DTensor), other devices
-        st = t.untyped_storage()
+        return self._movable(t.untyped_storage())
+
+    def _movable(self, st) -> bool:
         ptr = st.data_ptr()
-        if not st.nbytes() or ptr in self.params or ptr in self.keep:
+        if st.device != self.device or not st.nbytes() or ptr in self.params or ptr in self.keep:
             return False
         return not self.cuda or st.nbytes() >= MIN_CUDA_SWAP_BYTES
 
@@ -184,6 +216,8 @@ class Swapper:
         if isinstance(local, torch.Tensor) and hasattr(t, "_spec") and not isinstance(t, torch.nn.Parameter):
             inner = self._pack(rec, local)  # a DTensor: swap its shard, keep its placement spec
             return _SavedDTensor(inner, t._spec) if isinstance(inner, _Saved) else t
+        if rec.tensors is not None:
+            return self._pack_partial(rec, t)
         if not self._offloadable(t):
             return self.param_pack(t)  # PipeDream's stash swap keeps no view of a stale version
         storage = t.untyped_storage()
@@ -192,10 +226,53 @@ class Swapper:
             index = rec.ptrs[storage.data_ptr()] = len(rec.storages)
             rec.storages.append(storage)
             if not self._to_peers(rec):  # one chunk per storage: its host copy
-                rec.where.append((len(rec.sizes), 0))
-                rec.sizes.append(storage.nbytes())
-                rec.host.append(self._to_host(storage))
+                self._host_chunk(rec, index)
         return _Saved(rec, index, t)
+
+    def _host_chunk(self, rec: _Record, index: int) -> None:
+        rec.where[index] = (len(rec.sizes), 0)
+        rec.sizes.append(rec.storages[index].nbytes())
+        rec.host.append(self._to_host(rec.storages[index]))
+
+    def _pack_partial(self, rec: _Record, t: torch.Tensor):
+        """A partial layer: every saved storage but the parameters' is collected (keyed by the
+        storage itself, as the profiler's StorageWeakRef: distinct empty storages stay apart);
+        which of them leave is decided at the layer's exit (:meth:`_choose`)."""
+        if type(t) is not torch.Tensor or t.layout is not torch.strided:
+            return self.param_pack(t)  # parameters (nn.Parameter), other subclasses: neither counted nor moved
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() in self.params:
+            return self.param_pack(t)  # a view of a parameter or buffer
+        index = rec.ptrs.get(storage._cdata)
+        if index is None:  # held until the layer's end: the key is not reused meanwhile
+            index = rec.ptrs[storage._cdata] = len(rec.storages)
+            rec.storages.append(storage)
+        saved = _Saved(rec, index, t)
+        rec.pending.append(saved)
+        return saved
+
+    def _choose(self, rec: _Record, boundary) -> None:
+        """At a partial layer's exit: the listed interior storages (index semantics: the module
+        docstring) that can leave are ``rec.moved``; every other one goes to its packed objects,
+        which keep it on the device as a kept layer's saved tensor. cpu_swap: host copies now."""
+        edge = {getattr(t, "_local_tensor", t).untyped_storage()._cdata
+                for t in tree_flatten(boundary)[0] if isinstance(t, torch.Tensor)}
+        interior = [i for i, st in enumerate(rec.storages) if st._cdata not in edge]
+        late = [j for j in rec.tensors if j >= len(interior)]
+        if late:
+            raise RuntimeError(
+                f"partial swap of stage {rec.stage} layer {rec.layer}: the plan moves saved tensor index {late[0]} "
+                f"(tensors {rec.tensors}) but the layer saved {len(interior)} tensors besides its parameters, "
+                f"input and output (indices 0..{len(interior) - 1}): the plan was made for other modules")
+        rec.moved = [interior[j] for j in rec.tensors if self._movable(rec.storages[interior[j]])]
+        moved = set(rec.moved)
+        for saved in rec.pending:
+            if saved.index not in moved:
+                saved.kept = rec.storages[saved.index]
+        rec.pending = []
+        if not self._to_peers(rec):
+            for i in rec.moved:
+                self._host_chunk(rec, i)
 
     def _to_peers(self, rec: _Record) -> bool:
         return rec.action is MemoryAction.d2d_swap and self.d2d is not None
@@ -217,6 +294,8 @@ class Swapper:
         """End of the layer's forward: d2d stripes go out (small storages packed into one chunk,
         large ones zero-copy: each is freed when its sends complete); host copies are already
         made. The record lets go of the device."""
+        if rec.tensors is None:
+            rec.moved = list(range(len(rec.storages)))
         if self._to_peers(rec):
             from executor.d2d import swap_code
 
@@ -228,10 +307,10 @@ class Swapper:
         rec.ptrs = {}
 
     def _chunks(self, rec: _Record) -> list[torch.Tensor]:
-        """The d2d messages of a layer: chunk 0 packs the small storages (if any), then one
-        chunk per large storage; fills ``rec.where`` and ``rec.sizes``."""
-        small = [i for i, st in enumerate(rec.storages) if st.nbytes() < PACK_BELOW_BYTES]
-        rec.where = [(0, 0)] * len(rec.storages)
+        """The d2d messages of a layer's moved storages: chunk 0 packs the small ones (if any),
+        then one chunk per large one; fills ``rec.where`` and ``rec.sizes``."""
+        small = [i for i in rec.moved if rec.storages[i].nbytes() < PACK_BELOW_BYTES]
+        rec.where = {}
         chunks = []
         if small:
             offsets, end = [], 0
@@ -243,10 +322,10 @@ class Swapper:
                 packed[off:off + rec.storages[i].nbytes()].copy_(_raw(rec.storages[i]))
                 rec.where[i] = (0, off)
             chunks.append(packed)
-        for i, st in enumerate(rec.storages):
-            if st.nbytes() >= PACK_BELOW_BYTES:
+        for i in rec.moved:
+            if rec.storages[i].nbytes() >= PACK_BELOW_BYTES:
                 rec.where[i] = (len(chunks), 0)
-                chunks.append(_raw(st))
+                chunks.append(_raw(rec.storages[i]))
         rec.sizes = [c.numel() for c in chunks]
         return chunks
 
@@ -325,6 +404,10 @@ class Swapper:
             if self.next.get(k, 0) < len(queue):
                 self._fetch_next(k)
             self._wait(rec)
-        chunk, byte_offset = rec.where[saved.index]
-        return torch.empty(0, dtype=saved.dtype, device=self.device).set_(
-            rec.fetched[chunk], byte_offset // saved.dtype.itemsize + saved.offset, saved.size, saved.stride)
+        if saved.kept is not None:  # a partial layer's unmoved storage: it never left
+            storage, element_offset = saved.kept, saved.offset
+        else:
+            chunk, byte_offset = rec.where[saved.index]
+            storage, element_offset = rec.fetched[chunk], byte_offset // saved.dtype.itemsize + saved.offset
+        return torch.empty(0, dtype=saved.dtype, device=saved.kept.device if saved.kept is not None
+                           else self.device).set_(storage, element_offset, saved.size, saved.stride)

@@ -15,7 +15,7 @@ import costs.params
 import costs.static
 from simulator.sharded import sharded_stage
 from simulator.stagecost import host_link
-from simulator.stash_peak import PeakParts, pipedream_peak
+from simulator.stash_peak import PeakParts, max_stashed_versions, pipedream_peak
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan, ScheduleKind, stage_for_microbatch
@@ -79,14 +79,17 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     for i, stage in enumerate(plan.stages):
         static, host = (sharded[i].static, 0) if i in sharded else costs.static.stage_static(model, plan, stage)
         in_flight = peaks[plan.device_group_of(i)][1][i]
-        versions = costs.activations.stashed_versions(plan, i)
+        versions = (max_stashed_versions(plan.pipeline_depth, plan.training.microbatches,
+                                         plan.device_group_of(i))
+                    if costs.activations.stashed_versions(plan, i) else 0)  # distinct, as executed
         stashed = versions * static.parameters_bytes
-        if _moves_each_backward(plan, stage):
+        if _walks_versions(plan, stage):
             swap = costs.static.stash_swap_bytes(model, plan, stage)
             opt = costs.static.OPTIMIZER_SWAP_RESIDENT_CHUNKS * max(
                 costs.static.optimizer_swap_chunks(model, plan, stage), default=0)
             walked[i] = pipedream_peak(plan, i, acts[i], work[i], sent[i], grads[i],
-                                       static.parameters_bytes - swap, swap, opt)
+                                       static.parameters_bytes - swap, swap, opt,
+                                       allreduce[i] if stage.dp > 1 else 0)  # per-update all-reduce
             stashed, host = 0, host + versions * swap  # (on the host: at most one per stashed version)
         buffers = costs.buffers.received_grad_buffer_bytes(model, plan, stage)  # the sent one (grads[i]) is in the walk
         for device in stage.devices:
@@ -123,11 +126,12 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     return out
 
 
-def _moves_each_backward(plan: Plan, stage) -> bool:
-    """A PipeDream stage whose device memory changes with every update: stashed versions swapped
-    to the host, or optimizer state streamed in and out for each of its per-backward steps."""
-    return (plan.schedule.kind is ScheduleKind.pipedream_async and not stage.sharding
-            and (bool(stage.offload.stash_swap_layers) or stage.offload.optimizer_swap))
+def _walks_versions(plan: Plan, stage) -> bool:
+    """A PipeDream stage: its stashed versions come and go with the updates (their most need
+    not meet its most activations when microbatches are few, simulator.stash_peak), and with
+    stashed versions swapped to the host or optimizer state streamed in and out for each of its
+    per-backward steps its device memory changes with every update."""
+    return plan.schedule.kind is ScheduleKind.pipedream_async and not stage.sharding
 
 
 def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = None,

@@ -5,14 +5,18 @@ of its stashed versions to host memory (MPress §II-D: GPU-CPU swap applies to a
 Versions. PipeDream updates a stage's weights after every backward (§3.3, no gradient
 accumulation), so every update starts a new version; a microbatch's forward uses the live one and
 its backward needs that same version, which by then is stale. Per stage the walk keeps a version
-counter (one step per backward) and the version each in-flight microbatch's forward used; the
-warm-up's forwards all run before the first update, so they share one version.
+counter (one step per backward), the version each in-flight microbatch's forward used and how many
+in-flight microbatches use each version; the warm-up's forwards all run before the first update,
+so they share one version.
 
 Device bytes of the stash (memory category STASHED): the stage's weights that stay on the device
-(``parameters_bytes - stash_swap_bytes``) once per in-flight microbatch but the newest, from its
-forward to its backward (the count model the closed form, simulator.analytic, prices as
-p - i - 1 versions); the swapped part ``stash_swap_bytes`` (costs.static.stash_swap_bytes) per
-version:
+(``parameters_bytes - stash_swap_bytes``) once per DISTINCT stale version an in-flight microbatch
+uses, as executor.pipedream holds them: an update whose live weights an in-flight microbatch holds
+replaces them out of place (a new version from the update's start, :meth:`_stash_clone`); a stale
+version goes at the end of the backward of its last in-flight microbatch. With few microbatches
+(m < 2(p - i) - 2 on stage i) that is fewer than the steady state's p - i - 1
+(simulator.stash_peak.stashed_version_counts, the closed form's count). The swapped part
+``stash_swap_bytes`` (costs.static.stash_swap_bytes) per version:
 
 * when it goes stale (the end of the update that replaces it) one device->host copy over the
   node's host link (the d2h copy engine activation swaps use, transfers._host_out); its device
@@ -42,6 +46,7 @@ class StashEvents:
         self._live_version: dict[int, int] = {}     # stage -> updates so far (the live version's id)
         self._live_users: dict[int, int] = {}       # stage -> in-flight microbatches on the live version
         self._mb_version: dict[tuple[int, int], int] = {}   # (stage, mb) -> version its forward used
+        self._version_held: dict[tuple[int, int], int] = {}  # (stage, version) -> in-flight microbatches on it
         self._version_users: dict[tuple[int, int], int] = {}  # (stage, version) -> fetches still to come
         self._version_out_ns: dict[tuple[int, int], int] = {}  # (stage, version) -> its d2h copy's end
         self._stash_fetch: dict[tuple[int, int], int] = {}  # (stage, mb) -> when its copy is on the device
@@ -66,29 +71,38 @@ class StashEvents:
 
     # ---- forward and backward ------------------------------------------------------------------
     def _stash_weights(self, w, sc: StageCost, s: int, k: int, t0: int) -> None:
-        """At forward ``k``'s start: every in-flight microbatch but the newest keeps the version its
-        forward used (PipeDream §3.3); the part of it that is swapped is booked per version."""
-        n = w.in_flight.get(s, 0)
-        if n:
-            w.mem.add(t0, STASHED, sc.static.parameters_bytes - sc.stash_swap_bytes)
-        w.in_flight[s] = n + 1
-        if sc.stash_swap_bytes:
-            self._mb_version[(s, k)] = self._live_version.get(s, 0)
-            self._live_users[s] = self._live_users.get(s, 0) + 1
+        """At forward ``k``'s start: it uses the live version (PipeDream §3.3), which stays on the
+        device as a stashed version if an update comes before its backward (:meth:`_stash_clone`)."""
+        w.in_flight[s] = w.in_flight.get(s, 0) + 1
+        v = self._live_version.get(s, 0)
+        self._mb_version[(s, k)] = v
+        self._version_held[(s, v)] = self._version_held.get((s, v), 0) + 1
+        self._live_users[s] = self._live_users.get(s, 0) + 1
 
     def _unstash_weights(self, w, sc: StageCost, s: int, k: int) -> None:
-        """At backward ``k``'s end: its stashed version (or fetched copy) is no longer needed."""
-        n = w.in_flight[s] - 1
-        w.in_flight[s] = n
-        if n:
+        """At backward ``k``'s end: its version (or fetched copy) is no longer needed by it; a
+        stale version no other in-flight microbatch uses goes."""
+        w.in_flight[s] -= 1
+        v = self._mb_version.pop((s, k))
+        left = self._version_held.pop((s, v)) - 1
+        if left:
+            self._version_held[(s, v)] = left
+        live = v == self._live_version.get(s, 0)
+        if live:
+            self._live_users[s] -= 1  # ran on the live weights: nothing was stashed
+        elif not left:
             w.mem.add(self.env.now, STASHED, -(sc.static.parameters_bytes - sc.stash_swap_bytes))
         if not sc.stash_swap_bytes:
             return
         self._stash_awaiting.discard((s, k))
-        if self._mb_version.pop((s, k)) == self._live_version.get(s, 0):
-            self._live_users[s] -= 1  # ran on the live weights: nothing was stashed
         if self._stash_fetch.pop((s, k), None) is not None:
             w.mem.add(self.env.now, STASHED, -sc.stash_swap_bytes)
+
+    def _stash_clone(self, w, sc: StageCost, s: int) -> None:
+        """At the start of stage ``s``'s update: live weights an in-flight microbatch holds are
+        replaced out of place (executor.pipedream._update), the old ones a stashed version."""
+        if self._live_users.get(s, 0):
+            w.mem.add(self.env.now, STASHED, sc.static.parameters_bytes - sc.stash_swap_bytes)
 
     def _stash_pass(self, pos: int) -> None:
         """At the start of each pass of position ``pos``: if the next pass is a backward whose

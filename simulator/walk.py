@@ -169,9 +169,10 @@ class ScheduleWalk:
         the compute stream, in the stage's optimizer form (optimizer.py; with MPress's optimizer
         swap the state comes in and goes out each time); the version it replaces goes stale
         (stash.py). A STRONGHOLD window steps once, at the iteration's end."""
+        if sc.window is None and sc.dp_allreduce_ns:  # a replicated stage sums each microbatch's gradient
+            yield from self._iteration_end(w, _AR, sc, s)  # first (an over-count: a tied group's share rides along)
+        self._stash_clone(w, sc, s)  # then held live weights are replaced out of place (stash.py)
         if sc.window is None:
-            if sc.dp_allreduce_ns:  # a replicated stage sums each microbatch's gradient first (an
-                yield from self._iteration_end(w, _AR, sc, s)  # over-count: a tied group's share rides along)
             yield from self._iteration_end(w, _OPT, sc, s)
         self._stash_stale(w, sc, s)
         self._tied_update(s)

@@ -13,6 +13,7 @@ import math
 from planners.baselines.stage_place import StageCost
 import costs.activations
 import costs.params
+from simulator.stash_peak import pipedream_moments
 from specs.plan import ScheduleKind
 
 
@@ -55,15 +56,32 @@ class StageMemory:
         later = self._kind is not ScheduleKind.gpipe and self._m > n
         return max(n * act + transient + (grad if later else 0), flat + grad)
 
+    def _stash_peak(self, w: int, act: int, transient: int, grad: int, flat: int, weights: int,
+                    update_flat: int) -> int:
+        """PipeDream's activations, stashed versions and buffers at their peak on a stage with
+        ``w`` = p − i microbatches in flight at most (its pass order depends on w and m only):
+        simulator.stash_peak's moments (the DISTINCT versions in-flight microbatches hold, as
+        executed, fewer than p − i − 1 when microbatches are few), the workspace and the sent
+        output as ``transient`` (their larger: a forward's end that holds the most is followed by
+        a backward with the same state); the all-reduce's flat copy as simulator.analytic."""
+        best = flat + grad
+        for c in pipedream_moments(w, self._m, 0, allreduce=bool(update_flat)):
+            best = max(best, c.held * act + (c.workspace | c.sent) * transient + c.grads * grad
+                       + c.kept * weights + c.flat * update_flat)
+        return best
+
     def peak_bytes(self, c: StageCost, stages_after: int) -> int:
         """Peak of a stage with ``stages_after`` stages behind it: in-flight microbatches
-        min(p − i, m) = min(1 + stages_after, m) under 1F1B (m under GPipe), plus PipeDream's
-        p − i − 1 stashed weight versions."""
+        min(p − i, m) = min(1 + stages_after, m) under 1F1B (m under GPipe); PipeDream's with its
+        stashed weight versions (:meth:`_stash_peak`)."""
         p = stages_after + 1
-        stash = stages_after if self._kind is ScheduleKind.pipedream_async else 0
+        if self._kind is ScheduleKind.pipedream_async:
+            return c.static_bytes + c.buffer_bytes + self._stash_peak(
+                p, c.act_bytes, c.transient_bytes, c.grad_bytes, c.allreduce_bytes, c.weights_bytes,
+                c.update_flat_bytes)
         return (c.static_bytes + self._act_peak(self.in_flight(0, p), c.act_bytes, c.transient_bytes, c.grad_bytes,
                                                 c.allreduce_bytes)
-                + c.buffer_bytes + stash * c.weights_bytes)
+                + c.buffer_bytes)
 
     def _peak_fn(self, lay, dp: int):
         """peak(start, stop, stages_after) -> bytes of the stages of one config (``lay``: its
@@ -83,8 +101,11 @@ class StageMemory:
             grad = costs.activations.layer_input_bytes(self.model, start, lay.samples) if start > 0 else 0
             buffer = out if stop < L else 0  # the received gradient; the sent one is in _act_peak
             flat = max(g_b * n if dp > 1 else 0, self._tied_sync(start, stop))  # costs.buffers.allreduce_buffer_bytes
+            if stash:
+                return static + buffer + self._stash_peak(after + 1, act(start, stop), transient(start, stop), grad,
+                                                          flat, weight_per_param(n), flat if dp > 1 else 0)
             return (static + self._act_peak(self.in_flight(0, after + 1), act(start, stop), transient(start, stop),
                                             grad, flat)
-                    + buffer + (after * weight_per_param(n) if stash else 0))
+                    + buffer)
 
         return peak

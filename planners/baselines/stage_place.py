@@ -53,6 +53,7 @@ class StageCost:
     buffer_bytes: int        # the received boundary gradient (the sent one is grad_bytes)
     out_bytes: int           # boundary activation sent downstream per microbatch (per replica)
     grad_bytes: int = 0      # the input gradient sent back: from the end of the first backward on
+    update_flat_bytes: int = 0  # PipeDream: the flat copy of each update's dp all-reduce (0 without dp)
 
 
 def stage_plan(p: Placed, model: ModelSpec, recompute: str = "none") -> StagePlan:

@@ -141,6 +141,7 @@ class StageTable(StageMemory, StageTiming):
             buffer_bytes=out if b < m.num_layers else 0,
             out_bytes=out,
             grad_bytes=costs.activations.layer_input_bytes(m, a, lay.samples) if a > 0 else 0,
+            update_flat_bytes=max(g_b * params, self._tied_sync(a, b)) if dp > 1 else 0,
         )
 
     def to_plan(self, stages: list[Placed], planner: str) -> Plan:

@@ -5,7 +5,8 @@ assignment (planners/mpress/choice.py) and simulated as its base.
 Rule (§III-D: "assign GPU-CPU swap to tensors with extremely long live intervals" first;
 footnote 2: a swap costs its transfer time minus the live interval it hides in). A stashed
 version lives from the update that makes it stale to the backward of its microbatch: on stage i
-of p that is p - i - 1 forward/backward pairs, the longest-lived tensors of a PipeDream stage. For
+of p that is p - i - 1 forward/backward pairs, the longest-lived tensors of a PipeDream stage (at
+most p - i - 1 distinct versions at once, fewer with few microbatches: simulator.stash_peak). For
 a pipedream_async plan with cpu_swap among the techniques, each stage whose device the first
 simulation finds over capacity prices each layer's stashed-version swap (bytes: the layer's weights
 per version, costs.static.stash_layer_bytes; one way over the PCIe uplink its switch's GPUs share)
@@ -27,6 +28,7 @@ import costs.activations
 import costs.collectives
 import costs.static
 from simulator.analytic import device_memory
+from simulator.stash_peak import max_stashed_versions
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, ScheduleKind
@@ -110,7 +112,9 @@ def choose_stash_swap(base: Plan, model: ModelSpec, hardware: HardwareSpec, trac
     chosen: dict[int, list[int]] = {}
     windows: dict[int, StashWindows] = {}
     for s, stage in enumerate(base.stages):
-        if not demand[s] or costs.activations.stashed_versions(base, s) < 1 or stage.sharding:
+        versions = (max_stashed_versions(base.pipeline_depth, base.training.microbatches, base.device_group_of(s))
+                    if costs.activations.stashed_versions(base, s) else 0)  # distinct ones, few microbatches too
+        if not demand[s] or versions < 1 or stage.sharding:
             continue
         if stage.offload.window_layers is not None or stage.offload.optimizer_on_cpu:
             continue  # the weights' home is on the host already (specs: no stash swap there)

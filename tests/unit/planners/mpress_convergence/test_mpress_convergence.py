@@ -25,7 +25,7 @@ from tests.conftest import conf
 
 DGX1 = HardwareSpec.model_validate(conf("hardware", "dgx1"))
 GPT = TrainingSpec(global_batch=64, microbatch_size=2, precision="fp16")   # the mpress_gpt_* presets
-BERT = TrainingSpec(global_batch=96, microbatch_size=12, precision="fp32")  # the mpress_bert_* presets
+BERT = TrainingSpec(global_batch=192, microbatch_size=12, precision="fp32")  # the mpress_bert_* presets
 CAP = 1000  # conf/policy/mpress.yaml's safety cap
 CONVERGED = re.compile(r"converged: round (\d+) improved (\d+\.\d\d) % < 0\.5 %")
 

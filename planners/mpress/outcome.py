@@ -248,7 +248,7 @@ def summary_lines(outcome: MPressOutcome) -> list[str]:
         if c.action != "keep":
             tag = f"{c.layer} ({period_text(c.microbatch_period)})" if c.microbatch_period > 1 else str(c.layer)
             if c.tensors:
-                tag += f" (tensors {'+'.join(n for _, n, *_ in c.tensors)}, {size_text(c.moved_bytes)})"
+                tag += f" (tensors {names_text([n for _, n, *_ in c.tensors])}, {size_text(c.moved_bytes)})"
             per.setdefault(c.stage, {}).setdefault(c.action, []).append(tag)
     lines = [f"mpress: {outcome.log[-1]}", f"  device mapping: {mapping_summary(outcome.mapping)}"]
     for n, nbytes in enumerate(outcome.host_bytes_per_node):
@@ -267,3 +267,16 @@ def summary_lines(outcome: MPressOutcome) -> list[str]:
         lines.append(f"  stage {s} (device {outcome.mapping.device_of_stage[s]}): " + "; ".join(parts))
     lines += [f"  reason disagrees with the plan: {x}" for x in why_conflicts(outcome)]
     return lines
+
+
+def names_text(names: list[str]) -> str:
+    """Tensor names joined by '+', a name repeated in a row once with its count (LayerNorm saves its
+    output, mean and rstd, all made by one operator: 'ln1:aten.native_layer_norm x3')."""
+    out: list[tuple[str, int]] = []
+    for n in names:
+        if out and out[-1][0] == n:
+            out[-1] = (n, out[-1][1] + 1)
+        else:
+            out.append((n, 1))
+    return "+".join(n if c == 1 else f"{n} x{c}" for n, c in out)
+

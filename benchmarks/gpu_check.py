@@ -398,7 +398,7 @@ def partial_plan(spec, hw, keep, cfg, training):
     for layer in keep.stages[1].layers:
         sizes = [t.bytes_per_sample for t in spec.layers[layer].saved_tensors]
         big = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))[:max(1, len(sizes) // 2)]
-        mem.append(LayerMemory(layer=layer, action="cpu_swap", tensors=sorted(big)))
+        mem.append(LayerMemory(layer=layer, action="cpu_swap", tensors=sorted(big), tensors_of=len(sizes)))
     plan = keep.model_copy(update={"stages": [st.model_copy(update={"memory": mem}) if i == 1 else st
                                               for i, st in enumerate(keep.stages)]})
     return validate_plan(plan, spec, hw), spec

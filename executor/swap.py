@@ -116,9 +116,10 @@ class _Record:
     """One swapped layer of one microbatch."""
 
     def __init__(self, stage: int, k: int, layer: int, action: MemoryAction, targets: list[tuple[int, float]],
-                 tensors: list[int] | None = None):
+                 tensors: list[int] | None = None, tensors_of: int | None = None):
         self.stage, self.k, self.layer, self.action, self.targets = stage, k, layer, action, targets
         self.tensors = tensors                # LayerMemory.tensors: None moves the whole layer
+        self.tensors_of = tensors_of          # LayerMemory.tensors_of: the count the plan was made for
         self.ptrs: dict[int, int] = {}        # storage key -> index (dedupe within the layer)
         self.storages: list | None = []       # device storages, until the layer's end
         self.pending: list = []               # partial: the layer's _Saved, until its end
@@ -183,7 +184,7 @@ class Swapper:
         storages on the device and counts its indices without them."""
         item = stage_for_microbatch(self.st.stage, k).action_of(layer)
         targets = [(t.device, t.weight) for t in item.targets]
-        rec = _Record(self.st.index, k, layer, item.action, targets, item.tensors)
+        rec = _Record(self.st.index, k, layer, item.action, targets, item.tensors, item.tensors_of)
         out = []
 
         def output(y):
@@ -258,6 +259,12 @@ class Swapper:
         edge = {getattr(t, "_local_tensor", t).untyped_storage()._cdata
                 for t in tree_flatten(boundary)[0] if isinstance(t, torch.Tensor)}
         interior = [i for i, st in enumerate(rec.storages) if st._cdata not in edge]
+        if rec.tensors_of is not None and rec.tensors_of != len(interior):
+            raise RuntimeError(
+                f"partial swap of stage {rec.stage} layer {rec.layer}: the plan was made for {rec.tensors_of} saved "
+                f"tensors (tensors_of) but the layer saved {len(interior)} besides its parameters, input and output: "
+                "other kernels (a profile traced on another device type?) save other tensors, so its indices "
+                f"{rec.tensors} would move other tensors")
         late = [j for j in rec.tensors if j >= len(interior)]
         if late:
             raise RuntimeError(

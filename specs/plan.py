@@ -183,6 +183,9 @@ def _check_tensors(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
         if item.tensors is None or not stage.layer_start <= item.layer < stage.layer_stop:
             continue
         have = len(model.layers[item.layer].saved_tensors)
+        if item.tensors_of is not None and item.tensors_of != have:
+            err(f"stages[{i}].memory[{j}].tensors_of", f"{item.tensors_of}, but the model lists {have} saved tensors "
+                f"for layer {item.layer}")
         if item.tensors[-1] >= have:
             known = f"indices 0..{have - 1}" if have else "none known: the model spec lists no saved_tensors"
             err(f"stages[{i}].memory[{j}].tensors", f"layer {item.layer} has {have} saved tensors ({known}), "

@@ -51,6 +51,12 @@ class LayerMemory(Spec):
         None, max_length=4096, description="swap only these saved tensors of the layer (indices into the model "
                                            "layer's saved_tensors); None: the whole layer")
 
+    # the kernels decide what a layer saves (CUDA attention saves its logsumexp and RNG state where
+    # CPU's does not), so a per-tensor plan says how many saved tensors its model listed: the
+    # executor refuses a layer that saves another number instead of moving other tensors
+    tensors_of: int | None = Field(None, ge=1, le=4096, description="with tensors: how many saved tensors the "
+                                   "model the plan was made for lists for the layer (checked by the executor)")
+
     @property
     def partial(self) -> bool:
         """Whether the action moves only some of the layer's saved tensors (the rest keep)."""
@@ -73,6 +79,9 @@ class LayerMemory(Spec):
             if not self.tensors or len(set(self.tensors)) != len(self.tensors) or self.tensors != sorted(self.tensors):
                 raise ValueError(f"tensors: layer {self.layer} lists {self.tensors}; give distinct indices in "
                                  "ascending order, at least one (None: the whole layer)")
+        if self.tensors_of is not None and (self.tensors is None or self.tensors[-1] >= self.tensors_of):
+            raise ValueError(f"tensors_of: {self.tensors_of} for layer {self.layer} needs tensors, each below it "
+                             f"(given {self.tensors})")
         devices = [t.device for t in self.targets]
         if len(set(devices)) != len(devices):
             raise ValueError(f"targets: a device is listed twice for layer {self.layer}: {devices}")

@@ -65,11 +65,12 @@ def stage_devices(stage, device: int) -> list[int]:
 
 def with_actions(plan: Plan, actions: dict[tuple[int, int], MemoryAction], mapping: Mapping,
                   stripes: dict | None = None, opt_swap: frozenset | set = frozenset(),
-                  period: dict | None = None, tensors: dict | None = None) -> Plan:
+                  period: dict | None = None, tensors: dict | None = None, model: ModelSpec | None = None) -> Plan:
     """``plan`` with stage devices from ``mapping`` (:func:`stage_devices`) and the given per-layer
     actions (others keep); a D2D swap stripes over ``stripes[(stage, layer)]`` ((target stage,
     weight), ...), each target stage's stripe on its mapped device; a swap in ``tensors`` moves
-    those saved tensors of its layer only (LayerMemory.tensors)."""
+    those saved tensors of its layer only (LayerMemory.tensors; with ``model``, ``tensors_of`` says how
+    many the model lists, which the executor checks)."""
     stages = []
     for s, stage in enumerate(plan.stages):
         items = []
@@ -82,7 +83,8 @@ def with_actions(plan: Plan, actions: dict[tuple[int, int], MemoryAction], mappi
             subset = (tensors or {}).get((s, l))
             items.append(LayerMemory(layer=l, action=action, targets=targets,
                                      microbatch_period=(period or {}).get((s, l), 1),
-                                     tensors=list(subset) if subset is not None else None))
+                                     tensors=list(subset) if subset is not None else None,
+                                     tensors_of=len(model.layers[l].saved_tensors) if subset is not None and model else None))
         offload = stage.offload.model_copy(update={"optimizer_swap": s in opt_swap})
         stages.append(stage.model_copy(update={"devices": stage_devices(stage, mapping.device_of_stage[s]), "memory": items,
                                                "offload": offload}))
@@ -146,7 +148,7 @@ class Assignment:
 
     def plan_now(self, actions=None) -> Plan:
         return with_actions(self.plan, self.actions if actions is None else actions, self.mapping, self.stripes,
-                             self.opt_swap, self.period, self.tensors)
+                             self.opt_swap, self.period, self.tensors, self.model)
 
     # ---- what a swap of a layer, or of some of its saved tensors, moves and costs (MPress §III-D) ----
 

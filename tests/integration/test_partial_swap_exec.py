@@ -165,3 +165,17 @@ def test_index_past_the_layers_saved_tensors_fails_by_name():
     assert out.failure is not None
     assert f"stage 0 layer {LAYER}" in out.failure and f"index {n}" in out.failure
     assert f"saved {n} tensors" in out.failure, out.failure
+
+
+def test_a_plan_made_for_another_tensor_count_fails_by_name():
+    """``tensors_of`` (the count the plan's model listed) differs from what the layer saves: the
+    executor refuses rather than move other tensors (CUDA attention saves more than CPU's)."""
+    n = len(interior_saved_bytes())
+    opts = {"iterations": 1, "collect": False, "memory_iteration": None, "track_memory": False, "fault": None,
+            "seed": 0, "device": "cpu", "threads": 1, "capacity_bytes": None, "dtype": "float32"}
+    item = _partial([0]).model_copy(update={"tensors_of": n + 2})
+    out = launch(_with(_plan(1), item), GPT_TINY, opts, 120.0)
+    assert out.failure is not None
+    assert f"made for {n + 2} saved tensors" in out.failure and f"saved {n} besides" in out.failure, out.failure
+    right = launch(_with(_plan(1), _partial([0]).model_copy(update={"tensors_of": n})), GPT_TINY, opts, 120.0)
+    assert right.failure is None, right.failure

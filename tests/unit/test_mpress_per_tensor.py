@@ -26,7 +26,7 @@ from planners.policy import MPressPolicy
 from simulator import simulate
 from specs import HardwareSpec, TrainingSpec
 from specs.model import LayerKind, SavedTensorSpec
-from specs.plan import ScheduleSpec, validate_plan
+from specs.plan import PlanError, ScheduleSpec, validate_plan
 from tests.conftest import conf
 
 DGX1 = HardwareSpec.model_validate(conf("hardware", "dgx1"))
@@ -138,6 +138,13 @@ def test_a_need_below_one_layer_swaps_the_longest_lived_tensors_that_cover_it(ba
     plan_now = validate_plan(st.plan_now(), model, DGX1)
     item = plan_now.stages[0].action_of(k[1])
     assert item.tensors == list(sub) and item.microbatch_period == 1
+    assert item.tensors_of == len(model.layers[k[1]].saved_tensors)  # the executor checks the count
+    memory = [m.model_copy(update={"tensors_of": m.tensors_of + 1}) if m.tensors else m
+              for m in plan_now.stages[0].memory]
+    stages = [plan_now.stages[0].model_copy(update={"memory": memory}), *plan_now.stages[1:]]
+    wrong = plan_now.model_copy(update={"stages": stages})
+    with pytest.raises(PlanError, match="tensors_of"):
+        validate_plan(wrong, model, DGX1)
 
 
 def test_a_tensor_whose_swap_does_not_hide_is_left_when_a_hidden_one_exists(base):

@@ -281,6 +281,36 @@ def device_bytes(result_device, field_name: str) -> int:
     return int(getattr(result_device.breakdown, field_name))
 
 
+@dataclass
+class Pair:
+    """Stage ``stage`` of a plan as is (``a``, simulated ``sk``) and with memory moved (``b``, ``ss``)."""
+
+    a: dict
+    b: dict
+    sk: object
+    ss: object
+    sim_keep: object
+    sim_swap: object
+    dev: int
+
+
+def kept_vs_moved(setup: Setup, path: str, keep, moved, spec, hw, cfg, stage: int,
+                  labels: tuple[str, str, str, str], note: str = "") -> Pair:
+    """Run ``keep`` and ``moved`` alone (stage ``stage``) and simulate both; add the rows every
+    moving path shares: ``labels`` = (peak kept, peak moved, peak saved, host bytes)."""
+    dev = moved.stages[stage].devices[0]
+    sim_keep, sim_swap = simulated(keep, spec, hw), simulated(moved, spec, hw)
+    a = run_alone(setup, keep, cfg, stage, collect=True)
+    b = run_alone(setup, moved, cfg, stage, collect=True)
+    sk, ss = sim_keep.result.devices[dev], sim_swap.result.devices[dev]
+    kept, swapped, saved, host = labels
+    setup.add(Row(path, kept, "bytes", sk.peak_bytes, a["peak_bytes"], note))
+    setup.add(Row(path, swapped, "bytes", ss.peak_bytes, b["peak_bytes"]))
+    setup.add(Row(path, saved, "bytes", sk.peak_bytes - ss.peak_bytes, a["peak_bytes"] - b["peak_bytes"]))
+    setup.add(Row(path, host, "bytes", ss.host_bytes, b["host_peak_bytes"]))
+    return Pair(a, b, sk, ss, sim_keep, sim_swap, dev)
+
+
 # ---- the paths -------------------------------------------------------------------------------------
 def check_memtrack(setup: Setup) -> None:
     """The memory tracker vs torch.cuda.max_memory_allocated vs the simulator, one stage.
@@ -312,23 +342,14 @@ def check_cpu_swap(setup: Setup) -> None:
     cfg, spec, training = model_and_training(setup, "swap")
     hw = hardware(setup.hardware_name, devices=4)  # the pp4 plan's four devices, one node
     keep, swap = swap_plans(spec, hw, training)
-    dev = swap.stages[1].devices[0]
-    sim_keep = simulated(keep, spec, hw)
-    sim_swap = simulated(swap, spec, hw)
-    a = run_alone(setup, keep, cfg, 1, collect=True)
-    b = run_alone(setup, swap, cfg, 1, collect=True)
-    sk, ss = sim_keep.result.devices[dev], sim_swap.result.devices[dev]
-    setup.add(Row("cpu_swap", "peak, kept", "bytes", sk.peak_bytes, a["peak_bytes"]))
-    setup.add(Row("cpu_swap", "peak, swapped", "bytes", ss.peak_bytes, b["peak_bytes"]))
-    setup.add(Row("cpu_swap", "peak saved by the swap", "bytes", sk.peak_bytes - ss.peak_bytes,
-                  a["peak_bytes"] - b["peak_bytes"]))
-    setup.add(Row("cpu_swap", "host bytes (swapped out) at most", "bytes", ss.host_bytes, b["host_peak_bytes"]))
-    add_copy_rows(setup, "cpu_swap", swap, cfg, 1, sim_swap, dev,
+    r = kept_vs_moved(setup, "cpu_swap", keep, swap, spec, hw, cfg, 1,
+                      ("peak, kept", "peak, swapped", "peak saved by the swap", "host bytes (swapped out) at most"))
+    add_copy_rows(setup, "cpu_swap", swap, cfg, 1, r.sim_swap, r.dev,
                   (("swap-out time (D2H) per iteration", "d2h", ("swap_out",)),
                    ("swap-in time (H2D) per iteration", "h2d", ("swap_in",))))
     setup.add(Row("cpu_swap", "stage time alone, swapped - kept", "s", None,
-                  b["iteration_time_s"] - a["iteration_time_s"], "what the side stream does not hide"))
-    setup.add(Row("cpu_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(a, b),
+                  r.b["iteration_time_s"] - r.a["iteration_time_s"], "what the side stream does not hide"))
+    setup.add(Row("cpu_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(r.a, r.b),
                   "a swap is a copy: ~0 (non-deterministic reductions aside)"))
 
 
@@ -410,21 +431,15 @@ def check_partial_swap(setup: Setup) -> None:
     hw = hardware(setup.hardware_name, devices=4)
     keep, whole = swap_plans(spec, hw, training)
     part, pspec = partial_plan(spec, hw, keep, cfg, training)
-    dev = part.stages[1].devices[0]
-    sim_keep, sim_part = simulated(keep, pspec, hw), simulated(part, pspec, hw)
-    a = run_alone(setup, keep, cfg, 1, collect=True)
-    b = run_alone(setup, part, cfg, 1, collect=True)
+    r = kept_vs_moved(setup, "partial_swap", keep, part, pspec, hw, cfg, 1,
+                      ("peak, kept", "peak, some tensors swapped", "peak saved", "host bytes at most"),
+                      note="symbolic-profile costs")
     c = run_alone(setup, whole, cfg, 1)
-    sk, sp = sim_keep.result.devices[dev], sim_part.result.devices[dev]
-    setup.add(Row("partial_swap", "peak, kept", "bytes", sk.peak_bytes, a["peak_bytes"], "symbolic-profile costs"))
-    setup.add(Row("partial_swap", "peak, some tensors swapped", "bytes", sp.peak_bytes, b["peak_bytes"]))
-    setup.add(Row("partial_swap", "peak saved", "bytes", sk.peak_bytes - sp.peak_bytes, a["peak_bytes"] - b["peak_bytes"]))
-    setup.add(Row("partial_swap", "host bytes at most", "bytes", sp.host_bytes, b["host_peak_bytes"]))
     setup.add(Row("partial_swap", "peak, whole layers swapped (reference)", "bytes", None, c["peak_bytes"]))
-    add_copy_rows(setup, "partial_swap", part, cfg, 1, sim_part, dev,
+    add_copy_rows(setup, "partial_swap", part, cfg, 1, r.sim_swap, r.dev,
                   (("swap-out time (D2H) per iteration", "d2h", ("swap_out",)),
                    ("swap-in time (H2D) per iteration", "h2d", ("swap_in",))))
-    setup.add(Row("partial_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(a, b)))
+    setup.add(Row("partial_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(r.a, r.b)))
 
 
 def pipedream_plans(spec, hw, training):
@@ -449,25 +464,18 @@ def check_pipedream_stash(setup: Setup) -> None:
     cfg, spec, training = model_and_training(setup, "pipedream")
     hw = hardware(setup.hardware_name, devices=6)
     keep, swap = pipedream_plans(spec, hw, training)
-    dev = swap.stages[1].devices[0]
-    sim_keep, sim_swap = simulated(keep, spec, hw), simulated(swap, spec, hw)
-    a = run_alone(setup, keep, cfg, 1, collect=True)
-    b = run_alone(setup, swap, cfg, 1, collect=True)
-    sk, ss = sim_keep.result.devices[dev], sim_swap.result.devices[dev]
-    setup.add(Row("pipedream_stash", "peak, versions kept", "bytes", sk.peak_bytes, a["peak_bytes"]))
+    r = kept_vs_moved(setup, "pipedream_stash", keep, swap, spec, hw, cfg, 1,
+                      ("peak, versions kept", "peak, versions swapped", "peak saved by the stash swap",
+                       "host bytes at most"))
     setup.add(Row("pipedream_stash", "stashed versions at the peak, kept", "bytes",
-                  device_bytes(sk, "stashed_weights_bytes"), a["breakdown"].get("stashed", 0)))
-    setup.add(Row("pipedream_stash", "peak, versions swapped", "bytes", ss.peak_bytes, b["peak_bytes"]))
-    setup.add(Row("pipedream_stash", "peak saved by the stash swap", "bytes", sk.peak_bytes - ss.peak_bytes,
-                  a["peak_bytes"] - b["peak_bytes"]))
-    setup.add(Row("pipedream_stash", "host bytes at most", "bytes", ss.host_bytes, b["host_peak_bytes"]))
-    add_copy_rows(setup, "pipedream_stash", swap, cfg, 1, sim_swap, dev,
+                  device_bytes(r.sk, "stashed_weights_bytes"), r.a["breakdown"].get("stashed", 0)))
+    add_copy_rows(setup, "pipedream_stash", swap, cfg, 1, r.sim_swap, r.dev,
                   (("versions out (D2H) per iteration", "d2h", ("stash out",)),
                    ("versions in (H2D) per iteration", "h2d", ("stash in",))))
     setup.add(Row("pipedream_stash", "iteration time alone, swapped - kept", "s",
-                  sim_swap.result.iteration_time_s - sim_keep.result.iteration_time_s,
-                  b["iteration_time_s"] - a["iteration_time_s"], "what the side stream does not hide"))
-    setup.add(Row("pipedream_stash", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(a, b),
+                  r.sim_swap.result.iteration_time_s - r.sim_keep.result.iteration_time_s,
+                  r.b["iteration_time_s"] - r.a["iteration_time_s"], "what the side stream does not hide"))
+    setup.add(Row("pipedream_stash", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(r.a, r.b),
                   "a swap is a copy: ~0 (non-deterministic reductions aside)"))
 
 

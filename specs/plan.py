@@ -85,6 +85,10 @@ class Plan(Spec):
                 raise ValueError(f"stages[{i}].offload.stash_swap_layers: only PipeDream's asynchronous schedule "
                                  f"stashes weight versions; the schedule is {self.schedule.kind.value} "
                                  "(use schedule pipedream_async or drop the field)")
+            if st.offload.weight_swap_layers and (st.dp > 1 or self.zero_stage):
+                raise ValueError(f"stages[{i}].offload.weight_swap_layers: with dp {st.dp} / zero_stage "
+                                 f"{self.zero_stage} the host gradients would need an all-reduce (or a shard) "
+                                 "before each CPU step, which memwall does not model; use dp 1 and zero_stage 0")
             if st.offload.window_layers is None:
                 continue
             if self.zero_stage:

@@ -125,6 +125,24 @@ class OffloadPolicy(Spec):
     stash_swap_layers: list[Annotated[int, Field(ge=0, lt=MAX_COUNT)]] = Field(
         default_factory=list, max_length=MAX_COUNT,
         description="PipeDream: layers whose stashed weight versions wait in host memory (MPress §II-D)")
+    # MPress §II-D: "GPU-CPU swap ... is a general solution applicable to all model data", and
+    # §II-E: with an asynchronous schedule "each microbatch execution requires transferring
+    # parameters and gradients between GPU and CPU". A listed layer's live weights, its gradient
+    # and its optimizer state have their home in host memory. Each pass of the layer (a forward,
+    # a backward; a recomputed forward runs inside its backward's) fetches its weights host->device,
+    # issued when the pass's preceding layer on the stage starts computing (the pass's first
+    # layer: when the pass starts), and the layer waits for the copy; a forward releases them when
+    # its compute ends. A backward copies its gradient device->host (accumulated there) and
+    # releases weights and gradient when that copy ends. The CPU steps the layer (its optimizer
+    # state in host memory) once its update's gradients are in: after every backward under
+    # PipeDream (the layer's next forward waits for that step; a stale version the in-flight
+    # microbatches use stays in host memory until their backwards), after the last microbatch's
+    # backward otherwise. Disjoint from stash_swap_layers (a listed layer's versions are already
+    # on the host).
+    weight_swap_layers: list[Annotated[int, Field(ge=0, lt=MAX_COUNT)]] = Field(
+        default_factory=list, max_length=MAX_COUNT,
+        description="layers whose live weights, gradients and optimizer state live in host memory, fetched "
+                    "for each pass and stepped by the CPU (MPress §II-D)")
 
     @model_validator(mode="after")
     def _one_home(self) -> OffloadPolicy:
@@ -139,6 +157,14 @@ class OffloadPolicy(Spec):
         if self.stash_swap_layers and (self.window_layers is not None or self.optimizer_on_cpu):
             raise ValueError("stash_swap_layers: a window or optimizer_on_cpu already keeps the weights' home on "
                              "the host; stashed-version swap applies to device-resident weights")
+        if len(set(self.weight_swap_layers)) != len(self.weight_swap_layers):
+            raise ValueError(f"weight_swap_layers: a layer is listed twice: {self.weight_swap_layers}")
+        if self.weight_swap_layers and (self.window_layers is not None or self.optimizer_on_cpu):
+            raise ValueError("weight_swap_layers: a window or optimizer_on_cpu already keeps the weights' home on "
+                             "the host; weight swap applies to a stage without them")
+        if both := sorted(set(self.weight_swap_layers) & set(self.stash_swap_layers)):
+            raise ValueError(f"weight_swap_layers: layers {both} are also in stash_swap_layers; a weight-swapped "
+                             "layer's stashed versions are already in host memory, list them once")
         if len(set(self.resident_layers)) != len(self.resident_layers):
             raise ValueError(f"resident_layers: a layer is listed twice: {self.resident_layers}")
         if self.nvme and self.window_layers is None and not self.optimizer_on_cpu:

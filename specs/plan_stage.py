@@ -37,10 +37,11 @@ class StagePlan(Spec):
         self._check_listed()
         if self.offload.window_layers is not None:
             self._check_window()
-        for layer in self.offload.stash_swap_layers:
-            if not self.layer_start <= layer < self.layer_stop:
-                raise ValueError(f"offload.stash_swap_layers: layer {layer} is outside this stage's layers "
-                                 f"[{self.layer_start}, {self.layer_stop})")
+        for name in ("stash_swap_layers", "weight_swap_layers"):
+            for layer in getattr(self.offload, name):
+                if not self.layer_start <= layer < self.layer_stop:
+                    raise ValueError(f"offload.{name}: layer {layer} is outside this stage's layers "
+                                     f"[{self.layer_start}, {self.layer_stop})")
         if self.sharding:
             self._check_sharded()
         elif self.checkpoint:
@@ -112,7 +113,8 @@ class StagePlan(Spec):
             raise ValueError(f"sharding: {mixed}")
         # the simulator and executor.map_exec keep a MAP stage's states on its devices: an offload
         # here would be priced and run as if it were not there
-        for name in ("window_layers", "optimizer_on_cpu", "optimizer_swap", "nvme", "stash_swap_layers"):
+        for name in ("window_layers", "optimizer_on_cpu", "optimizer_swap", "nvme", "stash_swap_layers",
+                     "weight_swap_layers"):
             if getattr(self.offload, name) not in (None, False, []):
                 raise ValueError(f"offload.{name}: a MAP-sharded stage keeps its weights, gradients and optimizer "
                                  "state on its devices (sharded by its strategies); drop the offload")

@@ -64,6 +64,9 @@ PAPER = {"no_offload": "megatron", "zero_offload": "zero_offload", "zero_infinit
 PRESETS = ("stronghold_gpt_1b7_v100", "stronghold_gpt_39b4_v100", "stronghold_gpt_82b_a10")
 #: Fig. 9's goal: a window at/above the planner's is within this of no offload (issue 13)
 GOAL_VS_NO_OFFLOAD = 0.10
+#: Fig. 8a's goal in the paper's precision (issue 25): STRONGHOLD's throughput over no offload's, where
+#: no offload fits (the paper: above it, "thanks to" multi-streaming, §IV-A, which memwall does not model)
+GOAL_FIG8A = 0.95
 #: Fig. 6's goal: STRONGHOLD's largest over no offload's (issue 13)
 GOAL_SIZE_RATIO = 5.0
 #: CPU-Adam rates (params/s) for the sensitivity rows: the configs' 1e9 (V100) is a default
@@ -292,6 +295,14 @@ def fig8a(progress=print, batches=paper.BATCH_SIZES, rate: float | None = None) 
     return out
 
 
+def fig8a_goal(runs: dict[str, Run]) -> str:
+    """Issue 25's Fig. 8a goal for one batch: met / MISSED where no offload fits, else why not judged."""
+    base, sh = runs["no_offload"], runs["stronghold"]
+    if not base.fits:
+        return "no offload OOM: not judged"
+    return f"{'met' if sh.fits and sh.samples_per_s >= GOAL_FIG8A * base.samples_per_s else 'MISSED'}"
+
+
 # ---- (c) Fig. 9: window sweep -----------------------------------------------------------------------------
 
 @dataclass
@@ -389,6 +400,13 @@ def print_report(fig6_rows: dict, fig7_rows: dict, f8: dict, sweeps: list[Sweep]
                   f"{g.peak_gib:.1f} | {g.host_gib:.0f} | {g.nvme_gib:.0f} | {_windows(g.windows)} | {why} |")
         print(f"| L2L | - | not modelled | {_paper_largest(platform, 'l2l') if platform == 'v100' else '-'} | | | | | "
               "memwall has no plan with the optimizer on the GPU and layers streamed |")
+        sh = next((r.largest for r in rows if r.method == "stronghold"), None)
+        stated = paper.largest(platform, "stronghold")
+        if stated is not None:
+            where = "one 32 GB V100" if platform == "v100" else "8 A10s"
+            print(f"\nlargest trainable model on {where}, STRONGHOLD with CPU RAM only, {s.hidden} hidden, "
+                  f"batch {s.global_batch}: ours {fmt(sh.billions if sh else None, '.1f')}B "
+                  f"({sh.layers if sh else '-'} layers) beside the paper's {stated.billions:g}B [{stated.where}]")
         print()
         for num, den in (("stronghold", "no_offload"), ("zero_offload", "no_offload"), ("stronghold", "zero_offload"),
                          ("stronghold", "zero_infinity")):
@@ -417,14 +435,14 @@ def print_report(fig6_rows: dict, fig7_rows: dict, f8: dict, sweeps: list[Sweep]
     if f8:
         print("\n## (b) Fig. 8a: the common 1.7B model (20 layers) on one V100, samples/s relative to no offload\n")
         print("| batch | no offload samples/s | ZeRO-Offload-style | ZeRO-Infinity-style | STRONGHOLD | STRONGHOLD "
-              "window |")
-        print("|---:|---:|---:|---:|---:|---|")
+              f"window | goal STRONGHOLD >= {GOAL_FIG8A:g} x no offload |")
+        print("|---:|---:|---:|---:|---:|---|---|")
         for b, runs in f8.items():
             base = runs["no_offload"]
-            cells = [f"{runs[m].samples_per_s / base.samples_per_s:.2f}{'' if runs[m].fits else ' (OOM)'}"
+            cells = [f"{runs[m].samples_per_s / base.samples_per_s:.3f}{'' if runs[m].fits else ' (OOM)'}"
                      for m in ("zero_offload", "zero_infinity", "stronghold")]
-            print(f"| {b} | {base.samples_per_s:.2f}{'' if base.fits else ' (OOM)'} | " + " | ".join(cells)
-                  + f" | {_windows(runs['stronghold'].windows)} |")
+            print(f"| {b} | {base.samples_per_s:.3f}{'' if base.fits else ' (OOM)'} | " + " | ".join(cells)
+                  + f" | {_windows(runs['stronghold'].windows)} | {fig8a_goal(runs)} |")
         print("\npaper [§VI-B, Fig. 8a] (batch not stated): L2L 0.222, ZeRO-Offload and ZeRO-Infinity < 0.57, "
               "STRONGHOLD > 1 (with its multi-stream optimization, §IV-A)")
     if sweeps:

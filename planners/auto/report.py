@@ -8,7 +8,7 @@ from collections import Counter
 
 from planners.auto.candidate import Candidate, LAYOUT_ONLY, techniques
 from planners.auto.search import AutoOutcome
-from planners.mpress.assign import size_text
+from specs.units import size_text  # bytes in the unit their magnitude calls for (shared by the planners)
 from specs.plan import Plan
 
 

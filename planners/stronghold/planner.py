@@ -42,11 +42,15 @@ from specs.model import ModelSpec
 from specs.plan import OffloadPolicy, Plan, ScheduleKind, ScheduleSpec
 from specs.schedule import iter_compute_order
 from specs.training import TrainingSpec
+from specs.units import size_text, time_text
 
 GIB = 1 << 30
 #: a window within this fraction of the best fitting window's time is on the plateau (Fig. 9):
 #: STRONGHOLD §V-D measures run-to-run variance "less than 3%", so a smaller gain is not measurable
 PLATEAU = 0.03
+#: a limit (stalls, the wait for the CPU steps) is named the bottleneck only past this fraction of
+#: the stage's time (issue 25's CLI rule: a 1 % wait does not bind an iteration)
+BOTTLENECK_FRACTION = 0.02
 #: schedules a window cannot run under: an interleaved device walks several chunks' passes (one
 #: window walk per stage assumes one stage per device), PipeDream's weight stash keeps older weight
 #: versions a slot would have to hold as well (STRONGHOLD §III-C's window walks one flushing
@@ -134,31 +138,53 @@ def _passes(plan: Plan, s: int) -> list[tuple[str, int]]:
 
 
 def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=None,
-          peak: int | None = None, capacity_bytes: int | None = None) -> WindowPrice:
+          peak: int | None = None, capacity_bytes: int | None = None, cold_ns: int | None = None) -> WindowPrice:
     """Walk stage ``s``'s passes back to back with its window (simulator/window.py) and its memory.
     ``base``: (stage costs, passes) of this stage with any window, from :func:`price_base`: only
     the slot count differs between windows, so pricing many reuses them; ``peak``: its device
     peak if known (:func:`_peak_of`); ``capacity_bytes``: what ``fits`` compares the peak with
-    (default: the device's memory)."""
+    (default: the device's memory); ``cold_ns``: the stage's cold start (:func:`cold_start_ns`),
+    computed when not given."""
+    stage = plan.stages[s]
+    sc, passes = base if base is not None else price_base(plan, model, hardware, s)
+    stall, cpu_wait, t = _walk(sc, passes, hardware, plan.training.microbatches, stage.offload.window_layers)
+    if cold_ns is None:
+        cold_ns = cold_start_ns(plan, hardware, sc, passes)
+    if peak is None:
+        peak = max(peaks(plan, model, hardware)[d] for d in stage.devices)
+    capacity = hardware.device.memory_bytes if capacity_bytes is None else capacity_bytes
+    cold = min(cold_ns, stall)
+    return WindowPrice(window=stage.offload.window_layers, peak_bytes=peak,
+                       fits=peak <= capacity, stall_s=(stall - cold) / 1e9,
+                       cold_stall_s=cold / 1e9, cpu_wait_s=cpu_wait / 1e9, time_s=t / 1e9)
+
+
+def _walk(sc, passes, hardware: HardwareSpec, microbatches: int, w: int) -> tuple[int, int, int]:
+    """(compute stall, the step's wait for the CPU, the passes and the step) in ns, the stage's
+    passes walked back to back with ``w`` slots (simulator/window.py, plain arithmetic)."""
     from dataclasses import replace
 
     from simulator.links import Links  # the planner borrows the simulator's mechanism (lazy: STYLE)
     from simulator.window import Clock, WindowWalk, drive, resources, walk_passes
 
-    stage = plan.stages[s]
-    sc, passes = base if base is not None else price_base(plan, model, hardware, s)
-    sc = replace(sc, window=stage.offload.window_layers)
+    sc = replace(sc, window=w)
     clock = Clock()
-    walk = WindowWalk(sc, Links(hardware), *resources(hardware, sc), plan.training.microbatches, clock)
+    walk = WindowWalk(sc, Links(hardware), *resources(hardware, sc), microbatches, clock)
     walk_passes(walk, passes, clock)  # exact; the periodic middle is not re-walked
     cpu_wait = drive(walk.step(), clock)
-    if peak is None:
-        peak = max(peaks(plan, model, hardware)[d] for d in stage.devices)
-    capacity = hardware.device.memory_bytes if capacity_bytes is None else capacity_bytes
-    cold = walk.passes[0][2] if walk.passes else 0
-    return WindowPrice(window=stage.offload.window_layers, peak_bytes=peak,
-                       fits=peak <= capacity, stall_s=(walk.stall_ns - cold) / 1e9,
-                       cold_stall_s=cold / 1e9, cpu_wait_s=cpu_wait / 1e9, time_s=clock.t / 1e9)
+    return walk.stall_ns, cpu_wait, clock.t
+
+
+def cold_start_ns(plan: Plan, hardware: HardwareSpec, sc, passes) -> int:
+    """The cold start of a stage (ns): what its compute waits for the iteration's FIRST fetch of
+    each streamed layer when every streamed layer has a slot, i.e. every fetch is issued as the
+    iteration starts, back to back on the host link, and none is ever repeated. No window can wait
+    less (a smaller one issues each fetch no earlier, in the same order), so the rest of a
+    window's stall is what a larger window would hide (P1 (1b), P2 (2b)) and is what the choice
+    counts. The step leaves every slot stale (simulator/window.py), so each iteration starts cold;
+    STRONGHOLD's resident first window (§III-E1) is what would hide this."""
+    streamed = sum(1 for lc in sc.layers if lc.streamed)
+    return _walk(sc, passes, hardware, plan.training.microbatches, max(streamed, 1))[0]
 
 
 def price_base(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int) -> tuple:
@@ -196,9 +222,11 @@ def choose_window(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, 
     peak_of = _peak_of(plan, model, hardware, s, resident, nvme)
     top = _largest_fit(peak_of, capacity_bytes, win.max_window(plan.stages[s], resident))
     base = price_base(with_window(plan, s, 1, resident, nvme), model, hardware, s)
+    cold = cold_start_ns(plan, hardware, *base)
 
     def at(w: int) -> WindowPrice:
-        return price(with_window(plan, s, w, resident, nvme), model, hardware, s, base, peak_of(w), capacity_bytes)
+        return price(with_window(plan, s, w, resident, nvme), model, hardware, s, base, peak_of(w), capacity_bytes,
+                     cold)
 
     if forced is not None:
         return forced, [at(forced)]
@@ -217,6 +245,11 @@ def choose_window(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, 
 
 
 def _layer_times(plan, model, hardware, s) -> dict[str, float]:
+    """A typical streamed layer's times (s): the largest streamed layer (the binding one), and
+    ``tail_s``: what the step waits for after the backward even when eq. 3 holds — the last
+    streamed layer of the backward (the first in forward order) has its gradients copied and is
+    stepped after its backward, with only the resident layers' backwards below it left to hide
+    them."""
     from simulator.stagecost import stage_cost
 
     sc = stage_cost(plan, model, hardware, s, plan.stages[s])
@@ -225,34 +258,51 @@ def _layer_times(plan, model, hardware, s) -> dict[str, float]:
         return {}
     lc = max(streamed, key=lambda x: x.fetch_ns)  # the largest streamed layer: the binding one
     recompute = lc.recompute_ns if lc.action.value == "recompute" else 0
+    first = streamed[0]
+    below = sum(x.bwd_ns + (x.recompute_ns if x.action.value == "recompute" else 0)
+                for x in sc.layers if x.layer < first.layer)
     return {"layer": lc.layer, "fwd_s": lc.fwd_ns / 1e9, "bwd_s": (lc.bwd_ns + recompute) / 1e9,
-            "fetch_s": lc.fetch_ns / 1e9, "grad_copy_s": lc.grad_ns / 1e9, "cpu_step_s": lc.cpu_step_ns / 1e9}
+            "fetch_s": lc.fetch_ns / 1e9, "grad_copy_s": lc.grad_ns / 1e9, "cpu_step_s": lc.cpu_step_ns / 1e9,
+            "tail_layer": first.layer, "tail_s": max(first.grad_ns + first.cpu_step_ns - below, 0) / 1e9}
 
 
 def _bottleneck(choice_price: WindowPrice | None, times: dict, nvme: bool) -> tuple[str, str]:
-    """(the bottleneck, why: every limit found, the binding one first)."""
+    """(the bottleneck, why: every limit found, the binding one first). A limit is named the
+    bottleneck only when it costs more than BOTTLENECK_FRACTION of the stage's time (issue 25:
+    a 0.1 s wait in an 8.7 s iteration is not what binds it); smaller ones are listed in ``why``."""
     if choice_price is None or not choice_price.fits:
         return "device memory", "even one slot does not fit: the resident layers and activations exceed the device"
     found = []
-    ms = {k: v * 1e3 for k, v in times.items() if k != "layer"}
+    t = {k: time_text(v) for k, v in times.items() if k not in ("layer", "tail_layer")}
     if choice_price.stall_s > 0:
-        h2d = ms.get("fetch_s", 0) > min(ms.get("fwd_s", 0), ms.get("bwd_s", 0))
+        h2d = times.get("fetch_s", 0) > min(times.get("fwd_s", 0), times.get("bwd_s", 0))
         which = "PCIe h2d (weight fetches)" if h2d else "PCIe d2h (gradient copies)"
         found.append(("pcie", choice_price.stall_s,
-                      f"{which}: per layer fetch {ms.get('fetch_s', 0):.1f} ms, gradient copy "
-                      f"{ms.get('grad_copy_s', 0):.1f} ms vs forward {ms.get('fwd_s', 0):.1f} ms, backward "
-                      f"{ms.get('bwd_s', 0):.1f} ms; no window that fits hides them ({choice_price.stall_s:.3f} s of "
-                      "stalls per iteration)"))
+                      f"{which}: per layer fetch {t.get('fetch_s')}, gradient copy {t.get('grad_copy_s')} vs "
+                      f"forward {t.get('fwd_s')}, backward {t.get('bwd_s')}; no window that fits hides them "
+                      f"({time_text(choice_price.stall_s)} of stalls per iteration)"))
     if choice_price.cpu_wait_s > 0:
-        drive = nvme and "NVMe" or "CPU optimizer"
-        found.append(("nvme" if nvme else "cpu optimizer", choice_price.cpu_wait_s,
-                      f"{drive}: the step waits {choice_price.cpu_wait_s:.3f} s after the backward for the CPU steps "
-                      f"(eq. 3: each must hide behind the compute after its gradients; per layer CPU step "
-                      f"{ms.get('cpu_step_s', 0):.1f} ms vs backward {ms.get('bwd_s', 0):.1f} ms)"))
-    if not found:
-        return "none", "transfers and CPU steps hidden behind compute"
+        drive = "NVMe" if nvme else "CPU optimizer"
+        wait = time_text(choice_price.cpu_wait_s)
+        if choice_price.cpu_wait_s <= times.get("tail_s", 0) + 1e-9:  # the last layer's copy + step, no queue
+            what = (f"{drive}: the step waits {wait} after the backward for the last streamed layer "
+                    f"(L{times.get('tail_layer')}): its gradient copy ({t.get('grad_copy_s')}) and CPU step "
+                    f"({t.get('cpu_step_s')}) follow its backward, and only the resident layers' backwards are "
+                    f"left to hide them; every other CPU step hides behind the backward (eq. 3 holds: CPU step "
+                    f"{t.get('cpu_step_s')} vs backward {t.get('bwd_s')} per layer)")
+        else:
+            what = (f"{drive}: the step waits {wait} after the backward for the CPU steps, which queue "
+                    f"(eq. 3: each must hide behind the compute after its gradients; per layer CPU step "
+                    f"{t.get('cpu_step_s')} vs backward {t.get('bwd_s')})")
+        found.append(("nvme" if nvme else "cpu optimizer", choice_price.cpu_wait_s, what))
     found.sort(key=lambda x: -x[1])
-    return found[0][0], "; ".join(f[2] for f in found)
+    binding = [f for f in found if f[1] > BOTTLENECK_FRACTION * choice_price.time_s]
+    minor = [f for f in found if f not in binding]
+    share = "; ".join(f"{f[2]} — {100 * f[1] / choice_price.time_s:.3g} % of the stage's {time_text(choice_price.time_s)}, "
+                      f"under the {BOTTLENECK_FRACTION:.0%} that names a bottleneck" for f in minor)
+    if not binding:
+        return "none", "transfers and CPU steps hidden behind compute" + (f" (what is left: {share})" if share else "")
+    return binding[0][0], "; ".join(f[2] for f in binding) + (f"; {share}" if share else "")
 
 
 def host_tier(mode: str, model: ModelSpec, plan: Plan, hardware: HardwareSpec, residents: dict[int, list[int]],
@@ -390,12 +440,12 @@ def summary_lines(outcome: StrongholdOutcome) -> list[str]:
             f"stronghold stage {c.stage} (layers {c.layers[0]}..{c.layers[1] - 1}, device {c.device}): window "
             f"{c.window} of {c.streamed} streamed layers, resident {c.resident}"
             f"{', optimizer state on NVMe' if c.nvme else ''}; "
-            f"peak {p.peak_bytes / GIB:.1f} GiB; stalls {p.stall_s:.3f} s (+{p.cold_stall_s:.3f} s cold start), "
-            f"CPU-step wait {p.cpu_wait_s:.3f} s")
+            f"peak {size_text(p.peak_bytes)}; stalls {time_text(p.stall_s)} (+{time_text(p.cold_stall_s)} cold start: "
+            f"the iteration's first fetches), CPU-step wait {time_text(p.cpu_wait_s)}; stage {time_text(p.time_s)}")
         if t:
-            lines.append(f"  per streamed layer (L{t['layer']}): forward {t['fwd_s'] * 1e3:.1f} ms, backward "
-                         f"{t['bwd_s'] * 1e3:.1f} ms, fetch {t['fetch_s'] * 1e3:.1f} ms, gradient copy "
-                         f"{t['grad_copy_s'] * 1e3:.1f} ms, CPU step {t['cpu_step_s'] * 1e3:.1f} ms")
+            lines.append(f"  per streamed layer (L{t['layer']}): forward {time_text(t['fwd_s'])}, backward "
+                         f"{time_text(t['bwd_s'])}, fetch {time_text(t['fetch_s'])}, gradient copy "
+                         f"{time_text(t['grad_copy_s'])}, CPU step {time_text(t['cpu_step_s'])}")
         lines.append(f"  bottleneck: {c.bottleneck} — {c.why}")
     lines.extend(outcome.notes)
     return lines

@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costs import window as win
-from planners.stronghold.planner import (GIB, PLATEAU, WINDOWLESS_SCHEDULES, WindowPrice, choose_window, host_tier,
+from planners.stronghold.planner import (PLATEAU, WINDOWLESS_SCHEDULES, WindowPrice, choose_window, host_tier,
                                          with_window)
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan
+from specs.units import size_text, time_text
 
 #: activation actions a windowed stage refuses (StagePlan._check_window; executor.measure's
 #: _offload_unsupported refuses them on streamed layers): recompute and keep are fine
@@ -105,14 +106,14 @@ def window_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, c
     final = next(p for p in prices if p.window == chosen)
     host_fits = host <= ram_left and drive <= drive_left
     why = _why(final, prices)
-    tier = (f"; optimizer state on NVMe ({ram / GIB:.1f} GiB of streamed state, {ram_left / GIB:.1f} GiB of "
+    tier = (f"; optimizer state on NVMe ({size_text(ram, 1)} of streamed state, {size_text(ram_left, 1)} of "
             "host RAM left)" if use and nvme == "auto" else "; optimizer state on NVMe (nvme=on)" if use else "")
     if not host_fits:
-        tier += (f"; host short: {host / GIB:.1f} GiB of RAM (left {ram_left / GIB:.1f})"
-                 + (f", {drive / GIB:.1f} GiB of NVMe (left {drive_left / GIB:.1f})" if drive else ""))
+        tier += (f"; host short: {size_text(host, 1)} of RAM (left {size_text(ram_left, 1)})"
+                 + (f", {size_text(drive, 1)} of NVMe (left {size_text(drive_left, 1)})" if drive else ""))
     reason = (f"stage {s} (layers {st.layer_start}..{st.layer_stop - 1}): window {chosen} of "
               f"{win.max_window(st, resident)} streamed layers, resident {resident}, peak "
-              f"{final.peak_bytes / GIB:.2f} GiB {'<=' if final.fits else '>'} {capacity_bytes / GIB:.2f} GiB; {why}"
+              f"{size_text(final.peak_bytes)} {'<=' if final.fits else '>'} {size_text(capacity_bytes)}; {why}"
               f"{tier}")
     return StageWindow(plan=with_window(plan, s, chosen, resident, use), window_layers=chosen, price=final,
                        fits=final.fits, reason=reason, nvme=use, host_bytes=host, nvme_bytes=drive,
@@ -124,7 +125,7 @@ def _why(final: WindowPrice, prices: list[WindowPrice]) -> str:
         return "even one slot is over: the resident layers and activations exceed the capacity"
     if final.stall_s == 0:
         return (f"the smallest window that fits and hides the transfers after the cold start "
-                f"({final.cold_stall_s:.3f} s cold start)")
+                f"({time_text(final.cold_stall_s)} cold start: the iteration's first fetches)")
     largest = prices[-1].window
-    return (f"no window that fits (up to {largest}) hides the transfers: {final.stall_s:.3f} s of stalls; the "
+    return (f"no window that fits (up to {largest}) hides the transfers: {time_text(final.stall_s)} of stalls; the "
             f"smallest within {PLATEAU:.0%} of the fastest that fits")

@@ -27,6 +27,7 @@ from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import CheckpointSegment, Plan, PlanError, ScheduleSpec
 from specs.training import TrainingSpec
+from specs.units import size_text
 
 GIB = float(1 << 30)
 
@@ -53,8 +54,8 @@ class Verdict:
             return ""
         what = ("NO PLAN FITS: the lowest peak found is" if self.searched else
                 f"THE PLAN DOES NOT FIT ({self.given}): its peak is")
-        head = (f"{what} {self.peak_bytes / GIB:.1f} GiB (device {self.peak_device}), "
-                f"{self.over_bytes / GIB:.1f} GiB over the {self.capacity_bytes / GIB:.1f} GiB of device memory; "
+        head = (f"{what} {size_text(self.peak_bytes, 1)} (device {self.peak_device}), "
+                f"{size_text(self.over_bytes, 1)} over the {size_text(self.capacity_bytes, 1)} of device memory; "
                 f"{self.oom_devices} of {self.num_devices} devices run out of memory"
                 + (". The plan below is the closest." if self.searched else "."))
         return "\n".join([head, "  what would help:", *(f"  - {k}" for k in self.knobs)])
@@ -74,8 +75,8 @@ def _checkpoint_all(plan: Plan) -> Plan:
 
 
 def _state(peak: int, capacity: int) -> str:
-    return f"fits ({peak / GIB:.1f} GiB)" if peak <= capacity else \
-        f"{peak / GIB:.1f} GiB, still {(peak - capacity) / GIB:.1f} GiB over"
+    return f"fits ({size_text(peak, 1)})" if peak <= capacity else \
+        f"{size_text(peak, 1)}, still {size_text(peak - capacity, 1)} over"
 
 
 def given_words(policy) -> str:

@@ -39,6 +39,7 @@ from specs.model import ModelSpec
 from specs.plan import LayerSharding, NodeSharding, Plan, ScheduleSpec, StagePlan
 from specs.sharding import Mesh, ShardingSpec
 from specs.training import TrainingSpec
+from specs.units import size_text
 
 GIB = 1 << 30
 #: the block DP rounds each layer's bytes up to budget / QUANTA (planners.map.ilp.IlpProblem):
@@ -307,8 +308,8 @@ def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Train
             break
         # the simulator counts bytes eq. 1's sum does not (see the module doc): shrink and solve again
         target = int(target * budget / peak * 0.995)
-        notes.append(f"round {rnd}: simulated peak {peak / GIB:.2f} GiB over the {budget / GIB:.2f} GiB budget; "
-                     f"solving again at {target / GIB:.2f} GiB")
+        notes.append(f"round {rnd}: simulated peak {size_text(peak)} over the {size_text(budget)} budget; "
+                     f"solving again at {size_text(target)}")
     plan, peaks, it_s, fits = best
     if not fits:
         need = max(c.min_budget_bytes for c in choices)

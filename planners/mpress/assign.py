@@ -26,18 +26,11 @@ from planners.mpress.mapping import Mapping
 import costs.activations
 from specs.model import ModelSpec
 from specs.plan import D2DTarget, LayerMemory, MemoryAction, Plan
+from specs.units import size_text  # noqa: F401  (re-exported: the MPress modules import it from here)
 
 GIB = float(1 << 30)
 #: "as assigned now" for the per-tensor helpers of :class:`Assignment` (None means the whole layer)
 NOW = object()
-
-
-def size_text(nbytes: float) -> str:
-    """Bytes for the log: GiB for model-sized amounts, MiB/KiB for the tiny CPU models."""
-    for unit, scale in (("GiB", GIB), ("MiB", float(1 << 20)), ("KiB", 1024.0)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def ordinal(n: int) -> str:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planners.mpress.assign import Assignment
+from planners.mpress.assign import Assignment, analytic_over
 from planners.mpress.base import mapping_text
 from planners.mpress.choice import choices, marginal_cost_s, reason
 from planners.mpress.emulate import Emulator, better, no_worse
@@ -46,7 +46,9 @@ def remap(em: Emulator, st: Assignment, policy: MPressPolicy, hardware: Hardware
     made room, map again (Fig. 6) for the costly compactions: their bytes are the demand; the
     spare a stage offers is the room left on its device plus what its kept layers would free
     (joint.py makes that room when a peer's D2D swap needs it), and the ledger of spare memory
-    starts from the room there is. ``pairs``: the
+    starts from the room there is. The host uplinks count too (:func:`host_bytes`, mapping.py:
+    what a stage does not place on a peer leaves over the PCIe uplink its switch shares, so the
+    search keeps heavy stages from sharing one). ``pairs``: the
     source->target stage rule of a fixed layout (search_mapping; identity mapping only), a stage
     with no allowed target demands nothing. Returns the best simulation (the remapped one if it
     is no slower)."""
@@ -61,10 +63,11 @@ def remap(em: Emulator, st: Assignment, policy: MPressPolicy, hardware: Hardware
     # MPress Table IV: later stages compacted more host the early stages' D2D swaps)
     spare2 = [room[s] + sum(st.held_bytes((s, l)) for l in st.plan.stages[s].layers if (s, l) not in st.actions)
               for s in range(p)]
+    host2 = host_bytes(st, demand2)
     if not (any(demand2) and any(spare2)):
         return best
     new = search_mapping(hardware, devices, demand2, spare2, boundary, striping=policy.striping, mode=policy.mapping,
-                         pairs=pairs)
+                         pairs=pairs, host_bytes=host2)
     saved, old_map, old_facts = st.snapshot(), st.mapping, st.facts
     st.mapping, st.spare_left = new, dict(enumerate(room))  # the room there is; joint.py makes more
     st.facts = layer_facts(st.plan, st.model, hardware, trace, new)
@@ -75,6 +78,16 @@ def remap(em: Emulator, st: Assignment, policy: MPressPolicy, hardware: Hardware
     st.restore(saved)
     st.mapping, st.facts = old_map, old_facts
     return best
+
+
+def host_bytes(st: Assignment, demand: list) -> list[int]:
+    """Per stage, what it sheds besides ``demand`` (mapping.py's host uplink term): the base
+    pipeline's closed-form overflow of its own memory (MPress Fig. 6's "overflowed gpus": what the
+    stage must move off its device whatever the mapping; analytic_over, without any action) less
+    the ``demand`` the mapping may place in peer memory; the mapping adds the unplaced part of
+    ``demand``. What is not placed on a peer leaves over the PCIe uplink or is recomputed."""
+    over = analytic_over(st.plan, st.model, st.capacity)
+    return [max(0, over[s] - int(demand[s])) for s in range(len(st.plan.stages))]
 
 
 #: the default of ``policy.min_round_gain``: a round that makes the iteration less than 0.5 %

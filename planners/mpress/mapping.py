@@ -27,9 +27,24 @@ The model scored here, for one mapping (all of it vectorised over a batch of map
   source's port, shared by all its peers (specs.hardware.SWITCHED_KINDS): bytes over the switch /
   port bw. Contention between different sources at one target is not modelled (stages swap at
   different points of the pipeline schedule).
+* Host uplink (``host_bytes`` given; the planner always gives it, memwall's extension of the
+  score, issue 24). What a stage cannot place in peer memory leaves its device over PCIe, or is
+  recomputed; so does what it swaps to the host anyway (``host_bytes``: CPU-swapped layers, its
+  optimizer state). The GPUs behind one PCIe switch share its uplink to the host
+  (``host.gpus_per_pcie_switch``; DGX-1: two), so which stages sit behind one switch is also the
+  mapping's choice: a stage's host time is the bytes of every stage behind its switch over the
+  uplink's bandwidth, and its swap time the slower of its D2D stripes and that. Measured on
+  GPT-15.4B / DGX-1 (docs/mpress.md, "Where we differ" 5): over random permutations the planned
+  iteration spans 17.4-20.5 s, and with the uplink unshared (one GPU per switch at half the
+  bandwidth) 25.20-25.29 s: the mapping acts through the shared uplink, not through NVLink, since
+  every D2D round trip hides in the simulated live intervals. MPress's Fig. 6 scores D2D time
+  only; the paper's DGX-1 runs with the same two GPUs per switch.
 * Rank: most placed bytes (in whole MiB, so float noise cannot decide), then smallest max swap
-  time (ns), then smallest pipeline boundary-send time sum_i boundary_i / bw(dev_i, dev_i+1) over
-  any link (PCIe fallback included; ns), then the lexicographically smallest device tuple.
+  time (ns), then smallest pipeline
+  boundary-send time sum_i boundary_i / bw(dev_i, dev_i+1) over any link (PCIe fallback
+  included; ns), then the lexicographically smallest device tuple. With ``host_bytes`` the
+  smallest max swap time over D2D stripes and host uplinks comes first (MPress's score, the
+  reciprocal of the maximal swap time; unplaced bytes are in it), then placed bytes.
 """
 from __future__ import annotations
 
@@ -40,6 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from simulator.links import pcie_switch
 from specs.hardware import SWITCHED_KINDS, HardwareSpec
 
 #: largest p scored exhaustively: 8! = 40,320 mappings (MPress's DGX-1 and DGX-2 have 8 GPUs)
@@ -69,6 +85,9 @@ class Mapping:
     boundary_time_s: float  # sum_i boundary_bytes[i] / bw(stage i -> stage i+1) per microbatch
     candidates: int  # mappings scored
     exact: bool  # True: provably optimal (every permutation scored, or all permutations score alike)
+    # per stage: the bytes behind its PCIe switch (unplaced demand and host_bytes of every stage
+    # there) over the uplink's bandwidth, one way; () when the search was given no host_bytes
+    host_time_s: tuple[float, ...] = ()
 
 
 def _matrices(hardware: HardwareSpec, devs: Sequence[int]):
@@ -135,9 +154,11 @@ def _none_weights(bw: np.ndarray, demand: np.ndarray, spare: np.ndarray) -> np.n
     return w
 
 
-def _score(pos: np.ndarray, peer, switched, full, src, tgt, demand, spare, boundary, striping):
-    """Score a batch of mappings ``pos`` (M, p): stage i on device position pos[:, i]. Returns
-    (x (M, ks, kt) bytes from source to target, w stripe weights, time_s (M, ks), boundary_s (M,))."""
+def _score(pos: np.ndarray, peer, switched, full, src, tgt, demand, spare, boundary, striping, host=None):
+    """Score a batch of mappings ``pos`` (M, p): stage i on device position pos[:, i]. ``host``:
+    None, or (host_bytes (p,), switch index per device position (p,), uplink bytes/s). Returns
+    (x (M, ks, kt) bytes from source to target, w stripe weights, time_s (M, ks), boundary_s (M,),
+    host_s (M, p) one-way host time per stage, None without ``host``)."""
     m = pos.shape[0]
     si, ti = pos[:, src][:, :, None], pos[:, tgt][:, None, :]
     bw = peer[si, ti] * (src[:, None] != tgt[None, :])  # a stage is never its own target
@@ -179,13 +200,36 @@ def _score(pos: np.ndarray, peer, switched, full, src, tgt, demand, spare, bound
         boundary_s = (boundary / (full[pos[:, :-1], pos[:, 1:]] * 1e9)).sum(axis=1)
     else:
         boundary_s = np.zeros(m)
-    return x, w, time_s, boundary_s
+    return x, w, time_s, boundary_s, _host_s(pos, x, src, demand, host)
 
 
-def _keys(x, _w, time_s, boundary_s):
-    """Rank keys, smaller is better: (-placed MiB, max swap ns, boundary ns)."""
-    return (-np.rint(x.sum(axis=(1, 2)) / MIB), np.rint(time_s.max(axis=1, initial=0.0) * 1e9),
-            np.rint(boundary_s * 1e9))
+def _host_s(pos: np.ndarray, x: np.ndarray, src: np.ndarray, demand: np.ndarray, host) -> np.ndarray:
+    """(M, p): per stage, one way over its PCIe switch's uplink, the bytes every stage behind that
+    switch sends the host: its ``host_bytes`` plus its demand not placed in peer memory."""
+    m, p = pos.shape
+    if host is None:
+        return None
+    host_bytes, switch_of, uplink_bps = host
+    load = np.broadcast_to(host_bytes, (m, p)).copy()
+    if src.size:
+        load[:, src] += np.maximum(demand[src] - x.sum(axis=2), 0.0)
+    sw = switch_of[pos]  # (M, p): the switch of each stage's device
+    n_sw = int(switch_of.max()) + 1
+    per_switch = np.zeros((m, n_sw))
+    np.add.at(per_switch, (np.arange(m)[:, None], sw), load)
+    return np.take_along_axis(per_switch, sw, axis=1) / uplink_bps
+
+
+def _keys(x, _w, time_s, boundary_s, host_s):
+    """Rank keys, smaller is better: (-placed MiB, max D2D swap ns, boundary ns); with the host
+    term (``host_s`` not None): (max swap ns over D2D stripes and host uplinks, -placed MiB,
+    boundary ns)."""
+    placed = -np.rint(x.sum(axis=(1, 2)) / MIB)
+    if host_s is None:
+        return (placed, np.rint(time_s.max(axis=1, initial=0.0) * 1e9), np.rint(boundary_s * 1e9))
+    # the unplaced bytes are in the host time: MPress's score, 1 / max swap time, decides first
+    slowest = np.maximum(time_s.max(axis=1, initial=0.0), host_s.max(axis=1, initial=0.0))
+    return (np.rint(slowest * 1e9), placed, np.rint(boundary_s * 1e9))
 
 
 def _best(keys, pos) -> int:
@@ -250,7 +294,8 @@ def _check(hardware, devices, demand, spare, boundary, striping, mode, pairs=Non
 def search_mapping(hardware: HardwareSpec, devices: Sequence[int], demand_bytes: Sequence[float],
                    spare_bytes: Sequence[float], boundary_bytes: Sequence[float] = (),
                    striping: str = "weighted", mode: str = "search",
-                   pairs: Sequence[Sequence[bool]] | None = None) -> Mapping:
+                   pairs: Sequence[Sequence[bool]] | None = None,
+                   host_bytes: Sequence[float] | None = None) -> Mapping:
     """Map p pipeline stages onto ``devices`` (p distinct devices of ``hardware``) for D2D swap.
 
     ``demand_bytes[i]``: bytes stage i wants to swap out (0 for light stages); ``spare_bytes[i]``:
@@ -262,10 +307,17 @@ def search_mapping(hardware: HardwareSpec, devices: Sequence[int], demand_bytes:
     spare), or every device pair is linked alike (MPress skips the search on symmetric NVSwitch).
     ``pairs`` (identity only): ``pairs[i][j]`` False keeps stage i's stripes off stage j even where
     their devices are peers (a fixed layout's rules, planners/mpress/compact.py); None: any peer.
-    Returns the best :class:`Mapping` by the module's ranking, with its stripes (bytes), placed bytes
+    ``host_bytes[i]`` (optional): bytes stage i sends the host whatever the mapping; given, a
+    stage's unplaced demand goes to the host too and the host uplinks its PCIe switch shares count
+    in the swap time (module docstring), and the search runs even where no stage has spare memory
+    (the uplinks still differ) unless the NVLink/NVSwitch topology is symmetric (MPress §III-C
+    skips the search there). Returns the best :class:`Mapping` by the module's ranking, with its stripes (bytes), placed bytes
     and one-way swap times (s) per stage; ValueError names the argument when an input is malformed.
     """
     _check(hardware, devices, demand_bytes, spare_bytes, boundary_bytes, striping, mode, pairs)
+    if host_bytes is not None and (len(host_bytes) != len(devices)
+                                   or not all(math.isfinite(v) and v >= 0 for v in host_bytes)):
+        raise ValueError(f"host_bytes: expected {len(devices)} finite values >= 0 (one per stage); got {list(host_bytes)}")
     p = len(devices)
     devs = sorted(devices)
     peer, switched, full = _matrices(hardware, devs)
@@ -278,14 +330,21 @@ def search_mapping(hardware: HardwareSpec, devices: Sequence[int], demand_bytes:
     spare = np.asarray(spare_bytes, dtype=float)
     boundary = np.asarray(boundary_bytes, dtype=float)
     src, tgt = np.flatnonzero(demand > 0), np.flatnonzero(spare > 0)
+    host = None
+    if host_bytes is not None:
+        switch_of = np.array([pcie_switch(hardware, d) for d in devs])
+        host = (np.asarray(host_bytes, dtype=float), switch_of, hardware.host.pcie_gbps * 1e9)
+    # the uplinks differ between mappings only where a switch has two of the devices and some
+    # stage sends the host anything
+    shared = host is not None and len(set(switch_of.tolist())) < p and (src.size or host[0].any())
 
     def score(pos):
-        return _score(pos, peer, switched, full, src, tgt, demand, spare, boundary, striping)
+        return _score(pos, peer, switched, full, src, tgt, demand, spare, boundary, striping, host)
 
     identity = np.array([devs.index(d) for d in devices])
     if mode == "identity":
         pos, candidates, exact = identity, 1, False
-    elif p == 1 or not src.size or not tgt.size or _symmetric(peer, switched, full):
+    elif p == 1 or (not (src.size and tgt.size) and not shared) or _symmetric(peer, switched, full):
         pos, candidates, exact = identity, 1, True
     elif p <= EXACT_MAX_P:
         perms = np.array(list(itertools.permutations(range(p))), dtype=np.intp)  # lexicographic
@@ -293,11 +352,11 @@ def search_mapping(hardware: HardwareSpec, devices: Sequence[int], demand_bytes:
     else:
         pos, candidates = _local_search(score, p, identity)
         exact = False
-    return _mapping(pos, score, devs, src, tgt, p, striping, candidates, exact)
+    return _mapping(pos, score, devs, src, tgt, p, striping, candidates, exact, host)
 
 
-def _mapping(pos, score, devs, src, tgt, p, striping, candidates, exact) -> Mapping:
-    x, w, time_s, boundary_s = (a[0] for a in score(pos[None, :]))
+def _mapping(pos, score, devs, src, tgt, p, striping, candidates, exact, host=None) -> Mapping:
+    x, w, time_s, boundary_s, host_s = (a if a is None else a[0] for a in score(pos[None, :]))
     targets, stripes = [()] * p, [()] * p
     placed, times = [0.0] * p, [0.0] * p
     for a, s in enumerate(src):
@@ -308,4 +367,5 @@ def _mapping(pos, score, devs, src, tgt, p, striping, candidates, exact) -> Mapp
         placed[s], times[s] = float(x[a].sum()), float(time_s[a])
     return Mapping(device_of_stage=tuple(devs[i] for i in pos), targets=tuple(targets),
                    stripe_bytes=tuple(stripes), placed_bytes=tuple(placed), swap_time_s=tuple(times),
-                   boundary_time_s=float(boundary_s), candidates=int(candidates), exact=exact)
+                   boundary_time_s=float(boundary_s), candidates=int(candidates), exact=exact,
+                   host_time_s=tuple(float(t) for t in host_s) if host_s is not None else ())

@@ -27,6 +27,10 @@ single-GPU check of a plan made for many), its simulated peak/time from ``simula
     partial_swap       a per-tensor swap (LayerMemory.tensors, MPress §III-D): stage 1 of the cpu_swap plan with
                        the larger half of each block's saved tensors (the symbolic profile's list) swapped:
                        peaks, host bytes, copy times vs the simulator on the profile's costs
+    weight_swap        MPress §II-D live weights, gradients and Adam state of stage 1's blocks homed in (pinned)
+                       host memory (executor/weight_swap.py, offload.weight_swap_layers): the cpu_swap plan's
+                       stage 1 kept vs weight-swapped: peaks, fetched weights at the peak, host bytes, fetch
+                       (H2D) and gradient (D2H) copy times vs the simulator's fetch/grads slices
     pipedream_stash    PipeDream-async with weight stashing (executor/pipedream.py): stage 1 of a pp6 plan,
                        its stashed versions kept vs swapped to pinned host memory (offload.stash_swap_layers):
                        peaks, stashed bytes at the peak, host bytes, the versions' copy time
@@ -442,6 +446,38 @@ def check_partial_swap(setup: Setup) -> None:
     setup.add(Row("partial_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(r.a, r.b)))
 
 
+def weight_swap_plans(spec, hw, training):
+    """The cpu_swap check's pp4 1F1B plan kept, and with stage 1's layers (blocks 0 and 1)
+    weight-swapped: their live weights, gradients and optimizer state in host memory, fetched per
+    pass, stepped by the CPU (``offload.weight_swap_layers``, MPress §II-D)."""
+    from specs.plan import OffloadPolicy, validate_plan
+
+    keep, _ = swap_plans(spec, hw, training)
+    off = OffloadPolicy(weight_swap_layers=list(keep.stages[1].layers))
+    moved = keep.model_copy(update={"stages": [st.model_copy(update={"offload": off}) if i == 1 else st
+                                               for i, st in enumerate(keep.stages)]})
+    return keep, validate_plan(moved, spec, hw)
+
+
+def check_weight_swap(setup: Setup) -> None:
+    """Weight swap (executor/weight_swap.py): stage 1 alone, its blocks' model data kept vs homed in pinned host memory."""
+    cfg, spec, training = model_and_training(setup, "swap")
+    hw = hardware(setup.hardware_name, devices=4)
+    keep, moved = weight_swap_plans(spec, hw, training)
+    r = kept_vs_moved(setup, "weight_swap", keep, moved, spec, hw, cfg, 1,
+                      ("peak, kept", "peak, weights swapped", "peak saved by the weight swap", "host bytes at most"))
+    setup.add(Row("weight_swap", "device parameters at the peak", "bytes", device_bytes(r.ss, "parameters_bytes"),
+                  r.b["breakdown"]["parameters"], "resident + the fetched layers'"))
+    add_copy_rows(setup, "weight_swap", moved, cfg, 1, r.sim_swap, r.dev,
+                  (("weight fetches (H2D) per iteration", "h2d", ("fetch",)),
+                   ("gradient copies (D2H) per iteration", "d2h", ("grads",))))
+    setup.add(Row("weight_swap", "stage time alone, swapped - kept", "s",
+                  r.sim_swap.result.iteration_time_s - r.sim_keep.result.iteration_time_s,
+                  r.b["iteration_time_s"] - r.a["iteration_time_s"], "what the side stream and CPU steps do not hide"))
+    setup.add(Row("weight_swap", "gradients vs kept: max |diff|", "diff", 0.0, grad_diff(r.a, r.b),
+                  "a swap is a copy: ~0 (non-deterministic reductions aside)"))
+
+
 def pipedream_plans(spec, hw, training):
     """pp6 PipeDream-async, one layer per stage (weight stashing: stage 1, block 0, holds p - 1 = 5
     versions in the steady state; with 3 (pp4) the swap's double buffering, a version fetched for
@@ -605,12 +641,13 @@ PATHS: dict[str, Callable[[Setup], None]] = {
     "stronghold_window": check_stronghold_window,
     "optimizer_swap": check_optimizer_swap,
     "pipedream_stash": check_pipedream_stash,
+    "weight_swap": check_weight_swap,
     "partial_swap": check_partial_swap,
     "calibration": check_calibration,
     "execute": check_execute,
     "auto": check_auto,
 }
-QUICK = ("memtrack", "cpu_swap", "stronghold_window", "optimizer_swap", "pipedream_stash", "calibration")
+QUICK = ("memtrack", "cpu_swap", "stronghold_window", "optimizer_swap", "pipedream_stash", "weight_swap", "calibration")
 
 
 # ---- running, reporting ----------------------------------------------------------------------------

@@ -40,6 +40,7 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
         out += _pipedream_unsupported(plan, model_cfg)
     for i, st in enumerate(plan.stages):
         out += _offload_unsupported(plan, i, model_cfg)
+        out += _weight_swap_unsupported(plan, i, model_cfg)
         if st.sharding:
             out += _map_unsupported(plan, i, model_cfg)
     return out
@@ -121,6 +122,29 @@ def _offload_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
         for layer in sorted(streamed & {0, last}):
             out.append(f"stages[{i}].offload.resident_layers: layer {layer} (the tied embedding/head) is "
                        "streamed; a window streams a parameter of one layer only, so it must be resident")
+    return out
+
+
+def _weight_swap_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
+    """What executor.weight_swap (MPress §II-D: a layer's live weights, gradient and optimizer
+    state homed in host memory) does not run: DTensor parameters (tp > 1, MAP stages), a tied
+    embedding/head (one parameter, two homes), a user's own model."""
+    st = plan.stages[i]
+    listed = st.offload.weight_swap_layers
+    if not listed:
+        return []
+    where, out = f"stages[{i}].offload.weight_swap_layers", []
+    if st.tp > 1 or st.sharding:
+        out.append(f"{where}: {listed} on a {'MAP-sharded' if st.sharding else f'tp {st.tp}'} stage (DTensor "
+                   "parameters are not swapped; use tp 1)")
+    cfg = _config(model_cfg) if model_cfg is not None else None
+    if cfg is not None and cfg.family == "torch_module":
+        out.append(f"{where}: a user's own model (family torch_module) is not supported")
+    if cfg is not None and getattr(cfg, "tie_embeddings", False):
+        last = len(build_model(cfg, plan.training.act_dtype_bytes).layers) - 1
+        for layer in sorted(set(listed) & {0, last}):
+            out.append(f"{where}: layer {layer} is the tied embedding/head (one parameter with two homes); "
+                       "keep it on the device or set model.tie_embeddings=false")
     return out
 
 

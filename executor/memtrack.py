@@ -191,6 +191,8 @@ def tag_static(tracker, stages) -> None:
             tracker.tag(p.grad, "gradients")
         if getattr(st, "window", None) is not None:  # STRONGHOLD window: slot pool, host side
             st.window.tag(tracker)
+        if getattr(st, "weight_swap", None) is not None:  # MPress weight swap: its home is host memory
+            st.weight_swap.tag(tracker)
         if getattr(st, "opt_swap", None) is not None:  # MPress optimizer swap: its state is host memory
             for v in st.opt_swap.state_tensors():
                 tracker.tag(v, HOST)

@@ -71,8 +71,10 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         self.tied = tied_embedding_weight(self, groups)
         # distinct parameters: a tied LM head shares the embedding's weight (one grad, one step).
         # With a STRONGHOLD window only the resident layers' (executor.window has the others)
+        # A weight-swapped layer's (MPress §II-D) are homed on the host too (executor.weight_swap)
         streamed = set(st.streamed_layers)
-        self.params = list({id(p): p for i, _, mod in self.layers if i not in streamed
+        homed = streamed | set(st.offload.weight_swap_layers)
+        self.params = list({id(p): p for i, _, mod in self.layers if i not in homed
                             for p in mod.parameters()}.values())
         if streamed:
             self._check_streamable(streamed)
@@ -93,7 +95,8 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
             return torch.optim.SGD(params, lr=LR[opt], momentum=0.9)
 
         # MPress optimizer swap: the state lives on the host, the step streams it per layer
-        self.opt_swap = (OptimizerSwap(self.layers, make_optimizer, tracker, torch_device)
+        self.opt_swap = (OptimizerSwap([t for t in self.layers if t[0] not in homed], make_optimizer, tracker,
+                                       torch_device)
                          if st.offload.optimizer_swap else None)
         self.optimizer = make_optimizer(self.params) if self.opt_swap is None and self.params else None
         # STRONGHOLD §III-C: streamed layers pass through w device slots; host state, CPU steps
@@ -101,6 +104,14 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
                               self.m, torch_device, make_optimizer, dtype, nvme=st.offload.nvme, nvme_dir=nvme_dir,
                               tracker=lambda: self.tracker, record=record_window)
                        if streamed else None)
+        # MPress §II-D: listed layers' live weights, gradients and optimizer state in host memory,
+        # fetched for each pass, stepped by the CPU (executor.weight_swap)
+        self.weight_swap = None
+        if st.offload.weight_swap_layers:
+            from executor.weight_swap import WeightSwap
+
+            self.weight_swap = WeightSwap(self, st.offload.weight_swap_layers, make_optimizer, dtype,
+                                          record=record_window)
         # the loss of a replica's rows, scaled so that all replicas and microbatches sum to the
         # global mean: every gradient is then d(global loss), and DP all-reduce is a plain SUM
         self.loss_scale = 1.0 / (self.m * st.dp)
@@ -129,6 +140,13 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
             self.loss_scale = 1.0 / st.dp
             if self.swapper is not None and self.pipedream.swap_slots:
                 self.swapper.param_pack = self.pipedream.pack
+        ws = self.weight_swap
+        if ws is not None:  # its saved-weight hooks hand the rest to PipeDream's; the swapper's to its
+            if self.pipedream is not None and self.pipedream.swap_slots:
+                ws.fallback_pack, ws.fallback_unpack = self.pipedream.pack, self.pipedream.unpack
+            if self.swapper is not None:
+                ws.swapper = self.swapper
+                self.swapper.param_pack = lambda t, prev=self.swapper.param_pack: ws.pack_or(t, prev)
 
     def _check_streamable(self, streamed: set[int]) -> None:
         """A streamed parameter must belong to its layer alone: its home is one layer's slot and
@@ -148,8 +166,10 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
 
     def named_state(self):
         """(``layer.param`` name, weight, gradient) of every parameter of the stage, wherever
-        they live (a streamed layer's are its host master copy and accumulator)."""
+        they live (a streamed or weight-swapped layer's are its host master copy and accumulator)."""
         for _, name, mod in self.layers:
             for pname, p in mod.named_parameters():
                 host = self.window.host_state(p) if self.window is not None else None
+                if host is None and self.weight_swap is not None:
+                    host = self.weight_swap.host_state(p)
                 yield (f"{name}.{pname}", *(host if host is not None else (p, p.grad)))

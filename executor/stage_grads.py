@@ -1,7 +1,8 @@
 """A stage's gradients and optimizer step: zeroing, the data-parallel all-reduce of the stage's
 gradients (one bucket), Megatron's embedding-group all-reduce of a tied input/output embedding
 split over two stages (Narayanan et al. 2021), and the optimizer step (resident parameters on
-the device, a STRONGHOLD window's streamed layers on the CPU, or MPress's optimizer swap).
+the device, a STRONGHOLD window's streamed layers on the CPU, or MPress's optimizer swap; a
+weight-swapped layer's CPU steps, executor.weight_swap, run as its gradients land).
 
 StageGrads is a mixin of executor.stage.StageRuntime: it reads the runtime's parameters, groups,
 optimizer, window and tracker set up there."""
@@ -44,6 +45,8 @@ class StageGrads:
             p.grad.zero_()
         if self.window is not None:
             self.window.zero_grad()
+        if self.weight_swap is not None:
+            self.weight_swap.zero_grad()
         self.loss_sum = 0.0
         if self.ties is not None:
             self.ties.reset()
@@ -102,6 +105,8 @@ class StageGrads:
         del full
 
     def step(self) -> None:
+        if self.weight_swap is not None:  # its CPU steps were submitted as the gradients landed
+            self.weight_swap.finish()
         if self.pipedream is not None:  # the updates ran after each backward: the tied ones left
             self.pipedream.end_iteration(self.m)
             return

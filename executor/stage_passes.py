@@ -1,6 +1,7 @@
 """A stage's forward and backward passes: a microbatch's rows, each layer run as its memory
 action says (kept, recomputed under ``torch.utils.checkpoint``, its saved tensors swapped out by
-executor.swap, or streamed through a STRONGHOLD window, executor.window), a MAP stage's
+executor.swap, or streamed through a STRONGHOLD window, executor.window; a weight-swapped layer's
+weights fetched from host memory around each pass, executor.weight_swap), a MAP stage's
 checkpoint segments (executor.map_stage), and the backward from the loss or a received gradient.
 
 StagePasses is a mixin of executor.stage.StageRuntime: it reads the runtime's layers, window,
@@ -56,6 +57,8 @@ class StagePasses:
         pd = self.pipedream
         if pd is not None:
             pd.begin_forward(k)
+        if self.weight_swap is not None:
+            self.weight_swap.begin_pass("F", k)
         with (self.window.pass_("F", k) if self.window is not None else
               torch.autograd.graph.saved_tensors_hooks(pd.pack, pd.unpack) if pd is not None and pd.swap_slots
               else contextlib.nullcontext()):
@@ -69,7 +72,10 @@ class StagePasses:
     def _layers_forward(self, k: int, y, mb: dict):
         if self.map is not None:  # MAP: rotor's checkpoint segments over DTensor layers (executor.map_exec)
             return self.map.forward(y, mb)
-        for i, mod, action in self.run_as(k):
+        ws = self.weight_swap  # MPress §II-D live weights in host memory (executor.weight_swap)
+        for pos, (i, mod, action) in enumerate(self.run_as(k)):
+            if ws is not None:  # the next layer's fetch issued, this one's waited for
+                ws.before_forward(pos)
             if self.window is not None and self.window.streams(i):  # executor.window
                 recompute = action is MemoryAction.recompute
                 y = self.window.forward_layer(
@@ -80,8 +86,13 @@ class StagePasses:
             elif action in SWAPS:  # saved tensors leave the device at the layer's end (executor.swap)
                 with self.swapper.layer(k, i, y if y is not None else mb) as output:  # a first layer reads mb
                     y = output(mod(y, mb))
+            elif ws is not None:
+                with ws.hooks(pos):  # saved weights re-made from the backward's fetch
+                    y = mod(y, mb)
             else:
                 y = mod(y, mb)
+            if ws is not None:  # a swapped layer's weights go; the backward's fetch hook
+                y = ws.after_forward(pos, y)
         return y
 
     def swap_in(self, k: int) -> None:
@@ -95,8 +106,12 @@ class StagePasses:
             self.swapper.begin_backward(k)
         if self.pipedream is not None:  # k's stashed weight version in the modules (executor.pipedream)
             self.pipedream.begin_backward(k)
+        if self.weight_swap is not None:
+            self.weight_swap.begin_pass("B", k)
         with self.window.pass_("B", k) if self.window is not None else contextlib.nullcontext():
             self._run_backward(y, grad)
+        if self.weight_swap is not None:
+            self.weight_swap.end_backward(k)
         if self.swapper is not None:
             self.swapper.end_backward(k)
         if self.pipedream is not None:

@@ -195,6 +195,10 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     windows = {s: st.window.events for s, st in stages.items() if st.window is not None and st.window.events is not None}
     if windows:
         report["window_events"] = windows
+    swaps = {s: st.weight_swap.events for s, st in stages.items()
+             if st.weight_swap is not None and st.weight_swap.events is not None}
+    if swaps:  # MPress weight swap (executor.weight_swap): (event, layer, microbatch) in issue order
+        report["weight_swap_events"] = swaps
     if opts.get("collect"):
         report["params"], report["grads"] = _collect(stages.values())
         # PipeDream: every rank's weights per stage, hashed (replicas must stay bit-identical)

@@ -62,7 +62,8 @@ LABELS = {"pipedream": "PipeDream", "dapple": "DAPPLE", "recompute": "Recomp (MP
           "cpu_swap": "GPU-CPU swap", "d2d": "D2D swap only", "mpress": "MPress",
           "zero_offload": "ZeRO-Offload", "zero_infinity": "ZeRO-Infinity"}
 NOT_MODELLED = "not modelled: memwall has no ZeRO-Offload/Infinity policy (DeepSpeed data parallel + offload)"
-SHORT = {"recompute": "rc", "cpu_swap": "cpu", "d2d_swap": "d2d", "optimizer_swap": "opt", "stash_swap": "stash"}
+SHORT = {"recompute": "rc", "cpu_swap": "cpu", "d2d_swap": "d2d", "optimizer_swap": "opt", "stash_swap": "stash",
+         "weight_swap": "ws"}
 FAST = {"bert": ("bert_0b64", "bert_1b67"), "gpt": ("gpt_10b3", "gpt_15b4")}
 
 
@@ -220,9 +221,14 @@ def technique_bytes(plan, model) -> tuple[dict, dict, dict, dict]:
                 nbytes = costs.activations.swapped_bytes(model, stage, item.layer, b)
                 trips = 2 * applying(item.microbatch_period, m)
             add(a, s, held * nbytes / item.microbatch_period, trips * nbytes)
+        live = list(getattr(stage.offload, "weight_swap_layers", None) or ())
+        w_ws, g_ws, o_ws = costs.static.weight_swap_bytes(model, plan, stage) if live else (0, 0, 0)
         if getattr(stage.offload, "optimizer_swap", False):
-            host = costs.static.stage_static(model, plan, stage)[1]
+            host = costs.static.stage_static(model, plan, stage)[1] - (w_ws + g_ws)  # the optimizer state's
             add("optimizer_swap", s, host, 2 * host, 0)
+        if live:  # MPress §II-D weight swap: weights fetched for every pass, each gradient out once
+            opt = 0 if getattr(stage.offload, "optimizer_swap", False) else o_ws
+            add("weight_swap", s, w_ws + g_ws + opt, 2 * m * w_ws + m * g_ws, len(live))
         stash = list(getattr(stage.offload, "stash_swap_layers", None) or ())
         if stash:
             w = sum(layer_weight_bytes(plan, model, stage, l) for l in stash)
@@ -513,7 +519,8 @@ def table_i_rows(keyed: dict) -> list[tuple]:
 
 
 #: Table IV's columns -> our techniques (the GPU-CPU swap of model data, §II-D, counts under it)
-TABLE_IV_GROUPS = (("recompute", ("recompute",)), ("cpu_swap", ("cpu_swap", "optimizer_swap", "stash_swap")),
+TABLE_IV_GROUPS = (("recompute", ("recompute",)),
+                   ("cpu_swap", ("cpu_swap", "optimizer_swap", "stash_swap", "weight_swap")),
                    ("d2d", ("d2d_swap",)))
 
 
@@ -752,11 +759,51 @@ def report_data(rows: list[Row], abl: dict, t3: list) -> dict:
     }
 
 
+def cpu_swap_series() -> list[tuple[Row, Row]]:
+    """The Bert series (PipeDream, DGX-1) with GPU-CPU swap alone and full MPress, printed side by
+    side: which sizes fit, samples/s, the layers whose live weights, gradients and optimizer state
+    went to host memory (``offload.weight_swap_layers``, MPress §II-D), and MPress's throughput
+    over GPU-CPU swap's where both fit (the paper: MPress 1.8x GPU-CPU swap on Bert, §IV-B)."""
+    pairs = []
+    print("GPU-CPU swap alone vs MPress, Bert under PipeDream on DGX-1 (weight swap: layers whose live "
+          "weights/grads/optimizer state live in host memory)")
+    print(f"{'model':<10} {'cpu_swap':>9} {'samples/s':>10} {'weight swap':>16}   {'mpress':>7} {'samples/s':>10} "
+          f"{'weight swap':>16}   mpress/cpu_swap")
+    for name in experiments():
+        case = compose_case(name)
+        if case.series != "bert":
+            continue
+        cpu, full = run_variant(case, "cpu_swap"), run_variant(case, "mpress")
+        cells = []
+        for row in (cpu, full):
+            n, st = row_weight_swap(row)
+            cells.append((("fits" if row.fits else "OOM"), f"{row.samples_per_s:.3f}" if row.fits else "-",
+                          f"{n} layers/{st} stages" if n else "-"))
+        ratio = f"{full.samples_per_s / cpu.samples_per_s:.2f} x" if cpu.fits and full.fits else "-"
+        print(f"{case.model_name:<10} {cells[0][0]:>9} {cells[0][1]:>10} {cells[0][2]:>16}   {cells[1][0]:>7} "
+              f"{cells[1][1]:>10} {cells[1][2]:>16}   {ratio}"
+              + (f"  ({cpu.note or full.note})" if cpu.note or full.note else ""))
+        pairs.append((cpu, full))
+    return pairs
+
+
+def row_weight_swap(row: Row) -> tuple[int, int]:
+    """(weight-swapped layers, stages with some) of a row's plan (:func:`technique_bytes`)."""
+    import re
+
+    hit = re.search(r"\bws:\S*?\((\d+)\)", row.techniques)
+    return (int(hit[1]) if hit else 0), len((row.stages_of or {}).get("weight_swap", []))
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fast", action="store_true", help="Bert-0.64B/1.67B and GPT-10.3B/15.4B on DGX-1 only")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "mpress_eval")
+    ap.add_argument("--cpu-swap-series", action="store_true",
+                    help="only the Bert series with GPU-CPU swap alone vs MPress (weight swap, issue 24)")
     args = ap.parse_args(argv)
+    if args.cpu_swap_series:
+        return [r for pair in cpu_swap_series() for r in pair]
     from reports.outputs import save_figure, write_json
 
     t0 = time.perf_counter()

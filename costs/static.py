@@ -32,6 +32,11 @@ def stage_static(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[Memory
         weights, grads, optim, host, _ = window_static(model, plan, stage)
     elif stage.offload.optimizer_on_cpu or stage.offload.optimizer_swap:
         host, optim = optim, 0  # swapped: streamed through the device by its step (optimizer_swap_chunks)
+    if stage.offload.weight_swap_layers:  # MPress §II-D: their home is host memory (plans refuse dp > 1, ZeRO)
+        w_ws, g_ws, o_ws = weight_swap_bytes(model, plan, stage)
+        on_device_o = 0 if stage.offload.optimizer_swap else o_ws  # an optimizer swap already put it there
+        weights, grads, optim = weights - w_ws, grads - g_ws, optim - on_device_o
+        host += w_ws + g_ws + on_device_o
     return MemoryBreakdown(parameters_bytes=weights, gradients_bytes=grads, optimizer_bytes=optim), host
 
 
@@ -44,7 +49,10 @@ def optimizer_swap_chunks(model: ModelSpec, plan: Plan, stage: StagePlan) -> lis
         return []
     plain = stage.model_copy(update={"offload": stage.offload.model_copy(update={"optimizer_swap": False})})
     total = stage_static(model, plan, plain)[0].optimizer_bytes
-    per_layer = [layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers]
+    swapped = set(stage.offload.weight_swap_layers)  # their state is stepped on the CPU (weight_swap_bytes)
+    per_layer = [layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers if i not in swapped]
+    if not per_layer:  # every layer weight-swapped: what is left (a tied copy's) is one chunk
+        return [total] if total > 0 else []
     params = sum(per_layer) or 1
     chunks = [total * n // params for n in per_layer]
     chunks[-1] += total - sum(chunks)  # the tied-copy and rounding remainder rides with the last
@@ -56,18 +64,65 @@ def optimizer_swap_chunks(model: ModelSpec, plan: Plan, stage: StagePlan) -> lis
 OPTIMIZER_SWAP_RESIDENT_CHUNKS = 3
 
 
-def stash_layer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> int:
-    """Bytes of one PipeDream stashed weight version of ``layer`` on one device of ``stage`` (its
-    TP shard at the weights' precision; a tied copy whose owner shares the stage's devices holds
-    no weights of its own, as in :func:`costs.params.stage_params_on_device`)."""
+def layer_params_of_stage(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> int:
+    """Parameters one device of ``stage`` holds of ``layer`` (its TP shard; a tied copy whose owner
+    shares the stage's devices holds no weights of its own, as in
+    :func:`costs.params.stage_params_on_device`)."""
     from costs.params import tied_copies
 
-    w_b = plan.training.bytes_per_param()[0]
     params = layer_params_on_device(model.layers[layer], stage.tp)
     for _, copy, shared in tied_copies(model, plan, stage):
         if shared and copy == layer:
             params -= math.ceil(model.layers[copy].tied_params / stage.tp)
-    return max(params, 0) * w_b
+    return max(params, 0)
+
+
+def stash_layer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> int:
+    """Bytes of one PipeDream stashed weight version of ``layer`` on one device of ``stage`` (its
+    TP shard at the weights' precision: :func:`layer_params_of_stage`)."""
+    return layer_params_of_stage(model, plan, stage, layer) * plan.training.bytes_per_param()[0]
+
+
+def weight_swap_layer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> tuple[int, int, int]:
+    """(weights, gradient, optimizer state) bytes of ``layer`` on one device of ``stage``: what a
+    weight swap (``offload.weight_swap_layers``, MPress §II-D GPU-CPU swap of live model data)
+    keeps in host memory instead. Plans refuse it with dp > 1 or ZeRO, so nothing is sharded over
+    replicas; the TP shard and a shared tied copy as :func:`layer_params_of_stage`."""
+    params = layer_params_of_stage(model, plan, stage, layer)
+    w_b, g_b, o_b = plan.training.bytes_per_param()
+    return params * w_b, params * g_b, params * o_b
+
+
+def weight_swap_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int, int]:
+    """:func:`weight_swap_layer_bytes` summed over the stage's ``offload.weight_swap_layers``."""
+    parts = [weight_swap_layer_bytes(model, plan, stage, l) for l in sorted(set(stage.offload.weight_swap_layers))]
+    return tuple(sum(p[i] for p in parts) for i in range(3)) if parts else (0, 0, 0)
+
+
+def weight_swap_transient_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int]:
+    """(weights, gradient) bytes of weight-swapped layers on the device at once, at most: the
+    moment a backward's layer L has ended, in pass order (descending) — L's weights and gradient
+    (its device->host gradient copy starts now), L - 1's weights (fetched: its compute starts) and
+    L - 2's (its fetch is issued as L - 1 starts computing), each where the layer is swapped. The
+    prefetch rule (specs.plan_memory.OffloadPolicy: a layer's copy is issued when the pass's
+    preceding layer starts) thus puts at most three layers' weights and one gradient there; a
+    forward at most two layers' weights (a layer's and the next one's), never more than the
+    backward's moment around the same layers. Assumes a gradient copy ends before the next
+    layer's backward does (it runs on the other direction of the host link beside that layer's
+    compute); a slower link piles copies up and the simulator's peak is higher."""
+    swapped = set(stage.offload.weight_swap_layers)
+    if not swapped:
+        return 0, 0
+    sizes = {l: weight_swap_layer_bytes(model, plan, stage, l) for l in swapped}
+    w = lambda l: sizes[l][0] if l in swapped else 0  # noqa: E731
+    best = (0, 0)
+    for l in stage.layers:
+        if l not in swapped:
+            continue
+        weights, grads = w(l) + w(l - 1) + w(l - 2), sizes[l][1]
+        if weights + grads > sum(best):
+            best = (weights, grads)
+    return best
 
 
 def stash_swap_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:

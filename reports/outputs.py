@@ -199,7 +199,7 @@ def memory_words(stages: list, zero_stage: int = 0) -> list[str]:
     """What one device's ``stages`` (several when interleaved) do about memory, in the table's words:
     layers per activation action ('recompute 16', 'cpu_swap 3', 'd2d_swap 2', 'nvme 1'), STRONGHOLD's
     window ('window 4 slots'), model state on the host ('optimizer on CPU', 'optimizer swap',
-    'NVMe'), the layers in MAP's checkpointed segments ('checkpoint 4 in 2 segments', rotor's) and
+    'weight swap 2', 'NVMe'), the layers in MAP's checkpointed segments ('checkpoint 4 in 2 segments', rotor's) and
     ZeRO over a stage's data-parallel replicas ('ZeRO-3'). Empty: every activation kept."""
     counts = dict.fromkeys(_ACTIONS, 0)
     others: list[str] = []
@@ -216,6 +216,8 @@ def memory_words(stages: list, zero_stage: int = 0) -> list[str]:
             others.append("optimizer swap")
         if off.stash_swap_layers:  # PipeDream's stashed weight versions in host memory
             others.append(f"stash swap {len(off.stash_swap_layers)}")
+        if off.weight_swap_layers:  # live weights, gradients, optimizer state in host memory (MPress §II-D)
+            others.append(f"weight swap {len(off.weight_swap_layers)}")
         if off.nvme:
             others.append("NVMe")
         checkpointed = [g for g in stage.checkpoint if g.checkpointed]

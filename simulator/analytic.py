@@ -55,7 +55,12 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     striped by weight, MPress §IV-C). A PipeDream position whose stashed versions go to the host
     (``offload.stash_swap_layers``) or whose optimizer state is streamed through the device for
     each per-backward update walks its pass order with those moving bytes instead
-    (simulator.stash_peak), its stash in (a) only.
+    (simulator.stash_peak), its stash in (a) only. Weight-swapped layers (``offload.weight_swap_layers``,
+    MPress §II-D) are not in the static bytes (costs.static.stage_static: host memory); during a
+    backward up to three of their weights and one gradient are on the device
+    (costs.static.weight_swap_transient_bytes), added to the backwards' moments of (a): the walk
+    without the forwards' sent outputs, which the backwards then cover. Under PipeDream a stale
+    version of them waits in host memory per stashed version.
     """
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
     acts, work, swap_in, allreduce, sent, grads = {}, {}, {}, {}, {}, {}
@@ -75,7 +80,16 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
         work[i], swap_in[i] = (max(x) for x in zip(*(costs.activations.backward_transient_bytes(model, plan, v) for v in variants)))
         allreduce[i] = costs.buffers.allreduce_buffer_bytes(model, plan, stage)
     peaks = {pos: activation_peak(plan, pos, acts, work, sent, grads) for pos in range(plan.pipeline_depth)}
+    # weight-swapped layers (MPress §II-D) put their fetched weights and a gradient on the device
+    # during each backward (costs.static.weight_swap_transient_bytes): on top of the backwards'
+    # moments only, the walk without the forwards' sent outputs (whose moments the backwards'
+    # then cover: the same microbatches held, plus the workspace)
+    transient = {pos: _ws_transient(model, plan, pos) for pos in range(plan.pipeline_depth)}
+    unsent = {s: 0 for s in sent}
+    at_backward = {pos: activation_peak(plan, pos, acts, work, unsent, grads)
+                   for pos, t in transient.items() if sum(t)}
     walked: dict[int, PeakParts] = {}  # PipeDream positions whose memory moves each backward
+    walked_bwd: dict[int, PeakParts] = {}  # the same without the sent outputs (weight swap)
     for i, stage in enumerate(plan.stages):
         static, host = (sharded[i].static, 0) if i in sharded else costs.static.stage_static(model, plan, stage)
         in_flight = peaks[plan.device_group_of(i)][1][i]
@@ -90,7 +104,12 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
             walked[i] = pipedream_peak(plan, i, acts[i], work[i], sent[i], grads[i],
                                        static.parameters_bytes - swap, swap, opt,
                                        allreduce[i] if stage.dp > 1 else 0)  # per-update all-reduce
+            if sum(transient[plan.device_group_of(i)]):
+                walked_bwd[i] = pipedream_peak(plan, i, acts[i], work[i], 0, grads[i],
+                                               static.parameters_bytes - swap, swap, opt, 0)
             stashed, host = 0, host + versions * swap  # (on the host: at most one per stashed version)
+        if versions and stage.offload.weight_swap_layers:  # a stale version of them waits on the host
+            host += versions * costs.static.weight_swap_bytes(model, plan, stage)[0]
         buffers = costs.buffers.received_grad_buffer_bytes(model, plan, stage)  # the sent one (grads[i]) is in the walk
         for device in stage.devices:
             mem, h = out[device]
@@ -113,17 +132,39 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
                 model, plan, plan.stages[s]), default=0) for s in stages)
             if plan.schedule.kind is ScheduleKind.pipedream_async:
                 opt_in = 0  # PipeDream updates after every backward, none after the last one's all-reduce
+            tw, tg = transient[pos]
             if pos in walked:  # simulator.stash_peak: the walk with the moving versions and updates
                 w = walked[pos]
                 extra = ({"activations_bytes": w.activations_bytes, "buffers_bytes": w.buffers_bytes,
                           "stashed_weights_bytes": w.stashed_weights_bytes, "optimizer_bytes": w.optimizer_bytes}
                          if w.total_bytes >= flat + sent_grads else {"buffers_bytes": flat + sent_grads})
+                b = walked_bwd.get(pos)
+                if b is not None and b.total_bytes + tw + tg > sum(extra.values()):
+                    extra = {"activations_bytes": b.activations_bytes, "buffers_bytes": b.buffers_bytes,
+                             "stashed_weights_bytes": b.stashed_weights_bytes, "optimizer_bytes": b.optimizer_bytes,
+                             "parameters_bytes": tw, "gradients_bytes": tg}
             elif act_peak >= flat + opt_in + sent_grads:
                 extra = {"activations_bytes": act_peak - grad_peak, "buffers_bytes": grad_peak}
             else:
                 extra = {"buffers_bytes": flat + sent_grads, "optimizer_bytes": opt_in}
+            if pos in at_backward and pos not in walked:
+                bwd_peak, _, bwd_grads = at_backward[pos]
+                if bwd_peak + tw + tg > sum(extra.values()):
+                    extra = {"activations_bytes": bwd_peak - bwd_grads, "buffers_bytes": bwd_grads,
+                             "parameters_bytes": tw, "gradients_bytes": tg}
             out[device] = (_add(mem, **extra), h)
     return out
+
+
+def _ws_transient(model: ModelSpec, plan: Plan, position: int) -> tuple[int, int]:
+    """(weights, gradient) bytes weight-swapped layers hold on position ``position``'s device at
+    most, during one backward of one of its stages (costs.static.weight_swap_transient_bytes)."""
+    best = (0, 0)
+    for s in range(position, len(plan.stages), plan.pipeline_depth):
+        t = costs.static.weight_swap_transient_bytes(model, plan, plan.stages[s])
+        if sum(t) > sum(best):
+            best = t
+    return best
 
 
 def _walks_versions(plan: Plan, stage) -> bool:

@@ -16,7 +16,8 @@ it holds for its peers (MPress §IV-C).
 This module holds the Engine's state, its setup and run, and the memory and host accounting
 helpers; the mechanisms are mixed in: the schedule walk and its passes (walk.py), sends,
 receives, swaps and D2D copies (transfers.py), the gradient all-reduce and the optimizer step
-variants (optimizer.py).
+variants (optimizer.py), the live weight swap's fetches, gradient copies and CPU steps
+(weightswap.py).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from simulator.stagecost import StageCost, cached_stage_cost, cost_context, host
 from simulator.trace import TraceBuilder
 from simulator.transfers import Transfers
 from simulator.walk import ScheduleWalk
+from simulator.weightswap import WeightSwapEvents
 from simulator.window import WindowWalk, resources as window_resources
 from specs.dtype_support import is_cpu
 from specs.hardware import HardwareSpec, LinkSpec
@@ -55,7 +57,7 @@ class NoTrace:
         return {}
 
 
-class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents):
+class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEvents):
     def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec, overlap_dp_allreduce: bool = False,
                  progress: Callable[[int, int], None] | None = None, trace: bool = True):
         """``trace=False``: record no Perfetto trace (:class:`NoTrace`); nothing else changes."""
@@ -113,6 +115,7 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents):
         # beside the compute: they take compute time, and a swap-out ends with its layer's forward
         # (transfers._swap_out, _swap_in; walk.py _forward)
         self._sync_copies = is_cpu(hardware.device)
+        self._ws_setup()  # MPress weight swap: live weights fetched per pass (weightswap.py)
         nvme_gbps = min(hardware.host.pcie_gbps, hardware.host.nvme_gbps or hardware.host.pcie_gbps)
         self._nvme = LinkSpec(kind="pcie", bw_gbps=nvme_gbps, latency_s=hardware.host.pcie_latency_s)
         # STRONGHOLD windows (simulator/window.py), one per windowed stage, on its representative

@@ -20,7 +20,11 @@ class OptimizerEvents:
     """All-reduce and optimizer events (the Engine's state: env, links, mem, trace, windows, ...)."""
 
     def _iteration_end(self, w, kind: ActionKind, sc: StageCost, s: int):
-        """An allreduce_grads or optimizer_step entry of position ``w``'s walk (walk.Walker)."""
+        """An allreduce_grads or optimizer_step entry of position ``w``'s walk (walk.Walker). A
+        weight-swapped stage's step waits for its gradient copies and CPU steps first
+        (simulator/weightswap.py), as a STRONGHOLD window's does."""
+        if kind is _OPT and sc.weight_swap and not self._stash:
+            w.busy += yield from self._ws_drain(w, s, f"wait cpu steps s{s}")
         if kind is _OPT and sc.opt_chunks:
             w.busy += yield from self._swapped_step(w.pos, sc)
         elif kind is _OPT and sc.window is not None:

@@ -44,9 +44,10 @@ def _host_over(engine: Engine, position_of: dict[int, int]) -> set[int]:
 def iteration_ns(engine: Engine) -> int:
     """Flushing schedules: when the last position finishes its optimizer step. PipeDream async has
     no flush, so an iteration in steady state lasts as long as the busiest position's own work
-    (PipeDream §3.1: the bottleneck stage is never idle)."""
+    (PipeDream §3.1: the bottleneck stage is never idle). A node's CPU is such a resource too: it
+    steps every weight-swapped layer of its stages after each backward (simulator/weightswap.py)."""
     if engine.plan.schedule.kind is ScheduleKind.pipedream_async:
-        return max(engine.busy_ns)
+        return max(max(engine.busy_ns), max(engine.ws_cpu_ns.values(), default=0))
     return max(engine.finish_ns)
 
 

@@ -56,6 +56,11 @@ class LayerCost:
     cpu_step_ns: int = 0  # its CPU optimizer step (with NVMe: the drive's read + write)
     after_ns: int = 0     # forward time of the stage's layers after this one: a swapped layer's copy
                           # starts that long before the stage's forward ends (executor.swap)
+    # MPress §II-D weight swap (offload.weight_swap_layers; simulator/weightswap.py): its weights are
+    # fetched for each pass (fetch_ns), its gradient copied out (grad_ns), the CPU steps it (cpu_step_ns)
+    weight_swap: bool = False
+    ws_weight_bytes: int = 0  # its weights on one device (costs.static.weight_swap_layer_bytes)
+    ws_grad_bytes: int = 0    # its gradient
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class StageCost:
     stash_swap_bytes: int = 0     # of each PipeDream stashed version, what waits in host memory
                                   # (offload.stash_swap_layers, MPress §II-D; costs.static.stash_swap_bytes)
     stash_copy_ns: int = 0        # one direction of that version over the host link
+    weight_swap: bool = False     # some layers' live weights are fetched per pass (offload.weight_swap_layers)
 
 
 def host_link(hardware: HardwareSpec):
@@ -161,20 +167,26 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     link = host_link(hardware)
     layers = []
     times = [costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l) for l in stage.layers]
+    ws_layers = set(stage.offload.weight_swap_layers)
     for j, l in enumerate(stage.layers):
         item = stage.action_of(l)
         f_c, b_c, _ = times[j]
         n = streamed.get(l)
+        ws = (0, 0, 0)
+        if l in ws_layers:  # fetched, copied and CPU-stepped as a window's streamed layer is (costs.window)
+            n = costs.static.layer_params_of_stage(model, plan, stage, l)
+            ws = costs.static.weight_swap_layer_bytes(model, plan, stage, l)
         swapped = item.action in SWAPS
         layers.append(LayerCost(
             layer=l, action=item.action, targets=tuple((t.device, t.weight) for t in item.targets),
             saved_bytes=(costs.activations.swapped_bytes(model, stage, l, b) if swapped
                          else costs.activations.layer_saved_bytes(model.layers[l], b, stage.tp)),
-            recompute_ns=ns(f_c), bwd_ns=ns(b_c), fwd_ns=ns(f_c), streamed=n is not None,
+            recompute_ns=ns(f_c), bwd_ns=ns(b_c), fwd_ns=ns(f_c), streamed=l in streamed,
             after_ns=ns(sum(t[0] for t in times[j + 1:])) if swapped else 0,
             fetch_ns=ns(costs.collectives.transfer_s(window.fetch_bytes(plan, n), link)) if n else 0,
             grad_ns=ns(costs.collectives.transfer_s(window.grad_bytes(plan, n), link)) if n else 0,
             cpu_step_ns=ns(window.cpu_step_s(plan, hardware, stage, n)) if n else 0,
+            weight_swap=l in ws_layers, ws_weight_bytes=ws[0], ws_grad_bytes=ws[1],
         ))
     static, host = costs.static.stage_static(model, plan, stage)
     windowed = stage.offload.window_layers is not None
@@ -196,7 +208,7 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],
         fwd_ns=ns(fwd_s), bwd_ns=ns(bwd_s), layers=tuple(layers),
-        simple=all(lc.action not in SWAPS for lc in layers),
+        simple=all(lc.action not in SWAPS and not lc.weight_swap for lc in layers),
         fwd_alloc_bytes=fwd_alloc, act_bytes=act, sent_output_bytes=sent,
         workspace_bytes=costs.activations.backward_transient_bytes(model, plan, stage)[0],
         allreduce_buffer_bytes=costs.buffers.allreduce_buffer_bytes(model, plan, stage),
@@ -208,12 +220,24 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         ar_buckets_ns=tuple(ns(t) for t in costs.collectives.dp_allreduce_buckets_s(model, plan, hardware, stage)),
         allreduce_ns=ns(dp_s + costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)),
         optimizer_ns=ns(window.resident_step_s(model, plan, hardware, stage) if windowed
-                        else costs.layer_time.optimizer_step_s(model, plan, hardware, stage)),
+                        else device_step_s(model, plan, hardware, stage)),
         opt_chunks=tuple(chunks := costs.static.optimizer_swap_chunks(model, plan, stage)),
         opt_chunk_ns=tuple(ns(costs.collectives.transfer_s(c, host_link(hardware))) for c in chunks),
         window=stage.offload.window_layers, nvme_bytes=nvme, offload_ns=offload,
         stash_swap_bytes=stash, stash_copy_ns=ns(costs.collectives.transfer_s(stash, link)) if stash else 0,
+        weight_swap=bool(ws_layers),
     )
+
+
+def device_step_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> float:
+    """The device's optimizer step of ``stage`` (costs.layer_time.optimizer_step_s) over the
+    parameters it steps: a weight-swapped layer is stepped by the CPU (simulator/weightswap.py)."""
+    step_s = costs.layer_time.optimizer_step_s(model, plan, hardware, stage)
+    if not stage.offload.weight_swap_layers:
+        return step_s
+    total = costs.params.stage_params_on_device(model, plan, stage)
+    moved = sum(costs.static.layer_params_of_stage(model, plan, stage, l) for l in set(stage.offload.weight_swap_layers))
+    return step_s * max(total - moved, 0) / total if total else step_s
 
 
 def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, stage) -> StageCost:

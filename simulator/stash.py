@@ -37,6 +37,12 @@ from simulator.stagecost import StageCost
 from specs.schedule import iter_compute_order
 
 
+def _ws_weights(sc: StageCost) -> int:
+    """Weight bytes of ``sc``'s weight-swapped layers (simulator/weightswap.py): a stale version of
+    them stays in host memory (specs.plan_memory.OffloadPolicy.weight_swap_layers)."""
+    return sum(lc.ws_weight_bytes for lc in sc.layers)
+
+
 class StashEvents:
     """Weight stashing and its host swap (the Engine's state: env, mem, links, costs, trace, ...)."""
 
@@ -92,6 +98,8 @@ class StashEvents:
             self._live_users[s] -= 1  # ran on the live weights: nothing was stashed
         elif not left:
             w.mem.add(self.env.now, STASHED, -(sc.static.parameters_bytes - sc.stash_swap_bytes))
+            if sc.weight_swap:  # the stale host copy of its weight-swapped layers goes too
+                self._host(w.pos, -_ws_weights(sc))
         if not sc.stash_swap_bytes:
             return
         self._stash_awaiting.discard((s, k))
@@ -103,6 +111,8 @@ class StashEvents:
         replaced out of place (executor.pipedream._update), the old ones a stashed version."""
         if self._live_users.get(s, 0):
             w.mem.add(self.env.now, STASHED, sc.static.parameters_bytes - sc.stash_swap_bytes)
+            if sc.weight_swap:  # weight-swapped layers' live weights are on the host: the CPU step
+                self._host(w.pos, _ws_weights(sc))  # keeps the version they replace there
 
     def _stash_pass(self, pos: int) -> None:
         """At the start of each pass of position ``pos``: if the next pass is a backward whose

@@ -81,6 +81,9 @@ class ScheduleWalk:
                     # (_update); a tied embedding's sync is per update too (stash.py _tied_update)
                     continue
                 yield from self._iteration_end(w, kind, sc, s)
+        if self._stash and self._ws_any:  # PipeDream's per-backward CPU steps end the iteration too
+            for s in sorted({s for s, sc in enumerate(costs) if sc.position == pos and sc.weight_swap}):
+                w.busy += yield from self._ws_drain(w, s, f"wait cpu steps s{s}")
         self.finish_ns[pos] = self.env.now
         self.busy_ns[pos] = w.busy
 
@@ -110,6 +113,8 @@ class ScheduleWalk:
                 self._stash_pass(w.pos)
         if sc.window is not None:
             w.busy += yield from self._drive(self.windows[s].forward(k), w.rep)
+        elif sc.weight_swap:  # layer by layer: the swapped layers' fetches (weightswap.py)
+            w.busy += yield from self._ws_forward(w, sc, k, self._sync_swap_out_ns(sc) if self._sync_copies else 0)
         else:
             # with a CPU rank's swap-out memcpys (transfers._swap_out), run as each layer saves
             dur = sc.fwd_ns + (self._sync_swap_out_ns(sc) if self._sync_copies and not sc.simple else 0)
@@ -154,7 +159,7 @@ class ScheduleWalk:
             w.busy += sc.bwd_ns
             w.mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
         else:
-            w.busy += yield from self._layered_backward(w.pos, sc, k)
+            w.busy += yield from self._layered_backward(w.pos, sc, k, w)
         self.trace.slice(w.rep, "compute", f"B s{s} mb{k}", t0, env.now - t0, "backward")
         if s not in w.graded:  # the input gradient to send back exists from now on
             w.graded.add(s)    # (costs.buffers.sent_grad_buffer_bytes)
@@ -177,7 +182,7 @@ class ScheduleWalk:
         self._stash_stale(w, sc, s)
         self._tied_update(s)
 
-    def _layered_backward(self, pos: int, sc: StageCost, k: int):
+    def _layered_backward(self, pos: int, sc: StageCost, k: int, w: Walker | None = None):
         """Backward one layer at a time (last first) when a stage swaps: a recomputed layer re-runs
         its forward first (its activations are in the stage's workspace, allocated by the caller);
         a swapped layer waits for its prefetch (a synchronous one, :attr:`Engine._sync_copies`,
@@ -185,14 +190,25 @@ class ScheduleWalk:
         layer the backward needs is fetched when its swap_in entry is reached (one pass ahead);
         each further swapped layer is fetched when the backward of the previous swapped layer
         starts — double buffering, so at most two layers' copies are on the device (MPress §IV
-        overlaps swap-in with the backward of the layers above). Returns busy nanoseconds.
+        overlaps swap-in with the backward of the layers above). A weight-swapped layer (MPress
+        §II-D, weightswap.py) waits for its weights, fetched when the layer above started
+        computing, and sends its gradient to the host when its backward ends. Returns busy
+        nanoseconds.
 
         One generator for the whole pass (the wait for a swapped layer's copy is inline, not a
         nested generator): every layer's event resumes it, so each frame fewer counts."""
         env, mem, busy = self.env, self.mem[pos], 0
         timeout, trace, index = env.timeout, self.trace, sc.index
-        for lc in reversed(sc.layers):
+        order = sc.layers[::-1]
+        if sc.weight_swap:
+            last = self._ws_last_backward(index)
+            busy += yield from self._ws_next(w, sc, order, -1, k, False)
+        for j, lc in enumerate(order):
             action = lc.action
+            if lc.weight_swap:
+                busy += yield from self._ws_wait(w, sc, lc, k)
+            if sc.weight_swap:  # it starts computing: the next layer's fetch is issued
+                busy += yield from self._ws_next(w, sc, order, j, k, False)
             if action is _RECOMPUTE:
                 t0 = env.now
                 yield timeout(lc.recompute_ns)
@@ -223,6 +239,8 @@ class ScheduleWalk:
             busy += lc.bwd_ns
             if action in SWAPS:
                 mem.add(env.now, SWAPPED, -lc.saved_bytes)
+            if lc.weight_swap:
+                busy += yield from self._ws_gradient(w, sc, lc, k, last)
         mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
         self._prefetch.pop((index, k), None)
         return busy

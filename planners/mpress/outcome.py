@@ -50,6 +50,8 @@ class MPressOutcome:
     stop_reason: str = ""           # why the search stopped: converged, no move left, safety cap, does not fit
     rounds: tuple = ()              # planners/mpress/improve.Round, one per round of improvement
     read_back: int = 0              # candidates emulated before, whose simulation was reused
+    # MPress §II-D weight swap (planners/mpress/weights.py): (stage, layer, why), in the order chosen
+    weight_swap: tuple[tuple[int, int, str], ...] = ()
 
 
 def fits_as_is(em: Emulator, base: Plan, first, mapping: Mapping) -> MPressOutcome:
@@ -107,7 +109,7 @@ def optimizer_why(s: int, why: str, choices: tuple[LayerChoice, ...], plan: Plan
 
 
 def final_outcome(em: Emulator, st: Assignment, allowed: list, sim, first, fits: bool,
-                  hardware: HardwareSpec, stop: str, rounds: tuple = ()) -> MPressOutcome:
+                  hardware: HardwareSpec, stop: str, rounds: tuple = (), weights=()) -> MPressOutcome:
     """The assignment's plan and choices, with ``sim`` its best simulation, ``stop`` why the
     search stopped after ``rounds``; a node whose host memory the CPU swaps overfill does not fit
     either."""
@@ -123,7 +125,9 @@ def final_outcome(em: Emulator, st: Assignment, allowed: list, sim, first, fits:
                          first.result.iteration_time_s, tuple(em.log),
                          tuple((s, optimizer_why(s, st.opt_why[s], choices, plan)) for s in sorted(st.opt_swap)),
                          tuple(per_node),
-                         hardware.host.memory_bytes, stop, tuple(rounds), em.hits)
+                         hardware.host.memory_bytes, stop, tuple(rounds), em.hits,
+                         tuple((c.stage, c.layer, c.why) for c in weights
+                               if c.layer in plan.stages[c.stage].offload.weight_swap_layers))
 
 
 def report(outcome: MPressOutcome) -> dict:
@@ -159,6 +163,9 @@ def report(outcome: MPressOutcome) -> dict:
         # PipeDream's stashed weight versions waiting in host memory (planners/mpress/stash.py)
         "stash_swap": {str(s): list(st.offload.stash_swap_layers)
                        for s, st in enumerate(outcome.plan.stages) if st.offload.stash_swap_layers},
+        # live weights, gradients and optimizer state in host memory (planners/mpress/weights.py)
+        "weight_swap": {str(s): [{"layer": l, "why": why} for t, l, why in outcome.weight_swap if t == s]
+                        for s in sorted({t for t, _, _ in outcome.weight_swap})},
     }
 
 
@@ -262,6 +269,9 @@ def summary_lines(outcome: MPressOutcome) -> list[str]:
         stashed = list(stage.offload.stash_swap_layers)
         if stashed:
             per.setdefault(s, {})["stashed weights to host"] = [str(l) for l in stashed]
+        live = list(stage.offload.weight_swap_layers)  # live weights, gradients, optimizer state
+        if live:
+            per.setdefault(s, {})["weights+grads+optimizer to host"] = [str(l) for l in live]
     for s in sorted(per):
         parts = [f"{a} L{','.join(map(str, ls))}" if ls else a for a, ls in sorted(per[s].items())]
         lines.append(f"  stage {s} (device {outcome.mapping.device_of_stage[s]}): " + "; ".join(parts))

@@ -39,7 +39,14 @@ Pure: no I/O, no clocks; the same inputs give the same plan. Returns :class:`MPr
 loop; its steps live beside it: base.py (the base pipeline and its mapping), facts.py (live
 intervals, costs per technique), mapping.py (stage->GPU mapping), assign.py (the assignment being
 built), choice.py (cost model, initial assignment), emulate.py (one simulation and what it reads),
-repair.py (until it fits), improve.py (once it fits), outcome.py (the result and its reports).
+repair.py (until it fits), improve.py (once it fits), outcome.py (the result and its reports),
+weights.py (step 6).
+
+6. *Live model data* (§II-D: GPU-CPU swap applies to all model data): with cpu_swap allowed, a
+   stage the repaired assignment leaves over capacity gets weight-swapped layers
+   (``offload.weight_swap_layers``: weights, gradient and optimizer state in host memory, fetched
+   for every pass, stepped by the CPU), least exposed cost per freed byte first, until its closed
+   form fits; the repair runs again on that plan (planners/mpress/weights.py).
 """
 from __future__ import annotations
 
@@ -51,6 +58,7 @@ from planners.mpress.improve import cap_text, improve, remap
 from planners.mpress.outcome import MPressOutcome, final_outcome, fits_as_is
 from planners.mpress.repair import repair
 from planners.mpress.stash import choose_stash_swap, stash_line, with_stash_swap
+from planners.mpress.weights import add_weight_swap, weight_swap_line
 from planners.policy import MPressPolicy
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -105,10 +113,19 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
     st = initial_assignment(base, model, hardware, first.trace, mapping, allowed, capacity, spare)
     sim = repair(em, st, allowed)
     fits = _fits(sim)
+    weights: list = []
+    while not fits and _CPU in allowed and em.left:  # 6. live model data to the host (weights.py)
+        more = add_weight_swap(st, hardware)
+        if not more:
+            break
+        weights += more
+        em.log.append(weight_swap_line(em.sims, more))
+        sim = repair(em, st, allowed)
+        fits = _fits(sim)
     if not fits:
         stop = cap_text(em) if em.capped else "does not fit: nothing left to compact"
-        return final_outcome(em, st, allowed, sim, first, fits, hardware, stop)
+        return final_outcome(em, st, allowed, sim, first, fits, hardware, stop, weights=weights)
     if _D2D in allowed and not any(a is _D2D for a in st.actions.values()) and em.left:
         sim = remap(em, st, policy, hardware, devices, boundary, first.trace, capacity, sim)
     sim, rounds, stop = improve(em, st, allowed, sim, policy.min_round_gain)
-    return final_outcome(em, st, allowed, sim, first, fits, hardware, stop, rounds)
+    return final_outcome(em, st, allowed, sim, first, fits, hardware, stop, rounds, weights=weights)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from specs.hardware import HardwareSpec
 from specs.result import Result
+from specs.units import size_text
 
 #: per-rank resident memory of torch + gloo before any model (ru_maxrss measured 224 MiB; local_cpu.yaml)
 RANK_RUNTIME_BYTES = 1 << 28
@@ -21,7 +22,7 @@ GIB = float(1 << 30)
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+    return size_text(n)  # in the unit its magnitude calls for (a local_cpu budget is ~1 MiB)
 
 
 def _duration(s: float) -> str:

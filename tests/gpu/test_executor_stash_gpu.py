@@ -32,7 +32,7 @@ def _run(plan, cfg):
     return run_stage_alone(plan, cfg, 1, iterations=2, device="cuda", collect=True)
 
 
-def test_gpu_stash_swap_lowers_peak_and_keeps_gradients():
+def test_gpu_stash_swap_lowers_peak_and_keeps_gradients(cuda_deterministic):
     setup = gpu_check.Setup(device="cuda", hardware_name="h100_node", quick=True)
     cfg, spec, training = gpu_check.model_and_training(setup, "pipedream")
     hw = gpu_check.hardware("h100_node", devices=6)

@@ -4,6 +4,17 @@ Skipped without CUDA. ``pytest tests/gpu -s`` prints the numbers.
 
 Sizes: b·s·h·4 B = 4·256·1024·4 = 4 MiB per activation tensor, above MIN_CUDA_SWAP_BYTES (1 MiB),
 so each block's large saved tensors move and only LayerNorm statistics stay.
+
+Gradients are compared bit for bit, under enforced deterministic kernels (tests/gpu/conftest.py).
+A swap is a copy: the restored saved tensors have the original bytes, offset, shape, strides and
+dtype, at an allocator block's start as the originals (512 B aligned), so every kernel of the
+backward sees the same operands with the same alignments and, being deterministic, computes the
+same bits. Until issue 24 this test ran with ``warn_only=True``, which leaves SDPA's
+memory-efficient backward non-deterministic, and accepted 4 x the distance of one kept rerun plus
+a reorder allowance: one rerun is one draw of a noise that the optimizer step between the two
+iterations makes heavy-tailed (conftest's docstring), so the test failed in about half the runs
+on an H200 (``block_00.attn.proj.weight`` 0.133 where the kept rerun had drawn 3.8e-5).
+``tests/gpu/flaky_probe.py`` repeats both comparisons.
 """
 from __future__ import annotations
 
@@ -29,61 +40,68 @@ CFG = parse_model_config({"family": "gpt", "name": "gpt_gpu_swap", "num_layers":
 TRAINING = TrainingSpec(global_batch=32, microbatch_size=4, precision="fp32")  # m = 8
 HW = HardwareSpec.model_validate(yaml.safe_load((CONF / "hardware" / "local_cpu.yaml").read_text()))
 SPEC = build_model(CFG, 4)
+STAGE = 1
 
 
 def _plans(action: str):
     """pp4 1F1B, stage 1 = blocks 0 and 1 (4 microbatches in flight), kept and swapped."""
     keep = make_plan(parse_policy({"kind": "manual", "pp": 4, "layers_per_stage": [1, 2, 2, 1]}), SPEC, HW, TRAINING,
                      ScheduleSpec(kind="1f1b"))
-    st = keep.stages[1]
+    st = keep.stages[STAGE]
     mem = [LayerMemory(layer=l, action=action, targets=[D2DTarget(device=3, weight=1.0)] if action == "d2d_swap" else [])
            for l in st.layers]
-    swap = validate_plan(keep.model_copy(update={"stages": [s.model_copy(update={"memory": mem}) if i == 1 else s
+    swap = validate_plan(keep.model_copy(update={"stages": [s.model_copy(update={"memory": mem}) if i == STAGE else s
                                                             for i, s in enumerate(keep.stages)]}), SPEC, HW)
     return keep, swap
 
 
-@pytest.fixture
-def deterministic():
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(False)
+def run(plan, iterations: int = 2) -> dict:
+    """The stage alone on the current GPU, from an emptied cache (each run's allocator starts alike)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return run_stage_alone(plan, CFG, STAGE, iterations=iterations, device="cuda", collect=True)
+
+
+def grad_diffs(ref: dict, other: dict) -> dict[str, tuple[float, int, int, float]]:
+    """Per parameter: (max |other - ref|, elements that differ, elements, max |ref|); a NaN differs."""
+    out = {}
+    for name, g in ref["grads"].items():
+        h = other["grads"][name]
+        ne = g != h
+        out[name] = (float((h - g).abs().max()), int(ne.sum()), g.numel(), float(g.abs().max()))
+    return out
+
+
+def describe(diffs: dict, rerun: dict | None = None, limit: int = 6) -> str:
+    """The parameters that differ, largest difference first, with the kept rerun's distance."""
+    bad = sorted(((d[0], name) for name, d in diffs.items() if d[1]), reverse=True)
+    rows = []
+    for _, name in bad[:limit]:
+        diff, n, total, gmax = diffs[name]
+        again = f", kept rerun {rerun[name][0]:.3g} ({rerun[name][1]} elements)" if rerun is not None else ""
+        rows.append(f"{name}: max |diff| {diff:.3g} on max |g| {gmax:.3g}, {n}/{total} elements{again}")
+    more = f" (+{len(bad) - limit} more)" if len(bad) > limit else ""
+    return "; ".join(rows) + more
 
 
 @pytest.mark.parametrize("action", ["cpu_swap", "d2d_swap"])
-def test_gpu_swap_lowers_peak_and_keeps_gradients(action, deterministic):
+def test_gpu_swap_lowers_peak_and_keeps_gradients(action, cuda_deterministic):
     assert 4 * 256 * 1024 * 4 >= MIN_CUDA_SWAP_BYTES
     keep, swap = _plans(action)
-    torch.backends.cudnn.deterministic = True
-    # deterministic kernels: on an H200 two kept runs differed by 0.0013 to 0.066 in
-    # attn.proj.weight's gradient (SDPA backward's atomics), two swapped runs by 0.13, synchronous
-    # copies alike (so not a race); with deterministic algorithms kept vs swapped was 4.6e-4, the
-    # reorder term below (docs/gpu_check.md)
-    torch.cuda.empty_cache()
-    a = run_stage_alone(keep, CFG, 1, iterations=2, device="cuda", collect=True)
-    torch.cuda.empty_cache()
-    b = run_stage_alone(swap, CFG, 1, iterations=2, device="cuda", collect=True)
-    in_flight = costs.activations.in_flight_microbatches(swap, 1)
-    bound = in_flight * sum(costs.activations.layer_saved_bytes(SPEC.layers[l], 4, 1) for l in swap.stages[1].layers)
+    a = run(keep)
+    b = run(swap)
+    again = run(keep)
+    in_flight = costs.activations.in_flight_microbatches(swap, STAGE)
+    bound = in_flight * sum(costs.activations.layer_saved_bytes(SPEC.layers[l], 4, 1) for l in swap.stages[STAGE].layers)
     print(f"\n{action}: max_memory_allocated kept {a['peak_bytes']} B, swapped {b['peak_bytes']} B "
           f"({b['peak_bytes'] - a['peak_bytes']:+d}); host {b['host_peak_bytes']} B (closed-form bound {bound}); "
           f"iteration {a['iteration_time_s']:.3f} s -> {b['iteration_time_s']:.3f} s")
-    # a swap copies bytes; the same kernels run on the same values. Two things still move the
-    # float32 result: (1) reductions that are not run-to-run deterministic (SDPA backward atomics,
-    # split-K GEMMs): on an H100 the kept plan run twice differs by up to 0.13 in gradients up to
-    # ~1,200, measured here as `noise`; (2) a restored tensor's storage sits at another address, so
-    # a kernel may pick another (deterministic) reduction order: a weight's gradient sums b·s
-    # tokens per microbatch over m microbatches, and reordering a sum of K float32 terms moves it
-    # by at most ~K·eps of its magnitudes (measured on an H100: LayerNorm weight 1.2e-3 on |g| ≤ 81,
-    # 1.5e-5 relative, with a rerun noise of 3.4e-5)
-    torch.cuda.empty_cache()
-    again = run_stage_alone(keep, CFG, 1, iterations=2, device="cuda", collect=True)
-    terms = TRAINING.samples_per_microbatch * CFG.seq_len * TRAINING.microbatches
-    for name, g in a["grads"].items():
-        noise = float((again["grads"][name] - g).abs().max())
-        ulps = terms * torch.finfo(torch.float32).eps * float(g.abs().max())
-        diff = float((b["grads"][name] - g).abs().max())
-        assert diff <= 4 * noise + ulps, f"{name}: swapped vs kept {diff:.3g} > 4 x rerun noise {noise:.3g} + reorder {ulps:.3g}"
+    rerun, swapped = grad_diffs(a, again), grad_diffs(a, b)
+    # the premise: the plan run twice gives the same bits. If not, a kernel is non-deterministic
+    # without raising under warn_only=False, and no comparison of two runs can judge the swap
+    assert not any(d[1] for d in rerun.values()), \
+        f"two kept runs differ under enforced deterministic algorithms: {describe(rerun)}"
+    assert not any(d[1] for d in swapped.values()), f"swapped vs kept ({action}): {describe(swapped, rerun)}"
     assert 0 < b["host_peak_bytes"] <= bound
     assert b["peak_bytes"] < a["peak_bytes"]
     assert b["peak_bytes"] + b["host_peak_bytes"] >= a["peak_bytes"]  # moved, not lost

@@ -51,7 +51,7 @@ def _counts() -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("w", [1, 2])
-def test_gpu_window_peak_is_resident_plus_pool(w):
+def test_gpu_window_peak_is_resident_plus_pool(w, cuda_deterministic):
     torch.backends.cudnn.deterministic = True
     torch.cuda.empty_cache()
     kept = run_stage_alone(_plan(None), CFG, 0, iterations=2, device="cuda", collect=True)

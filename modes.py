@@ -260,8 +260,8 @@ def run_execute(cfg: RunConfig, outdir: Path) -> Result:
 def run_compare(cfg: RunConfig, outdir: Path) -> Result:
     """mode=compare: simulate and execute the same plan; compare.json + compare.png per rank."""
     from simulator import simulate
-    from simulator.trace import side_by_side, x_slices
-    from specs.compare import action_table, compare, comparison_table, slice_action_errors
+    from simulator.trace import side_by_side
+    from specs.compare import action_table, compare, comparison_table, slice_action_errors, trace_slices
 
     cfg = executable(cfg)
     from model_costs import costs_source
@@ -277,7 +277,9 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
     preflight(cfg, plan, sim.result)
     measured, measured_trace, measured_slices, losses = measure(cfg, plan, outdir, model)
     comparison = compare(sim.result, measured)
-    comparison = comparison.model_copy(update={"actions": slice_action_errors(x_slices(sim.trace), measured_slices)})
+    # passes, transfers, steps and a window's / weight swap's host traffic (fetch, grad_copy, cpu_step)
+    comparison = comparison.model_copy(update={"actions": slice_action_errors(trace_slices(sim.trace), measured_slices,
+                                                                              plan)})
     written += [outdir / "measured.json", outdir / "trace_measured.json",
                 write_json(outdir / "trace_simulated.json", sim.trace),
                 write_json(outdir / "trace_compare.json", side_by_side(sim.trace, measured_trace)),

@@ -90,3 +90,14 @@ def default_resident(model: ModelSpec, stage: StagePlan) -> list[int]:
 def max_window(stage: StagePlan, resident: list[int]) -> int:
     """The most slots a window can have: one per streamed layer."""
     return max(stage.num_layers - len(resident), 0)
+
+
+def first_window(stage: StagePlan, resident: list[int], w: int) -> list[int]:
+    """``resident`` plus STRONGHOLD's resident first working window (§III-E1: "By default,
+    STRONGHOLD keeps the first few layers of the model (i.e., layers of the first working window)
+    in the GPU memory"): the first ``w`` layers that would stream, in model order, stepped on the
+    device. At most as many as leave ``w`` layers streaming (a window has no more slots than
+    streamed layers), so ``min(w, n - w)`` of the ``n`` streamable layers."""
+    streamable = [i for i in stage.layers if i not in resident]
+    keep = max(min(w, len(streamable) - w), 0)
+    return sorted(set(resident) | set(streamable[:keep]))

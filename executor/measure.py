@@ -219,7 +219,11 @@ def measured_timeline(plan: Plan, out: RunOutput, warmup: int) -> tuple[dict[int
     Out: ``(names, representative, all_timed)``: ``names`` pid (= device) -> process name;
     ``representative`` pid -> slices ``(stream, name, start_ns, dur_ns, category)`` of the timed
     iteration whose time is the median (the one to draw); ``all_timed`` every slice of every
-    timed iteration of every rank (for per-action means). Empty when the run failed."""
+    timed iteration of every rank (for per-action means). Besides passes, transfers and steps, a
+    STRONGHOLD window's and a weight swap's fetches (``h2d``), gradient copies (``d2h``) and CPU
+    steps (``cpu``), named as the simulator names them (executor.timeline.HOST_KINDS; a CPU step
+    still running when the next iteration starts stays with the iteration that submitted it).
+    Empty when the run failed."""
     if out.failure or not out.reports:
         return {}, {}, []
     times = out.iteration_times_s()

@@ -18,6 +18,7 @@ from executor.stage_comm import SendReaper, StageComm
 from executor.stage_grads import StageGrads, tied_embedding_weight
 from executor.stage_passes import SWAPS, StagePasses
 from executor.swap import Swapper
+from executor.timeline import NO_STAMPS, Stamps
 from executor.window import Window
 from executor.topology import coords, replica_rows, routes
 from specs.plan import Plan, ScheduleKind
@@ -147,6 +148,24 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
             if self.swapper is not None:
                 ws.swapper = self.swapper
                 self.swapper.param_pack = lambda t, prev=self.swapper.param_pack: ws.pack_or(t, prev)
+
+    def set_stamps(self, rec, event=None) -> None:
+        """Host traffic of this iteration (a window's and a weight swap's fetches, gradient copies
+        and CPU steps) goes to ``rec`` (an executor.timeline.Recorder; None: nowhere); ``event``:
+        CUDA's timing-event factory (executor.timeline.Stamps)."""
+        stamps = Stamps(rec, self.index, event) if rec is not None else NO_STAMPS
+        for part in (self.window, self.weight_swap):
+            if part is not None:
+                part.rec = stamps
+
+    def finish_host(self) -> None:
+        """Wait for the host work still running after an iteration: a window's CPU steps and
+        gradient copies (STRONGHOLD eq. 3 lets them run into the next iteration) and a weight
+        swap's; the run's end, before its report (and the timelines they stamp) is read."""
+        if self.window is not None:
+            self.window.finish()
+        if self.weight_swap is not None:
+            self.weight_swap.finish()
 
     def _check_streamable(self, streamed: set[int]) -> None:
         """A streamed parameter must belong to its layer alone: its home is one layer's slot and

@@ -12,6 +12,22 @@ simulator names them (``simulator/walk.py``, ``transfers.py``, ``optimizer.py``:
 ``allreduce_grads s0``, ...) on the same streams, plus what only a measurement sees: the time a
 rank sat in a receive (``recv`` stream, category ``recv``). A send's slice runs from its isend
 to the completion of its ``wait()`` in the SendReaper thread (gloo: the bytes left this rank).
+
+Host-memory traffic (issue 25 item 4): a STRONGHOLD window (executor.window) and MPress's weight
+swap (executor.weight_swap) stamp each weight fetch (h2d), gradient copy (d2h) and CPU optimizer
+step through a :class:`Stamps` bound to their stage, named as simulator/window.py and
+simulator/weightswap.py name the same action (:data:`HOST_KINDS`). Such an event's fourth field
+is the layer (not a peer stage). On a CPU rank every interval is the work itself, timed on the
+host around it (a window's copy in its copy-engine thread, a weight swap's memcpy on the compute
+thread, a CPU step in its pool thread). On CUDA a copy is asynchronous: the copy's stream records
+a timing event before and after it (``torch.cuda.Event(enable_timing=True)``, a few µs of host
+time per copy, the factory handed in by the worker), and :meth:`Recorder.resolve` turns the pairs
+into nanoseconds once the device is synchronized, from an anchor event the worker recorded on the
+idle device right after the barrier (its host stamp is the GPU clock's origin, to within the
+launch latency, a few µs). CPU steps are host work on both. Each event goes to the recorder of
+the iteration that issued it (the window passes its stamps along with a queued copy): a CPU step
+or gradient copy that STRONGHOLD's eq. 3 lets run on into the next iteration stays in its own
+iteration's trace, past that iteration's end.
 Pure except :class:`Recorder`'s clock; no torch.
 """
 from __future__ import annotations
@@ -21,6 +37,21 @@ import time
 #: kind of the event that closes an iteration (after the rank drained its sends)
 END = "end"
 _COMPUTE = {"forward": ("F", "forward"), "backward": ("B", "backward")}
+#: host-traffic event kind -> (stream, name format, category), the simulator's names: a window's
+#: fetch carries no microbatch (simulator/window.py: "fetch L<l>"), a weight swap's does; a CPU
+#: rank's weight-swap copies are memcpys on the compute thread, "(memcpy)" as simulator/weightswap.py
+#: names them; a CPU step names its microbatch only under PipeDream (an update per backward: the
+#: event's microbatch is -1 otherwise)
+HOST_KINDS = {
+    "window_fetch": ("h2d", "fetch L{layer}", "window"),
+    "window_grads": ("d2h", "grads L{layer} mb{k}", "window"),
+    "window_cpu_step": ("cpu", "cpu step L{layer}", "optimizer_step"),
+    "swap_fetch": ("h2d", "fetch L{layer} mb{k}", "swap"),
+    "swap_fetch_memcpy": ("h2d", "fetch L{layer} mb{k} (memcpy)", "swap"),
+    "swap_grads": ("d2h", "grads L{layer} mb{k}", "swap"),
+    "swap_grads_memcpy": ("d2h", "grads L{layer} mb{k} (memcpy)", "swap"),
+    "swap_cpu_step": ("cpu", "cpu step L{layer}", "optimizer_step"),
+}
 
 
 class Recorder:
@@ -29,9 +60,33 @@ class Recorder:
     def __init__(self, t0_ns: int):
         self.t0_ns = t0_ns
         self.events: list[tuple] = []
+        self.pending: list[tuple] = []  # CUDA: (kind, stage, k, layer, start event, end event)
+        self.anchor = None  # CUDA: (timing event, the host perf_counter_ns it was recorded at)
 
     def now(self) -> int:
         return time.perf_counter_ns()
+
+    def interval(self, kind: str, stage: int, k: int, layer: int, start_ns: int, end_ns: int) -> None:
+        """A host-traffic event (:data:`HOST_KINDS`) from absolute ``perf_counter_ns`` stamps;
+        any thread (list.append is atomic under the GIL)."""
+        self.events.append((kind, stage, k, layer, start_ns - self.t0_ns, end_ns - self.t0_ns))
+
+    def resolve(self) -> bool:
+        """CUDA: the recorded event pairs as intervals, on :attr:`anchor` (a timing event recorded
+        on the idle device at host time ``anchor_ns``, absolute perf_counter_ns). Call once the
+        device is synchronized; a pair whose copy has not run yet stays pending (resolve again
+        later). Returns whether nothing is pending."""
+        pending, self.pending = self.pending, []
+        if not pending:
+            return True
+        anchor, anchor_ns = self.anchor
+        for kind, stage, k, layer, ev0, ev1 in pending:
+            if not ev1.query():
+                self.pending.append((kind, stage, k, layer, ev0, ev1))
+                continue
+            start = anchor_ns + round(anchor.elapsed_time(ev0) * 1e6)  # elapsed_time: ms
+            self.interval(kind, stage, k, layer, start, start + round(ev0.elapsed_time(ev1) * 1e6))
+        return not self.pending
 
     def action(self, a, start_ns: int) -> None:
         """Record action ``a`` (a specs.schedule.Action; None: the iteration's end) from ``start_ns``."""
@@ -68,9 +123,67 @@ class NoRecorder:
         return None
 
 
+class Stamps:
+    """One stage's handle on the iteration's :class:`Recorder` for host traffic (a window's, a
+    weight swap's). ``event``: CUDA, a factory of timing events (None: host stamps only).
+
+    ``t = begin(stream)`` before the work and ``end(kind, k, layer, t, stream)`` after it: with a
+    ``stream`` on CUDA an event pair on that stream, else host ``perf_counter_ns`` stamps.
+    ``timed(fn, kind, k, layer)``: ``fn`` stamped when it runs (a CPU step in a pool thread: the
+    recorder is the one current when it was submitted)."""
+
+    __slots__ = ("rec", "stage", "event")
+
+    def __init__(self, rec: Recorder, stage: int, event=None):
+        self.rec, self.stage, self.event = rec, stage, event
+
+    def begin(self, stream=None):
+        if stream is not None and self.event is not None:
+            ev = self.event()
+            ev.record(stream)
+            return ev
+        return time.perf_counter_ns()
+
+    def end(self, kind: str, k: int, layer: int, start, stream=None) -> None:
+        if stream is not None and self.event is not None:
+            ev = self.event()
+            ev.record(stream)
+            self.rec.pending.append((kind, self.stage, k, layer, start, ev))
+        else:
+            self.rec.interval(kind, self.stage, k, layer, start, time.perf_counter_ns())
+
+    def timed(self, fn, kind: str, k: int, layer: int):
+        def run(*args, **kwargs):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.end(kind, k, layer, t)
+        return run
+
+
+class NoStamps:
+    """:class:`Stamps` that records nothing (the tracked iteration, timelines off, set-up)."""
+
+    __slots__ = ()
+
+    def begin(self, stream=None):
+        return None
+
+    def end(self, kind: str, k: int, layer: int, start, stream=None) -> None:
+        pass
+
+    def timed(self, fn, kind: str, k: int, layer: int):
+        return fn
+
+
+NO_STAMPS = NoStamps()
+
+
 def slices(events: list[tuple]) -> list[tuple[str, str, int, int, str]]:
     """One rank's iteration as trace slices ``(stream, name, start_ns, dur_ns, category)``, named
-    and placed as the simulator does (``simulator/transfers.py``), receives on a ``recv`` stream."""
+    and placed as the simulator does (``simulator/transfers.py``; host traffic: :data:`HOST_KINDS`),
+    receives on a ``recv`` stream."""
     out = []
     for kind, s, k, peer, start, end in events:
         dur = max(0, end - start)
@@ -88,6 +201,12 @@ def slices(events: list[tuple]) -> list[tuple[str, str, int, int, str]]:
             out.append(("collective", f"allreduce_grads s{s}", start, dur, "allreduce_grads"))
         elif kind == "optimizer_step":
             out.append(("compute", f"optimizer_step s{s}", start, dur, "optimizer_step"))
+        elif kind in HOST_KINDS:  # ``peer`` is the layer
+            stream, name, cat = HOST_KINDS[kind]
+            name = name.format(layer=peer, k=k)
+            if kind.endswith("cpu_step") and k >= 0:  # PipeDream's per-backward step
+                name += f" mb{k}"
+            out.append((stream, name, start, dur, cat))
     return out
 
 

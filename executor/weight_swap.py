@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from executor.memtrack import HOST
+from executor.timeline import NO_STAMPS
 from executor.window_host import WindowHost
 from executor.window_slots import _Layer
 
@@ -112,6 +113,10 @@ class WeightSwap(WindowHost):
         self.fallback_pack, self.fallback_unpack = _same, _same  # executor.pipedream's hooks, where it has some
         self.swapper = None  # executor.swap's Swapper: must leave fetched weights in place
         self.events: list[tuple[str, int, int]] | None = [] if record else None
+        # the iteration's stamps of every fetch, gradient copy and CPU step (executor.timeline:
+        # "fetch L<l> mb<k>", "grads L<l> mb<k>", "(memcpy)" on a CPU rank, "cpu step L<l>" as
+        # simulator/weightswap.py names them); set per iteration by StageRuntime.set_stamps
+        self.rec = NO_STAMPS
 
     @staticmethod
     def _refuse(st, listed: set[int]) -> None:
@@ -246,15 +251,19 @@ class WeightSwap(WindowHost):
             return
         src = self._source(L)
         self._log("fetch", L, self.k)
-        tracker = self.st.tracker
+        tracker, rec = self.st.tracker, self.rec
         with tracker.phase("parameters"):
             if self.cuda:  # a side stream: compute waits for this copy's event only (_wait)
                 with torch.cuda.stream(self.side):
+                    t = rec.begin(self.side)
                     dev = src.to(self.device, non_blocking=True)
+                    rec.end("swap_fetch", self.k, L.index, t, self.side)
                 dev.record_stream(torch.cuda.current_stream(self.device))  # read by the compute stream
                 L.ready = self.side.record_event()
-            else:
+            else:  # a memcpy on the compute thread (the simulator's "(memcpy)")
+                t = rec.begin()
                 dev = src.to(self.device, copy=True)
+                rec.end("swap_fetch_memcpy", self.k, L.index, t)
         L.dev = dev
         for p, (o, n), shape in zip(L.params, L.spans, L.shapes):
             p.data = dev[o:o + n].view(shape)
@@ -292,18 +301,22 @@ class WeightSwap(WindowHost):
         self._log("d2h", L, self.k)
         grads = [p.grad for p in L.params]
         add = not self.pipedream  # PipeDream: each microbatch's gradient steps on its own
+        rec = self.rec
         if self.cuda:
             with self.st.tracker.phase(HOST):
                 staging = torch.zeros(L.numel, dtype=L.host_g.dtype, pin_memory=True)
             self.side.wait_stream(torch.cuda.current_stream(self.device))  # the backward's kernels first
             with torch.cuda.stream(self.side):
+                t = rec.begin(self.side)
                 for g, (o, n) in zip(grads, L.spans):
                     if g is not None:
                         staging[o:o + n].copy_(g.detach().reshape(-1), non_blocking=True)
                         g.record_stream(self.side)  # freed once the copy has run
+                rec.end("swap_grads", self.k, L.index, t, self.side)
                 done = self.side.record_event()
         else:
             self._wait_task(L)  # the layer's previous step has read the accumulator
+            t = rec.begin()  # a memcpy (an add) on the compute thread: the simulator's "(memcpy)"
             for g, (o, n) in zip(grads, L.spans):
                 dst = L.host_g[o:o + n]
                 if g is None:
@@ -313,21 +326,24 @@ class WeightSwap(WindowHost):
                     dst.add_(g.detach().reshape(-1))
                 else:
                     dst.copy_(g.detach().reshape(-1))
+            rec.end("swap_grads_memcpy", self.k, L.index, t)
         del grads
         self._release(L)
         due = self.pipedream or self.backwards == self.st.m
         if due and self.pipedream:
             self._keep_version(L)
+        # the CPU step, stamped when it runs ("cpu step L<l>", PipeDream: "... mb<k>")
+        step = rec.timed(L.optimizer.step, "swap_cpu_step", self.k if self.pipedream else -1, L.index)
         if self.cuda:
-            def land(L=L, staging=staging, done=done, due=due):
+            def land(L=L, staging=staging, done=done, due=due, step=step):
                 done.synchronize()
                 (L.host_g.add_ if add else L.host_g.copy_)(staging)
                 if due:
-                    L.optimizer.step()
+                    step()
 
             L.future = self.pool.submit(land)
         elif due:
-            L.future = self.pool.submit(L.optimizer.step)
+            L.future = self.pool.submit(step)
         if due:
             self._log("step", L, self.k)
 

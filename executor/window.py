@@ -16,7 +16,14 @@ simulator times) is followed step by step:
 * every microbatch's gradients are added to the host accumulator in microbatch order (host +=
   slot, the reference's order of accumulation, so numerics are exact); after the last
   microbatch's add, the layer's CPU optimizer steps at once in a thread pool, overlapped with the
-  rest of the backward (§III-E1); ``step`` waits for them and empties every slot (stale).
+  rest of the backward (§III-E1) and, by eq. 3, with the next iteration's forward: ``step`` does
+  NOT wait for the CPU steps (it empties every slot: stale); the next fetch of a layer waits for
+  that layer's step (``_Layer.stepped``, in the copy-in thread, FIFO as the simulator's link), and
+  its host gradient accumulator is overwritten, not zeroed, by the next iteration's first
+  gradient copy (``0 + g`` is ``g``), so no step reads a zeroed gradient.
+  :meth:`finish` (called by :meth:`host_state` and :meth:`tag`: what the reference comparison and
+  the memory tracker read) waits for every outstanding step. The resident layers (the first
+  working window by default, planners/stronghold) are the stage's device optimizer's.
 
 A layer in a slot has its parameters' ``.data`` pointing into the slot (``.grad`` too, for a
 backward); released, they point at an empty tensor (DeepSpeed ZeRO-3 style). Autograd saves
@@ -51,6 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from executor.timeline import NO_STAMPS
 from executor.window_grads import WindowGrads
 from executor.window_host import WindowHost
 from executor.window_slots import WindowSaved, _Fetch, _Layer, _Slot
@@ -73,11 +81,18 @@ class Window(WindowSaved, WindowGrads, WindowHost):
             device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.dtype, self.m, self.w = device, dtype, microbatches, window
         self.tracker = tracker or (lambda: None)
+        # the iteration's stamps of each fetch, gradient copy and CPU step (executor.timeline:
+        # "fetch L<l>", "grads L<l> mb<k>", "cpu step L<l>", simulator/window.py's names), set per
+        # iteration by StageRuntime.set_stamps; a queued copy carries the stamps of its iteration
+        self.rec = NO_STAMPS
         self.events: list[tuple[str, int, int]] | None = [] if record else None
         mods = dict(layers)
         self.order = [_Layer(i, list(mods[i].parameters()), pos) for pos, i in enumerate(streamed)]
         self.by_index = {L.index: L for L in self.order}
         self.by_param = {id(p): L for L in self.order for p in L.params}
+        for L in self.order:
+            L.stepped = threading.Event()  # no CPU step of L is outstanding (eq. 3: the next fetch waits)
+            L.stepped.set()
         largest = max(L.numel for L in self.order)
         self._host_copies(make_optimizer, dtype)
         self.nvme_bytes = 0
@@ -146,7 +161,7 @@ class Window(WindowSaved, WindowGrads, WindowHost):
                 slot.layer.slot = slot.layer.ready = None
             slot.layer, L.slot, L.ready = L, slot, _Fetch()
             self._log("fetch", L, k)
-            self._h2d_q.put((L, slot, L.ready, after))
+            self._h2d_q.put((L, slot, L.ready, after, self.rec))
             self._issued.notify_all()
 
     def _unbind(self, L: _Layer) -> None:
@@ -212,17 +227,41 @@ class Window(WindowSaved, WindowGrads, WindowHost):
             finally:
                 q.task_done()
 
-    def _copy_in(self, L: _Layer, slot: _Slot, f: _Fetch, after) -> None:
+    def _copy_in(self, L: _Layer, slot: _Slot, f: _Fetch, after, rec=NO_STAMPS) -> None:
+        while not L.stepped.wait(0.5):  # eq. 3: the previous iteration's CPU step of L is done
+            if self._error is not None:
+                raise self._error
         if self.cuda:
             with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
                 if after is not None:
                     self.h2d.wait_event(after)
+                t = rec.begin(self.h2d)
                 slot.wbuf[:L.numel].copy_(L.host_w, non_blocking=True)
+                rec.end("window_fetch", -1, L.index, t, self.h2d)
                 f.event = torch.cuda.Event()
                 f.event.record(self.h2d)
         else:
+            t = rec.begin()
             slot.wbuf[:L.numel].copy_(L.host_w)
+            rec.end("window_fetch", -1, L.index, t)
         f.done.set()
+
+    def finish(self) -> None:
+        """Wait for every outstanding CPU step (eq. 3 lets them run into the next iteration); the
+        end of a run, and whatever reads the host state, calls it."""
+        self._d2h_q.join()
+        steps, self.steps = self.steps, []
+        for f in steps:
+            f.result()
+        self._check()
+
+    def host_state(self, p):
+        self.finish()
+        return super().host_state(p)
+
+    def tag(self, tracker) -> None:
+        self.finish()  # the optimizer state a CPU step creates (Adam's first) exists after it
+        super().tag(tracker)
 
     def _check(self) -> None:
         if self._error is not None:

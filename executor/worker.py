@@ -145,6 +145,7 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     early_recv = not cuda and opts.get("early_recv", True)
 
     iter_times, losses, timelines = [], [], []
+    unresolved: list[Recorder] = []  # CUDA: recorders with event pairs still to resolve
     record = opts.get("timeline", True)
     total = opts["iterations"]
     for it in range(total):
@@ -164,11 +165,19 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         # the action timeline (executor.timeline): every untracked iteration, timed from the
         # barrier; perf_counter_ns is CLOCK_MONOTONIC, one clock for all ranks of a host
         rec = Recorder(time.perf_counter_ns()) if record and not tracking else None
+        if rec is not None and cuda:  # the GPU clock's origin for the copies' event pairs (executor.timeline)
+            anchor = torch.cuda.Event(enable_timing=True)
+            anchor.record()
+            rec.anchor = (anchor, time.perf_counter_ns())
+        for st in stages.values():  # a window's / weight swap's fetches, gradient copies, CPU steps
+            st.set_stamps(rec, _timing_event if cuda else None)
         t0 = time.perf_counter()
         with (tracker if tracking else NullTracker()):
             _walk(hb.track(actions, it), stages, batch, tail, opts, rank, it, recvs, early_recv and not tracking, rec)
         if cuda:
             torch.cuda.synchronize()
+            # copies' event pairs as intervals (a copy issued late, eq. 3: at a later iteration's end)
+            unresolved = [r for r in unresolved + ([rec] if rec is not None else []) if not r.resolve()]
         if server is not None:
             server.check()  # a serving thread's error (its sources would wait on it forever)
         iter_times.append(time.perf_counter() - t0)
@@ -176,6 +185,12 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         losses.append(sum(st.loss_sum for st in stages.values() if st.last and st.tp_rank == 0))
         if progress is not None:
             progress(it + 1)
+    for st in stages.values():  # CPU steps and copies still running (STRONGHOLD eq. 3) end first
+        st.finish_host()
+    if cuda and unresolved:
+        torch.cuda.synchronize()
+        for r in unresolved:
+            r.resolve()
     report = {
         "rank": rank, "device": device, "stages": my_stages,
         "layers": [(plan.stages[s].layer_start, plan.stages[s].layer_stop) for s in my_stages],
@@ -217,6 +232,10 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         report["d2d_received_bytes"] = server.received_bytes[at]
     hb.beat(total, -5)
     return report
+
+
+def _timing_event():
+    return torch.cuda.Event(enable_timing=True)
 
 
 def _recv_positions(actions) -> list[tuple[int, object]]:

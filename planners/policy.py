@@ -111,6 +111,8 @@ class StrongholdPolicy(Spec):
     recompute: Literal["none", "full"] = Field("full", description="layer-wise checkpointing, as STRONGHOLD §V-D")
     nvme: Literal["auto", "on", "off"] = Field("auto", description="optimizer state on NVMe: when host RAM is "
                                                                    "short (auto), always, never")
+    resident_first_window: bool = Field(True, description="§III-E1: the first working window's layers stay "
+                                                          "resident, stepped on the device")
 
 
 class MapPolicy(Spec):

@@ -11,7 +11,26 @@ same one). Each pass walks the stage's layers; streamed ones must be in a slot f
 * backward (Fig. 3c): a layer's gradients go to the host when its backward ends; its slot is
   released when that copy is done, and the layer ``w`` places later is fetched into it; on the
   iteration's last backward the CPU steps the layer as soon as its gradients are in (§III-E1);
-* the last ``w`` layers of a pass stay: the next pass starts with them.
+* the last ``w`` layers of a pass stay: the next pass starts with them;
+* the step (eq. 3, §III-E1): the iteration does NOT wait for the CPU steps; a layer's CPU step
+  may run until the next iteration's forward fetches that layer, and the fetch waits for it
+  (``Slot.held_ns``: the part of a fetch's delay its CPU step caused; the compute's wait for it
+  is ``cpu_hold_ns``, the rest of ``stall_ns`` is the host link's). Every slot is stale after
+  the step (the CPU changed the host weights); the resident layers (the first working window by
+  default, planners/stronghold) are stepped on the device and never stale.
+
+**Steady state.** The walk times the steady-state iteration, not the first: it starts with the
+previous iteration's CPU steps still running (:func:`carry_in`): each streamed layer's step ends
+when it ended after the previous iteration's end (``cpu_ready_ns``), and the node's CPU is busy
+until the last of them. That tail is what one forward and one backward of the stage leave after
+the step (:func:`tail_ns`, a cold walk of ``[F, B]`` with one microbatch, plain arithmetic): only
+the iteration's last backward books CPU steps, and the previous iteration's steps all end before
+this iteration's first forward has fetched every streamed layer, so the tail depends on the last
+backward alone (exact when its state at its start equals the one-microbatch walk's: the forward
+before it hid its fetches and no gradient copy is pending; on a pipeline stage past the first the
+tail is placed at the iteration's start, not at the stage's own earlier end: conservative).
+``WindowWalk(..., steady=False)`` walks the first iteration (nothing carried in: every slot empty);
+its first forward's wait is the **cold start (first iteration only)**.
 
 A pass is a generator of ``(kind, duration_ns, label)`` segments ("compute" or "stall") that reads
 the time from ``clock()``: the simpy engine drives it with timeouts, and the STRONGHOLD planner
@@ -35,11 +54,14 @@ class Slot:
     layer: int | None = None
     ready_ns: int = 0    # when the fetched weights are in
     free_ns: int = 0     # when the buffers may be overwritten (its gradient copy is done)
+    held_ns: int = 0     # how much later its fetch started because its layer's CPU step was running (eq. 3)
 
 
 class WindowWalk:
     def __init__(self, sc: StageCost, links: Links, h2d: tuple, d2h: tuple, cpu: tuple, microbatches: int,
-                 clock, trace=None):
+                 clock, trace=None, steady: bool = True):
+        """``steady``: walk the steady-state iteration (the previous iteration's CPU steps carried in,
+        :func:`carry_in`); False: the first iteration (cold: nothing carried in)."""
         self.sc, self.links, self.clock, self.trace = sc, links, clock, trace
         self.h2d, self.d2h, self.cpu = h2d, d2h, cpu
         self.m = microbatches
@@ -52,15 +74,23 @@ class WindowWalk:
         self.cpu_done_ns = 0                # the last CPU step's end
         self.copies_done_ns = 0             # the last gradient copy's end
         self.stall_ns = 0
+        self.cpu_hold_ns = 0                # the part of stall_ns spent on fetches held by a CPU step (eq. 3)
+        self.cpu_ready_ns: dict[int, int] = {}  # layer -> when the previous iteration's CPU step of it ends
+        self.cpu_end_ns: dict[int, int] = {}    # layer -> when this iteration's CPU step of it ends
         self.passes: list[tuple[str, int, int]] = []  # (F/B, microbatch, stall ns) per pass
+        if steady and self.order:
+            carry_in(self, tail_ns(sc, links, h2d, d2h, cpu), clock())
 
     # ---- slots -------------------------------------------------------------------------------
     def _fetch(self, i: int, lc: LayerCost, earliest: int) -> None:
         slot = self.slots[i]
         if slot.layer is not None:
             self.where.pop(slot.layer, None)
-        start, end = self.links.reserve(self.h2d, lc.fetch_ns, max(earliest, slot.free_ns))
-        slot.layer, slot.ready_ns = lc.layer, end
+        earliest = max(earliest, slot.free_ns)
+        free_link = max([earliest] + [self.links.busy_until.get(r, 0) for r in self.h2d])
+        held = max(self.cpu_ready_ns.get(lc.layer, 0) - free_link, 0)  # eq. 3: its CPU step is not done
+        start, end = self.links.reserve(self.h2d, lc.fetch_ns, earliest + held if held else earliest)
+        slot.layer, slot.ready_ns, slot.held_ns = lc.layer, end, held
         self.where[lc.layer] = i
         if self.trace is not None:
             self.trace.slice(self.sc.rep, "h2d", f"fetch L{lc.layer}", start, lc.fetch_ns, "window")
@@ -75,10 +105,16 @@ class WindowWalk:
                 self._fetch(free.pop(0), lc, now)
 
     def _wait(self, lc: LayerCost):
-        ready = self.slots[self.where[lc.layer]].ready_ns
+        slot = self.slots[self.where[lc.layer]]
         now = self.clock()
-        if ready > now:
-            yield "stall", ready - now, f"wait fetch L{lc.layer}"
+        if slot.ready_ns > now:
+            wait = slot.ready_ns - now
+            cpu = min(wait, slot.held_ns)
+            if cpu:  # the fetch waited for the layer's CPU step of the previous iteration (eq. 3)
+                self.cpu_hold_ns += cpu
+                yield "stall", cpu, f"wait cpu step L{lc.layer}"
+            if wait > cpu:
+                yield "stall", wait - cpu, f"wait fetch L{lc.layer}"
 
     def stale(self) -> None:
         """A step updated the host weights: every slot's copy is out of date."""
@@ -131,6 +167,7 @@ class WindowWalk:
             if last:
                 c0, c1 = self.links.reserve(self.cpu, lc.cpu_step_ns, end)
                 self.cpu_done_ns = max(self.cpu_done_ns, c1)
+                self.cpu_end_ns[lc.layer] = c1
                 if self.trace is not None:
                     self.trace.slice(self.sc.rep, "cpu", f"cpu step L{lc.layer}", c0, lc.cpu_step_ns, "optimizer_step")
             if j < n - w:
@@ -138,12 +175,9 @@ class WindowWalk:
         self.passes.append(("B", k, self.stall_ns - stall0))
 
     def step(self):
-        """The iteration's end: wait for the last gradient copy and CPU step (STRONGHOLD eq. 3 holds
-        when this wait is 0), then the device steps the resident layers; every slot goes stale."""
-        now = self.clock()
-        done = max(self.cpu_done_ns, self.copies_done_ns)
-        if done > now:
-            yield "stall", done - now, "wait cpu optimizer"
+        """The iteration's end: the device steps the resident layers (§III-E1); every slot goes
+        stale. The streamed layers' gradient copies and CPU steps are NOT waited for (eq. 3): each
+        runs on until the next iteration's fetch of its layer, which waits for it."""
         if self.sc.optimizer_ns:
             yield "compute", self.sc.optimizer_ns, "optimizer_step (resident)"
         self.stale()
@@ -153,11 +187,12 @@ class WindowWalk:
         """The walk's state relative to ``now``: what the next passes depend on."""
         rel = lambda t: max(t - now, 0)  # noqa: E731
         busy = self.links.busy_until
-        return (tuple((s.layer, rel(s.ready_ns), rel(s.free_ns)) for s in self.slots),
+        return (tuple((s.layer, rel(s.ready_ns), rel(s.free_ns), s.held_ns) for s in self.slots),
                 tuple(rel(busy.get(r, 0)) for r in (*self.h2d, *self.d2h, *self.cpu)),
-                rel(self.cpu_done_ns), rel(self.copies_done_ns))
+                rel(self.cpu_done_ns), rel(self.copies_done_ns),
+                tuple(sorted((k, rel(t)) for k, t in self.cpu_ready_ns.items() if t > now)))
 
-    def skip(self, passes: list[tuple[str, int]], dt: int, dstall: int, stalls: list[int]) -> None:
+    def skip(self, passes: list[tuple[str, int]], dt: int, dstall: int, stalls: list[int], dhold: int = 0) -> None:
         """Account ``passes`` that repeat the last period exactly: every booked time moves by ``dt``."""
         for s in self.slots:
             s.ready_ns += dt
@@ -169,6 +204,7 @@ class WindowWalk:
         self.cpu_done_ns += dt
         self.copies_done_ns += dt
         self.stall_ns += dstall
+        self.cpu_hold_ns += dhold
         for (kind, k), stall in zip(passes, stalls):
             self.passes.append((kind, k, stall))
             if kind == "F":
@@ -192,6 +228,30 @@ def resources(hardware, sc: StageCost) -> tuple[tuple, tuple, tuple]:
     return (("h2d", switch),), (("d2h", switch),), cpu
 
 
+def tail_ns(sc: StageCost, links: Links, h2d: tuple, d2h: tuple, cpu: tuple) -> dict[int, int]:
+    """The previous iteration's tail (the module docstring's steady state): streamed layer ->
+    when its CPU step ends, in ns after the end of the iteration that booked it (only those that
+    end after it). Walked cold, with one microbatch, as ``[F, B]`` then the step, on a copy of
+    ``links``'s resources (the walk books nothing on ``links``)."""
+    scratch = Links(links.hardware)
+    clock = Clock()
+    walk = WindowWalk(sc, scratch, h2d, d2h, cpu, 1, clock, steady=False)
+    for gen in (walk.forward(0), walk.backward(0), walk.step()):
+        drive(gen, clock)
+    return {layer: t - clock.t for layer, t in walk.cpu_end_ns.items() if t > clock.t}
+
+
+def carry_in(walk: WindowWalk, tail: dict[int, int], now: int) -> None:
+    """Start ``walk`` at ``now`` with the previous iteration's CPU steps still running (eq. 3):
+    layer ``l``'s step ends at ``now + tail[l]`` (its fetch waits until then), the node's CPU is
+    booked for them in the order they end (shared with the node's other windows)."""
+    by_layer = {lc.layer: lc for lc in walk.order}
+    for layer, t in sorted(tail.items(), key=lambda x: (x[1], x[0])):
+        dur = by_layer[layer].cpu_step_ns
+        _, end = walk.links.reserve(walk.cpu, min(dur, t), now + t - min(dur, t))
+        walk.cpu_ready_ns[layer] = end
+
+
 def walk_passes(walk: WindowWalk, passes: list[tuple[str, int]], clock) -> None:
     """Drive ``passes`` (("F"|"B", microbatch), back to back) with plain arithmetic, skipping the
     periodic middle exactly: when the walk's state relative to now (slot contents and the time
@@ -207,7 +267,7 @@ def walk_passes(walk: WindowWalk, passes: list[tuple[str, int]], clock) -> None:
     while i < len(passes):
         kind, k = passes[i]
         drive(walk.forward(k) if kind == "F" else walk.backward(k), clock)
-        sigs[i], marks[i] = walk.signature(clock.t), (clock.t, walk.stall_ns)
+        sigs[i], marks[i] = walk.signature(clock.t), (clock.t, walk.stall_ns, walk.cpu_hold_ns)
         for period in (1, 2):
             j = i - period
             if sigs.get(j) != sigs[i]:
@@ -218,13 +278,13 @@ def walk_passes(walk: WindowWalk, passes: list[tuple[str, int]], clock) -> None:
                    and [p[0] for p in passes[i + 1 + reps * period:i + 1 + (reps + 1) * period]] == pattern):
                 reps += 1
             if reps:
-                dt, dstall = marks[i][0] - marks[j][0], marks[i][1] - marks[j][1]
+                dt, dstall, dhold = (a - b for a, b in zip(marks[i], marks[j]))
                 skipped = passes[i + 1:i + 1 + reps * period]
                 stalls = [walk.passes[len(walk.passes) - period + n % period][2] for n in range(len(skipped))]
-                walk.skip(skipped, reps * dt, reps * dstall, stalls)
+                walk.skip(skipped, reps * dt, reps * dstall, stalls, reps * dhold)
                 clock.t += reps * dt
                 i += reps * period
-                sigs[i], marks[i] = walk.signature(clock.t), (clock.t, walk.stall_ns)
+                sigs[i], marks[i] = walk.signature(clock.t), (clock.t, walk.stall_ns, walk.cpu_hold_ns)
             break
         i += 1
 

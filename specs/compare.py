@@ -24,7 +24,9 @@ class ActionError(Spec):
     """Mean duration of one kind of action on one stage, simulated vs measured (all ranks of the
     stage, all microbatches; measured: every timed iteration)."""
 
-    action: str = Field(description="forward | backward | send_act | send_grad | recv_wait | allreduce | optimizer")
+    action: str = Field(description="forward | backward | send_act | send_grad | recv_wait | allreduce | optimizer "
+                                    "| fetch | grad_copy | cpu_step (the last three: a STRONGHOLD window's or a "
+                                    "weight swap's host traffic, per layer of the stage)")
     stage: int
     simulated_mean_s: float | None = Field(description="None: the simulator books no slice for it")
     measured_mean_s: float | None
@@ -60,23 +62,49 @@ _PATTERNS = (
     (re.compile(r"^allreduce_grads s(\d+)$"), "allreduce"),
     (re.compile(r"^optimizer_step s(\d+)$"), "optimizer"),
 )
-ACTIONS = tuple(a for _, a in _PATTERNS)
+#: host traffic of a STRONGHOLD window (simulator/window.py) and of MPress's weight swap
+#: (simulator/weightswap.py), as executor/timeline.py's HOST_KINDS names them too: (pattern with the
+#: layer, action, the stream the slice must be on). The stream tells a copy from the compute-stream
+#: slice of the same name that holds a CPU rank's compute thread for a memcpy; the layer's stage
+#: comes from the plan
+_HOST_PATTERNS = (
+    (re.compile(r"^fetch L(\d+)(?: mb\d+)?(?: \(memcpy\))?$"), "fetch", "h2d"),
+    (re.compile(r"^grads L(\d+) mb\d+(?: \(memcpy\))?$"), "grad_copy", "d2h"),
+    (re.compile(r"^cpu step L(\d+)(?: mb\d+)?$"), "cpu_step", "cpu"),
+)
+ACTIONS = tuple(a for _, a in _PATTERNS) + tuple(a for _, a, _ in _HOST_PATTERNS)
 
 
-def action_of(name: str) -> tuple[str, int] | None:
-    """(action, stage) of a trace slice name, None for other slices (swaps, recompute)."""
+def layer_stages(plan) -> dict[int, int]:
+    """layer -> the index of the plan stage that holds it (for :func:`action_of`'s host traffic)."""
+    return {layer: i for i, st in enumerate(plan.stages) for layer in range(st.layer_start, st.layer_stop)}
+
+
+def action_of(name: str, stream: str | None = None, stages: dict[int, int] | None = None) -> tuple[str, int] | None:
+    """(action, stage) of a trace slice name, None for other slices (activation swaps, recompute).
+    A window's or weight swap's fetch, gradient copy or CPU step is named by its layer: it counts
+    when ``stream`` is its copy engine's or the CPU's and ``stages`` (:func:`layer_stages`) places
+    the layer."""
     for pattern, action in _PATTERNS:
         m = pattern.match(name)
         if m:
             return action, int(m.group(1))
+    if stages is None:
+        return None
+    for pattern, action, on in _HOST_PATTERNS:
+        m = pattern.match(name)
+        if m and stream == on and int(m.group(1)) in stages:
+            return action, stages[int(m.group(1))]
     return None
 
 
-def action_means(slices: Iterable[tuple[str, int]]) -> dict[tuple[str, int], tuple[float, int]]:
-    """``(name, dur_ns)`` slices -> (action, stage) -> (mean seconds, count)."""
+def action_means(slices: Iterable[tuple],
+                 stages: dict[int, int] | None = None) -> dict[tuple[str, int], tuple[float, int]]:
+    """``(name, dur_ns)`` or ``(name, dur_ns, stream)`` slices -> (action, stage) -> (mean
+    seconds, count); ``stages``: see :func:`action_of`."""
     sums: dict[tuple[str, int], list[int]] = {}
-    for name, dur_ns in slices:
-        key = action_of(name)
+    for name, dur_ns, *stream in slices:
+        key = action_of(name, stream[0] if stream else None, stages)
         if key is not None:
             acc = sums.setdefault(key, [0, 0])
             acc[0] += dur_ns
@@ -84,9 +112,11 @@ def action_means(slices: Iterable[tuple[str, int]]) -> dict[tuple[str, int], tup
     return {k: (total / n / 1e9, n) for k, (total, n) in sums.items()}
 
 
-def action_errors(simulated: Iterable[tuple[str, int]], measured: Iterable[tuple[str, int]]) -> list[ActionError]:
-    """Per (action, stage): mean simulated vs mean measured duration (see :class:`ActionError`)."""
-    sim, meas = action_means(simulated), action_means(measured)
+def action_errors(simulated: Iterable[tuple], measured: Iterable[tuple],
+                  stages: dict[int, int] | None = None) -> list[ActionError]:
+    """Per (action, stage): mean simulated vs mean measured duration (see :class:`ActionError`);
+    slices as :func:`action_means` takes them."""
+    sim, meas = action_means(simulated, stages), action_means(measured, stages)
     order = {a: i for i, a in enumerate(ACTIONS)}
     out = []
     for key in sorted(set(sim) | set(meas), key=lambda k: (k[1], order[k[0]])):
@@ -98,11 +128,24 @@ def action_errors(simulated: Iterable[tuple[str, int]], measured: Iterable[tuple
     return out
 
 
-def slice_action_errors(simulated: Iterable[tuple], measured: Iterable[tuple]) -> list[ActionError]:
+def slice_action_errors(simulated: Iterable[tuple], measured: Iterable[tuple], plan=None) -> list[ActionError]:
     """:func:`action_errors` of two sequences of trace slices ``(stream, name, start_ns, dur_ns,
-    category)``: the simulator's (simulator.trace.x_slices) and the executor's
-    (executor.measure.measured_timeline)."""
-    return action_errors(((n, d) for _, n, _, d, _ in simulated), ((n, d) for _, n, _, d, _ in measured))
+    category)``: the simulator's (:func:`trace_slices` of its trace) and the executor's
+    (executor.measure.measured_timeline). With ``plan``, host traffic (fetches, gradient copies,
+    CPU steps) counts too, each slice on its layer's stage. A first field that is not a stream
+    name (simulator.trace.x_slices' pid) matches passes, transfers and steps only."""
+    stages = layer_stages(plan) if plan is not None else None
+    row = lambda s: (s[1], s[3], s[0] if isinstance(s[0], str) else None)  # noqa: E731
+    return action_errors((row(s) for s in simulated), (row(s) for s in measured), stages)
+
+
+def trace_slices(trace: dict) -> list[tuple[str, str, int, int, str]]:
+    """The "X" slices of a Chrome trace dict (simulator/trace.py's format) as ``(stream, name,
+    start_ns, dur_ns, category)``, the stream read from the trace's thread names."""
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return [(threads.get((e["pid"], e["tid"]), ""), e["name"], round(e["ts"] * 1000), round(e["dur"] * 1000),
+             e.get("cat", "")) for e in trace["traceEvents"] if e.get("ph") == "X"]
 
 
 def action_table(actions: list[ActionError]) -> str:

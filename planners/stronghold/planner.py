@@ -6,7 +6,11 @@ The planner (§III-B–D, §III-G), pure:
    are 8-way model parallel, §VI-A2; null: the fewest stages that fit, 1 on a single GPU),
    layer-wise activation checkpointing (§V-D) unless ``policy.recompute`` says otherwise.
 2. Per stage, what stays resident (Fig. 3: the embedding and the head; a tied weight too, see
-   costs.window.default_resident), the rest is streamed through ``w`` device slots.
+   costs.window.default_resident) and, by default, the first working window: the first ``w``
+   streamable layers (§III-E1, costs.window.first_window; ``policy.resident_first_window``), stepped
+   on the device; the rest is streamed through ``w`` device slots. The backward's last layers then
+   need no fetch and the next forward starts on resident layers while the first streamed layers'
+   CPU steps end and their fetches land.
 3. The window (§III-D). The paper's P1/P2 ask for the smallest m whose compute hides the next
    layer's transfer (1b, 2b), whose transfers of the whole window fit behind its compute (1d, 2d),
    under the memory bound (1c, 2c). Here every candidate ``w`` is priced by walking the stage's
@@ -14,13 +18,14 @@ The planner (§III-B–D, §III-G), pure:
    arithmetic, not simpy): the fetch of a layer ``w`` places ahead starts when a slot frees, in
    FIFO order on the PCIe copy engine, and must land before the compute reaches it; that is
    (1b)/(2b) per layer with (1d)/(2d)'s engine occupancy, for heterogeneous layers and the
-   forward/backward turns, exactly as the simulator then times it. ``w`` is the smallest window
-   with no stall after the iteration's first fetches (the cold start, which a resident first
-   window would hide at 3x a slot's bytes: optimizer state included) that fits device memory;
-   when none is stall-free, the largest that fits (§III-D: "the largest possible m").
+   forward/backward turns, exactly as the simulator then times it (the steady-state iteration:
+   the previous one's CPU steps carried in, simulator/window.py). ``w`` is the smallest window
+   with no host-link stall beyond the cold start (what a window with a slot per streamed layer
+   still waits for) that fits device memory; when none is stall-free, the smallest within PLATEAU
+   of the fastest that fits (Fig. 9's plateau).
 4. The CPU optimizer (eqs. 3–5): each streamed layer is stepped on the host's cores as soon as
-   its last gradient lands; what the step still waits for after the backward is the CPU
-   optimizer's excess over the backward (eq. 3 violated), reported.
+   its last gradient lands, and the step runs on until the next iteration's forward fetches the
+   layer (eq. 3); what that forward waits for (eq. 3 violated) is reported as the CPU-step wait.
 5. Host RAM and NVMe (§III-G): the streamed layers' state of every stage of a node must fit its
    DRAM; if not, their optimizer state goes to NVMe (``policy.nvme``: auto/on/off), and the CPU
    steps are then bounded by the drive's read + write.
@@ -65,10 +70,11 @@ class WindowPrice:
     window: int
     peak_bytes: int           # the stage device's peak (analytic memory model = the simulator's)
     fits: bool
-    stall_s: float            # compute waiting for a fetch, after the cold start
-    cold_stall_s: float       # the iteration's first forward waiting for its first fetches
-    cpu_wait_s: float         # the step waiting for the last CPU step / gradient copy (eq. 3)
-    time_s: float             # the stage's passes back to back, plus its step
+    stall_s: float            # compute waiting for the host link, after the cold start (steady state)
+    cold_stall_s: float       # what a slot per streamed layer still waits for the link (steady state)
+    cpu_wait_s: float         # compute waiting for fetches held by the previous iteration's CPU steps (eq. 3)
+    time_s: float             # the stage's passes back to back, plus its step (steady state)
+    first_cold_s: float = 0.0  # the first iteration's cold start: its first forward's wait, nothing carried in
 
 
 @dataclass
@@ -153,15 +159,18 @@ def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=Non
     if peak is None:
         peak = max(peaks(plan, model, hardware)[d] for d in stage.devices)
     capacity = hardware.device.memory_bytes if capacity_bytes is None else capacity_bytes
-    cold = min(cold_ns, stall)
+    link = stall - cpu_wait
+    cold = min(cold_ns, link)
+    first = _walk(sc, passes[:1], hardware, plan.training.microbatches, stage.offload.window_layers, steady=False)[0]
     return WindowPrice(window=stage.offload.window_layers, peak_bytes=peak,
-                       fits=peak <= capacity, stall_s=(stall - cold) / 1e9,
-                       cold_stall_s=cold / 1e9, cpu_wait_s=cpu_wait / 1e9, time_s=t / 1e9)
+                       fits=peak <= capacity, stall_s=(link - cold) / 1e9,
+                       cold_stall_s=cold / 1e9, cpu_wait_s=cpu_wait / 1e9, time_s=t / 1e9, first_cold_s=first / 1e9)
 
 
-def _walk(sc, passes, hardware: HardwareSpec, microbatches: int, w: int) -> tuple[int, int, int]:
-    """(compute stall, the step's wait for the CPU, the passes and the step) in ns, the stage's
-    passes walked back to back with ``w`` slots (simulator/window.py, plain arithmetic)."""
+def _walk(sc, passes, hardware: HardwareSpec, microbatches: int, w: int, steady: bool = True) -> tuple[int, int, int]:
+    """(compute stall, the part of it held by CPU steps (eq. 3), the passes and the step) in ns,
+    the stage's passes walked back to back with ``w`` slots (simulator/window.py, plain
+    arithmetic): the steady-state iteration, or with ``steady=False`` the first one."""
     from dataclasses import replace
 
     from simulator.links import Links  # the planner borrows the simulator's mechanism (lazy: STYLE)
@@ -169,22 +178,23 @@ def _walk(sc, passes, hardware: HardwareSpec, microbatches: int, w: int) -> tupl
 
     sc = replace(sc, window=w)
     clock = Clock()
-    walk = WindowWalk(sc, Links(hardware), *resources(hardware, sc), microbatches, clock)
+    walk = WindowWalk(sc, Links(hardware), *resources(hardware, sc), microbatches, clock, steady=steady)
     walk_passes(walk, passes, clock)  # exact; the periodic middle is not re-walked
-    cpu_wait = drive(walk.step(), clock)
-    return walk.stall_ns, cpu_wait, clock.t
+    drive(walk.step(), clock)
+    return walk.stall_ns, walk.cpu_hold_ns, clock.t
 
 
 def cold_start_ns(plan: Plan, hardware: HardwareSpec, sc, passes) -> int:
-    """The cold start of a stage (ns): what its compute waits for the iteration's FIRST fetch of
-    each streamed layer when every streamed layer has a slot, i.e. every fetch is issued as the
-    iteration starts, back to back on the host link, and none is ever repeated. No window can wait
-    less (a smaller one issues each fetch no earlier, in the same order), so the rest of a
-    window's stall is what a larger window would hide (P1 (1b), P2 (2b)) and is what the choice
-    counts. The step leaves every slot stale (simulator/window.py), so each iteration starts cold;
-    STRONGHOLD's resident first window (§III-E1) is what would hide this."""
+    """The cold start of a stage (ns): what its compute waits for the host link (not for CPU
+    steps) in the steady-state iteration when every streamed layer has a slot, i.e. every fetch is
+    issued as the iteration starts (the step left every slot stale), back to back on the host
+    link, and none is ever repeated. No window can wait less (a smaller one issues each fetch no
+    earlier, in the same order), so the rest of a window's link stall is what a larger window
+    would hide (P1 (1b), P2 (2b)) and is what the choice counts. With the resident first window
+    (§III-E1) the first fetches land behind the resident layers' forwards: usually 0."""
     streamed = sum(1 for lc in sc.layers if lc.streamed)
-    return _walk(sc, passes, hardware, plan.training.microbatches, max(streamed, 1))[0]
+    stall, held, _ = _walk(sc, passes, hardware, plan.training.microbatches, max(streamed, 1))
+    return stall - held
 
 
 def price_base(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int) -> tuple:
@@ -194,16 +204,37 @@ def price_base(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int) -> 
     return stage_cost(plan, model, hardware, s, plan.stages[s]), _passes(plan, s)
 
 
-def _peak_of(plan, model, hardware, s, resident, nvme):
-    """w -> stage ``s``'s device peak. A window changes only static memory, by one slot's weights
-    and gradients per slot (costs.window.window_static), so the peak is linear in w: one
-    analytic evaluation serves every window (the simulator's peak agrees: a test checks each).
-    ``hardware``: for MAP-sharded stages elsewhere in the plan (simulator.analytic.device_memory)."""
-    one = with_window(plan, s, 1, resident, nvme)
-    p1 = max(peaks(one, model, hardware)[d] for d in plan.stages[s].devices)
-    w_b, g_b, _ = plan.training.bytes_per_param()
-    slot = win.slot_params(model, one.stages[s]) * (w_b + g_b)
-    return lambda w: p1 + (w - 1) * slot
+def resident_of(plan: Plan, s: int, resident: list[int], w: int, first_window: bool) -> list[int]:
+    """Stage ``s``'s resident layers with ``w`` slots: ``resident`` plus, with ``first_window``,
+    the first working window (costs.window.first_window, §III-E1)."""
+    return win.first_window(plan.stages[s], resident, w) if first_window else list(resident)
+
+
+def _peak_of(plan, model, hardware, s, resident, nvme, first_window: bool = False):
+    """w -> stage ``s``'s device peak. A window changes only static memory (costs.window.window_static:
+    the resident layers' full state, one slot's weights and gradients per slot), so one analytic
+    evaluation serves every window, shifted by the static difference (the simulator's peak agrees:
+    a test checks each). ``hardware``: for MAP-sharded stages elsewhere in the plan
+    (simulator.analytic.device_memory)."""
+    from costs.params import layer_params_on_device
+
+    stage = plan.stages[s]
+    one = with_window(plan, s, 1, resident_of(plan, s, resident, 1, first_window), nvme)
+    p1 = max(peaks(one, model, hardware)[d] for d in stage.devices)
+    w_b, g_b, o_b = plan.training.bytes_per_param()
+    streamable = [layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers if i not in resident]
+    n = len(streamable)
+    largest_from = [0] * (n + 1)  # the largest streamed layer when the first r are resident: a slot's size
+    for r in range(n - 1, -1, -1):
+        largest_from[r] = max(streamable[r], largest_from[r + 1])
+    kept = [0]
+    for params in streamable:
+        kept.append(kept[-1] + params)
+
+    def static(w: int) -> int:  # costs.window.window_static's device bytes, less the fixed resident part
+        r = len(resident_of(plan, s, resident, w, first_window)) - len(resident)
+        return kept[r] * (w_b + g_b + o_b) + w * largest_from[r] * (w_b + g_b)
+    return lambda w: p1 + static(w) - static(1)
 
 
 def _largest_fit(peak_of, capacity: int, hi: int) -> int:
@@ -213,20 +244,31 @@ def _largest_fit(peak_of, capacity: int, hi: int) -> int:
 
 
 def choose_window(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, resident: list[int], nvme: bool,
-                  capacity_bytes: int, forced: int | None = None) -> tuple[int, list[WindowPrice]]:
+                  capacity_bytes: int, forced: int | None = None,
+                  first_window: bool = False) -> tuple[int, list[WindowPrice]]:
     """Stage ``s``'s window (§III-D) with ``resident`` layers kept and the streamed optimizer state
     on NVMe with ``nvme``: (the window, every window priced, ascending). The smallest window
     whose peak fits ``capacity_bytes`` and that has no stall after the cold start (P1, P2); when
     none is stall-free, the smallest within PLATEAU of the fastest that fits (see below); when
-    none fits, 1 (its price says ``fits=False``). ``forced``: that window, priced."""
-    peak_of = _peak_of(plan, model, hardware, s, resident, nvme)
+    none fits, 1 (its price says ``fits=False``). ``forced``: that window, priced.
+    ``first_window``: window ``w`` also keeps the first ``w`` streamable layers resident
+    (:func:`resident_of`, §III-E1): each candidate is priced with its own resident set, so the
+    backward's last layers need no fetch and their memory is in its peak."""
+    peak_of = _peak_of(plan, model, hardware, s, resident, nvme, first_window)
     top = _largest_fit(peak_of, capacity_bytes, win.max_window(plan.stages[s], resident))
-    base = price_base(with_window(plan, s, 1, resident, nvme), model, hardware, s)
-    cold = cold_start_ns(plan, hardware, *base)
+    bases: dict[tuple, tuple] = {}
+
+    def base_of(w: int):
+        """(stage costs, passes, cold start) of the streamed set window ``w`` leaves."""
+        keep = tuple(resident_of(plan, s, resident, w, first_window))
+        if keep not in bases:
+            b = price_base(with_window(plan, s, w, list(keep), nvme), model, hardware, s)
+            bases[keep] = (b, cold_start_ns(plan, hardware, *b))
+        return list(keep), *bases[keep]
 
     def at(w: int) -> WindowPrice:
-        return price(with_window(plan, s, w, resident, nvme), model, hardware, s, base, peak_of(w), capacity_bytes,
-                     cold)
+        keep, b, cold = base_of(w)
+        return price(with_window(plan, s, w, keep, nvme), model, hardware, s, b, peak_of(w), capacity_bytes, cold)
 
     if forced is not None:
         return forced, [at(forced)]
@@ -235,21 +277,36 @@ def choose_window(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, 
     prices: list[WindowPrice] = []
     for w in range(1, top + 1):  # smallest stall-free window that fits (P1, P2)
         prices.append(at(w))
-        if prices[-1].stall_s == 0:
-            return w, prices
+        if prices[-1].stall_s == 0 and prices[-1].fits:  # (a first window past half the layers shrinks:
+            return w, prices                               # the peak is not monotone in w)
     # none hides the transfers: §III-D takes the largest m that fits, but Fig. 9's plateau (past
     # it "a larger window does not justify the gain ... but will increase the GPU memory
     # pressure") argues for the smallest window within PLATEAU of it
-    best = min(p.time_s for p in prices)
-    return next(p.window for p in prices if p.time_s <= best * (1 + PLATEAU)), prices
+    best = min(p.time_s for p in prices if p.fits)
+    return next(p.window for p in prices if p.fits and p.time_s <= best * (1 + PLATEAU)), prices
+
+
+def choose_resident_window(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, resident: list[int],
+                           nvme: bool, capacity_bytes: int, forced: int | None = None,
+                           first_window: bool = True) -> tuple[int, list[WindowPrice], list[int]]:
+    """:func:`choose_window` with STRONGHOLD's resident first working window (§III-E1) when
+    ``first_window``, and without it when no window fits with it (its layers' full state on the
+    device costs twice a slot's bytes in FP32: a window that fits without it beats none):
+    (window, prices, the resident layers that go with it)."""
+    chosen, prices = choose_window(plan, model, hardware, s, resident, nvme, capacity_bytes, forced, first_window)
+    if first_window and not next(p for p in prices if p.window == chosen).fits:
+        plain = choose_window(plan, model, hardware, s, resident, nvme, capacity_bytes, forced, False)
+        if next(p for p in plain[1] if p.window == plain[0]).fits:
+            return *plain, list(resident)
+    return chosen, prices, resident_of(plan, s, resident, chosen, first_window)
 
 
 def _layer_times(plan, model, hardware, s) -> dict[str, float]:
     """A typical streamed layer's times (s): the largest streamed layer (the binding one), and
-    ``tail_s``: what the step waits for after the backward even when eq. 3 holds — the last
+    ``tail_s``: what the next forward waits for even when eq. 3 holds per layer — the last
     streamed layer of the backward (the first in forward order) has its gradients copied and is
-    stepped after its backward, with only the resident layers' backwards below it left to hide
-    them."""
+    stepped after its backward, and only the resident layers below it (their backwards, the
+    device step, the next forward's) are left to hide that before its fetch (which follows)."""
     from simulator.stagecost import stage_cost
 
     sc = stage_cost(plan, model, hardware, s, plan.stages[s])
@@ -259,8 +316,8 @@ def _layer_times(plan, model, hardware, s) -> dict[str, float]:
     lc = max(streamed, key=lambda x: x.fetch_ns)  # the largest streamed layer: the binding one
     recompute = lc.recompute_ns if lc.action.value == "recompute" else 0
     first = streamed[0]
-    below = sum(x.bwd_ns + (x.recompute_ns if x.action.value == "recompute" else 0)
-                for x in sc.layers if x.layer < first.layer)
+    below = sum(x.bwd_ns + x.fwd_ns + (x.recompute_ns if x.action.value == "recompute" else 0)
+                for x in sc.layers if x.layer < first.layer) + sc.optimizer_ns - first.fetch_ns
     return {"layer": lc.layer, "fwd_s": lc.fwd_ns / 1e9, "bwd_s": (lc.bwd_ns + recompute) / 1e9,
             "fetch_s": lc.fetch_ns / 1e9, "grad_copy_s": lc.grad_ns / 1e9, "cpu_step_s": lc.cpu_step_ns / 1e9,
             "tail_layer": first.layer, "tail_s": max(first.grad_ns + first.cpu_step_ns - below, 0) / 1e9}
@@ -285,14 +342,15 @@ def _bottleneck(choice_price: WindowPrice | None, times: dict, nvme: bool) -> tu
         drive = "NVMe" if nvme else "CPU optimizer"
         wait = time_text(choice_price.cpu_wait_s)
         if choice_price.cpu_wait_s <= times.get("tail_s", 0) + 1e-9:  # the last layer's copy + step, no queue
-            what = (f"{drive}: the step waits {wait} after the backward for the last streamed layer "
+            what = (f"{drive}: the next forward waits {wait} for the CPU step of the first streamed layer "
                     f"(L{times.get('tail_layer')}): its gradient copy ({t.get('grad_copy_s')}) and CPU step "
-                    f"({t.get('cpu_step_s')}) follow its backward, and only the resident layers' backwards are "
-                    f"left to hide them; every other CPU step hides behind the backward (eq. 3 holds: CPU step "
-                    f"{t.get('cpu_step_s')} vs backward {t.get('bwd_s')} per layer)")
+                    f"({t.get('cpu_step_s')}) follow its backward, and only the resident layers' backwards, "
+                    f"step and forwards are left to hide them and its fetch; every other CPU step hides behind "
+                    f"the compute (eq. 3 holds: CPU step {t.get('cpu_step_s')} vs backward {t.get('bwd_s')} "
+                    f"per layer)")
         else:
-            what = (f"{drive}: the step waits {wait} after the backward for the CPU steps, which queue "
-                    f"(eq. 3: each must hide behind the compute after its gradients; per layer CPU step "
+            what = (f"{drive}: the next forward waits {wait} for the CPU steps, which queue "
+                    f"(eq. 3: each must end before the next forward needs its layer; per layer CPU step "
                     f"{t.get('cpu_step_s')} vs backward {t.get('bwd_s')})")
         found.append(("nvme" if nvme else "cpu optimizer", choice_price.cpu_wait_s, what))
     found.sort(key=lambda x: -x[1])
@@ -378,7 +436,14 @@ def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, 
             raise PlanningError(f"stage {s} (layers {st.layer_start}..{st.layer_stop - 1}) holds only resident "
                                 "layers (embedding/head): nothing to stream; use fewer stages (policy.pp)")
     nvme, host, drive_bytes, notes = _host_tier(policy, model, plan, hardware, residents)
-    fits = True
+    choices, fits = _choose(policy, model, hardware, plan, residents, nvme)
+    plan = choices[-1][0] if choices else plan
+    # the host tier was decided with Fig. 3's residents only (the windows were not chosen yet); the
+    # bytes are counted with the first working windows the choice kept on the devices (§III-E1)
+    for node in host:
+        stages = [s for s, st in enumerate(plan.stages) if hardware.node_of(st.devices[0]) == node]
+        _, _, host[node], drive_bytes[node] = host_tier("on" if nvme[stages[0]] else "off", model, plan, hardware,
+                                                        {s: residents[s] for s in stages}, 0)
     for node, nbytes in host.items():
         if nbytes > hardware.host.memory_bytes:
             fits = False
@@ -391,15 +456,24 @@ def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, 
             fits = False
             notes.append(f"node {node}: the optimizer state needs {drive_bytes[node] / GIB:.0f} GiB of NVMe, the "
                          f"node has {hardware.host.nvme_bytes / GIB:.0f} GiB")
-    choices = []
+    return StrongholdOutcome(plan=plan, fits=fits, stages=[c for _, c in choices], host_bytes_per_node=host,
+                             nvme_bytes_per_node=drive_bytes, notes=notes)
+
+
+def _choose(policy, model, hardware, plan, residents, nvme) -> tuple[list[tuple[Plan, StageChoice]], bool]:
+    """Each stage's window and resident layers (``residents`` is updated): (plan after stage s,
+    its choice) per stage, and whether every chosen window fits its device."""
+    choices, fits = [], True
     for s, st in enumerate(plan.stages):
         n = win.max_window(st, residents[s])
         if policy.window_layers is not None and policy.window_layers > n:
             raise PlanningError(f"policy.window_layers: {policy.window_layers} is more than stage {s}'s {n} "
                                 f"streamed layers (layers {st.layer_start}..{st.layer_stop - 1} less the resident "
                                 f"{residents[s]})")
-        chosen, prices = choose_window(plan, model, hardware, s, residents[s], nvme[s], hardware.device.memory_bytes,
-                                       policy.window_layers)
+        first = getattr(policy, "resident_first_window", True)  # §III-E1's default (planners.policy)
+        chosen, prices, residents[s] = choose_resident_window(plan, model, hardware, s, residents[s], nvme[s],
+                                                              hardware.device.memory_bytes, policy.window_layers,
+                                                              first)
         plan = with_window(plan, s, chosen, residents[s], nvme[s])
         final = next(p for p in prices if p.window == chosen)
         fits = fits and final.fits
@@ -408,11 +482,11 @@ def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, 
         if nvme[s] and kind == "none":
             kind, why = "host ram", "host RAM too small for the streamed state: optimizer state on NVMe " + \
                 "(its reads and writes hidden behind the backward)"
-        choices.append(StageChoice(stage=s, layers=(st.layer_start, st.layer_stop), device=st.devices[0],
-                                   resident=residents[s], streamed=n, window=chosen, nvme=nvme[s], prices=prices,
-                                   layer_times_s=times, bottleneck=kind, why=why))
-    return StrongholdOutcome(plan=plan, fits=fits, stages=choices, host_bytes_per_node=host,
-                             nvme_bytes_per_node=drive_bytes, notes=notes)
+        choices.append((plan, StageChoice(stage=s, layers=(st.layer_start, st.layer_stop), device=st.devices[0],
+                                          resident=residents[s], streamed=st.num_layers - len(residents[s]),
+                                          window=chosen, nvme=nvme[s], prices=prices, layer_times_s=times,
+                                          bottleneck=kind, why=why)))
+    return choices, fits
 
 
 def report(outcome: StrongholdOutcome) -> dict:
@@ -441,7 +515,9 @@ def summary_lines(outcome: StrongholdOutcome) -> list[str]:
             f"{c.window} of {c.streamed} streamed layers, resident {c.resident}"
             f"{', optimizer state on NVMe' if c.nvme else ''}; "
             f"peak {size_text(p.peak_bytes)}; stalls {time_text(p.stall_s)} (+{time_text(p.cold_stall_s)} cold start: "
-            f"the iteration's first fetches), CPU-step wait {time_text(p.cpu_wait_s)}; stage {time_text(p.time_s)}")
+            f"the iteration's first fetches), CPU-step wait {time_text(p.cpu_wait_s)} (eq. 3: the next forward "
+            f"waiting for the CPU steps); stage {time_text(p.time_s)} (steady state; cold start (first iteration "
+            f"only) {time_text(p.first_cold_s)})")
         if t:
             lines.append(f"  per streamed layer (L{t['layer']}): forward {time_text(t['fwd_s'])}, backward "
                          f"{time_text(t['bwd_s'])}, fetch {time_text(t['fetch_s'])}, gradient copy "

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costs import window as win
-from planners.stronghold.planner import (PLATEAU, WINDOWLESS_SCHEDULES, WindowPrice, choose_window, host_tier,
-                                         with_window)
+from planners.stronghold.planner import (PLATEAU, WINDOWLESS_SCHEDULES, WindowPrice, choose_resident_window,
+                                         host_tier, with_window)
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import MemoryAction, Plan
@@ -75,7 +75,8 @@ def window_blockers(plan: Plan, s: int, model: ModelSpec | None = None) -> str |
 
 
 def window_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, capacity_bytes: int,
-                 nvme: str = "auto", host_bytes_left: int | None = None) -> StageWindow | None:
+                 nvme: str = "auto", host_bytes_left: int | None = None,
+                 first_window: bool = True) -> StageWindow | None:
     """Stage ``s`` of ``plan`` with a STRONGHOLD window, the rest of the plan unchanged; None when
     :func:`window_blockers` names a reason.
 
@@ -86,7 +87,9 @@ def window_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, c
     fits, 1 with ``fits=False``. The host tier (planner.host_tier, §III-G): ``nvme`` on/off/auto,
     auto moving the optimizer state to NVMe only when the streamed state exceeds
     ``host_bytes_left`` (bytes of host RAM left to this stage; default: the node's RAM less what
-    the plan's other windows on that node keep there) and a drive exists."""
+    the plan's other windows on that node keep there) and a drive exists. ``first_window``: the
+    first working window stays resident, stepped on the device (§III-E1, planner.resident_of); the
+    host tier is sized without it (an upper bound: those layers' state is on the device)."""
     if nvme not in ("auto", "on", "off"):
         raise ValueError(f"nvme: {nvme!r}; use auto, on or off")
     if nvme == "on" and hardware.host.nvme_bytes == 0:
@@ -102,7 +105,8 @@ def window_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, c
                 else host_bytes_left)
     drive_left = hardware.host.nvme_bytes - sum(d for _, d in others)
     use, ram, host, drive = host_tier(nvme, model, plan, hardware, {s: resident}, ram_left)
-    chosen, prices = choose_window(plan, model, hardware, s, resident, use, capacity_bytes)
+    chosen, prices, resident = choose_resident_window(plan, model, hardware, s, resident, use, capacity_bytes,
+                                                      first_window=first_window)
     final = next(p for p in prices if p.window == chosen)
     host_fits = host <= ram_left and drive <= drive_left
     why = _why(final, prices)

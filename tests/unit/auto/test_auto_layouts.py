@@ -175,17 +175,19 @@ def test_when_every_stage_needs_a_window_the_compaction_is_skipped_and_nothing_l
 
 
 def test_windows_on_every_stage_move_the_optimizer_to_nvme_when_ram_runs_short():
-    """GPT-3 175B on one Selene node (8 A100-80GB, 2 TiB RAM, NVMe): a window per stage of pp8
-    needs 364 GiB of streamed state per stage; nvme=auto per stage fills RAM with the first stages
-    and leaves stage 6 short, so realise puts every window's optimizer state on NVMe — a fitting
-    pp8 plan, faster than STRONGHOLD's one-device plan."""
+    """GPT-3 175B on one Selene node (8 A100-80GB, NVMe) with 1.5 TiB of RAM (Selene has 2 TiB; with
+    STRONGHOLD's resident first window, §III-E1, 2 TiB holds five stages' streamed state and
+    nvme=auto fits): a window per stage of pp8; nvme=auto per stage fills RAM with the first
+    stages and leaves a later one short, so realise puts every window's optimizer state on NVMe —
+    a fitting pp8 plan, faster than STRONGHOLD's one-device plan."""
     from planners.auto.search import auto_search
     from planners.policy import AutoPolicy
     from specs import HardwareSpec
     from tests.conftest import conf
     from tests.unit.auto.auto_cases import GPT_TRAINING, spec
 
-    hw = HardwareSpec.model_validate({**conf("hardware", "selene"), "nodes": 1})
+    selene = conf("hardware", "selene")
+    hw = HardwareSpec.model_validate({**selene, "nodes": 1, "host": {**selene["host"], "memory_bytes": 3 << 39}})
     model = spec("gpt3_175b", GPT_TRAINING)
     out = auto_search(AutoPolicy(singles=["stronghold"]), model, hw, GPT_TRAINING, ONE_F_ONE_B)
     assert out.fits and out.winner.source == "auto"

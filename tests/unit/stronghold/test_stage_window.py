@@ -65,7 +65,10 @@ def test_window_fits_stage0_in_the_capacity_and_leaves_the_rest_alone(gpt_5b3, c
     validate_plan(sw.plan, gpt_5b3, hw)
     assert_only_stage0_changed(plan, sw.plan)
     off = sw.plan.stages[0].offload
-    assert off.window_layers == sw.window_layers and off.resident_layers == [0]  # the embedding (Fig. 3)
+    # the embedding (Fig. 3) and the first working window (§III-E1: min(w, n - w) of the n streamable layers)
+    n = plan.stages[0].num_layers - 1
+    keep = min(sw.window_layers, n - sw.window_layers)
+    assert off.window_layers == sw.window_layers and off.resident_layers == list(range(keep + 1))
     assert not off.nvme and not off.optimizer_on_cpu  # 755 GiB of host RAM hold the streamed state
     assert stage0_peak(sw.plan, gpt_5b3) == sw.price.peak_bytes <= cap
     sim = simulate(sw.plan, gpt_5b3, hw, trace=False).result

@@ -11,7 +11,8 @@ import pytest
 
 from planners import make_plan, parse_policy
 from planners.layout import PlanningError
-from planners.stronghold.planner import PLATEAU, stronghold_search
+from costs import window as win
+from planners.stronghold.planner import PLATEAU, resident_of, stronghold_search
 from simulator.engine import Engine
 from simulator.report import build_result
 from costs.families import build_model, parse_model_config
@@ -31,23 +32,29 @@ def policy(**kw):
     return parse_policy({"kind": "stronghold", **kw})
 
 
-def _engine(plan, model, hardware, w):
+def _engine(plan, model, hardware, w, resident=None):
     st = plan.stages[0]
-    off = st.offload.model_copy(update={"window_layers": w})
+    off = st.offload.model_copy(update={"window_layers": w,
+                                        **({"resident_layers": resident} if resident is not None else {})})
     plan = plan.model_copy(update={"stages": [st.model_copy(update={"offload": off})]})
     engine = Engine(plan, model, hardware)
     engine.run()
     return engine
 
 
-def simulate_window(plan, model, hardware, w):
-    """(result, stall ns after the cold start) of the simpy engine with ``w`` slots. The cold start
-    is what the engine's compute waits with EVERY streamed layer in a slot (each fetched once, as
-    the iteration starts): the stall no window hides (planner.cold_start_ns)."""
-    engine = _engine(plan, model, hardware, w)
+def simulate_window(plan, model, hardware, w, first_window=True):
+    """(result, host-link stall ns after the cold start) of the simpy engine with ``w`` slots and
+    the resident layers the planner gives window ``w`` (the embedding/head, and with
+    ``first_window`` the first working window, §III-E1). The cold start is what the engine's
+    compute waits for the host link with EVERY streamed layer in a slot (each fetched once, as the
+    iteration starts): the stall no window hides (planner.cold_start_ns). Waits for the previous
+    iteration's CPU steps (eq. 3, ``cpu_hold_ns``) are not the window's and are left out."""
+    keep = resident_of(plan, 0, win.default_resident(model, plan.stages[0]), w, first_window)
+    engine = _engine(plan, model, hardware, w, keep)
     result, _ = build_result(engine, model)
-    cold = _engine(plan, model, hardware, len(plan.stages[0].streamed_layers)).windows[0].stall_ns
-    return result, engine.windows[0].stall_ns - min(cold, engine.windows[0].stall_ns)
+    link = lambda e: e.windows[0].stall_ns - e.windows[0].cpu_hold_ns  # noqa: E731
+    cold = link(_engine(plan, model, hardware, plan.stages[0].num_layers - len(keep), keep))
+    return result, link(engine) - min(cold, link(engine))
 
 
 def one_gpu(hw: HardwareSpec, **host) -> HardwareSpec:
@@ -78,7 +85,8 @@ def test_choice_is_the_smallest_stall_free_window_simulated(name, model, hw, tra
     outcome = stronghold_search(policy(), model, hw, training, sched)
     choice = outcome.stages[0].window
     n = outcome.stages[0].streamed
-    sims = {w: simulate_window(outcome.plan, model, hw, w) for w in range(1, n + 1)}
+    first = outcome.stages[0].resident != win.default_resident(model, outcome.plan.stages[0])
+    sims = {w: simulate_window(outcome.plan, model, hw, w, first) for w in range(1, n + 1)}
     fitting = [w for w, (r, _) in sims.items() if not r.devices[0].oom]
     stall_free = [w for w in fitting if sims[w][1] == 0]
     # the planner's own pricing of each window equals the engine's stalls, nanosecond for nanosecond
@@ -129,8 +137,14 @@ def test_resident_layers_are_the_embedding_and_tied_head():
     outcome = stronghold_search(policy(pp=1), model, hw, TrainingSpec(global_batch=8, microbatch_size=2,
                                                                       precision="fp32"), ScheduleSpec())
     off = outcome.plan.stages[0].offload
-    assert off.resident_layers == [0, model.num_layers - 1]
-    assert outcome.plan.stages[0].streamed_layers == list(range(1, model.num_layers - 1))
+    # Fig. 3's embedding and tied head, and §III-E1's first working window: the first w blocks
+    w = off.window_layers
+    assert off.resident_layers == [0, *range(1, 1 + w), model.num_layers - 1]
+    assert outcome.plan.stages[0].streamed_layers == list(range(1 + w, model.num_layers - 1))
+    # turned off (policy.resident_first_window=false): the embedding and the head only
+    plain = stronghold_search(policy(pp=1).model_copy(update={"resident_first_window": False}), model, hw,
+                              TrainingSpec(global_batch=8, microbatch_size=2, precision="fp32"), ScheduleSpec())
+    assert plain.plan.stages[0].offload.resident_layers == [0, model.num_layers - 1]
 
 
 def test_pipeline_stages_each_get_a_window():
@@ -140,8 +154,10 @@ def test_pipeline_stages_each_get_a_window():
     outcome = stronghold_search(policy(pp=8), model, hw, training, ScheduleSpec())
     assert len(outcome.plan.stages) == hw.num_devices
     assert all(st.offload.window_layers for st in outcome.plan.stages)
-    # middle stages hold neither embedding nor head: nothing resident
-    assert outcome.plan.stages[3].offload.resident_layers == []
+    # middle stages hold neither embedding nor head: only their first working window is resident
+    st = outcome.plan.stages[3]
+    keep = min(st.offload.window_layers, st.num_layers - st.offload.window_layers)  # costs.window.first_window
+    assert st.offload.resident_layers == list(range(st.layer_start, st.layer_start + keep))
 
 
 def test_host_ram_short_moves_the_optimizer_state_to_nvme():

@@ -1,0 +1,64 @@
+"""STRONGHOLD eq. 3 and the resident first window in real gloo runs of gpt_tiny on local_cpu
+(executor.window): the plan policy=stronghold makes (the embedding, the tied head and the first
+working window resident, stepped by the device optimizer; the rest streamed), with each layer's
+CPU step left running past the iteration's end until the next fetch of that layer waits for it.
+Numerics: bit for bit the plain run's, and the single-process reference's within the reordering
+tolerance (as tests/integration/executor/test_executor_window.py). Memory: the device holds the
+resident layers plus w slots, exactly; the simulated peak is within 10 % of the measured one."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from executor.measure import execute_run
+from executor.reference import train_reference
+from planners import parse_policy
+from planners.stronghold.planner import stronghold_search
+from simulator import simulate
+from costs.families import build_model
+from specs.plan import ScheduleSpec
+from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol
+from tests.integration.executor.test_executor_window import assert_bitwise, f64, merged, single
+
+SPEC = build_model(GPT_TINY, 4)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    outcome = stronghold_search(parse_policy({"kind": "stronghold", "pp": 1}), SPEC, LOCAL_CPU, CPU_TRAINING,
+                                ScheduleSpec())
+    return outcome.plan
+
+
+@pytest.mark.slow
+def test_planned_window_with_resident_first_window_trains_exactly(planned):
+    st = planned.stages[0]
+    w = st.offload.window_layers
+    assert st.offload.resident_layers[:2] == [0, 1] and len(st.streamed_layers) >= w  # block0 resident
+    out = f64(planned)
+    assert_bitwise(out, f64(single(None)))
+    ref = train_reference(GPT_TINY, CPU_TRAINING, 2, dtype=torch.float64)
+    rtol = reorder_rtol(longest_reduction(GPT_TINY, CPU_TRAINING))
+    np.testing.assert_allclose(out.losses, ref["losses"], rtol=rtol)
+    for key in ("grads", "params"):
+        got = merged(out, key)
+        scale = max(float(np.abs(v).max()) for v in ref[key].values())
+        for name, want in ref[key].items():
+            np.testing.assert_allclose(got[name], want, rtol=rtol, atol=rtol * scale, err_msg=(key, name))
+
+
+@pytest.mark.slow
+def test_planned_window_memory_is_the_simulated(planned):
+    result, _ = execute_run(planned, GPT_TINY, LOCAL_CPU, iterations=1, warmup=1, timeout_s=120, device="cpu")
+    assert result.failure is None, result.failure
+    dev = result.devices[0]
+    sim = simulate(planned, SPEC, LOCAL_CPU, trace=False).result.devices[0]
+    print(f"\nmeasured peak {dev.peak_bytes} B, simulated {sim.peak_bytes} B; parameters "
+          f"{dev.breakdown.parameters_bytes} vs {sim.breakdown.parameters_bytes} B")
+    assert dev.breakdown.parameters_bytes == sim.breakdown.parameters_bytes
+    # the resident layers' Adam: m and v as simulated, plus Adam's 4-byte step per tensor (not modelled)
+    n_tensors = sum(1 for i, _, mod in __import__("executor.models", fromlist=["build_layers"]).build_layers(GPT_TINY)
+                    if i in planned.stages[0].offload.resident_layers for _ in mod.parameters())
+    assert 0 <= dev.breakdown.optimizer_bytes - sim.breakdown.optimizer_bytes <= 4 * n_tensors
+    assert abs(dev.peak_bytes - sim.peak_bytes) <= 0.10 * dev.peak_bytes

@@ -108,6 +108,10 @@ class StrongholdPolicy(Spec):
     kind: Literal["stronghold"] = "stronghold"
     pp: int | None = Field(None, ge=1, description="pipeline stages, one device each; null: the fewest that fit")
     window_layers: int | None = Field(None, ge=1, description="slots per stage; null: the analytic window")
+    dp: int | None = Field(None, ge=1, le=1 << 20, description="data-parallel replicas of each stage, each streaming "
+                           "its own window (§III-F, §VI-D2); null: the planner chooses")
+    tp: int | None = Field(None, ge=1, le=1 << 20, description="tensor-parallel shards of each stage, a shard the unit "
+                           "of offload; null: the planner chooses")
     recompute: Literal["none", "full"] = Field("full", description="layer-wise checkpointing, as STRONGHOLD §V-D")
     nvme: Literal["auto", "on", "off"] = Field("auto", description="optimizer state on NVMe: when host RAM is "
                                                                    "short (auto), always, never")

@@ -99,29 +99,76 @@ def weight_swap_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[i
     return tuple(sum(p[i] for p in parts) for i in range(3)) if parts else (0, 0, 0)
 
 
-def weight_swap_transient_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int]:
-    """(weights, gradient) bytes of weight-swapped layers on the device at once, at most: the
-    moment a backward's layer L has ended, in pass order (descending) — L's weights and gradient
-    (its device->host gradient copy starts now), L - 1's weights (fetched: its compute starts) and
-    L - 2's (its fetch is issued as L - 1 starts computing), each where the layer is swapped. The
-    prefetch rule (specs.plan_memory.OffloadPolicy: a layer's copy is issued when the pass's
-    preceding layer starts) thus puts at most three layers' weights and one gradient there; a
-    forward at most two layers' weights (a layer's and the next one's), never more than the
-    backward's moment around the same layers. Assumes a gradient copy ends before the next
-    layer's backward does (it runs on the other direction of the host link beside that layer's
-    compute); a slower link piles copies up and the simulator's peak is higher."""
+def weight_swap_backward_relief(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> tuple[int, int]:
+    """(freed, scratch) bytes of weight-swapped ``layer``'s backward, at the moment its gradient is
+    complete (its parameters' post-accumulate hooks fire, executor.weight_swap):
+
+    * ``freed``: the activations autograd has released by then: the layer's own saved bytes and
+      its input when nothing below needs it again (costs.activations.layer_freed_bytes; a stage's
+      first layer its own only: the stage's input is kept until the backward ends). A wholly
+      swapped layer's copy (its swapped-in storages, held until its last saved tensor goes) and
+      a recomputed layer's re-made activations (the workspace) are not in it;
+    * ``scratch``: what of the backward workspace the layer's own backward held and no longer
+      does, at most the stage's workspace: its weight-gradient part (the layer's
+      ``workspace_fixed_bytes``, its TP share as costs.activations.backward_workspace_bytes
+      takes it) — with weight swap the parameters have no gradient when the backward starts, so
+      autograd keeps each computed weight gradient as the gradient itself instead of adding it
+      to a resident one and dropping it: those bytes are the gradient (counted in full from then
+      on), not scratch beside it — and a recomputed layer's re-made activations (the workspace
+      counts them), released as its backward consumed them.
+
+    The simulator (simulator/weightswap.py) books both at the layer's backward end: ``freed`` for
+    the rest of the pass, ``scratch`` until the next layer of the pass starts computing."""
+    from costs.activations import (backward_transient_bytes, layer_freed_bytes, layer_input_bytes,
+                                   layer_own_bytes, layer_saved_bytes)
+    from costs.params import samples_per_replica
+    from specs.plan import MemoryAction
+
+    b = samples_per_replica(plan, stage)
+    freed = (layer_own_bytes(model, stage, layer, b) if layer == stage.layer_start
+             else layer_freed_bytes(model, stage, layer, b))
+    spec = model.layers[layer]
+    fixed = spec.workspace_fixed_bytes * spec.tp_sharded_param_fraction
+    scratch = math.ceil(fixed / stage.tp + spec.workspace_fixed_bytes - fixed)
+    if stage.action_of(layer).action is MemoryAction.recompute:  # as backward_workspace_bytes adds them
+        scratch += layer_saved_bytes(spec, b, stage.tp) - (layer_input_bytes(model, layer, b) if spec.saves_input else 0)
+    return freed, min(scratch, backward_transient_bytes(model, plan, stage)[0])
+
+
+def weight_swap_transient_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int, int]:
+    """(weights, gradient, relief) bytes of weight-swapped layers on the device during one
+    backward at its worst moment, relief being the activations and workspace the swapped layers'
+    backwards have released by then (:func:`weight_swap_backward_relief`), to take off the
+    backward's activation moment. The moments, in pass order (descending), with the prefetch rule
+    (specs.plan_memory.OffloadPolicy: a layer's copy is issued when the pass's preceding layer
+    starts): layer j starts computing — j's weights and j - 1's (its fetch issued now), and, when
+    j + 1 is swapped, j + 1's weights and gradient (its device->host copy runs beside j's
+    compute); a swapped layer L's backward has ended — L's weights and gradient, L - 1's weights
+    (fetched), its workspace scratch gone. Each where the layer is swapped; relief counts the
+    ``freed`` of the swapped layers whose backwards have ended. At most three layers' weights
+    and one gradient. Assumes a gradient copy ends before the next layer's backward does (it
+    runs on the other direction of the host link beside that layer's compute); a slower link
+    piles copies up and the simulator's peak is higher. A CPU rank's copies are memcpys on the
+    compute thread (the simulator releases a layer before the next one starts): there this is an
+    upper bound."""
     swapped = set(stage.offload.weight_swap_layers)
     if not swapped:
-        return 0, 0
+        return 0, 0, 0
     sizes = {l: weight_swap_layer_bytes(model, plan, stage, l) for l in swapped}
+    relief = {l: weight_swap_backward_relief(model, plan, stage, l) for l in swapped}
     w = lambda l: sizes[l][0] if l in swapped else 0  # noqa: E731
-    best = (0, 0)
-    for l in stage.layers:
-        if l not in swapped:
-            continue
-        weights, grads = w(l) + w(l - 1) + w(l - 2), sizes[l][1]
-        if weights + grads > sum(best):
-            best = (weights, grads)
+    best, freed = None, 0
+    for j in reversed(stage.layers):
+        above = j + 1 if j + 1 in swapped and j + 1 < stage.layer_stop else None
+        starts = (w(j) + w(j - 1) + (w(above) if above is not None else 0),
+                  sizes[above][1] if above is not None else 0, freed)
+        moments = [starts]
+        if j in swapped:
+            freed += relief[j][0]
+            moments.append((w(j) + w(j - 1), sizes[j][1], freed + relief[j][1]))
+        for m in moments:
+            if best is None or m[0] + m[1] - m[2] > best[0] + best[1] - best[2]:
+                best = m
     return best
 
 

@@ -15,7 +15,9 @@ holds).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 
@@ -45,6 +47,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return inner if isinstance(inner, torch.Tensor) else t
 
 
+#: debug: a folder to write every tracked allocation and free to, one ``mem_<rank>.log`` per process (its pid outside torch.distributed)
+#: (lines ``t_ns +|- key bytes category total_device_bytes op where``), the measured memory timeline
+#: to set beside the simulator's trace.json counters
+MEMLOG_ENV = "MEMWALL_MEMLOG"
+
+
+def _where() -> str:
+    """The innermost caller outside torch and this module (debug log only)."""
+    import traceback
+
+    for fr in reversed(traceback.extract_stack()[:-3]):
+        if "/torch/" not in fr.filename and not fr.filename.endswith("memtrack.py"):
+            return f"{os.path.basename(fr.filename)}:{fr.lineno}:{fr.name}"
+    return "?"
+
+
 class MemoryBudgetExceeded(RuntimeError):
     """A CPU rank went over its device's ``memory_bytes``: the CPU analogue of a CUDA OOM."""
 
@@ -72,11 +90,25 @@ class LiveTensorTracker(TorchDispatchMode):
         self.nvme_bytes = 0  # live NVME-tagged bytes, likewise apart
         self.nvme_peak_bytes = 0
         self._lock = threading.RLock()
+        folder = os.environ.get(MEMLOG_ENV)
+        if folder:
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else os.getpid()
+            self._log = open(os.path.join(folder, f"mem_{rank}.log"), "w")
+        else:
+            self._log = None
+        self._op = ""
+
+    def _write(self, sign: str, key: int, nbytes: int, category) -> None:
+        self._log.write(f"{time.perf_counter_ns()} {sign} {key} {nbytes} {category} {self.total_bytes} "
+                        f"{self._op} {_where() if sign == '+' else ''}\n")
+        self._log.flush()
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def _free(self, key: int) -> None:
         with self._lock:  # finalizers also run on the send-reaper thread (executor.stage)
             nbytes, cat = self._live.pop(key, (0, None))
+            if self._log is not None and cat is not None:
+                self._write("-", key, nbytes, cat)
             if cat == HOST:
                 self.host_bytes -= nbytes
             elif cat == NVME:
@@ -103,6 +135,8 @@ class LiveTensorTracker(TorchDispatchMode):
             self._keys[st] = key
             self._live[key] = [nbytes, category]
             weakref.finalize(st, self._free, key)
+            if self._log is not None:
+                self._write("+", key, nbytes, category)
             if category == HOST:
                 self.host_bytes += nbytes
                 self.host_peak_bytes = max(self.host_peak_bytes, self.host_bytes)
@@ -127,6 +161,8 @@ class LiveTensorTracker(TorchDispatchMode):
                     raise ValueError(f"a {entry[1]} storage cannot be re-tagged {category}")
                 self.totals[entry[1]] -= entry[0]
                 self.totals[category] += entry[0]
+                if self._log is not None:
+                    self._write("=", key, entry[0], f"{entry[1]}->{category}")
                 entry[1] = category
 
     def reset_peak(self) -> None:
@@ -134,6 +170,8 @@ class LiveTensorTracker(TorchDispatchMode):
         self.peak_breakdown = dict(self.totals)
         self.host_peak_bytes = self.host_bytes
         self.nvme_peak_bytes = self.nvme_bytes
+        if self._log is not None:
+            self._write("R", -1, 0, "reset_peak")
 
     @contextmanager
     def phase(self, category: str):
@@ -153,6 +191,7 @@ class LiveTensorTracker(TorchDispatchMode):
             # (zeros, exp, their sum) where only its one-shard result was counted (issue #11)
             return NotImplemented
         out = func(*args, **(kwargs or {}))
+        self._op = str(func) if self._log is not None else ""
         if func.is_view:  # a view allocates nothing: its storage is counted where it was made, or,
             return out    # made before tracking (the host-side global batch a rank slices), not at all
         for t in tree_flatten(out)[0]:

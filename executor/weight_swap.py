@@ -290,6 +290,7 @@ class WeightSwap(WindowHost):
         L = self.by_param[id(p)]
         if not L.in_backward:
             return
+        self.st.tracker.tag(p.grad, "gradients")  # the layer's gradient, not backward scratch
         L.left -= 1
         if L.left == 0:
             self._grad_out(L)

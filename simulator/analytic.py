@@ -57,8 +57,9 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     each per-backward update walks its pass order with those moving bytes instead
     (simulator.stash_peak), its stash in (a) only. Weight-swapped layers (``offload.weight_swap_layers``,
     MPress §II-D) are not in the static bytes (costs.static.stage_static: host memory); during a
-    backward up to three of their weights and one gradient are on the device
-    (costs.static.weight_swap_transient_bytes), added to the backwards' moments of (a): the walk
+    backward up to three of their weights and one gradient are on the device, less what their
+    backwards have released by then (costs.static.weight_swap_transient_bytes: their own activations,
+    their weight-gradient scratch, which is the gradient), added to the backwards' moments of (a): the walk
     without the forwards' sent outputs, which the backwards then cover. Under PipeDream a stale
     version of them waits in host memory per stashed version.
     """
@@ -87,7 +88,7 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     transient = {pos: _ws_transient(model, plan, pos) for pos in range(plan.pipeline_depth)}
     unsent = {s: 0 for s in sent}
     at_backward = {pos: activation_peak(plan, pos, acts, work, unsent, grads)
-                   for pos, t in transient.items() if sum(t)}
+                   for pos, t in transient.items() if t[0] or t[1]}
     walked: dict[int, PeakParts] = {}  # PipeDream positions whose memory moves each backward
     walked_bwd: dict[int, PeakParts] = {}  # the same without the sent outputs (weight swap)
     for i, stage in enumerate(plan.stages):
@@ -104,7 +105,7 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
             walked[i] = pipedream_peak(plan, i, acts[i], work[i], sent[i], grads[i],
                                        static.parameters_bytes - swap, swap, opt,
                                        allreduce[i] if stage.dp > 1 else 0)  # per-update all-reduce
-            if sum(transient[plan.device_group_of(i)]):
+            if any(transient[plan.device_group_of(i)][:2]):
                 walked_bwd[i] = pipedream_peak(plan, i, acts[i], work[i], 0, grads[i],
                                                static.parameters_bytes - swap, swap, opt, 0)
             stashed, host = 0, host + versions * swap  # (on the host: at most one per stashed version)
@@ -132,15 +133,15 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
                 model, plan, plan.stages[s]), default=0) for s in stages)
             if plan.schedule.kind is ScheduleKind.pipedream_async:
                 opt_in = 0  # PipeDream updates after every backward, none after the last one's all-reduce
-            tw, tg = transient[pos]
+            tw, tg, tr = transient[pos]
             if pos in walked:  # simulator.stash_peak: the walk with the moving versions and updates
                 w = walked[pos]
                 extra = ({"activations_bytes": w.activations_bytes, "buffers_bytes": w.buffers_bytes,
                           "stashed_weights_bytes": w.stashed_weights_bytes, "optimizer_bytes": w.optimizer_bytes}
                          if w.total_bytes >= flat + sent_grads else {"buffers_bytes": flat + sent_grads})
                 b = walked_bwd.get(pos)
-                if b is not None and b.total_bytes + tw + tg > sum(extra.values()):
-                    extra = {"activations_bytes": b.activations_bytes, "buffers_bytes": b.buffers_bytes,
+                if b is not None and b.total_bytes + tw + tg - tr > sum(extra.values()):
+                    extra = {"activations_bytes": b.activations_bytes - tr, "buffers_bytes": b.buffers_bytes,
                              "stashed_weights_bytes": b.stashed_weights_bytes, "optimizer_bytes": b.optimizer_bytes,
                              "parameters_bytes": tw, "gradients_bytes": tg}
             elif act_peak >= flat + opt_in + sent_grads:
@@ -149,21 +150,23 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
                 extra = {"buffers_bytes": flat + sent_grads, "optimizer_bytes": opt_in}
             if pos in at_backward and pos not in walked:
                 bwd_peak, _, bwd_grads = at_backward[pos]
-                if bwd_peak + tw + tg > sum(extra.values()):
-                    extra = {"activations_bytes": bwd_peak - bwd_grads, "buffers_bytes": bwd_grads,
+                if bwd_peak + tw + tg - tr > sum(extra.values()):
+                    extra = {"activations_bytes": bwd_peak - bwd_grads - tr, "buffers_bytes": bwd_grads,
                              "parameters_bytes": tw, "gradients_bytes": tg}
             out[device] = (_add(mem, **extra), h)
     return out
 
 
-def _ws_transient(model: ModelSpec, plan: Plan, position: int) -> tuple[int, int]:
-    """(weights, gradient) bytes weight-swapped layers hold on position ``position``'s device at
-    most, during one backward of one of its stages (costs.static.weight_swap_transient_bytes)."""
-    best = (0, 0)
+def _ws_transient(model: ModelSpec, plan: Plan, position: int) -> tuple[int, int, int]:
+    """(weights, gradient, relief) of weight-swapped layers on position ``position``'s device at
+    their worst moment of one backward of one of its stages (costs.static.
+    weight_swap_transient_bytes: relief is the activations and workspace their backwards have
+    released by then)."""
+    best = (0, 0, 0)
     for s in range(position, len(plan.stages), plan.pipeline_depth):
-        t = costs.static.weight_swap_transient_bytes(model, plan, plan.stages[s])
-        if sum(t) > sum(best):
-            best = t
+        w, g, r = costs.static.weight_swap_transient_bytes(model, plan, plan.stages[s])
+        if (w or g) and (best == (0, 0, 0) or w + g - r > best[0] + best[1] - best[2]):
+            best = (w, g, r)
     return best
 
 

@@ -192,19 +192,25 @@ class ScheduleWalk:
         starts — double buffering, so at most two layers' copies are on the device (MPress §IV
         overlaps swap-in with the backward of the layers above). A weight-swapped layer (MPress
         §II-D, weightswap.py) waits for its weights, fetched when the layer above started
-        computing, and sends its gradient to the host when its backward ends. Returns busy
-        nanoseconds.
+        computing, and sends its gradient to the host when its backward ends; by then autograd has
+        freed its own activations (for the rest of the pass) and its weight-gradient scratch is the
+        gradient (until the next layer starts), and its swapped-in copy goes after the gradient
+        appears (weightswap.py ``_ws_gradient``). Returns busy nanoseconds.
 
         One generator for the whole pass (the wait for a swapped layer's copy is inline, not a
         nested generator): every layer's event resumes it, so each frame fewer counts."""
         env, mem, busy = self.env, self.mem[pos], 0
         timeout, trace, index = env.timeout, self.trace, sc.index
         order = sc.layers[::-1]
+        early = relieved = 0  # weight swap: activations freed for the pass, scratch to give back
         if sc.weight_swap:
             last = self._ws_last_backward(index)
             busy += yield from self._ws_next(w, sc, order, -1, k, False)
         for j, lc in enumerate(order):
             action = lc.action
+            if relieved:  # the layer above's weight-gradient scratch: this layer's workspace again
+                mem.add(env.now, ACTS, relieved)
+                relieved = 0
             if lc.weight_swap:
                 busy += yield from self._ws_wait(w, sc, lc, k)
             if sc.weight_swap:  # it starts computing: the next layer's fetch is issued
@@ -237,11 +243,14 @@ class ScheduleWalk:
             yield timeout(lc.bwd_ns)
             self.events += 1
             busy += lc.bwd_ns
-            if action in SWAPS:
+            if lc.weight_swap:  # its gradient, then its swapped-in copy goes (weightswap.py)
+                held, freed, relieved = yield from self._ws_gradient(
+                    w, sc, lc, k, last, lc.saved_bytes if action in SWAPS else 0)
+                busy += held
+                early += freed
+            elif action in SWAPS:
                 mem.add(env.now, SWAPPED, -lc.saved_bytes)
-            if lc.weight_swap:
-                busy += yield from self._ws_gradient(w, sc, lc, k, last)
-        mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
+        mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes - early - relieved))
         self._prefetch.pop((index, k), None)
         return busy
 

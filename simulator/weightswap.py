@@ -14,7 +14,15 @@ runs the same one). A listed layer's weights, gradient and optimizer state live 
 * a forward releases them when the layer's compute ends;
 * a backward (a recomputed layer re-runs its forward inside it, with the same fetched weights)
   makes the layer's gradient (GRADS, from the layer's backward end), copies it device->host (the
-  d2h copy engine; accumulated there) and releases weights and gradient when that copy ends;
+  d2h copy engine; accumulated there) and releases weights and gradient when that copy ends. At
+  that moment (the executor's post-accumulate-grad hooks) autograd has already released the
+  layer's own saved activations (ACTS, for the rest of the pass: the layered backward otherwise
+  frees a microbatch's activations at its end), and the workspace's weight-gradient part is the
+  gradient itself (the parameters start the backward without one, so autograd keeps each computed
+  weight gradient instead of adding it to a resident one): ACTS less that until the next layer
+  starts (costs.static.weight_swap_backward_relief). A swapped layer's swapped-in copy (SWAPPED)
+  goes after the gradient is booked: the swapper frees it with its last saved tensor, which the
+  layer's first operation holds until the last weight gradients (executor.swap ``_Record``);
 * the CPU steps the layer (the node's CPU, as a STRONGHOLD window's and ZeRO-Offload's steps:
   costs.window.cpu_step_s) once its update's gradients are in: after every backward under
   PipeDream (§3.3 of PipeDream: an update per backward), whose next forward's fetch waits for
@@ -30,8 +38,10 @@ Trace slices: ``fetch L<l> mb<k>`` (h2d), ``grads L<l> mb<k>`` (d2h), both categ
 """
 from __future__ import annotations
 
-from simulator.memory import GRADS, PARAMS
+import costs.static
+from simulator.memory import ACTS, GRADS, PARAMS, SWAPPED
 from simulator.stagecost import LayerCost, StageCost
+from specs.plan import stage_for_microbatch
 
 
 class WeightSwapEvents:
@@ -43,6 +53,7 @@ class WeightSwapEvents:
         self._ws_step_end: dict[tuple[int, int], int] = {}    # (stage, layer) -> its last CPU step's end
         self._ws_done: dict[int, int] = {}                    # stage -> its last copy or CPU step's end
         self._ws_backwards: dict[int, int] = {}               # stage -> backwards walked
+        self._ws_reliefs: dict[tuple[int, int], tuple] = {}   # (id(stage variant), layer) -> (variant, relief)
         # per position: weight bytes fetched and gradient bytes copied out in the iteration
         self.ws_fetch_bytes = [0] * self.p
         self.ws_grad_bytes = [0] * self.p
@@ -96,13 +107,29 @@ class WeightSwapEvents:
                 return (yield from self._ws_hold(w, stall, f"fetch L{order[j + 1].layer} mb{k} (memcpy)", "swap"))
         return 0
 
-    def _ws_gradient(self, w, sc: StageCost, lc: LayerCost, k: int, last: bool):
-        """``lc``'s backward ended: its gradient goes to the host, weights and gradient are released
-        when the copy ends, and the CPU steps the layer then (every backward under PipeDream, the
-        iteration's last one otherwise: ``last``). Returns busy ns (a synchronous copy's)."""
+    def _ws_relief(self, sc: StageCost, lc: LayerCost, k: int) -> tuple[int, int]:
+        """(freed, scratch) of ``lc``'s backward for microbatch ``k`` (costs.static.
+        weight_swap_backward_relief, of the stage as ``k`` sees it)."""
+        variant = stage_for_microbatch(self.plan.stages[sc.index], k)
+        hit = self._ws_reliefs.get((id(variant), lc.layer))
+        if hit is None:
+            hit = self._ws_reliefs[(id(variant), lc.layer)] = (
+                variant, costs.static.weight_swap_backward_relief(self.model, self.plan, variant, lc.layer))
+        return hit[1]
+
+    def _ws_gradient(self, w, sc: StageCost, lc: LayerCost, k: int, last: bool, swapped_bytes: int = 0):
+        """``lc``'s backward ended: its own activations and workspace scratch are gone, its
+        gradient is on the device (then ``swapped_bytes``, its swapped-in copy, goes); the gradient
+        goes to the host, weights and gradient are released when the copy ends, and the CPU steps
+        the layer then (every backward under PipeDream, the iteration's last one otherwise:
+        ``last``). Returns (busy ns (a synchronous copy's), activations freed for the rest of the
+        pass, scratch to give back when the next layer starts)."""
         env, mem, s = self.env, w.mem, sc.index
         now = env.now
+        freed, scratch = self._ws_relief(sc, lc, k)
+        mem.add(now, ACTS, -(freed + scratch))  # released before the hooks fire: no spike
         mem.add(now, GRADS, lc.ws_grad_bytes)
+        mem.add(now, SWAPPED, -swapped_bytes)
         self.ws_grad_bytes[w.pos] += lc.ws_grad_bytes
         name = f"grads L{lc.layer} mb{k}"
         busy = 0
@@ -125,7 +152,7 @@ class WeightSwapEvents:
             self.ws_cpu_ns[node] = self.ws_cpu_ns.get(node, 0) + lc.cpu_step_ns
             done = c1
         self._ws_done[s] = max(self._ws_done.get(s, 0), done)
-        return busy
+        return busy, freed, scratch
 
     def _ws_release(self, mem, lc: LayerCost) -> None:
         now = self.env.now

@@ -128,8 +128,11 @@ def _is_forward_fetch(ev: list[dict], fetch: dict) -> bool:
 def test_device_peak_drops_by_what_the_contract_says(kind, which):
     """The peak is a backward's (activations held + workspace). Weight swap takes the listed layers'
     weights, gradients and optimizer state off the device (and their stashed versions under
-    PipeDream) and puts back, during a backward, at most the prefetch rule's in-flight set: layer L
-    (weights + gradient, its copy out starting), L - 1 (weights) and L - 2 (weights, fetch issued)."""
+    PipeDream) and puts back, during a backward, the prefetch rule's in-flight set at its worst
+    moment. Here every layer keeps 8 MiB of activations, which autograd has freed by the time the
+    layer's 4 MB gradient is complete (costs.static.weight_swap_backward_relief), so the worst
+    moment is the pass's start: the top layer's weights and the next one's (its fetch issued as
+    the top layer starts), where swapped, and no gradient."""
     mdl, base, hw = _setup(kind)
     pick = {"first": lambda st: [st.layer_start], "all": lambda st: list(st.layers),
             "pair": lambda st: [st.layer_start, st.layer_start + 1]}[which]
@@ -141,15 +144,46 @@ def test_device_peak_drops_by_what_the_contract_says(kind, which):
         n = len(pick(pl.stages[s]))
         layers_per_stage = pl.stages[s].num_layers
         assert layers_per_stage == 2
-        # the in-flight set at a backward: two adjacent swapped layers -> L's w + g and L-1's w
-        in_flight = (w + g) + (w if n == 2 else 0)
+        for l in pick(pl.stages[s]):  # the premise: a layer's backward frees more than its gradient
+            assert costs.static.weight_swap_backward_relief(mdl, pl, pl.stages[s], l)[0] > g
+        in_flight = n * w  # the top layer's and the one below's weights, where swapped
         versions = (max_stashed_versions(P, M, s) if kind == "pipedream_async" else 0)
         freed = n * (w + g + o) + versions * n * w
         assert before.devices[s].peak_bytes - after.devices[s].peak_bytes == freed - in_flight, (s, n)
         b = after.devices[s].breakdown
         static = costs.static.stage_static(mdl, pl, pl.stages[s])[0]
         assert (b.parameters_bytes - static.parameters_bytes, b.gradients_bytes - static.gradients_bytes) == \
-            (in_flight - g, g)
+            (in_flight, 0)
+
+
+def test_swapped_layer_gradient_meets_its_swapped_in_copy():
+    """A weight-swapped layer whose activations are swapped (cpu_swap): its swapped-in copy stays
+    until its last saved tensor goes, so its complete gradient and that copy (with the copy of the
+    layer below, double buffered) are on the device together (executor.swap frees a copy with its
+    last saved tensor). The workspace's weight-gradient part (1 MiB here) is the gradient itself
+    until the next layer starts."""
+    from specs.plan import LayerMemory, MemoryAction
+
+    mdl, base, hw = _setup("1f1b")
+    swapped = type(base).model_validate({**base.model_dump(), "stages": [
+        {**st.model_dump(), "memory": [LayerMemory(layer=l, action=MemoryAction.cpu_swap).model_dump()
+                                       for l in st.layers]} for st in base.stages]})
+    pl = _ws(swapped, lambda st: [st.layer_stop - 1])  # the top layer: both copies are in at its end
+    res = simulate(pl, mdl, hw).result
+    w_b, g_b, _ = pl.training.bytes_per_param()
+    w, g = PARAMS * w_b, PARAMS * g_b
+    scratch = mdl.layers[0].workspace_fixed_bytes
+    samples = pl.training.samples_per_microbatch
+    for s in range(P):
+        st = pl.stages[s]
+        assert costs.static.weight_swap_backward_relief(mdl, pl, st, st.layer_stop - 1) == (0, scratch)
+        b = res.devices[s].breakdown
+        static = costs.static.stage_static(mdl, pl, st)[0]
+        assert (b.parameters_bytes - static.parameters_bytes, b.gradients_bytes - static.gradients_bytes) == (w, g)
+        assert b.swapped_in_bytes >= sum(costs.activations.swapped_bytes(mdl, st, l, samples) for l in st.layers)
+        # the copy out runs beside the next layer's backward (a GPU's copy engine), whose
+        # weight-gradient scratch is back: the worst moment gives nothing back
+        assert costs.static.weight_swap_transient_bytes(mdl, pl, st) == (w, g, 0)
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe", "pipedream_async"])
@@ -162,10 +196,10 @@ def test_closed_form_peak_and_host_equal_the_engine(kind, which):
     sim, ana = simulate(pl, mdl, hw).result, estimate(pl, mdl, hw)
     assert [d.peak_bytes for d in sim.devices] == [d.peak_bytes for d in ana.devices]
     assert [d.host_bytes for d in sim.devices] == [d.host_bytes for d in ana.devices]
-    if which == "all":  # three adjacent swapped layers: the in-flight set is 3 weights + 1 gradient
+    if which == "all":  # the layers free more activations than a gradient: the pass start's two weights
         w_b, g_b, _ = pl.training.bytes_per_param()
         for s in range(P):
-            assert costs.static.weight_swap_transient_bytes(mdl, pl, pl.stages[s]) == (3 * PARAMS * w_b, PARAMS * g_b)
+            assert costs.static.weight_swap_transient_bytes(mdl, pl, pl.stages[s]) == (2 * PARAMS * w_b, 0, 0)
 
 
 def test_pipedream_host_keeps_a_stale_version_per_stashed_version():

@@ -7,9 +7,10 @@
 Methods, as memwall expresses them (the paper's in brackets):
 
   no_offload       policy=balanced, recompute=full, pp=1 (V100) / pp=8 (A10)        [Megatron-LM]
-  zero_offload     the same pipeline with every stage's offload.optimizer_on_cpu:    [ZeRO-Offload]
+  zero_offload     policy=zero_offload, recompute=full, the same pp:                 [ZeRO-Offload]
                    weights and gradients on the device, optimizer state and Adam on
-                   the host, the CPU step after the backward, not overlapped
+                   the host; gradients copied as the backward produces them, the CPU
+                   step after it, the weights back (no DPU, as the paper's runs)
   zero_infinity    policy=stronghold window_layers=1 nvme=off: every layer but the  [ZeRO-Infinity, CPU RAM]
                    (tied) embedding/head streamed through ONE slot, fetched on demand
                    with no lookahead. An APPROXIMATION: ZeRO-Infinity partitions
@@ -49,9 +50,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import stronghold_paper as paper  # noqa: E402
 from planners import PlanningError, make_plan  # noqa: E402
-from planners.policy import BalancedPolicy, StrongholdPolicy  # noqa: E402
+from planners.policy import BalancedPolicy, StrongholdPolicy, ZeroOffloadPolicy  # noqa: E402
 from planners.stronghold.planner import PLATEAU, stronghold_search  # noqa: E402
-from specs.plan import OffloadPolicy, PlanError, ScheduleSpec, validate_plan  # noqa: E402
+from specs.plan import PlanError, ScheduleSpec, validate_plan  # noqa: E402
 
 GIB = float(1 << 30)
 METHODS = ("no_offload", "zero_offload", "zero_infinity", "stronghold", "stronghold_nvme")
@@ -145,12 +146,10 @@ def with_cpu_rate(hardware, rate: float):
 
 def plan_for(method: str, model, hardware, training, schedule: ScheduleSpec, pp: int, window: int | None = None):
     """The memwall plan standing for ``method`` (raises PlanningError/PlanError when none)."""
-    if method in ("no_offload", "zero_offload"):
-        plan = make_plan(BalancedPolicy(pp=pp, recompute="full"), model, hardware, training, schedule)
-        if method == "zero_offload":
-            stages = [s.model_copy(update={"offload": OffloadPolicy(optimizer_on_cpu=True)}) for s in plan.stages]
-            plan = validate_plan(plan.model_copy(update={"stages": stages}), model, hardware)
-        return plan
+    if method == "no_offload":
+        return make_plan(BalancedPolicy(pp=pp, recompute="full"), model, hardware, training, schedule)
+    if method == "zero_offload":  # policy=zero_offload: the same layout, the optimizer on the CPU (its planner)
+        return make_plan(ZeroOffloadPolicy(pp=pp, recompute="full"), model, hardware, training, schedule)
     nvme = "auto" if method == "stronghold_nvme" else "off"
     if method == "zero_infinity":
         window = 1

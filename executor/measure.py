@@ -102,9 +102,9 @@ def _offload_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
     st, out = plan.stages[i], []
     off = st.offload
     if off.window_layers is None:
-        if off.optimizer_on_cpu:
-            out.append(f"stages[{i}].offload.optimizer_on_cpu: ZeRO-Offload without a window (CPU step, "
-                       "weights kept on the device) is not implemented; set offload.window_layers")
+        if off.optimizer_on_cpu and st.tp > 1:  # executor.zero_offload runs ZeRO-Offload on plain tensors
+            out.append(f"stages[{i}].tp: {st.tp} with offload.optimizer_on_cpu (a host master of tensor-parallel "
+                       "DTensor shards is not implemented; use 1)")
         return out
     for name, degree in (("dp", st.dp), ("tp", st.tp)):
         if degree > 1:

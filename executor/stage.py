@@ -38,6 +38,7 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         st = plan.stages[index]
         self.plan, self.cfg, self.index, self.stage, self.device = plan, cfg, index, st, device
         self.rank_of, self.torch_device, self.tracker, self.dtype = rank_of, torch_device, tracker, dtype
+        self.nvme_dir = nvme_dir  # ZeRO-Offload's NVMe state files too (executor.zero_offload, via stage_grads)
         self.replica, self.tp_rank = coords(st, device)
         self.rows = replica_rows(plan, st, self.replica)
         self.first, self.last = index == 0, index == len(plan.stages) - 1

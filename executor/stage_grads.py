@@ -1,8 +1,9 @@
 """A stage's gradients and optimizer step: zeroing, the data-parallel all-reduce of the stage's
 gradients (one bucket), Megatron's embedding-group all-reduce of a tied input/output embedding
 split over two stages (Narayanan et al. 2021), and the optimizer step (resident parameters on
-the device, a STRONGHOLD window's streamed layers on the CPU, or MPress's optimizer swap; a
-weight-swapped layer's CPU steps, executor.weight_swap, run as its gradients land).
+the device, a STRONGHOLD window's streamed layers on the CPU, MPress's optimizer swap, or
+ZeRO-Offload's CPU step, executor.zero_offload; a weight-swapped layer's CPU steps,
+executor.weight_swap, run as its gradients land).
 
 StageGrads is a mixin of executor.stage.StageRuntime: it reads the runtime's parameters, groups,
 optimizer, window and tracker set up there."""
@@ -40,7 +41,25 @@ class StageGrads:
     """Gradient sync and optimizer step of executor.stage.StageRuntime (a mixin: the state is the
     runtime's)."""
 
+    @property
+    def zero_offload(self):
+        """ZeRO-Offload's host side (executor.zero_offload) of a stage with ``offload.optimizer_on_cpu``
+        and no window, made on first use (before the first pass: zero_grad starts every
+        iteration); None for any other stage."""
+        zo = self.__dict__.get("_zero_offload", False)
+        if zo is False:
+            off = self.stage.offload
+            zo = None
+            if off.optimizer_on_cpu and off.window_layers is None:
+                from executor.zero_offload import ZeroOffload
+
+                zo = ZeroOffload(self, getattr(self, "nvme_dir", None))
+            self.__dict__["_zero_offload"] = zo
+        return zo
+
     def zero_grad(self) -> None:
+        if self.zero_offload is not None:
+            self.zero_offload.zero_grad()
         for p in self.params:
             p.grad.zero_()
         if self.window is not None:
@@ -113,6 +132,9 @@ class StageGrads:
         self.step_optimizer()
 
     def step_optimizer(self) -> None:
+        if self.zero_offload is not None:  # ZeRO-Offload: the CPU steps, the device's optimizer never does
+            self.zero_offload.step()
+            return
         if self.window is not None:  # the streamed layers' CPU steps (overlapped with the backward)
             self.window.step()
         if self.opt_swap is not None:

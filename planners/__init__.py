@@ -7,6 +7,7 @@ from __future__ import annotations
 from planners.baselines.partition import plan_balanced, plan_even, plan_manual
 from planners.capture.planner import plan_capture
 from planners.baselines.throughput import plan_throughput
+from planners.baselines.zero_offload import plan_zero_offload
 from planners.verdict import Verdict, fit_verdict
 from planners.layout import PlanningError
 from planners.policy import PolicyConfig, parse_policy
@@ -18,7 +19,8 @@ from specs.training import TrainingSpec
 
 
 #: planners that need only the specs; "capture" also takes the profile (make_plan passes it)
-PLANNERS = {"even": plan_even, "balanced": plan_balanced, "manual": plan_manual, "throughput": plan_throughput}
+PLANNERS = {"even": plan_even, "balanced": plan_balanced, "manual": plan_manual, "throughput": plan_throughput,
+            "zero_offload": plan_zero_offload}
 
 
 def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,

@@ -119,6 +119,28 @@ class StrongholdPolicy(Spec):
                                                           "resident, stepped on the device")
 
 
+class ZeroOffloadPolicy(Spec):
+    """ZeRO-Offload (Ren et al., ATC'21): every weight and gradient on the device, the optimizer
+    state and its Adam step on the CPU (§3: the one offload strategy that keeps the device's
+    compute and minimises the traffic); gradients go to the host as the backward produces them,
+    the updated weights come back after the CPU step. ``nvme``: the host-side optimizer state on
+    NVMe (ZeRO-Infinity's offload_optimizer device nvme; Rajbhandari et al., SC'21).
+    ``delayed_update``: the one-step delayed parameter update (DPU, §5.2) after
+    ``dpu_warmup_iterations`` plain steps. ``pp``/``dp``: a pipeline of ``pp`` stages split as
+    policy=balanced, ``dp`` replicas each (ZeRO-Offload runs one GPU, or data-parallel GPUs)."""
+
+    kind: Literal["zero_offload"] = "zero_offload"
+    pp: int = Field(1, ge=1, description="pipeline stages (the paper: 1, one GPU per replica)")
+    dp: int = Field(1, ge=1, description="data-parallel replicas per stage")
+    recompute: Literal["none", "full"] = Field("full", description="layer-wise checkpointing, as the STRONGHOLD "
+                                                                   "comparison trains every method")
+    nvme: bool = Field(False, description="ZeRO-Infinity-style: the host-side optimizer state on NVMe")
+    delayed_update: bool = Field(False, description="ZeRO-Offload's DPU (§5.2); off: every iteration's "
+                                                    "numerics equal the reference's")
+    dpu_warmup_iterations: int = Field(40, ge=1, le=1 << 20,
+                                       description="iterations without DPU before it starts (§5.2's warm-up)")
+
+
 class MapPolicy(Spec):
     """MAP (Liu et al.): per-operator sharding strategies on a logical mesh of each stage's devices,
     the fastest under ``memory_budget_gib`` per device (eq. 1 ILP + rotor checkpointing, §5.3).
@@ -178,7 +200,7 @@ class AutoPolicy(Spec):
 
 
 PolicyConfig = Annotated[Union[EvenPolicy, BalancedPolicy, ManualPolicy, CapturePolicy, ThroughputPolicy,
-                               MPressPolicy, StrongholdPolicy, MapPolicy, AutoPolicy],
+                               MPressPolicy, StrongholdPolicy, MapPolicy, AutoPolicy, ZeroOffloadPolicy],
                          Field(discriminator="kind")]
 _adapter: TypeAdapter = TypeAdapter(PolicyConfig)
 

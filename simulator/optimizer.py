@@ -6,14 +6,57 @@ model data), or offloaded to the CPU (ZeRO-Offload, Ren et al. ATC'21 §4).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import simpy
 
+import costs.collectives
+import costs.layer_time
+import costs.params
+import costs.static
+from costs import window
 from simulator.memory import BUFFERS, OPTIM
-from simulator.stagecost import StageCost
-from specs.plan import MemoryAction
+from simulator.stagecost import StageCost, host_link, ns
+from specs.hardware import HardwareSpec
+from specs.model import ModelSpec
+from specs.plan import MemoryAction, Plan
 from specs.schedule import ActionKind
 
 _AR, _OPT = ActionKind.allreduce_grads, ActionKind.optimizer_step
+
+
+@dataclass(frozen=True)
+class ZeroOffloadCost:
+    """A ZeRO-Offload stage's step, in integer nanoseconds (simulator/optimizer.py
+    ``_offloaded_step``): per layer (stage order) its backward (recompute included) and its
+    gradient's copy to the host; the CPU step of the whole stage; the weights' copy back."""
+
+    layers: tuple[int, ...]
+    bwd_ns: tuple[int, ...]
+    grad_ns: tuple[int, ...]
+    cpu_ns: int
+    back_ns: int
+    nvme: bool        # the optimizer state on NVMe: the step also holds the drive
+    delayed: bool     # DPU (offload.delayed_update_from set): the steady state overlaps the step
+
+
+def zero_offload_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int) -> ZeroOffloadCost:
+    """Stage ``s``'s :class:`ZeroOffloadCost` from costs: gradients in the training's gradient
+    dtype and weights in its weight dtype over the host link (costs.window's byte counts), the
+    CPU step at ``host.cpu_adam_params_per_s`` (with NVMe: or the drive's rate, whichever is
+    slower, costs.window.cpu_step_s) over the parameters the device holds."""
+    stage = plan.stages[s]
+    link = host_link(hardware)
+    layers = tuple(stage.layers)
+    times = [costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l) for l in layers]
+    bwd = tuple(ns(b + rc) for _, b, rc in times)
+    grads = tuple(ns(costs.collectives.transfer_s(
+        window.grad_bytes(plan, costs.static.layer_params_of_stage(model, plan, stage, l)), link)) for l in layers)
+    params = costs.params.stage_params_on_device(model, plan, stage)
+    return ZeroOffloadCost(
+        layers=layers, bwd_ns=bwd, grad_ns=grads, cpu_ns=ns(window.cpu_step_s(plan, hardware, stage, params)),
+        back_ns=ns(costs.collectives.transfer_s(window.fetch_bytes(plan, params), link)),
+        nvme=stage.offload.nvme, delayed=stage.offload.delayed_update_from is not None)
 
 
 class OptimizerEvents:
@@ -58,19 +101,74 @@ class OptimizerEvents:
         self.trace.slice(w.rep, "compute", f"optimizer_step s{s}", t0, self.env.now - t0, "optimizer_step")
 
     def _offloaded_step(self, sc: StageCost):
-        """ZeRO-Offload's step (Ren et al. ATC'21 §4): the accumulated gradients to the host, CPU
-        Adam on every parameter, the updated weights back, one after the other on the host link
-        and the node's CPU (STRONGHOLD §VI-B: its transfers and CPU step do not overlap)."""
-        env, node, t0 = self.env, self.hardware.node_of(sc.rep), self.env.now
-        out, cpu, back = sc.offload_ns
-        _, e1 = self.links.reserve((("d2h", self._switch(sc.rep)),), out, t0)
-        _, e2 = self.links.reserve((("cpu", node),), cpu, e1)
-        s3, e3 = self.links.reserve((("h2d", self._switch(sc.rep)),), back, e2)
-        self.trace.slice(sc.rep, "cpu", f"cpu step s{sc.index}", e2 - cpu, cpu, "optimizer_step")
-        yield env.timeout(e3 - t0)
+        """ZeRO-Offload's step (Ren et al., ATC'21), the position held until the device has its
+        weights for the next iteration; returns the nanoseconds it held the compute stream.
+
+        * Gradients (§4.1: each bucket's gradients go to the host as the backward produces
+          them, overlapped with the rest of it): one copy per layer on the d2h link, issued
+          when the last microbatch's backward has passed that layer (last layer first), so all
+          but the first layer's copy hide under the backward. Where a gradient still changes
+          after the backward (a dp all-reduce, a tied group's sync: ``allreduce_ns``) they follow
+          it, as the executor's copies do; a CPU rank's copies are memcpys on its compute thread
+          (executor.zero_offload), charged here.
+        * CPU Adam (§5.1) on the node's CPU once every gradient is in (one optimizer over the
+          stage, after the backward: ZeRO-Offload does not step layer by layer); with
+          ``offload.nvme`` its state streams from the drive meanwhile (costs.window.cpu_step_s).
+        * Weights back (§4.1): the updated parameters h2d after the step.
+        * DPU (§5.2, ``offload.delayed_update_from``; the steady state after the warm-up): the
+          previous iteration's CPU step started when this iteration did (its gradients were all
+          in) and ran beside this forward and backward; here the position waits for it and for
+          this iteration's gradient copies, copies its weights back, and this iteration's step is
+          booked on the CPU to run beside the next iteration (not waited for).
+        STRONGHOLD §VI-B's "a large portion ... cannot overlap" is what is left exposed: the
+        first layer's gradient copy, the weights' copy and, without DPU, the CPU step."""
+        env, node, now = self.env, self.hardware.node_of(sc.rep), self.env.now
+        zc = self._zero_offload_cost(sc.index)
+        d2h, h2d = (("d2h", self._switch(sc.rep)),), (("h2d", self._switch(sc.rep)),)
+        cpu = (("cpu", node), ("nvme", node)) if zc.nvme else (("cpu", node),)
+        held = 0  # a CPU rank's memcpys on its compute thread
+        grads_in = now
+        if self._sync_copies:
+            held += sum(zc.grad_ns)
+            grads_in = now + held
+        elif sc.allreduce_ns:  # after the all-reduce: one copy after the other, from now
+            for l, dur in zip(reversed(zc.layers), reversed(zc.grad_ns)):
+                start, grads_in = self.links.reserve(d2h, dur, grads_in)
+                self.trace.slice(sc.rep, "d2h", f"grads L{l}", start, dur, "offload")
+        else:  # as the last backward (which ended now) passed each layer
+            ready = max(now - sum(zc.bwd_ns), 0)
+            for l, dur, bwd in zip(reversed(zc.layers), reversed(zc.grad_ns), reversed(zc.bwd_ns)):
+                ready += bwd
+                start, end = self.links.reserve(d2h, dur, min(ready, now))
+                grads_in = max(grads_in, end)
+                self.trace.slice(sc.rep, "d2h", f"grads L{l}", start, dur, "offload")
+        if zc.delayed:  # the previous step, begun with the iteration (steady state)
+            c0, c1 = self.links.reserve(cpu, zc.cpu_ns, 0)
+            self.trace.slice(sc.rep, "cpu", f"cpu step s{sc.index} (previous iteration's)", c0, zc.cpu_ns,
+                             "optimizer_step")
+            # the executor waits for this iteration's gradient copies before the weights' copy
+            b0, b1 = self.links.reserve(h2d, zc.back_ns, max(c1, now + held, grads_in))
+            n0, n1 = self.links.reserve(cpu, zc.cpu_ns, max(grads_in, b1))  # this one: beside the next
+            self.trace.slice(sc.rep, "cpu", f"cpu step s{sc.index}", n0, zc.cpu_ns, "optimizer_step")
+        else:
+            c0, c1 = self.links.reserve(cpu, zc.cpu_ns, grads_in)
+            self.trace.slice(sc.rep, "cpu", f"cpu step s{sc.index}", c0, zc.cpu_ns, "optimizer_step")
+            b0, b1 = self.links.reserve(h2d, zc.back_ns, c1)
+        if self._sync_copies:  # the weights' copy is a memcpy too
+            held += zc.back_ns
+        self.trace.slice(sc.rep, "h2d", f"weights back s{sc.index}", b0, zc.back_ns, "offload")
+        wait = max(b1, now + held) - now
+        yield env.timeout(wait)
         self.events += 1
-        self.trace.slice(sc.rep, "compute", f"optimizer_step s{sc.index} (offloaded)", t0, e3 - t0, "optimizer_step")
-        return e3 - t0
+        self.trace.slice(sc.rep, "compute", f"optimizer_step s{sc.index}", now, wait, "optimizer_step")
+        return wait
+
+    def _zero_offload_cost(self, s: int) -> ZeroOffloadCost:
+        """Stage ``s``'s :class:`ZeroOffloadCost`, computed once per engine."""
+        memo = self.__dict__.setdefault("_zo_costs", {})
+        if s not in memo:
+            memo[s] = zero_offload_cost(self.plan, self.model, self.hardware, s)
+        return memo[s]
 
     # ---- optimizer swap (MPress §II-D: GPU-CPU swap of model data) ------------------------------
     def _chunk_in(self, pos: int, sc: StageCost, j: int) -> simpy.Event:

@@ -191,6 +191,8 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     static, host = costs.static.stage_static(model, plan, stage)
     windowed = stage.offload.window_layers is not None
     nvme = window.window_static(model, plan, stage)[4] if windowed else 0
+    if stage.offload.optimizer_on_cpu and stage.offload.nvme and not windowed:
+        nvme, host = host, 0  # ZeRO-Offload's host-side optimizer state on NVMe (ZeRO-Infinity's tier)
     offload = (0, 0, 0)
     if stage.offload.optimizer_on_cpu and not windowed:  # ZeRO-Offload (Ren et al. ATC'21 §4)
         params = costs.params.stage_params_on_device(model, plan, stage)

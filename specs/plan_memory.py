@@ -114,6 +114,15 @@ class OffloadPolicy(Spec):
         default_factory=list, max_length=MAX_COUNT, description="layers kept on the device with a window")
     optimizer_on_cpu: bool = False
     nvme: bool = False
+    # ZeRO-Offload's one-step delayed parameter update (DPU; Ren et al., ATC'21 §5.2): from this
+    # iteration (0-based) on, iteration t's forward and backward run while the CPU steps iteration
+    # t-1's gradients, on weights that lack that step's update (one step stale); the updated weights
+    # are copied to the device when iteration t's backward ends, then the CPU steps iteration t's
+    # gradients. The iterations before it are ZeRO-Offload without DPU (the paper's warm-up:
+    # DPU early in training hurts convergence). Null: never (every step is waited for).
+    delayed_update_from: int | None = Field(
+        None, ge=1, lt=MAX_COUNT,
+        description="ZeRO-Offload DPU (§5.2) from this iteration on; null: off; needs optimizer_on_cpu, no window")
     # MPress §II-D: GPU-CPU swap applies to all model data; optimizer state, used only by the
     # update, is the longest-lived: it stays in host memory between steps, comes back for the
     # (GPU) update and leaves again after it
@@ -167,6 +176,10 @@ class OffloadPolicy(Spec):
                              "layer's stashed versions are already in host memory, list them once")
         if len(set(self.resident_layers)) != len(self.resident_layers):
             raise ValueError(f"resident_layers: a layer is listed twice: {self.resident_layers}")
+        if self.delayed_update_from is not None and (not self.optimizer_on_cpu or self.window_layers is not None):
+            raise ValueError("delayed_update_from: ZeRO-Offload's delayed parameter update overlaps the CPU step "
+                             "of optimizer_on_cpu without a window (a window steps each layer as its gradients "
+                             "land); set optimizer_on_cpu and drop window_layers, or set it to null")
         if self.nvme and self.window_layers is None and not self.optimizer_on_cpu:
             raise ValueError("nvme: holds the host-side optimizer state of a window (window_layers) or of "
                              "optimizer_on_cpu; set one of them")

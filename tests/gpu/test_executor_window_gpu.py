@@ -64,17 +64,22 @@ def test_gpu_window_peak_is_resident_plus_pool(w, cuda_deterministic):
     print(f"\nw={w}: max_memory_allocated {kept['peak_bytes']} B -> {win['peak_bytes']} B "
           f"(closed-form static {static_kept} -> {static_win} B); host {win['host_peak_bytes']} B; "
           f"iteration {kept['iteration_time_s']:.3f} s -> {win['iteration_time_s']:.3f} s")
-    # same kernels on the same bytes; the tolerance is the measured run-to-run noise of the kept
-    # plan (non-deterministic reductions: SDPA backward, split-K; tests/gpu/test_executor_swap_gpu.py)
-    # times 4, plus 64 float32 ulps of each tensor's largest magnitude
+    # same kernels on the same bytes, but the streamed layers' first update ran on the CPU (its Adam
+    # rounds differently from the device's): iteration 2's gradients differ by rounding of the
+    # weights. The tolerance is the measured run-to-run noise of the kept plan (0 under the enforced
+    # determinism of tests/gpu/conftest.py) times 4, plus 64 float32 ulps of the STAGE's largest
+    # gradient: a gradient that is zero in exact arithmetic (an attention key bias: softmax is
+    # invariant to it) is rounding noise of the others, so its own maximum is no scale (H200,
+    # 2026-11-27: block_00.attn.k.bias 3.1e-11 apart, its own max 3.0e-11)
     torch.cuda.empty_cache()
     again = run_stage_alone(_plan(None), CFG, 0, iterations=2, device="cuda", collect=True)
     eps = 64 * torch.finfo(torch.float32).eps
     assert abs(win["loss"] - kept["loss"]) <= 4 * abs(again["loss"] - kept["loss"]) + eps * abs(kept["loss"])
+    scale = max(float(g.abs().max()) for g in kept["grads"].values())
     for name, g in kept["grads"].items():
         noise = float((again["grads"][name] - g).abs().max())
         diff = float((win["grads"][name] - g).abs().max())
-        assert diff <= 4 * noise + eps * float(g.abs().max()), f"{name}: window vs kept {diff:.3g}, rerun noise {noise:.3g}"
+        assert diff <= 4 * noise + eps * scale, f"{name}: window vs kept {diff:.3g}, rerun noise {noise:.3g}"
     assert win["breakdown"]["parameters"] == fp32 * (resident + w * largest)
     assert win["peak_bytes"] >= static_win
     activations_kept = kept["peak_bytes"] - static_kept

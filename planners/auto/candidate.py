@@ -44,8 +44,15 @@ def techniques(plan: Plan) -> list[str]:
             found.add("nvme")
         if stage.offload.optimizer_swap:
             found.add("optimizer_swap")
+        if stage.offload.stash_swap_layers:  # PipeDream's stashed versions in host (or peer) memory, MPress §II-D
+            found.add("stash_swap")
+        if stage.offload.weight_swap_layers:  # live weights, gradients, optimizer state in host memory, §II-D
+            found.add("weight_swap")
+        if stage.offload.optimizer_on_cpu and not stage.offload.window_layers:  # ZeRO-Offload
+            found.add("optimizer_on_cpu")
     order = ["pipeline", "dp", "tp", "zero1", "zero2", "zero3", "recompute", "cpu_swap", "d2d_swap", "nvme",
-             "window", "optimizer_swap", "map_sharding", "rotor_checkpointing"]
+             "window", "optimizer_swap", "optimizer_on_cpu", "stash_swap", "weight_swap", "map_sharding",
+             "rotor_checkpointing"]
     return [t for t in order if t in found]
 
 

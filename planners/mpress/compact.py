@@ -42,6 +42,7 @@ from planners.mpress.improve import cap_text, improve, remap
 from planners.mpress.mapping import search_mapping
 from planners.mpress.outcome import final_outcome
 from planners.mpress.repair import repair
+from planners.mpress.weights import add_weight_swap, weight_swap_line
 from planners.policy import MPressPolicy
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -147,16 +148,24 @@ def compact(plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity_bytes
             f"s{s}->{'+'.join(f's{t}' for t, _ in ts)}" for s, ts in enumerate(mapping.targets) if ts) or "none"))
     st = initial_assignment(plan, model, hw, first.trace, mapping, allowed, capacity_bytes, spare, adopt=True)
     sim = repair(em, st, allowed)
+    weights: list = []
+    while not _fits(sim) and CPU in allowed and em.left:  # live model data to the host (planners/mpress/weights.py)
+        more = add_weight_swap(st, hw)
+        if not more:
+            break
+        weights += more
+        em.log.append(weight_swap_line(em.sims, more))
+        sim = repair(em, st, allowed)
     if not _fits(sim):
         stop = cap_text(em) if em.capped else "does not fit: nothing left to compact"
-        out = final_outcome(em, st, allowed, sim, first, False, hw, stop)
+        out = final_outcome(em, st, allowed, sim, first, False, hw, stop, weights=weights)
         return Compacted(out.plan, sim.result, False, stop, em.sims, list(out.log))
     if not improve_rounds:
         stop = "fits (repaired; improve rounds not run)"
-        out = final_outcome(em, st, allowed, sim, first, True, hw, stop)
+        out = final_outcome(em, st, allowed, sim, first, True, hw, stop, weights=weights)
         return Compacted(out.plan, sim.result, out.fits, stop, em.sims, list(out.log))
     if D2D in allowed and not any(a is D2D for a in st.actions.values()) and em.left:
         sim = remap(em, st, policy, hw, devices, [], first.trace, capacity_bytes, sim, pairs=pairs)
     sim, rounds, stop = improve(em, st, allowed, sim, policy.min_round_gain)
-    out = final_outcome(em, st, allowed, sim, first, True, hw, stop, rounds)
+    out = final_outcome(em, st, allowed, sim, first, True, hw, stop, rounds, weights=weights)
     return Compacted(out.plan, sim.result, out.fits, stop, em.sims, list(out.log))

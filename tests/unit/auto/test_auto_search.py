@@ -66,7 +66,7 @@ def test_a_budget_below_device_memory_binds_every_device(case):
 
 def test_when_nothing_fits_the_answer_is_the_lowest_peak_plan():
     model = spec("gpt_tiny", CPU_TRAINING)
-    budget = 0.5 * MIB
+    budget = 0.4 * MIB  # 0.5 MiB fits since live weights can go to host memory (MPress weight swap)
     policy = AutoPolicy(singles=sorted(SINGLES), memory_budget_gib=budget / GIB)
     out = auto_search(policy, model, LOCAL_CPU, CPU_TRAINING, ONE_F_ONE_B)
     assert not out.fits and out.capacity_bytes == int(budget)

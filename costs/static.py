@@ -83,6 +83,23 @@ def stash_layer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int
     return layer_params_of_stage(model, plan, stage, layer) * plan.training.bytes_per_param()[0]
 
 
+def stash_stripes(model: ModelSpec, plan: Plan, stage: StagePlan) -> list[tuple[int, int]]:
+    """(target device, bytes) of one stashed version striped over ``offload.stash_targets`` by weight
+    (MPress §III-C; rounding as simulator.transfers._stripes: round(n·w/Σw), the last target takes
+    the remainder); [] when the versions go to host memory."""
+    targets = stage.offload.stash_targets
+    if not targets:
+        return []
+    nbytes = stash_swap_bytes(model, plan, stage)
+    total = sum(t.weight for t in targets)
+    out, left = [], nbytes
+    for j, t in enumerate(targets):
+        part = left if j == len(targets) - 1 else round(nbytes * t.weight / total)
+        out.append((t.device, part))
+        left -= part
+    return out
+
+
 def weight_swap_layer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> tuple[int, int, int]:
     """(weights, gradient, optimizer state) bytes of ``layer`` on one device of ``stage``: what a
     weight swap (``offload.weight_swap_layers``, MPress §II-D GPU-CPU swap of live model data)

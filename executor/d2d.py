@@ -37,6 +37,15 @@ Protocol (one ordered pair of ranks at a time, source -> target):
   tracker as ``swapped`` (MemoryBreakdown.swapped_in_bytes: "held for peers"); the dispatch-mode
   tracker is thread-local, so the thread tags them explicitly.
 
+**Stashed weight versions** (``offload.stash_targets``, MPress §III-C; executor.pipedream): a
+PipeDream stage's stale versions of its ``stash_swap_layers`` go to peers the same way, over a
+second group per (source, target) pair (its own serving thread on the target, so neither stream
+of requests waits behind the other). A version is sent when an update makes it stale (header, sizes,
+one stripe per parameter storage) and fetched back, one request per backward that needs it, one
+pass ahead; the target lets it go after its last fetch. :func:`stash_events` replays the source's
+version rule (executor.pipedream: the stage's pass order, an update after every backward) to
+know what comes when, as :func:`target_events` replays the action list for activations.
+
 Limits: a target must be a device that runs a stage (one rank per used device; see
 executor.measure.unsupported). The NCCL path follows the same calls with private CUDA streams
 for waiting; it is untested (no multi-GPU machine was available).
@@ -47,6 +56,7 @@ import queue
 import threading
 import traceback
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +79,19 @@ def swap_pairs(plan: Plan) -> list[tuple[int, int]]:
     return sorted(pairs)
 
 
+def stash_pairs(plan: Plan) -> list[tuple[int, int]]:
+    """Every (source device, target device) of the plan's stashed-version D2D swaps, sorted."""
+    return sorted({(d, t.device) for st in plan.stages for d in st.devices for t in st.offload.stash_targets})
+
+
+class PairGroups(NamedTuple):
+    """A (source, target) pair's process groups: activation stripes (``act``), stashed versions
+    (``stash``); None where the pair carries none of that kind."""
+
+    act: object = None
+    stash: object = None
+
+
 def stripe_bounds(nbytes: int, weights: list[float]) -> list[tuple[int, int]]:
     """Byte ranges ``[lo, hi)`` of an ``nbytes`` buffer, one per target, proportional to weight
     (MPress §III-C; rounding as simulator.transfers._stripes: the last target takes the remainder)."""
@@ -80,6 +103,69 @@ def stripe_bounds(nbytes: int, weights: list[float]) -> list[tuple[int, int]]:
         out.append((lo, lo + part))
         lo += part
     return out
+
+
+def stash_code(plan: Plan, stage: int, version: int) -> int:
+    """An id of stage ``stage``'s stashed version ``version`` (its update count within the
+    iteration when it went stale), carried by its header and every request for it (a check)."""
+    return stage * 1_000_003 + version
+
+
+def stash_events(plan: Plan, stage: int) -> list[tuple]:
+    """One iteration of what a peer of ``stage``'s ``offload.stash_targets`` receives, in the
+    source's order: ``("out", version)`` (a version that went stale at an update, sent) and
+    ``("in", version, microbatch)`` (a request for it before that microbatch's backward).
+
+    The replay of executor.pipedream.PipeDreamStash: forward k uses the live version; at each
+    pass start, a backward next whose version is stale and not on the device is fetched (one pass
+    ahead); one whose version is still live is *awaiting*. A backward fetches its own version if
+    it is not there yet (the pass before it held it: consecutive backwards on one version), and
+    at its end drops the device copy if another in-flight microbatch still needs the version
+    (else the version goes). The update after every backward (PipeDream §3.3) makes the live
+    version stale if an in-flight microbatch holds it; it is sent unless only the awaiting
+    backward needs it (that one keeps it on the device, as simulator/stash.py does)."""
+    from specs.schedule import position_schedule
+
+    order = [("F" if a.kind is ActionKind.forward else "B", a.microbatch)
+             for a in position_schedule(plan, plan.device_group_of(stage))
+             if a.stage == stage and a.kind in (ActionKind.forward, ActionKind.backward)]
+    live, used, events = 0, {}, []
+    sent: set[int] = set()          # versions held by the peers
+    on_device: dict[int, bool] = {}  # sent version -> whether a device copy exists now
+
+    def fetch(v: int, k: int) -> None:
+        if v in sent and not on_device[v]:
+            events.append(("in", v, k))
+            on_device[v] = True
+
+    for i, (kind, k) in enumerate(order):
+        if kind == "F":
+            used[k] = live
+        awaiting = None
+        if i + 1 < len(order) and order[i + 1][0] == "B" and order[i + 1][1] in used:
+            k2 = order[i + 1][1]
+            if used[k2] == live:
+                awaiting = k2
+            else:
+                fetch(used[k2], k2)
+        if kind == "F":
+            continue
+        v = used.pop(k)
+        if v != live:
+            fetch(v, k)
+            if v in sent:
+                if v in used.values():
+                    on_device[v] = False
+                else:
+                    sent.discard(v)
+                    del on_device[v]
+        if live in used.values():  # the update replaces the live weights out of place
+            if any(vv == live and j != awaiting for j, vv in used.items()):
+                events.append(("out", live))
+                sent.add(live)
+                on_device[live] = awaiting is not None and used.get(awaiting) == live
+        live += 1
+    return events
 
 
 def swap_code(plan: Plan, stage: int, microbatch: int, layer: int) -> int:
@@ -127,15 +213,19 @@ def target_events(plan: Plan, src_device: int, dst_device: int) -> list[tuple[st
 
 # ---- process groups and waiting ------------------------------------------------------------------
 
-def make_groups(plan: Plan, rank_of: dict[int, int], rank: int, timeout_s: float) -> dict[tuple[int, int], object]:
-    """Create one process group per :func:`swap_pairs` entry (collective: every rank calls this
-    in the same order); returns those this rank belongs to, keyed (source device, target device)."""
+def make_groups(plan: Plan, rank_of: dict[int, int], rank: int, timeout_s: float) -> dict[tuple[int, int], PairGroups]:
+    """Create one process group per :func:`swap_pairs` entry and one per :func:`stash_pairs`
+    entry (collective: every rank calls this in the same order); returns those of the pairs this
+    rank belongs to, keyed (source device, target device)."""
     me = plan.used_devices()[rank]
+    act, stash = set(swap_pairs(plan)), set(stash_pairs(plan))
     groups = {}
-    for src, dst in swap_pairs(plan):
-        g = dist.new_group(sorted({rank_of[src], rank_of[dst]}), timeout=timedelta(seconds=timeout_s))
+    for src, dst in sorted(act | stash):
+        ranks = sorted({rank_of[src], rank_of[dst]})
+        made = [dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) if (src, dst) in kind else None
+                for kind in (act, stash)]
         if me in (src, dst):
-            groups[(src, dst)] = g
+            groups[(src, dst)] = PairGroups(*made)
     return groups
 
 
@@ -195,13 +285,19 @@ class D2DClient:
     def _int64(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.torch_device)
 
-    def send(self, code: int, targets: list[tuple[int, float]], chunks: list[torch.Tensor]) -> None:
-        """Swap-out: header, sizes and each uint8 ``chunk``'s stripe to every target (isend)."""
+    def _group(self, dev: int, stash: bool):
+        pair = self.groups[(self.device, dev)]
+        return pair.stash if stash else pair.act
+
+    def send(self, code: int, targets: list[tuple[int, float]], chunks: list[torch.Tensor],
+             stash: bool = False) -> None:
+        """Swap-out: header, sizes and each uint8 ``chunk``'s stripe to every target (isend);
+        ``stash``: a stashed weight version (its own groups)."""
         weights = [w for _, w in targets]
         bounds = [stripe_bounds(c.numel(), weights) for c in chunks]
         header, sizes = self._int64([code, len(chunks)]), self._int64([c.numel() for c in chunks])
         for j, (dev, _) in enumerate(targets):
-            g, dst = self.groups[(self.device, dev)], self.rank_of[dev]
+            g, dst = self._group(dev, stash), self.rank_of[dev]
             self.reaper.add(dist.isend(header, dst=dst, group=g, tag=TAG_HEADER), header)
             if chunks:
                 self.reaper.add(dist.isend(sizes, dst=dst, group=g, tag=TAG_SIZES), sizes)
@@ -211,7 +307,8 @@ class D2DClient:
                     piece = c[lo:hi]
                     self.reaper.add(dist.isend(piece, dst=dst, group=g, tag=TAG_DATA), piece)
 
-    def request(self, code: int, targets: list[tuple[int, float]], buffers: list[torch.Tensor]) -> list:
+    def request(self, code: int, targets: list[tuple[int, float]], buffers: list[torch.Tensor],
+                stash: bool = False) -> list:
         """Swap-in: ask every target that holds bytes of this swap for them, receiving each
         stripe into its place in ``buffers`` (uint8, the sizes sent). Returns the works to wait."""
         weights = [w for _, w in targets]
@@ -221,7 +318,7 @@ class D2DClient:
             mine = [(buf, b[j]) for buf, b in zip(buffers, bounds) if b[j][1] > b[j][0]]
             if not mine:
                 continue  # the target holds nothing of this swap: it expects no request
-            g, src = self.groups[(self.device, dev)], self.rank_of[dev]
+            g, src = self._group(dev, stash), self.rank_of[dev]
             req = self._int64([code])
             self.reaper.add(dist.isend(req, dst=src, group=g, tag=TAG_REQUEST), req)
             works += [dist.irecv(buf[lo:hi], src=src, group=g, tag=TAG_REPLY) for buf, (lo, hi) in mine]
@@ -248,8 +345,12 @@ class StripeServer:
         self.held_peak_bytes = [0] * iterations
         self.received_bytes = [0] * iterations
         self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._serve, args=(src,), daemon=True, name=f"d2d-from-{src}")
-                        for src, dst in sorted(groups) if dst == device]
+        self.threads = [threading.Thread(target=self._serve, args=(src, self._replay), daemon=True,
+                                         name=f"d2d-from-{src}")
+                        for (src, dst), pair in sorted(groups.items()) if dst == device and pair.act is not None]
+        self.threads += [threading.Thread(target=self._serve, args=(src, self._replay_stash), daemon=True,
+                                          name=f"d2d-stash-from-{src}")
+                         for (src, dst), pair in sorted(groups.items()) if dst == device and pair.stash is not None]
         for t in self.threads:
             t.start()
 
@@ -258,15 +359,15 @@ class StripeServer:
         if self.error is not None:
             raise RuntimeError(f"d2d target device {self.device}: {self.error}") from self.error
 
-    def _serve(self, src: int) -> None:
+    def _serve(self, src: int, replay) -> None:
         try:
             if self.torch_device.type != "cuda":
-                self._replay(src, None)
+                replay(src, None)
                 return
             torch.cuda.set_device(self.torch_device)  # the current device is per thread
             stream = torch.cuda.Stream(self.torch_device)
             with torch.cuda.stream(stream):  # every op of this thread on its own stream, off the compute one
-                self._replay(src, stream)
+                replay(src, stream)
         except BaseException as exc:  # noqa: BLE001 - surfaced by fatal() or check()
             if self.fatal is not None:  # ends the rank; not also via check(): one report, not two racing
                 self.fatal(f"d2d target device {self.device}, serving device {src}: {type(exc).__name__}: {exc}\n"
@@ -281,7 +382,7 @@ class StripeServer:
 
     def _replay(self, src: int, stream) -> None:
         plan = self.plan
-        group, peer = self.groups[(src, self.device)], self.rank_of[src]
+        group, peer = self.groups[(src, self.device)].act, self.rank_of[src]
         events = target_events(plan, src, self.device)
 
         def recv(buf, tag):
@@ -304,6 +405,35 @@ class StripeServer:
             if held:
                 raise RuntimeError(f"d2d: swaps from device {src} never fetched back: {sorted(held)}")
 
+    def _replay_stash(self, src: int, stream) -> None:
+        """Serve ``src``'s stashed versions (:func:`stash_events`) for every iteration: hold each
+        version's stripes from its arrival to the reply to its last request."""
+        plan = self.plan
+        group, peer = self.groups[(src, self.device)].stash, self.rank_of[src]
+        (s,) = plan.stages_on(src)  # PipeDream: one stage per position
+        targets = plan.stages[s].offload.stash_targets
+        weights, j = [t.weight for t in targets], [t.device for t in targets].index(self.device)
+        events = stash_events(plan, s)
+        last_in = {e[1]: i for i, e in enumerate(events) if e[0] == "in"}
+
+        def recv(buf, tag):
+            wait(dist.irecv(buf, src=peer, group=group, tag=tag), stream)
+            return buf
+
+        for it in range(self.iterations):
+            tracker = self.tracker_for(it)
+            held: dict[int, list[torch.Tensor]] = {}
+            for i, (kind, v, *_) in enumerate(events):
+                code = stash_code(plan, s, v)
+                if kind == "out":
+                    held[v] = self._receive(recv, peer, group, stream, code, ("stash", s, v), weights, j, tracker, it)
+                elif last_in[v] == i:
+                    self._reply(recv, peer, group, stream, code, ("stash", s, v), held.pop(v), it)
+                else:  # more backwards need this version: keep the stripes
+                    self._reply(recv, peer, group, stream, code, ("stash", s, v), list(held[v]), it, keep=True)
+            if held:
+                raise RuntimeError(f"d2d: stashed versions of device {src} never fetched back: {sorted(held)}")
+
     def _receive(self, recv, peer, group, stream, code, key, weights, j, tracker, it) -> list[torch.Tensor]:
         """A swap-out: header, sizes, then this target's stripe of every storage (held)."""
         dev = self.torch_device
@@ -325,9 +455,11 @@ class StripeServer:
             wait(work, stream)
         return bufs
 
-    def _reply(self, recv, peer, group, stream, code, key, bufs: list[torch.Tensor], it: int) -> None:
+    def _reply(self, recv, peer, group, stream, code, key, bufs: list[torch.Tensor], it: int,
+               keep: bool = False) -> None:
         """A fetch: wait for the source's request, send the stripes back, let them go (the
-        caller holds no other reference, so they leave this device's memory on return)."""
+        caller holds no other reference, so they leave this device's memory on return);
+        ``keep``: the caller holds them for a later fetch (stashed versions)."""
         if not bufs:
             return  # nothing of this swap here: the source sends no request
         (code_in,) = recv(torch.empty(1, dtype=torch.int64, device=self.torch_device), TAG_REQUEST).tolist()
@@ -340,4 +472,5 @@ class StripeServer:
         nbytes = sum(b.numel() for b in bufs)
         works.clear()  # a gloo work references its tensor
         bufs.clear()   # the only other reference (the caller popped it from ``held``): freed here
-        self._count(it, -nbytes)
+        if not keep:
+            self._count(it, -nbytes)

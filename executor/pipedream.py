@@ -37,6 +37,15 @@
   :meth:`PipeDreamStash.pack`); it comes back before the backward that needs it. CUDA: pinned
   host buffers, both copies on a side stream (the allocator keeps a released storage until its
   copy is done: ``record_stream``), a backward waits only for its own version's copy (an event).
+* **Stashed versions on peers** (``offload.stash_targets``, MPress §III-C): instead of the host
+  copy, the stale parameters' storages are striped over the target ranks (executor.d2d: one
+  message per version, sent when the update makes it stale, over the pair's stash group; the
+  stripes are views of the storages, held by the sends until done, then the device storage goes),
+  and one request per backward that needs the version fetches the stripes into a fresh device
+  buffer at the same points as the host copy (one pass ahead); the backward waits for them. The
+  targets replay this class's rule (executor.d2d.stash_events) to know what comes when. A version
+  only the next backward needs stays on the device (no round trip), as simulator/stash.py does.
+  Needs the rank's executor.d2d.D2DClient as ``StageRuntime.d2d``.
 """
 from __future__ import annotations
 
@@ -86,6 +95,20 @@ class PipeDreamStash:
         self.swap_base = (st.swapper.params - {p.untyped_storage().data_ptr() for p in self.live}
                           if st.swapper is not None else set())  # the modules' buffers
         self.on_host: dict[int, torch.Tensor] = {}  # id(stale parameter) -> its host copy
+        # D2D to peers instead (offload.stash_targets): (device, weight) per target; per stale
+        # parameter on the peers its version number (executor.d2d.stash_code) and geometry
+        self.peers = [(t.device, t.weight) for t in st.stage.offload.stash_targets]
+        self.on_peer: dict[int, tuple[int, torch.Size]] = {}
+        self.peer_works: dict[int, list] = {}  # id(parameter) -> the stripe receives of its fetch
+        self.updates = 0  # updates this iteration: the number of the live version
+        self.client = None
+        if self.peers and self.swap_slots:
+            self.client = getattr(st, "d2d", None) or getattr(st.swapper, "d2d", None)
+            if self.client is None and not hasattr(st, "d2d"):
+                raise RuntimeError(f"stage {st.index}: offload.stash_targets needs the rank's d2d client "
+                                   "(executor.d2d.D2DClient as StageRuntime.d2d)")
+            # None: a stage run alone (executor.single), its peers not here: to host memory, as
+            # its d2d_swap layers go (the stage's own device memory falls alike)
         # CUDA: the versions' copies run on a side stream (pinned buffers), as executor.swap's do,
         # so an update and a backward do not wait for PCIe; a fetched version's backward waits on
         # its copy's event (``ready``)
@@ -159,6 +182,9 @@ class PipeDreamStash:
         host-resident parameters back on the device, and the gradient buffers, zeroed, on it."""
         self._pass_start()
         used = self.used[k]
+        if self.client is not None:
+            self._fetch_peer(self._stale_swapped(used))  # not prefetched (the pass before held it)
+            self._wait_peer(used)
         for j, p in enumerate(used):
             self._fetch(p)  # not prefetched (the first backward of a run without a pass before it)
             self.bufs[j].zero_()
@@ -182,6 +208,11 @@ class PipeDreamStash:
                         self._drop(p)
                     else:
                         del self.on_host[id(p)]
+                elif id(p) in self.on_peer:  # on the peers (they let it go after its last fetch)
+                    if id(p) in held:
+                        self._drop(p)
+                    else:
+                        del self.on_peer[id(p)]
         self.pending.append(k)
 
     def update(self) -> None:
@@ -218,6 +249,7 @@ class PipeDreamStash:
         held = {id(p) for ps in self.used.values() for p in ps}
         slots = [only] if only is not None else [j for j in range(len(self.live)) if j not in skip]
         renamed = {}
+        to_peer = []  # stale parameters of stash-swapped layers for the peers (offload.stash_targets)
         for j, old in enumerate(self.live):
             if j in slots and id(old) in held:
                 with st.tracker.phase("parameters"):
@@ -226,10 +258,16 @@ class PipeDreamStash:
                 self._install(old, new)
                 self.live[j] = new
                 st.tracker.tag(old, "stashed")
-                if j in self.swap_slots:
+                if j in self.swap_slots and self.client is not None:
+                    to_peer.append((j, old))
+                elif j in self.swap_slots:
                     self._to_host(old)
                     if self.awaiting is None or self.used.get(self.awaiting, [None] * (j + 1))[j] is not old:
                         self._drop(old)  # (kept for a backward that is the next pass: no round trip)
+        if only is None:
+            if to_peer:
+                self._to_peer(to_peer)
+            self.updates += 1
         for j, p in enumerate(self.live):
             p.grad = self.bufs[j] if j in slots else None
         if renamed:
@@ -264,6 +302,9 @@ class PipeDreamStash:
             self.tied_done = 0
         self._reap(m)
         self.pass_i = -1
+        self.updates = 0
+        if self.client is not None:
+            self.client.reaper.drain()  # every stripe sent (and its source storage let go)
         if self.st.last:  # the loss reported: each replica added its rows' mean loss / m
             self.st.loss_sum /= self.st.stage.dp  # (executor.stage_passes), the global mean over all
 
@@ -310,6 +351,9 @@ class PipeDreamStash:
         stale = [used[j] for j in self.swap_slots if used[j] is not self.live[j]]
         if not stale:
             self.awaiting = k2
+        if self.client is not None:
+            self._fetch_peer(self._stale_swapped(used))
+            return
         for p in stale:
             self._fetch(p)
 
@@ -356,3 +400,56 @@ class PipeDreamStash:
             ev = self.ready.pop(id(p), None)
             if ev is not None:
                 torch.cuda.current_stream(self.st.torch_device).wait_event(ev)
+
+    # ---- stashed versions on peers (offload.stash_targets, MPress §III-C) ------------------------
+    def _stale_swapped(self, used: list) -> list:
+        """The stale parameters of stash-swapped layers in a microbatch's version, in slot order."""
+        return [used[j] for j in sorted(self.swap_slots) if used[j] is not self.live[j]]
+
+    def _to_peer(self, stale: list) -> None:
+        """An update made these (slot, parameter) stale: unless only the backward that is the next
+        pass needs them (kept, no round trip), their storages go to the peers as one message (the
+        version), and the device copies go once the stripes are sent (the sends hold them)."""
+        from executor.d2d import stash_code
+
+        j0, p0 = stale[0]
+        others = [k for k, ps in self.used.items() if k != self.awaiting and ps[j0] is p0]
+        if not others:
+            return  # only the awaiting backward needs it: it stays (executor.d2d.stash_events)
+        keep = self.awaiting is not None and self.awaiting in self.used and self.used[self.awaiting][j0] is p0
+        version = self.updates
+        chunks = []
+        for _, p in stale:
+            data = p.detach()
+            chunks.append(data.reshape(-1).view(torch.uint8))
+            self.on_peer[id(p)] = (version, data.shape)
+        self.client.send(stash_code(self.st.plan, self.st.index, version), self.peers, chunks, stash=True)
+        del chunks
+        if not keep:
+            for _, p in stale:
+                self._drop(p)
+
+    def _fetch_peer(self, params: list) -> None:
+        """Request ``params`` (one version's stale parameters, all dropped or all present) back from
+        the peers into fresh device storage, filed ``stashed``; the receives run until
+        :meth:`_wait_peer`."""
+        from executor.d2d import stash_code
+
+        params = [p for p in params if id(p) in self.on_peer and p.numel() == 0]
+        if not params:
+            return
+        bufs = []
+        with self.st.tracker.phase("stashed"):
+            for p in params:
+                shape = self.on_peer[id(p)][1]
+                p.data = torch.empty(shape, dtype=p.dtype, device=self.st.torch_device)
+                bufs.append(p.data.reshape(-1).view(torch.uint8))
+        version = self.on_peer[id(params[0])][0]
+        works = self.client.request(stash_code(self.st.plan, self.st.index, version), self.peers, bufs, stash=True)
+        self.peer_works[id(params[0])] = works  # one list per version: a gloo work is waited once
+
+    def _wait_peer(self, params) -> None:
+        """Before a backward: its version's stripes have landed."""
+        for p in params:
+            for w in self.peer_works.pop(id(p), ()):
+                w.wait()

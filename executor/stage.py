@@ -130,6 +130,7 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         self.grad_in_routes = routes(plan, index + 1, index) if not self.last else []
         self.grad_out_routes = routes(plan, index, index - 1) if not self.first else []
         # after TP: the swapper records the (local) parameter storages it must never move
+        self.d2d = d2d  # executor.pipedream sends stashed versions to peers with it (offload.stash_targets)
         self.swapper = Swapper(self, d2d) if any(item.action in SWAPS for item in st.memory) else None
         # PipeDream: an update after every backward, weight versions stashed (executor.pipedream);
         # each microbatch's gradient is that of its own mean loss (it is PipeDream's minibatch):

@@ -61,7 +61,10 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     backwards have released by then (costs.static.weight_swap_transient_bytes: their own activations,
     their weight-gradient scratch, which is the gradient), added to the backwards' moments of (a): the walk
     without the forwards' sent outputs, which the backwards then cover. Under PipeDream a stale
-    version of them waits in host memory per stashed version.
+    version of them waits in host memory per stashed version. Stashed versions sent to peers
+    (``offload.stash_targets``, MPress §III-C) are held there, each target its stripe of every
+    stashed version, as bytes held for peers: the most simulator.stash holds (for a moment, as the
+    newest lands and the oldest goes back), added to the target's own peak as an upper bound.
     """
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
     acts, work, swap_in, allreduce, sent, grads = {}, {}, {}, {}, {}, {}
@@ -108,7 +111,13 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
             if any(transient[plan.device_group_of(i)][:2]):
                 walked_bwd[i] = pipedream_peak(plan, i, acts[i], work[i], 0, grads[i],
                                                static.parameters_bytes - swap, swap, opt, 0)
-            stashed, host = 0, host + versions * swap  # (on the host: at most one per stashed version)
+            stashed = 0
+            stripes = costs.static.stash_stripes(model, plan, stage)  # peers instead (MPress §III-C)
+            if not stripes:
+                host += versions * swap  # (on the host: at most one per stashed version)
+            for target, part in stripes:  # held there from the copy out to the last copy back: every
+                mem, h = out.setdefault(target, (MemoryBreakdown(), 0))  # stale version at once as the
+                out[target] = (_add(mem, swapped_in_bytes=versions * part), h)  # newest lands (a bound)
         if versions and stage.offload.weight_swap_layers:  # a stale version of them waits on the host
             host += versions * costs.static.weight_swap_bytes(model, plan, stage)[0]
         buffers = costs.buffers.received_grad_buffer_bytes(model, plan, stage)  # the sent one (grads[i]) is in the walk

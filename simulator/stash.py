@@ -29,10 +29,21 @@ version goes at the end of the backward of its last in-flight microbatch. With f
 A version whose backward is the very next pass when it goes stale (the cool-down of a position
 with two microbatches in flight) is not copied out: its prefetch point has passed, so it stays on
 the device until that backward ends, as a round trip could only stall it.
+
+Peers instead of the host (``offload.stash_targets``, MPress §III-C; Table IV moves Bert's early
+stages' data to later stages, whose fewer stashed versions leave memory spare): both copies are
+D2D, one stripe per target (costs.static.stash_stripes, by weight) over the peer links activation
+D2D swaps use (transfers._d2d_out / _d2d_in: the same link resources), at the same points. A
+target holds its stripe (memory category SWAPPED, "held for peers", as an activation stripe) from
+the copy out's arrival (executor.d2d allocates it when the message lands) to the end of the
+version's last copy back; the host holds nothing. So p - i - 1 versions are on the peers at once
+only between the newest's arrival and the oldest's return, both issued at the update's end: a
+moment, which the closed form (simulator.analytic) counts in full.
 """
 from __future__ import annotations
 
-from simulator.memory import BUFFERS, STASHED
+from costs.static import stash_stripes
+from simulator.memory import BUFFERS, STASHED, SWAPPED
 from simulator.stagecost import StageCost
 from specs.schedule import iter_compute_order
 
@@ -58,6 +69,9 @@ class StashEvents:
         self._stash_fetch: dict[tuple[int, int], int] = {}  # (stage, mb) -> when its copy is on the device
         self._stash_awaiting: set[tuple[int, int]] = set()  # backward next, version still live
         self._upcoming: list = []
+        # stage -> (target device, stripe bytes) of a stashed version held by peers (MPress §III-C)
+        self._stash_stripes = {s: stash_stripes(self.model, plan, st)
+                               for s, st in enumerate(plan.stages) if st.offload.stash_targets}
         # a tied embedding/head over stage 0 and the last stage (executor.pipedream): the last
         # stage holds its gradient message of update k until its forward k + p, stage 0 the sum
         # it sends back until its update k + p (executor.pipedream._reap: by then the schedule
@@ -160,9 +174,12 @@ class StashEvents:
         if not users:
             return
         mem.add(now, STASHED, nbytes)
-        start, end = self.links.reserve((("d2h", self._switch(sc.rep)),), sc.stash_copy_ns, now)
-        self.trace.slice(sc.rep, "d2h", f"stash out s{s} v{old}", start, sc.stash_copy_ns, "swap")
-        self._host(w.pos, nbytes)  # pinned host buffer reserved at enqueue
+        if s in self._stash_stripes:
+            end = self._stash_d2d_out(sc, s, old, now)
+        else:
+            start, end = self.links.reserve((("d2h", self._switch(sc.rep)),), sc.stash_copy_ns, now)
+            self.trace.slice(sc.rep, "d2h", f"stash out s{s} v{old}", start, sc.stash_copy_ns, "swap")
+            self._host(w.pos, nbytes)  # pinned host buffer reserved at enqueue
         self._later(end - now, lambda _e: mem.add(env.now, STASHED, -nbytes))
         self._version_users[(s, old)] = users
         self._version_out_ns[(s, old)] = end
@@ -174,8 +191,13 @@ class StashEvents:
         now = env.now
         earliest = max(now, self._version_out_ns[(s, version)])
         self.mem[pos].add(now, STASHED, nbytes)  # destination allocated when the copy is enqueued
-        start, end = self.links.reserve((("h2d", self._switch(sc.rep)),), sc.stash_copy_ns, earliest)
-        self.trace.slice(sc.rep, "h2d", f"stash in s{s} mb{k}", start, sc.stash_copy_ns, "swap")
+        d2d = self._stash_stripes.get(s)
+        if d2d is not None:
+            ends = self._stash_d2d_in(sc, s, k, earliest)
+            end = max(ends)
+        else:
+            start, end = self.links.reserve((("h2d", self._switch(sc.rep)),), sc.stash_copy_ns, earliest)
+            self.trace.slice(sc.rep, "h2d", f"stash in s{s} mb{k}", start, sc.stash_copy_ns, "swap")
         self._stash_fetch[(s, k)] = end
         left = self._version_users[(s, version)] - 1
         if left:
@@ -183,7 +205,36 @@ class StashEvents:
             return
         del self._version_users[(s, version)]
         del self._version_out_ns[(s, version)]
-        self._later(end - now, lambda _e: self._host(pos, -nbytes))
+        if d2d is None:
+            self._later(end - now, lambda _e: self._host(pos, -nbytes))
+            return
+        for (dev, part), e in zip(d2d, ends):  # each peer lets its stripe go once it is back
+            tl = self._extra(dev)
+            self._later(e - now, lambda _e, tl=tl, part=part: tl.add(env.now, SWAPPED, -part))
+
+    def _stash_d2d_out(self, sc: StageCost, s: int, version: int, now: int) -> int:
+        """A stale version's stripes to its peers (MPress §III-C), from ``now``; each peer's buffer
+        is allocated when its stripe lands. Returns when the last stripe has landed."""
+        end = now
+        for dev, part in self._stash_stripes[s]:
+            dur, res = self._transfer_ns(part, sc.rep, dev)
+            start, e = self.links.reserve(res, dur, now)
+            tl = self._extra(dev)  # the peer's buffer: allocated once the stripe has arrived
+            self._later(e - now, lambda _e, tl=tl, part=part: tl.add(self.env.now, SWAPPED, part))
+            self.trace.slice(sc.rep, f"peer->{dev}", f"stash out s{s} v{version}", start, dur, "swap")
+            end = max(end, e)
+        return end
+
+    def _stash_d2d_in(self, sc: StageCost, s: int, k: int, earliest: int) -> list[int]:
+        """Microbatch ``k``'s version back from the peers, not before ``earliest``: each stripe's
+        end, in target order."""
+        ends = []
+        for dev, part in self._stash_stripes[s]:
+            dur, res = self._transfer_ns(part, dev, sc.rep)
+            start, e = self.links.reserve(res, dur, earliest)
+            self.trace.slice(sc.rep, f"peer->{dev}", f"stash in s{s} mb{k}", start, dur, "swap")
+            ends.append(e)
+        return ends
 
     # ---- tied embedding messages (module doc of executor.pipedream) ---------------------------
     def _tied_update(self, s: int) -> None:

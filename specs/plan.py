@@ -85,6 +85,18 @@ class Plan(Spec):
                 raise ValueError(f"stages[{i}].offload.stash_swap_layers: only PipeDream's asynchronous schedule "
                                  f"stashes weight versions; the schedule is {self.schedule.kind.value} "
                                  "(use schedule pipedream_async or drop the field)")
+            if st.offload.stash_targets:  # D2D of stashed versions (MPress §III-C): to other ranks of the plan
+                if st.dp > 1:  # each replica would stripe its own versions to the same peers
+                    raise ValueError(f"stages[{i}].offload.stash_targets: with dp {st.dp} every replica would send "
+                                     "its stashed versions to the same peers, which memwall does not model; use dp "
+                                     "1 or host memory (drop stash_targets)")
+                used = set(self.used_devices())
+                for k, t in enumerate(st.offload.stash_targets):
+                    if t.device in st.devices or t.device not in used:
+                        what = "belongs to the stage itself" if t.device in st.devices else \
+                            f"runs no stage of the plan (devices {sorted(used)})"
+                        raise ValueError(f"stages[{i}].offload.stash_targets[{k}].device: device {t.device} {what}; "
+                                         "a stashed version goes to a peer that runs another stage")
             if st.offload.weight_swap_layers and (st.dp > 1 or self.zero_stage):
                 raise ValueError(f"stages[{i}].offload.weight_swap_layers: with dp {st.dp} / zero_stage "
                                  f"{self.zero_stage} the host gradients would need an all-reduce (or a shard) "
@@ -273,6 +285,12 @@ def _check_targets(plan: Plan, hardware: HardwareSpec, err) -> None:
     (NVLink/NVSwitch) to *every* device of the stage: each replica swaps its own activations
     there (MPress §IV-C), so a target reachable from one replica only would be used over PCIe."""
     for i, stage in enumerate(plan.stages):
+        for k, target in enumerate(stage.offload.stash_targets):  # stashed versions (MPress §III-C)
+            far = [d for d in stage.devices if not hardware.is_peer(d, target.device)]
+            if far:
+                err(f"stages[{i}].offload.stash_targets[{k}].device", f"device {target.device} has no "
+                    f"NVLink/NVSwitch link to the stage's devices {far} (a target must be a peer of all of "
+                    f"{stage.devices})")
         for j, item in enumerate(stage.memory):
             for k, target in enumerate(item.targets):
                 loc = f"stages[{i}].memory[{j}].targets[{k}].device"

@@ -148,6 +148,15 @@ class OffloadPolicy(Spec):
     # microbatches use stays in host memory until their backwards), after the last microbatch's
     # backward otherwise. Disjoint from stash_swap_layers (a listed layer's versions are already
     # on the host).
+    # MPress §III-B/C (Table IV: Bert's early stages' data held by later stages over NVLink):
+    # non-empty, the stashed versions of ``stash_swap_layers`` go to these peers' device memory
+    # instead of host memory, striped by weight (as LayerMemory.targets' d2d swap), held there
+    # from the copy's arrival to the end of the version's last fetch back before its backward.
+    # Under PipeDream stage i holds p - i - 1 stale versions: the late stages have memory to spare
+    stash_targets: list[D2DTarget] = Field(
+        default_factory=list, max_length=1024,
+        description="PipeDream: peers that hold the stash_swap_layers' stashed versions (D2D, striped by weight) "
+                    "instead of host memory (MPress §III-C)")
     weight_swap_layers: list[Annotated[int, Field(ge=0, lt=MAX_COUNT)]] = Field(
         default_factory=list, max_length=MAX_COUNT,
         description="layers whose live weights, gradients and optimizer state live in host memory, fetched "
@@ -166,6 +175,11 @@ class OffloadPolicy(Spec):
         if self.stash_swap_layers and (self.window_layers is not None or self.optimizer_on_cpu):
             raise ValueError("stash_swap_layers: a window or optimizer_on_cpu already keeps the weights' home on "
                              "the host; stashed-version swap applies to device-resident weights")
+        if self.stash_targets and not self.stash_swap_layers:
+            raise ValueError("stash_targets: only stashed versions of stash_swap_layers go to peers; list the "
+                             "layers in stash_swap_layers or drop stash_targets")
+        if len({t.device for t in self.stash_targets}) != len(self.stash_targets):
+            raise ValueError(f"stash_targets: a device is listed twice: {[t.device for t in self.stash_targets]}")
         if len(set(self.weight_swap_layers)) != len(self.weight_swap_layers):
             raise ValueError(f"weight_swap_layers: a layer is listed twice: {self.weight_swap_layers}")
         if self.weight_swap_layers and (self.window_layers is not None or self.optimizer_on_cpu):

@@ -57,7 +57,7 @@ from planners.mpress.facts import CPU as _CPU, D2D as _D2D, RC as _RC
 from planners.mpress.improve import cap_text, improve, remap
 from planners.mpress.outcome import MPressOutcome, final_outcome, fits_as_is
 from planners.mpress.repair import repair
-from planners.mpress.stash import choose_stash_swap, stash_line, with_stash_swap
+from planners.mpress.stash import choose_stash_swap, choose_stash_targets, stash_line, with_stash_swap
 from planners.mpress.weights import add_weight_swap, weight_swap_line
 from planners.policy import MPressPolicy
 from specs.hardware import HardwareSpec
@@ -77,7 +77,9 @@ def stash_base(em: Emulator, base: Plan, first, demand: list, spare: list, polic
     chosen, windows = choose_stash_swap(base, model, hardware, first.trace, demand, "cpu_swap" in policy.techniques)
     if not chosen:
         return base, first, demand, spare
-    plan = with_stash_swap(base, chosen)
+    targets = (choose_stash_targets(base, model, hardware, chosen, windows, dict(zip(devices, spare)))
+               if "d2d_swap" in policy.techniques else {})  # peers' spare memory instead (MPress §III-C)
+    plan = with_stash_swap(base, chosen, targets)
     sim = em.run(plan, trace=True)
     em.log.append(stash_line(plan, model, hardware, chosen, windows, sim.trace, demand))
     return (plan, sim, *over_and_spare(sim, devices, capacity))

@@ -17,6 +17,16 @@ Layers whose copies hide come first (cheapest per byte, then the larger), and ar
 closed form (simulator.analytic, which walks the swapped versions: simulator.stash_peak) says the
 stage's overflow is covered, or every layer is swapped, as long as each one lowers its peak.
 
+Host or peers (``offload.stash_targets``, MPress §III-C; Table IV holds Bert's early stages' data
+on later stages, whose fewer stashed versions leave memory spare). With d2d_swap among the
+techniques too, each chosen stage's version is priced both ways (footnote 2: the copy's time
+beyond the window it hides in, out in the live interval, back in the fetch window): over the host
+link as above, and striped over NVLink to the peers with spare memory (the first simulation's
+peaks under capacity, a ledger so that no peer is promised more than it has; stripes by NVLink
+bandwidth, §IV-C, by spare bytes where a bandwidth share would not fit). The peers take it only
+if their exposed cost is lower: CPU swap wins ties (§III-D, "CPU swap over D2D when both hide"),
+so D2D goes where the PCIe copy does not hide (a long copy, a short interval, a shared uplink).
+
 Pure: no I/O, no clocks.
 """
 from __future__ import annotations
@@ -31,7 +41,7 @@ from simulator.analytic import device_memory
 from simulator.stash_peak import max_stashed_versions
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import ModelSpec
-from specs.plan import Plan, ScheduleKind
+from specs.plan import D2DTarget, Plan, ScheduleKind
 
 
 @dataclass(frozen=True)
@@ -91,11 +101,85 @@ def _host_link(hardware: HardwareSpec, plan: Plan) -> LinkSpec:
     return LinkSpec(kind="pcie", bw_gbps=hardware.host.pcie_gbps / share, latency_s=hardware.host.pcie_latency_s)
 
 
-def with_stash_swap(plan: Plan, layers: dict[int, list[int]]) -> Plan:
-    """``plan`` with ``offload.stash_swap_layers`` of stage s set to ``layers[s]`` (others as they are)."""
-    stages = [st.model_copy(update={"offload": st.offload.model_copy(update={"stash_swap_layers": sorted(layers[s])})})
+def with_stash_swap(plan: Plan, layers: dict[int, list[int]],
+                    targets: dict[int, list[D2DTarget]] | None = None) -> Plan:
+    """``plan`` with ``offload.stash_swap_layers`` of stage s set to ``layers[s]`` and its
+    ``stash_targets`` to ``targets[s]`` (host memory where none; other stages as they are)."""
+    targets = targets or {}
+    stages = [st.model_copy(update={"offload": st.offload.model_copy(update={
+                  "stash_swap_layers": sorted(layers[s]), "stash_targets": list(targets.get(s, []))})})
               if s in layers else st for s, st in enumerate(plan.stages)]
     return plan.model_copy(update={"stages": stages})
+
+
+def _exposed_s(one_way_s: float, win: StashWindows) -> float:
+    """Footnote 2 for one version's two copies: out in its live interval, back in its fetch window."""
+    return max(0.0, one_way_s - win.live_s) + max(0.0, one_way_s - win.fetch_s)
+
+
+def peer_targets(plan: Plan, hardware: HardwareSpec, s: int, nbytes: int, versions: int,
+                 spare: dict[int, int]) -> list[D2DTarget]:
+    """Peers that can hold ``versions`` stashed versions of ``nbytes`` of stage ``s`` within their
+    ``spare`` bytes (device -> bytes left), striped by NVLink bandwidth (MPress §IV-C), or by the
+    spare bytes where a bandwidth share would overfill one; [] when the peers' spare is too small.
+    Candidates: devices of other stages with a peer link to every device of the stage, the most
+    spare first (the late stages, which hold the fewest versions)."""
+    stage = plan.stages[s]
+    used = set(plan.used_devices())
+    peers = sorted((d for d in used if d not in stage.devices and spare.get(d, 0) > 0
+                    and all(hardware.is_peer(a, d) for a in stage.devices)), key=lambda d: (-spare[d], d))
+    need = versions * nbytes
+    chosen, room = [], 0
+    for d in peers:
+        chosen.append(d)
+        room += spare[d]
+        if room >= need:
+            break
+    if room < need or not chosen:
+        return []
+    bw = {d: hardware.link(stage.devices[0], d).total_bw_gbps for d in chosen}
+    total = sum(bw.values())
+    if all(need * bw[d] / total <= spare[d] for d in chosen):
+        return [D2DTarget(device=d, weight=bw[d]) for d in chosen]
+    return [D2DTarget(device=d, weight=float(spare[d])) for d in chosen]
+
+
+def _striped_one_way_s(plan: Plan, hardware: HardwareSpec, s: int, nbytes: int, targets: list[D2DTarget]) -> float:
+    """One version striped over ``targets``: the slowest stripe (they run in parallel, one link each)."""
+    src, total = plan.stages[s].devices[0], sum(t.weight for t in targets)
+    return max(costs.collectives.transfer_s(round(nbytes * t.weight / total), hardware.link(src, t.device))
+               for t in targets)
+
+
+def choose_stash_targets(base: Plan, model: ModelSpec, hardware: HardwareSpec, chosen: dict[int, list[int]],
+                         windows: dict[int, StashWindows], spare: dict[int, int]) -> dict[int, list[D2DTarget]]:
+    """Stage -> peers for the stashed versions of the stages in ``chosen`` whose D2D copy costs less
+    than the host copy (module docstring; ties to the host), within the peers' ``spare`` bytes
+    (device -> bytes under capacity in the first simulation; a ledger, the most over-full stage
+    first)."""
+    link = _host_link(hardware, base)
+    left = dict(spare)
+    out: dict[int, list[D2DTarget]] = {}
+    for s in sorted(chosen, key=lambda s: (-len(chosen[s]), s)):
+        if base.stages[s].dp > 1:
+            continue  # every replica would send to the same peers (specs.plan)
+        probe = with_stash_swap(base, {s: chosen[s]})
+        nbytes = costs.static.stash_swap_bytes(model, probe, probe.stages[s])
+        versions = max_stashed_versions(base.pipeline_depth, base.training.microbatches, base.device_group_of(s))
+        targets = peer_targets(base, hardware, s, nbytes, versions, left)
+        if not targets:
+            continue
+        cpu_s = _exposed_s(costs.collectives.transfer_s(nbytes, link), windows[s])
+        d2d_s = _exposed_s(_striped_one_way_s(base, hardware, s, nbytes, targets), windows[s])
+        if d2d_s >= cpu_s:
+            continue  # CPU swap over D2D when both hide, or when the host copy is no slower (§III-D)
+        total = sum(t.weight for t in targets)
+        for j, t in enumerate(targets):  # the stripes as simulator/stash.py books them
+            part = nbytes - sum(round(nbytes * u.weight / total) for u in targets[:-1]) if j == len(targets) - 1 \
+                else round(nbytes * t.weight / total)
+            left[t.device] -= versions * part
+        out[s] = targets
+    return out
 
 
 def _peak(plan: Plan, model: ModelSpec, s: int) -> int:
@@ -147,13 +231,14 @@ def choose_stash_swap(base: Plan, model: ModelSpec, hardware: HardwareSpec, trac
 
 
 def moved_bytes(trace: dict, plan: Plan, model: ModelSpec, s: int) -> int:
-    """Bytes stage ``s``'s stashed versions moved over the host link in one simulated iteration
-    (its trace's "stash out" and "stash in" copies)."""
+    """Bytes stage ``s``'s stashed versions moved over the host link (or to and from its peers,
+    one slice per stripe) in one simulated iteration (its trace's "stash out" and "stash in" copies)."""
     from simulator.trace import x_slices
 
+    stage = plan.stages[s]
     copies = sum(1 for _, name, _, _, _ in x_slices(trace)
                  if name.startswith((f"stash out s{s} ", f"stash in s{s} ")))
-    return copies * costs.static.stash_swap_bytes(model, plan, plan.stages[s])
+    return copies * costs.static.stash_swap_bytes(model, plan, stage) // max(1, len(stage.offload.stash_targets))
 
 
 def stash_line(plan: Plan, model: ModelSpec, hardware: HardwareSpec, chosen: dict[int, list[int]],
@@ -166,9 +251,15 @@ def stash_line(plan: Plan, model: ModelSpec, hardware: HardwareSpec, chosen: dic
         nbytes = costs.static.stash_swap_bytes(model, plan, plan.stages[s])
         one_ms = costs.collectives.transfer_s(nbytes, link) * 1e3
         w = windows[s]
+        peers = plan.stages[s].offload.stash_targets
+        if peers:  # MPress §III-C: to the peers' spare memory over NVLink
+            one_ms = _striped_one_way_s(plan, hardware, s, nbytes, peers) * 1e3
+            where = "to GPUs " + ",".join(str(t.device) for t in peers) + " over NVLink"
+        else:
+            where = "over PCIe"
         parts.append(f"stage {s} (over by {size_text(demand[s])}) L{','.join(map(str, chosen[s]))}: "
-                     f"{size_text(nbytes)} per version, {moved_bytes(trace, plan, model, s) / GIB:.2f} GiB over PCIe per "
+                     f"{size_text(nbytes)} per version, {moved_bytes(trace, plan, model, s) / GIB:.2f} GiB {where} per "
                      f"iteration; copy {one_ms:.1f} ms each way, live {w.live_s * 1e3:.1f} ms, "
                      f"fetch window {w.fetch_s * 1e3:.1f} ms")
-    return ("stash swap (MPress §II-D, PipeDream's stashed weight versions to host memory, "
-            "the longest-lived tensors first): " + "; ".join(parts))
+    return ("stash swap (MPress §II-D, PipeDream's stashed weight versions to host memory or peers' spare "
+            "memory, the longest-lived tensors first): " + "; ".join(parts))

@@ -98,5 +98,7 @@ def dp_allreduce_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec,
     _, g_b, _ = plan.training.bytes_per_param()
     link = allreduce_link(hardware, stage.devices[:: stage.tp])
     half = 2 if plan.zero_stage >= 2 else 1
-    return [ring_allreduce_s(g_b * layer_params_on_device(model.layers[i], stage.tp), stage.dp, link) / half
+    streamed = set(stage.streamed_layers)  # a window's: all-reduced on the host (costs.window.host_allreduce_s)
+    return [0.0 if i in streamed else
+            ring_allreduce_s(g_b * layer_params_on_device(model.layers[i], stage.tp), stage.dp, link) / half
             for i in stage.layers]

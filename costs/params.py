@@ -64,6 +64,9 @@ def stage_params_on_device(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
 
 
 def dp_grad_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
-    """Gradient bytes one device of ``stage`` all-reduces over its dp replicas (its TP shard)."""
+    """Gradient bytes one device of ``stage`` all-reduces over its dp replicas (its TP shard). A
+    window's streamed layers are not among them: each is all-reduced on the host before its CPU
+    step (costs.window.host_allreduce_s)."""
     _, g_b, _ = plan.training.bytes_per_param()
-    return g_b * stage_params_on_device(model, plan, stage)
+    streamed = sum(layer_params_on_device(model.layers[i], stage.tp) for i in stage.streamed_layers)
+    return g_b * (stage_params_on_device(model, plan, stage) - streamed)

@@ -5,11 +5,23 @@ The contract is :class:`specs.plan.OffloadPolicy`'s docstring: streamed layers' 
 and optimizer state live in host memory (the optimizer state on NVMe with ``nvme``) and their
 weights pass through ``w`` device slots, each sized to the stage's largest streamed layer
 (STRONGHOLD §III-E3: a pool reserved once, reused round-robin, no allocator calls per layer).
+
+With ``tp > 1`` every rank streams its own shard of each layer (the unit of offload is the layer's
+shard: slots, host copies, fetches, gradient copies and CPU steps are the shard's); with ``dp > 1``
+every replica streams its own window, keeps its own host copy and steps it, and a streamed layer's
+accumulated host gradient is all-reduced over the replicas before that CPU step
+(:func:`host_allreduce_s`): on the host, over CPU tensors, as STRONGHOLD does (§III-E2:
+"heterogeneous collective communications ... Gloo for CPU" tensors, concurrent with the GPU's
+NCCL work; §III-F: the replicas of a model that a window lets fit one GPU). On the host, not on
+the device before the copy: a device all-reduce would hold the layer's slot (its gradient
+buffer) until every replica's backward reached it, and the device's compute stream for the
+reduction, where the host ring runs beside both.
 """
 from __future__ import annotations
 
+from costs.collectives import collective_link, ring_allreduce_s
 from costs.params import layer_params_on_device, stage_params_on_device
-from specs.hardware import HardwareSpec
+from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
 
@@ -57,12 +69,44 @@ def cpu_step_s(plan: Plan, hardware: HardwareSpec, stage: StagePlan, params: int
     """One streamed layer's CPU optimizer step (STRONGHOLD §III-E1: one optimizer per layer on the
     host's cores, ``host.cpu_adam_params_per_s`` for all of them). With ``nvme`` its optimizer
     state is read from and written back to the drive as it runs (§III-G), so the step takes the
-    longer of the two."""
+    longer of the two. A windowed stage's ranks on one node (dp replicas, tp shards) each step
+    their own copy of the same layer at the same time (the ranks are symmetric), on the node's
+    shared cores and drive: one rank's step takes :func:`node_ranks` times as long."""
     t = params / hardware.host.cpu_adam_params_per_s
     if stage.offload.nvme:
         o_b = plan.training.bytes_per_param()[2]
         t = max(t, 2 * params * o_b / (nvme_gbps(hardware) * 1e9))
-    return t
+    return t * (node_ranks(hardware, stage) if stage.offload.window_layers is not None else 1)
+
+
+def node_ranks(hardware: HardwareSpec, stage: StagePlan) -> int:
+    """Ranks of ``stage`` on its first device's node: they share that node's CPU cores and drive."""
+    node = hardware.node_of(stage.devices[0])
+    return sum(1 for d in stage.devices if hardware.node_of(d) == node)
+
+
+def host_allreduce_link(hardware: HardwareSpec, devices: list[int]) -> LinkSpec:
+    """The link a ring all-reduce of host (CPU) tensors over the hosts of ``devices`` is bound by
+    (gloo, STRONGHOLD §III-E2): a hop between two nodes crosses ``inter_node``, a hop inside one
+    node goes host memory to host memory, priced with the node's ``intra_node.fallback`` (its
+    host-side path: PCIe on a GPU server, shared memory for local_cpu's gloo ranks, whose
+    collective rates it carries; never a GPU peer link such as NVLink, which host buffers do not
+    cross); the slowest hop at its collective bandwidth bounds the ring."""
+    hops = list(zip(devices, devices[1:] + devices[:1])) if len(devices) > 1 else []
+    links = [hardware.inter_node if hardware.node_of(a) != hardware.node_of(b) and hardware.inter_node is not None
+             else hardware.intra_node.fallback for a, b in hops] or [hardware.intra_node.fallback]
+    return min((collective_link(l) for l in links), key=lambda l: (l.total_bw_gbps, -l.latency_s))
+
+
+def host_allreduce_s(plan: Plan, hardware: HardwareSpec, stage: StagePlan, params: int) -> float:
+    """Seconds of one streamed layer's host gradient all-reduce over the stage's dp replicas (its
+    tp shard: ``params`` parameters, in the gradient dtype), a ring on :func:`host_allreduce_link`
+    of tp rank 0's replicas (stage devices are replica-major); 0 with one replica. Once per
+    iteration: the host accumulator sums every microbatch first (module docstring)."""
+    if stage.dp <= 1:
+        return 0.0
+    link = host_allreduce_link(hardware, stage.devices[::stage.tp])
+    return ring_allreduce_s(grad_bytes(plan, params), stage.dp, link)
 
 
 def nvme_gbps(hardware: HardwareSpec) -> float:

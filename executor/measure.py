@@ -24,8 +24,8 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
     Swaps run (executor.swap: cpu_swap, nvme as cpu_swap, d2d_swap striped to peer ranks by
     executor.d2d), but a d2d target must be a device that runs a stage: the executor starts one
     rank per stage device, and a device holding only stripes would need a rank of its own.
-    STRONGHOLD windows run (executor.window) on stages with one rank (dp = tp = 1); ``model_cfg``
-    (optional) also checks that a tied embedding/head is resident."""
+    STRONGHOLD windows run (executor.window), dp replicas and tp shards included (issue 25);
+    ``model_cfg`` (optional) also checks that a tied embedding/head is resident."""
     out = []
     used = set(plan.used_devices())
     for i, st in enumerate(plan.stages):
@@ -106,10 +106,6 @@ def _offload_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
             out.append(f"stages[{i}].tp: {st.tp} with offload.optimizer_on_cpu (a host master of tensor-parallel "
                        "DTensor shards is not implemented; use 1)")
         return out
-    for name, degree in (("dp", st.dp), ("tp", st.tp)):
-        if degree > 1:
-            out.append(f"stages[{i}].{name}: {degree} with offload.window_layers (the all-reduce of host "
-                       f"gradients{' and TP-sharded slots' if name == 'tp' else ''} is not implemented; use 1)")
     streamed = set(st.streamed_layers)
     for j, item in enumerate(st.memory):
         if item.layer in streamed and item.action not in (MemoryAction.keep, MemoryAction.recompute):

@@ -104,7 +104,7 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         # STRONGHOLD §III-C: streamed layers pass through w device slots; host state, CPU steps
         self.window = (Window([(i, mod) for i, _, mod in self.layers], st.streamed_layers, st.offload.window_layers,
                               self.m, torch_device, make_optimizer, dtype, nvme=st.offload.nvme, nvme_dir=nvme_dir,
-                              tracker=lambda: self.tracker, record=record_window)
+                              tracker=lambda: self.tracker, record=record_window, dp_group=self.dp_group)
                        if streamed else None)
         # MPress §II-D: listed layers' live weights, gradients and optimizer state in host memory,
         # fetched for each pass, stepped by the CPU (executor.weight_swap)

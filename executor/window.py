@@ -35,6 +35,21 @@ it from wherever the layer sits at backward time, for every op, not only Linear.
 layer (``torch.utils.checkpoint``) saves nothing of its weights in the forward and recomputes in
 its backward, when it is in a slot again, so it needs no hook.
 
+Data parallelism (STRONGHOLD §III-E2, §III-F): each replica streams its own window and keeps its
+own host copy and optimizer; a streamed layer's accumulated host gradient is SUM all-reduced over
+the replicas with gloo on the CPU tensor, after the last microbatch's add and before the layer's
+CPU step (the paper's "heterogeneous collective communications": CPU tensors over Gloo while the
+device's NCCL work goes on). It runs on a gloo group of its own (made here from the stage's dp
+group's ranks, ``use_local_synchronization``: only the replicas take part) and in a thread of its
+own, FIFO in the backward's layer order, which is the same on every replica: the main thread's
+collectives (the resident layers' all-reduce, pipeline sends) and the copy engines never wait
+for it, and two threads never share one group. The replicas stay bit-identical: each steps the
+same reduced gradient from the same weights.
+
+Tensor parallelism: a stage's Megatron layers hold DTensor parameters (executor.megatron_tp);
+a window streams each rank's local shard (``_local_tensor``), so a slot, a host copy and a CPU
+step are the shard's.
+
 Copies: on CUDA, pinned host buffers and one side stream per direction with events (compute
 waits on the fetch it needs); on a CPU rank one background thread per direction (FIFO; ``copy_``
 releases the GIL) emulates the copy engines, so copies overlap compute as the simulator assumes.
@@ -61,13 +76,13 @@ import torch
 from executor.timeline import NO_STAMPS
 from executor.window_grads import WindowGrads
 from executor.window_host import WindowHost
-from executor.window_slots import WindowSaved, _Fetch, _Layer, _Slot
+from executor.window_slots import WindowSaved, _Fetch, _Layer, _Slot, bind, bind_grad
 
 
 class Window(WindowSaved, WindowGrads, WindowHost):
     def __init__(self, layers, streamed: list[int], window: int, microbatches: int, device: torch.device,
                  make_optimizer, dtype: torch.dtype, nvme: bool = False, nvme_dir: str | None = None,
-                 tracker=None, record: bool = False, cpu_threads: int | None = None):
+                 tracker=None, record: bool = False, cpu_threads: int | None = None, dp_group=None):
         """``layers``: (global index, module) of the stage; ``streamed``: the indices that stream
         (ascending); ``window``: w slots; ``microbatches``: backward passes per iteration (the
         last one triggers the CPU steps); ``make_optimizer(params)``: one layer's optimizer;
@@ -75,7 +90,9 @@ class Window(WindowSaved, WindowGrads, WindowHost):
         ``record``: keep ``events``, (event, layer, microbatch) in the order they were issued:
         fetch (the copy into a slot is queued), release (a pass frees the slot of the layer w
         places back), evict (a pass start reuses a slot whose layer it does not need), d2h (the
-        layer's gradient copy is queued), step (its CPU optimizer step is submitted)."""
+        layer's gradient copy is queued), step (its CPU optimizer step is submitted).
+        ``dp_group``: the stage's data-parallel group (None or one rank: no replicas); its ranks
+        get a gloo group of their own for the host gradient all-reduce (module docstring)."""
         self.cuda = device.type == "cuda"
         if self.cuda and device.index is None:  # "cuda" and "cuda:0" must compare equal in _pack
             device = torch.device("cuda", torch.cuda.current_device())
@@ -114,7 +131,9 @@ class Window(WindowSaved, WindowGrads, WindowHost):
         self._error: BaseException | None = None
         self._h2d_q: queue.Queue = queue.Queue()
         self._d2h_q: queue.Queue = queue.Queue()
-        for q, fn in ((self._h2d_q, self._copy_in), (self._d2h_q, self._copy_out)):
+        self._ring_q: queue.Queue = queue.Queue()
+        self.ring = _host_ring(dp_group)
+        for q, fn in ((self._h2d_q, self._copy_in), (self._d2h_q, self._copy_out), (self._ring_q, self._reduce)):
             threading.Thread(target=self._serve, args=(q, fn), daemon=True).start()
         self.pool = ThreadPoolExecutor(max_workers=cpu_threads or max(1, min(4, os.cpu_count() or 1)))
         self.steps: list = []
@@ -166,8 +185,8 @@ class Window(WindowSaved, WindowGrads, WindowHost):
 
     def _unbind(self, L: _Layer) -> None:
         for p in L.params:
-            p.grad = None
-            p.data = self.empty
+            bind_grad(p, None)
+            bind(p, self.empty)
         L.bound = False
 
     def _acquire(self, L: _Layer) -> None:
@@ -185,7 +204,7 @@ class Window(WindowSaved, WindowGrads, WindowHost):
             torch.cuda.current_stream(self.device).wait_event(f.event)
         if not L.bound:
             for p, (o, n), shape in zip(L.params, L.spans, L.shapes):
-                p.data = L.slot.wbuf[o:o + n].view(shape)
+                bind(p, L.slot.wbuf[o:o + n].view(shape))
             L.bound = True
 
     def forward_layer(self, index: int, run, recompute: bool = False):
@@ -250,6 +269,7 @@ class Window(WindowSaved, WindowGrads, WindowHost):
         """Wait for every outstanding CPU step (eq. 3 lets them run into the next iteration); the
         end of a run, and whatever reads the host state, calls it."""
         self._d2h_q.join()
+        self._ring_q.join()
         steps, self.steps = self.steps, []
         for f in steps:
             f.result()
@@ -266,3 +286,18 @@ class Window(WindowSaved, WindowGrads, WindowHost):
     def _check(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"window copy engine failed: {self._error!r}") from self._error
+
+
+def _host_ring(dp_group):
+    """A gloo group over ``dp_group``'s ranks for the host gradient all-reduce, or None without
+    replicas. Gloo whatever the stage's backend (NCCL reduces no CPU tensor); a group of its own,
+    made by the replicas alone (``use_local_synchronization``), used by the window's ring thread
+    only."""
+    if dp_group is None:
+        return None
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(dp_group)
+    if len(ranks) < 2:
+        return None
+    return dist.new_group(sorted(ranks), backend="gloo", use_local_synchronization=True)

@@ -13,7 +13,7 @@ import torch
 
 from executor.memtrack import HOST, NVME
 from executor.timeline import NO_STAMPS
-from executor.window_slots import _Layer, _Slot
+from executor.window_slots import _Layer, _Slot, bind_grad
 
 
 class WindowGrads:
@@ -29,7 +29,7 @@ class WindowGrads:
             self._check()
         slot.gbuf[:L.numel].zero_()
         for q, (o, n), shape in zip(L.params, L.spans, L.shapes):
-            q.grad = slot.gbuf[o:o + n].view(shape)
+            bind_grad(q, slot.gbuf[o:o + n].view(shape))
         L.left = len(L.params)
 
     def _accumulated(self, p) -> None:
@@ -82,11 +82,25 @@ class WindowGrads:
         if not self.cuda:
             rec.end("window_grads", k, L.index, t)
         slot.gbuf_free.set()
-        if last:  # STRONGHOLD §III-E1: the layer's update overlaps the rest of the backward (eq. 3)
-            self.steps.append(self.pool.submit(rec.timed(self._step_layer, "window_cpu_step", -1, L.index), L))
-            self._log("step", L, k)
+        if last and self.ring is not None:  # §III-E2: all-reduced over the replicas first (_reduce)
+            self._ring_q.put((L, k, rec))
+        elif last:  # STRONGHOLD §III-E1: the layer's update overlaps the rest of the backward (eq. 3)
+            self._submit_step(L, k, rec)
         if nxt is not None:  # the gradients are home: the slot takes the next layer
             self._fetch(nxt, slot, None, k)
+
+    def _reduce(self, L: _Layer, k: int, rec=NO_STAMPS) -> None:
+        """The ring thread: SUM all-reduce of ``L``'s accumulated host gradient over the replicas
+        (gloo, CPU tensor; every replica queues its layers in the same backward order), then its
+        CPU step. The loss is scaled by 1 / (microbatches x dp), so the sum is the global gradient."""
+        import torch.distributed as dist
+
+        dist.all_reduce(L.host_g, op=dist.ReduceOp.SUM, group=self.ring)
+        self._submit_step(L, k, rec)
+
+    def _submit_step(self, L: _Layer, k: int, rec=NO_STAMPS) -> None:
+        self.steps.append(self.pool.submit(rec.timed(self._step_layer, "window_cpu_step", -1, L.index), L))
+        self._log("step", L, k)
 
     def _step_layer(self, L: _Layer) -> None:
         try:

@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from executor.memtrack import HOST, NVME
+from executor.window_slots import local
 
 
 class WindowHost:
@@ -33,10 +34,11 @@ class WindowHost:
             L.host_w = torch.empty(L.numel, dtype=dtype, pin_memory=self.cuda)
             L.host_g = torch.zeros(L.numel, dtype=dtype)
             hp = []
-            for p, (o, n) in zip(L.params, L.spans):
-                L.host_w[o:o + n].copy_(p.detach().reshape(-1))
-                q = torch.nn.Parameter(L.host_w[o:o + n].view(p.shape))
-                q.grad = L.host_g[o:o + n].view(p.shape)
+            for p, (o, n) in zip(L.params, L.spans):  # a DTensor's: this rank's shard (tp > 1)
+                shard = local(p).detach()
+                L.host_w[o:o + n].copy_(shard.reshape(-1))
+                q = torch.nn.Parameter(L.host_w[o:o + n].view(shard.shape))
+                q.grad = L.host_g[o:o + n].view(shard.shape)
                 hp.append(q)
             L.host_params = hp
             L.optimizer = make_optimizer(hp)
@@ -62,12 +64,19 @@ class WindowHost:
             tracker.tag(v, NVME if self._on_nvme(v) else HOST)
 
     def host_state(self, p) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(master weight, accumulated gradient) of a streamed parameter, or None."""
+        """(master weight, accumulated gradient) of a streamed parameter, or None; of a DTensor
+        parameter, DTensors with its placements around this rank's host shard."""
         L = self.by_param.get(id(p))
         if L is None:
             return None
         q = L.host_params[[id(x) for x in L.params].index(id(p))]
-        return q.detach(), q.grad
+        if not hasattr(p, "_local_tensor"):
+            return q.detach(), q.grad
+        from torch.distributed.tensor import DTensor
+
+        wrap = lambda t: DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,  # noqa: E731
+                                            shape=p.shape, stride=p.stride())
+        return wrap(q.detach()), wrap(q.grad)
 
     def _state_on_nvme(self, where: str | None) -> None:
         """Pre-populate each layer optimizer's state with file-backed tensors: torch's Adam and

@@ -34,7 +34,7 @@ from simulator.trace import TraceBuilder
 from simulator.transfers import Transfers
 from simulator.walk import ScheduleWalk
 from simulator.weightswap import WeightSwapEvents
-from simulator.window import WindowWalk, resources as window_resources
+from simulator.window import WindowWalk, host_ring, resources as window_resources
 from specs.dtype_support import is_cpu
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import ModelSpec
@@ -129,7 +129,8 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEv
 
     def _window(self, sc: StageCost) -> WindowWalk:
         return WindowWalk(sc, self.links, *window_resources(self.hardware, sc), self.plan.training.microbatches,
-                          lambda: self.env.now, self.trace)
+                          lambda: self.env.now, self.trace,
+                          ring=host_ring(self.plan, self.model, self.hardware, sc, self.links))
 
     # ---- setup and run ---------------------------------------------------------------------
     def run(self) -> None:

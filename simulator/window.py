@@ -39,11 +39,22 @@ so the planner's window and the simulated one cannot disagree about the mechanis
 CPU steps are booked on ``Links`` resources (FIFO in issue order): the node's PCIe uplink per
 direction, shared by the GPUs behind one switch, and the node's CPU cores and NVMe drive, shared
 by every window of the node.
+
+**Data and tensor parallelism** (STRONGHOLD §III-E2, §III-F; costs.window's docstring). The walk
+times the stage's representative; its replicas and tp peers are identical. With ``dp > 1`` the
+iteration's last backward all-reduces each streamed layer's host gradient over the replicas
+between its gradient copy and its CPU step (:class:`HostRing`, from :func:`host_ring`: on the
+host, gloo over CPU tensors, booked FIFO on the representative's ring hops to and from its
+neighbour replicas, the resources the plain dp all-reduce books, so it queues with pipeline
+sends on the same ports). The CPU step of each rank's copy shares the node's cores
+(costs.window.cpu_step_s). With ``tp > 1`` every rank streams its shard: the layer costs are the
+shard's already (costs.window.streamed_params).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from costs import window as win
 from simulator.links import Links, pcie_switch
 from simulator.stagecost import LayerCost, StageCost
 from specs.plan import MemoryAction
@@ -57,12 +68,21 @@ class Slot:
     held_ns: int = 0     # how much later its fetch started because its layer's CPU step was running (eq. 3)
 
 
+@dataclass(frozen=True)
+class HostRing:
+    """A windowed stage's per-layer host gradient all-reduce over its dp replicas (§III-E2)."""
+
+    ns: dict[int, int]   # streamed layer -> its all-reduce (costs.window.host_allreduce_s), ns
+    resources: tuple     # the representative's ring hops (to the next replica, from the previous)
+
+
 class WindowWalk:
     def __init__(self, sc: StageCost, links: Links, h2d: tuple, d2h: tuple, cpu: tuple, microbatches: int,
-                 clock, trace=None, steady: bool = True):
+                 clock, trace=None, steady: bool = True, ring: HostRing | None = None):
         """``steady``: walk the steady-state iteration (the previous iteration's CPU steps carried in,
-        :func:`carry_in`); False: the first iteration (cold: nothing carried in)."""
-        self.sc, self.links, self.clock, self.trace = sc, links, clock, trace
+        :func:`carry_in`); False: the first iteration (cold: nothing carried in). ``ring``: the
+        stage's host gradient all-reduce with dp > 1 (:func:`host_ring`); None: one replica."""
+        self.sc, self.links, self.clock, self.trace, self.ring = sc, links, clock, trace, ring
         self.h2d, self.d2h, self.cpu = h2d, d2h, cpu
         self.m = microbatches
         self.order = [lc for lc in sc.layers if lc.streamed]
@@ -79,7 +99,7 @@ class WindowWalk:
         self.cpu_end_ns: dict[int, int] = {}    # layer -> when this iteration's CPU step of it ends
         self.passes: list[tuple[str, int, int]] = []  # (F/B, microbatch, stall ns) per pass
         if steady and self.order:
-            carry_in(self, tail_ns(sc, links, h2d, d2h, cpu), clock())
+            carry_in(self, tail_ns(sc, links, h2d, d2h, cpu, ring), clock())
 
     # ---- slots -------------------------------------------------------------------------------
     def _fetch(self, i: int, lc: LayerCost, earliest: int) -> None:
@@ -165,7 +185,8 @@ class WindowWalk:
             if self.trace is not None:
                 self.trace.slice(self.sc.rep, "d2h", f"grads L{lc.layer} mb{k}", start, lc.grad_ns, "window")
             if last:
-                c0, c1 = self.links.reserve(self.cpu, lc.cpu_step_ns, end)
+                grads_in = self._allreduce(lc, end, k)
+                c0, c1 = self.links.reserve(self.cpu, lc.cpu_step_ns, grads_in)
                 self.cpu_done_ns = max(self.cpu_done_ns, c1)
                 self.cpu_end_ns[lc.layer] = c1
                 if self.trace is not None:
@@ -173,6 +194,18 @@ class WindowWalk:
             if j < n - w:
                 self._fetch(i, order[j + w], end)
         self.passes.append(("B", k, self.stall_ns - stall0))
+
+    def _allreduce(self, lc: LayerCost, copied_ns: int, k: int) -> int:
+        """With dp > 1: the layer's host gradient all-reduce over the replicas, issued when its last
+        gradient copy ends (every replica's ends then: they are identical), FIFO on the ring's hops;
+        returns when the CPU step may start (§III-E2: the step reads the reduced gradient)."""
+        dur = self.ring.ns.get(lc.layer, 0) if self.ring is not None else 0
+        if not dur:
+            return copied_ns
+        start, end = self.links.reserve(self.ring.resources, dur, copied_ns)
+        if self.trace is not None:
+            self.trace.slice(self.sc.rep, "collective", f"allreduce L{lc.layer} mb{k}", start, dur, "window")
+        return end
 
     def step(self):
         """The iteration's end: the device steps the resident layers (§III-E1); every slot goes
@@ -188,7 +221,7 @@ class WindowWalk:
         rel = lambda t: max(t - now, 0)  # noqa: E731
         busy = self.links.busy_until
         return (tuple((s.layer, rel(s.ready_ns), rel(s.free_ns), s.held_ns) for s in self.slots),
-                tuple(rel(busy.get(r, 0)) for r in (*self.h2d, *self.d2h, *self.cpu)),
+                tuple(rel(busy.get(r, 0)) for r in self._booked()),
                 rel(self.cpu_done_ns), rel(self.copies_done_ns),
                 tuple(sorted((k, rel(t)) for k, t in self.cpu_ready_ns.items() if t > now)))
 
@@ -198,7 +231,7 @@ class WindowWalk:
             s.ready_ns += dt
             s.free_ns += dt
         busy = self.links.busy_until
-        for r in (*self.h2d, *self.d2h, *self.cpu):
+        for r in self._booked():
             if r in busy:
                 busy[r] += dt
         self.cpu_done_ns += dt
@@ -211,6 +244,10 @@ class WindowWalk:
                 self.forwards += 1
             else:
                 self.backwards += 1
+
+    def _booked(self) -> tuple:
+        """Every resource the walk books: host link per direction, CPU (and drive), the dp ring."""
+        return (*self.h2d, *self.d2h, *self.cpu, *(self.ring.resources if self.ring is not None else ()))
 
     def _stalled(self, segments):
         for seg in segments:
@@ -228,14 +265,40 @@ def resources(hardware, sc: StageCost) -> tuple[tuple, tuple, tuple]:
     return (("h2d", switch),), (("d2h", switch),), cpu
 
 
-def tail_ns(sc: StageCost, links: Links, h2d: tuple, d2h: tuple, cpu: tuple) -> dict[int, int]:
+def host_ring(plan, model, hardware, sc: StageCost, links: Links) -> HostRing | None:
+    """Stage ``sc.index``'s :class:`HostRing` with dp > 1 (None with one replica): each streamed
+    layer's all-reduce time (costs.window.host_allreduce_s, its tp shard) and the resources of the
+    representative's two ring hops. A hop between nodes books its network route (the ports the
+    plain dp all-reduce books, simulator.optimizer ``_ar_resources``); a hop inside a node moves host
+    memory, not a GPU peer link: it books the node's ``("host_ring", node)``, except over local
+    ranks' shared memory (kind shm), where gloo's sends and all-reduces share the pair link."""
+    stage = plan.stages[sc.index]
+    if stage.dp <= 1 or stage.offload.window_layers is None:
+        return None
+    rep, tp = stage.devices[0], stage.tp
+    nxt, prv = stage.devices[tp % len(stage.devices)], stage.devices[-tp]
+    res: list = []
+    for a, b in ((rep, nxt), (prv, rep)):
+        if a == b:
+            continue
+        if hardware.node_of(a) != hardware.node_of(b) or hardware.link(a, b).kind.value == "shm":
+            hop = links.route(a, b)[1]
+        else:
+            hop = (("host_ring", hardware.node_of(a)),)
+        res.extend(r for r in hop if r not in res)
+    return HostRing(ns={l: int(round(win.host_allreduce_s(plan, hardware, stage, n) * 1e9))
+                        for l, n in win.streamed_params(model, stage).items()}, resources=tuple(res))
+
+
+def tail_ns(sc: StageCost, links: Links, h2d: tuple, d2h: tuple, cpu: tuple,
+            ring: HostRing | None = None) -> dict[int, int]:
     """The previous iteration's tail (the module docstring's steady state): streamed layer ->
     when its CPU step ends, in ns after the end of the iteration that booked it (only those that
     end after it). Walked cold, with one microbatch, as ``[F, B]`` then the step, on a copy of
     ``links``'s resources (the walk books nothing on ``links``)."""
     scratch = Links(links.hardware)
     clock = Clock()
-    walk = WindowWalk(sc, scratch, h2d, d2h, cpu, 1, clock, steady=False)
+    walk = WindowWalk(sc, scratch, h2d, d2h, cpu, 1, clock, steady=False, ring=ring)
     for gen in (walk.forward(0), walk.backward(0), walk.step()):
         drive(gen, clock)
     return {layer: t - clock.t for layer, t in walk.cpu_end_ns.items() if t > clock.t}

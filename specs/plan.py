@@ -106,13 +106,9 @@ class Plan(Spec):
             if self.zero_stage:
                 raise ValueError(f"stages[{i}].offload.window_layers: a window keeps the streamed layers' state on "
                                  f"the host; ZeRO sharding (zero_stage {self.zero_stage}) does not apply, use 0")
-            if st.dp > 1:
-                raise ValueError(f"stages[{i}].offload.window_layers: with dp {st.dp} the host gradients would need "
-                                 "an all-reduce before each CPU step, which memwall does not model; use dp 1")
-            if st.tp > 1:  # costs.window prices a whole layer's weights per slot; no tp shards yet
-                raise ValueError(f"stages[{i}].offload.window_layers: with tp {st.tp} each device would stream "
-                                 "its shard of every layer, which memwall does not model (STRONGHOLD's window "
-                                 "runs on one device per stage); use tp 1")
+            # dp > 1: each replica streams its own window and a streamed layer's host gradient is
+            # all-reduced over the replicas before its CPU step (STRONGHOLD §III-E2/§III-F; costs.window
+            # .host_allreduce_s); tp > 1: each rank streams its shard of every layer (the unit of offload)
         return self
 
     @property

@@ -64,7 +64,9 @@ def _plan(name: str, model: ModelSpec, plan_hw: HardwareSpec, training: Training
     if name == "stronghold":
         from planners.stronghold.planner import stronghold_search
 
-        return stronghold_search(StrongholdPolicy(), model, plan_hw, training, schedule).plan
+        # one-device stages, as _stronghold_bound_s assumes (policy=stronghold's null dp / tp would
+        # also search data- and tensor-parallel windows, issue 25; auto's own layouts cover those)
+        return stronghold_search(StrongholdPolicy(dp=1, tp=1), model, plan_hw, training, schedule).plan
     if name == "map":
         if schedule.virtual_stages > 1:  # as planning._plan_map: its stages are whole meshes
             raise PlanningError("MAP plans non-interleaved schedules (one stage per device group)")

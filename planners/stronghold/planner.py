@@ -2,9 +2,13 @@
 
 The planner (§III-B–D, §III-G), pure:
 
-1. A compute-balanced pipeline of ``policy.pp`` stages, one device each (STRONGHOLD's A10 runs
-   are 8-way model parallel, §VI-A2; null: the fewest stages that fit, 1 on a single GPU),
-   layer-wise activation checkpointing (§V-D) unless ``policy.recompute`` says otherwise.
+1. A compute-balanced pipeline of ``policy.pp`` stages of ``policy.dp`` x ``policy.tp`` devices
+   each (STRONGHOLD's A10 runs are 8-way model parallel, §VI-A2; null pp: the fewest stages that
+   fit, 1 on a single GPU), layer-wise activation checkpointing (§V-D) unless ``policy.recompute``
+   says otherwise. Each dp replica streams its own window and all-reduces its streamed layers'
+   host gradients before their CPU steps (§III-E2, §III-F); a tp rank streams its shard of every
+   layer (costs.window). Null dp or tp: :func:`stronghold_search` simulates the candidate layouts
+   and keeps the fastest that fits.
 2. Per stage, what stays resident (Fig. 3: the embedding and the head; a tied weight too, see
    costs.window.default_resident) and, by default, the first working window: the first ``w``
    streamable layers (§III-E1, costs.window.first_window; ``policy.resident_first_window``), stepped
@@ -40,6 +44,7 @@ from dataclasses import dataclass, field
 from planners.baselines.partition import plan_balanced
 from planners.layout import PlanningError
 from planners.policy import BalancedPolicy, StrongholdPolicy
+from planners.stronghold.layouts import search_layouts
 from planners.verdict import peaks
 from costs import window as win
 from specs.hardware import HardwareSpec
@@ -108,18 +113,25 @@ def plan_stronghold(policy: StrongholdPolicy, model: ModelSpec, hardware: Hardwa
 
 
 def _base_plan(policy: StrongholdPolicy, model, hardware, training, schedule) -> Plan:
+    """The pipeline of ``policy.pp`` stages of ``policy.dp`` x ``policy.tp`` devices each (null
+    degrees: 1; :func:`stronghold_search` resolves them first) on the first pp x dp x tp devices,
+    compute-balanced (policy=balanced's split), with ``policy.recompute``."""
     if schedule.kind in WINDOWLESS_SCHEDULES:
         raise PlanningError(f"schedule: policy=stronghold runs a window per stage under a flushing schedule "
                             f"(1f1b or gpipe); {schedule.kind.value} is not supported")
-    pp = policy.pp
-    if pp > hardware.num_devices:
-        raise PlanningError(f"policy.pp: {pp} stages need {pp} devices; hardware {hardware.name!r} has "
-                            f"{hardware.num_devices}")
-    base = BalancedPolicy(pp=pp, dp=1, tp=1, recompute=policy.recompute)
-    # one stage per device and no data parallelism: a window with dp > 1 would need its host
-    # gradients all-reduced before each CPU step (not modelled); STRONGHOLD §VI-A2 is model parallel
-    plan = plan_balanced(base, model, hardware.model_copy(update={"nodes": 1, "devices_per_node": pp})
-                         if pp < hardware.num_devices else hardware, training, schedule)
+    pp, dp, tp = policy.pp, policy.dp or 1, policy.tp or 1
+    used = pp * dp * tp
+    if used > hardware.num_devices:
+        raise PlanningError(f"policy.pp x policy.dp x policy.tp: {pp} x {dp} x {tp} = {used} devices; hardware "
+                            f"{hardware.name!r} has {hardware.num_devices}")
+    if training.samples_per_microbatch % dp:
+        raise PlanningError(f"policy.dp: {dp} does not divide the microbatch of {training.samples_per_microbatch} "
+                            "samples (raise training.microbatch_size)")
+    base = BalancedPolicy(pp=pp, dp=dp, tp=tp, recompute=policy.recompute)
+    # each replica streams its own window (§III-F); a tp rank streams its shard of every layer.
+    # Fewer devices than the hardware's: the first ``used`` (layout.device_groups numbers them)
+    plan = plan_balanced(base, model, hardware.model_copy(update={"nodes": 1, "devices_per_node": used})
+                         if used < hardware.num_devices else hardware, training, schedule)
     return plan.model_copy(update={"planner": "stronghold", "hardware": hardware.name,
                                    "num_devices": hardware.num_devices})
 
@@ -146,31 +158,35 @@ def _passes(plan: Plan, s: int) -> list[tuple[str, int]]:
 def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=None,
           peak: int | None = None, capacity_bytes: int | None = None, cold_ns: int | None = None) -> WindowPrice:
     """Walk stage ``s``'s passes back to back with its window (simulator/window.py) and its memory.
-    ``base``: (stage costs, passes) of this stage with any window, from :func:`price_base`: only
+    ``base``: (stage costs, passes, host ring) of this stage with any window, from :func:`price_base`: only
     the slot count differs between windows, so pricing many reuses them; ``peak``: its device
     peak if known (:func:`_peak_of`); ``capacity_bytes``: what ``fits`` compares the peak with
     (default: the device's memory); ``cold_ns``: the stage's cold start (:func:`cold_start_ns`),
     computed when not given."""
     stage = plan.stages[s]
-    sc, passes = base if base is not None else price_base(plan, model, hardware, s)
-    stall, cpu_wait, t = _walk(sc, passes, hardware, plan.training.microbatches, stage.offload.window_layers)
+    sc, passes, ring = base if base is not None else price_base(plan, model, hardware, s)
+    stall, cpu_wait, t = _walk(sc, passes, hardware, plan.training.microbatches, stage.offload.window_layers,
+                               ring=ring)
     if cold_ns is None:
-        cold_ns = cold_start_ns(plan, hardware, sc, passes)
+        cold_ns = cold_start_ns(plan, hardware, sc, passes, ring)
     if peak is None:
         peak = max(peaks(plan, model, hardware)[d] for d in stage.devices)
     capacity = hardware.device.memory_bytes if capacity_bytes is None else capacity_bytes
     link = stall - cpu_wait
     cold = min(cold_ns, link)
-    first = _walk(sc, passes[:1], hardware, plan.training.microbatches, stage.offload.window_layers, steady=False)[0]
+    first = _walk(sc, passes[:1], hardware, plan.training.microbatches, stage.offload.window_layers, steady=False,
+                  ring=ring)[0]
     return WindowPrice(window=stage.offload.window_layers, peak_bytes=peak,
                        fits=peak <= capacity, stall_s=(link - cold) / 1e9,
                        cold_stall_s=cold / 1e9, cpu_wait_s=cpu_wait / 1e9, time_s=t / 1e9, first_cold_s=first / 1e9)
 
 
-def _walk(sc, passes, hardware: HardwareSpec, microbatches: int, w: int, steady: bool = True) -> tuple[int, int, int]:
+def _walk(sc, passes, hardware: HardwareSpec, microbatches: int, w: int, steady: bool = True,
+          ring=None) -> tuple[int, int, int]:
     """(compute stall, the part of it held by CPU steps (eq. 3), the passes and the step) in ns,
     the stage's passes walked back to back with ``w`` slots (simulator/window.py, plain
-    arithmetic): the steady-state iteration, or with ``steady=False`` the first one."""
+    arithmetic): the steady-state iteration, or with ``steady=False`` the first one. ``ring``:
+    the stage's host gradient all-reduce with dp > 1 (simulator.window.host_ring)."""
     from dataclasses import replace
 
     from simulator.links import Links  # the planner borrows the simulator's mechanism (lazy: STYLE)
@@ -178,13 +194,13 @@ def _walk(sc, passes, hardware: HardwareSpec, microbatches: int, w: int, steady:
 
     sc = replace(sc, window=w)
     clock = Clock()
-    walk = WindowWalk(sc, Links(hardware), *resources(hardware, sc), microbatches, clock, steady=steady)
+    walk = WindowWalk(sc, Links(hardware), *resources(hardware, sc), microbatches, clock, steady=steady, ring=ring)
     walk_passes(walk, passes, clock)  # exact; the periodic middle is not re-walked
     drive(walk.step(), clock)
     return walk.stall_ns, walk.cpu_hold_ns, clock.t
 
 
-def cold_start_ns(plan: Plan, hardware: HardwareSpec, sc, passes) -> int:
+def cold_start_ns(plan: Plan, hardware: HardwareSpec, sc, passes, ring=None) -> int:
     """The cold start of a stage (ns): what its compute waits for the host link (not for CPU
     steps) in the steady-state iteration when every streamed layer has a slot, i.e. every fetch is
     issued as the iteration starts (the step left every slot stale), back to back on the host
@@ -193,15 +209,19 @@ def cold_start_ns(plan: Plan, hardware: HardwareSpec, sc, passes) -> int:
     would hide (P1 (1b), P2 (2b)) and is what the choice counts. With the resident first window
     (§III-E1) the first fetches land behind the resident layers' forwards: usually 0."""
     streamed = sum(1 for lc in sc.layers if lc.streamed)
-    stall, held, _ = _walk(sc, passes, hardware, plan.training.microbatches, max(streamed, 1))
+    stall, held, _ = _walk(sc, passes, hardware, plan.training.microbatches, max(streamed, 1), ring=ring)
     return stall - held
 
 
 def price_base(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int) -> tuple:
-    """What every window of stage ``s`` shares: its per-layer costs and its pass sequence."""
+    """What every window of stage ``s`` shares: its per-layer costs, its pass sequence and its host
+    gradient all-reduce with dp > 1 (simulator.window.host_ring; None with one replica)."""
+    from simulator.links import Links
     from simulator.stagecost import stage_cost
+    from simulator.window import host_ring
 
-    return stage_cost(plan, model, hardware, s, plan.stages[s]), _passes(plan, s)
+    sc = stage_cost(plan, model, hardware, s, plan.stages[s])
+    return sc, _passes(plan, s), host_ring(plan, model, hardware, sc, Links(hardware))
 
 
 def resident_of(plan: Plan, s: int, resident: list[int], w: int, first_window: bool) -> list[int]:
@@ -371,9 +391,10 @@ def host_tier(mode: str, model: ModelSpec, plan: Plan, hardware: HardwareSpec, r
     RAM there are, and only to a drive that exists), and (their host RAM bytes with everything
     in RAM, host RAM bytes, NVMe bytes) as decided; from the window's closed form
     (costs.window.window_static: what the simulator counts; the window's size does not enter)."""
-    def tiers(s: int, nvme: bool) -> tuple[int, int]:  # (host RAM, NVMe) bytes of stage s
+    def tiers(s: int, nvme: bool) -> tuple[int, int]:  # (host RAM, NVMe) bytes of stage s on its node
         one = with_window(plan, s, 1, residents[s], nvme)
-        return win.window_static(model, one, one.stages[s])[3:]
+        k = win.node_ranks(hardware, one.stages[s])  # each rank its own host copy (dp replicas, tp shards)
+        return tuple(k * b for b in win.window_static(model, one, one.stages[s])[3:])
 
     ram = sum(tiers(s, False)[0] for s in residents)
     use = mode == "on" or (mode == "auto" and ram > ram_bytes and hardware.host.nvme_bytes > 0)
@@ -401,27 +422,9 @@ def _host_tier(policy, model, plan, hardware, residents) -> tuple[dict, dict, di
 
 def stronghold_search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
                       schedule: ScheduleSpec) -> StrongholdOutcome:
-    """``policy.pp`` null: the fewest stages that fit, from 1 up. STRONGHOLD's premise (§I, §VI-D2)
-    is that a window lets a model stay on fewer GPUs than model parallelism needs; devices beyond
-    those stay idle (a window with data parallelism is not modelled), and the outcome says so."""
-    if policy.pp is not None:
-        return _search(policy, model, hardware, training, schedule)
-    top = min(hardware.num_devices, model.num_layers)
-    outcome = None
-    for pp in range(1, top + 1):
-        try:
-            outcome = _search(policy.model_copy(update={"pp": pp}), model, hardware, training, schedule)
-        except PlanningError:
-            if pp == top and outcome is None:
-                raise
-            continue
-        if outcome.fits:
-            break
-    if outcome.fits and len(outcome.plan.stages) < hardware.num_devices:
-        outcome.notes.append(
-            f"uses {len(outcome.plan.stages)} of {hardware.num_devices} devices: the fewest pipeline stages that fit "
-            f"with a window; policy.pp={hardware.num_devices} pipelines the model over all of them")
-    return outcome
+    """The layout (planners/stronghold/layouts.py: pp, dp and tp, issue 25), then a window per stage
+    (:func:`_search`)."""
+    return search_layouts(policy, model, hardware, training, schedule, _search)
 
 
 def _search(policy: StrongholdPolicy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,

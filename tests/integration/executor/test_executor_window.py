@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pydantic import ValidationError
 import torch
 
 from executor.launch import launch
@@ -188,22 +187,16 @@ def test_nvme_state_is_reported_apart_from_device_and_host():
 
 # ---- (4) refused, naming the field ------------------------------------------------------------
 
-def test_windows_with_data_or_tensor_parallel_stages_are_refused_by_name():
-    # dp > 1: the plan's own validation refuses it too; a plan built around it (model_copy
-    # does not validate) still meets the executor's refusal
-    dp2 = plan([(0, HEAD + 1, [0, 1], OffloadPolicy())])
-    dp2 = dp2.model_copy(update={"stages": [dp2.stages[0].model_copy(update={"offload": window(1, [0, HEAD])})]})
-    assert any(msg.startswith("stages[0].dp: 2 with offload.window_layers") for msg in unsupported(dp2, GPT_TINY))
-    # tp > 1: likewise refused by the plan's own validation (issue 22: resident_step_s went
-    # negative and simpy raised "Negative delay"), and by the executor for a plan built around it
-    with pytest.raises(ValidationError, match=r"window_layers"):
-        Plan(planner="manual", model=SPEC.name, hardware=LOCAL_CPU.name, num_devices=LOCAL_CPU.num_devices,
-             training=CPU_TRAINING, schedule=ScheduleSpec(kind="1f1b"),
-             stages=[StagePlan(layer_start=0, layer_stop=HEAD + 1, devices=[0, 1], tp=2,
-                               offload=window(1, [0, HEAD]))])
-    tp2 = plan([(0, HEAD + 1, [0, 1], OffloadPolicy())])
-    tp2 = tp2.model_copy(update={"stages": [tp2.stages[0].model_copy(update={"dp": 1, "tp": 2, "offload": window(1, [0, HEAD])})]})
-    assert any(msg.startswith("stages[0].tp: 2 with offload.window_layers") for msg in unsupported(tp2, GPT_TINY))
+def test_windows_with_data_or_tensor_parallel_stages_are_accepted():
+    """Issue 25: a dp replica streams its own window (its host gradients all-reduced with gloo before
+    each CPU step), a tp rank its shard (tests/integration/executor/test_executor_window_dp_tp.py
+    runs both): neither the plan nor the executor refuses them."""
+    for dp, tp in ((2, 1), (1, 2)):
+        p = Plan(planner="manual", model=SPEC.name, hardware=LOCAL_CPU.name, num_devices=LOCAL_CPU.num_devices,
+                 training=CPU_TRAINING, schedule=ScheduleSpec(kind="1f1b"),
+                 stages=[StagePlan(layer_start=0, layer_stop=HEAD + 1, devices=[0, 1], dp=dp, tp=tp,
+                                   offload=window(1, [0, HEAD]))])
+        assert unsupported(validate_plan(p, SPEC, LOCAL_CPU), GPT_TINY) == []
 
 
 def test_a_streamed_tied_layer_is_refused_by_name():

@@ -97,7 +97,8 @@ def test_action_table_has_the_time_error_of_each_host_action(run):
 def test_mode_compare_prints_the_windows_fetch_copy_and_step_errors(tmp_path):
     out = tmp_path / "cmp"
     proc = subprocess.run([sys.executable, "-m", "run", "+hardware=local_cpu", "+model=gpt_tiny", "mode=compare",
-                           "policy=stronghold", "execute.iterations=1", f"hydra.run.dir={out}"],
+                           "policy=stronghold", "policy.pp=1", "policy.dp=1", "policy.tp=1",  # one stage: one row per action
+                           "execute.iterations=1", f"hydra.run.dir={out}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     actions = {a["action"]: a for a in json.loads((out / "compare.json").read_text())["actions"]}

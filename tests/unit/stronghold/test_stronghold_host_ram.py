@@ -28,11 +28,16 @@ def nodes_of_one_gpu(nodes: int, host_gib: int, nvme_gib: int = 0):
 
 def test_the_search_spreads_the_host_state_over_nodes_until_it_fits():
     hw = nodes_of_one_gpu(2, host_gib=20)  # one node's 20 GiB cannot hold it, two nodes' can
-    one = stronghold_search(parse_policy({"kind": "stronghold", "pp": 1}), l20(), hw, TRAINING, ScheduleSpec())
+    one_gpu = {"kind": "stronghold", "dp": 1, "tp": 1}
+    one = stronghold_search(parse_policy({**one_gpu, "pp": 1}), l20(), hw, TRAINING, ScheduleSpec())
     assert not one.fits and one.host_bytes_per_node[0] > 20 * GIB
-    found = stronghold_search(parse_policy({"kind": "stronghold"}), l20(), hw, TRAINING, ScheduleSpec())
+    found = stronghold_search(parse_policy(one_gpu), l20(), hw, TRAINING, ScheduleSpec())
     assert found.fits and len(found.plan.stages) == 2
     assert all(b <= 20 * GIB for b in found.host_bytes_per_node.values())
+    # degrees left to the planner (issue 25): a layout over both nodes (pipeline, or tp shards whose
+    # host state is each node's half) fits too
+    free = stronghold_search(parse_policy({"kind": "stronghold"}), l20(), hw, TRAINING, ScheduleSpec())
+    assert free.fits and free.plan.used_devices() == [0, 1]
 
 
 def test_when_no_plan_fits_host_ram_the_verdict_names_the_bytes():

@@ -196,20 +196,19 @@ def test_offload_policy_contract_is_validated():
 
 
 def test_default_depth_is_the_fewest_stages_that_fit():
-    """pp null: a window keeps the model on as few GPUs as fit (STRONGHOLD §VI-D2), said in a note."""
+    """pp null with dp = tp = 1: a window keeps the model on as few GPUs as fit (STRONGHOLD §VI-D2)."""
     model = gpt("gpt3_13b")
     hw = HardwareSpec.model_validate(conf("hardware", "a10_cluster"))
     training = TrainingSpec(global_batch=16, microbatch_size=2, precision="fp16")
-    outcome = stronghold_search(policy(), model, hw, training, ScheduleSpec())
-    assert outcome.fits and len(outcome.plan.stages) == 1
-    assert any("policy.pp=8" in n for n in outcome.notes)
+    outcome = stronghold_search(policy(dp=1, tp=1), model, hw, training, ScheduleSpec())
+    assert outcome.fits and len(outcome.plan.stages) == 1 and outcome.plan.used_devices() == [0]
     # a toy model whose resident end layers (0 and 11, 3.4 GiB each with their optimizer state) cannot
     # share one 6 GiB device: the fewest stages that fit is 2
     toy = make_model(12, params=200_000_000, flops=1e11)
     small = make_hardware(4, memory_bytes=6 << 30)
-    deeper = stronghold_search(policy(), toy, small, training, ScheduleSpec())
+    deeper = stronghold_search(policy(dp=1, tp=1), toy, small, training, ScheduleSpec())
     assert deeper.fits and len(deeper.plan.stages) == 2
-    assert not stronghold_search(policy(pp=1), toy, small, training, ScheduleSpec()).fits
+    assert not stronghold_search(policy(pp=1, dp=1, tp=1), toy, small, training, ScheduleSpec()).fits
 
 
 def test_nvme_without_a_drive_is_refused_by_name_or_left_off():

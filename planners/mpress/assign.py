@@ -84,17 +84,21 @@ def with_actions(plan: Plan, actions: dict[tuple[int, int], MemoryAction], mappi
     return plan.model_copy(update={"stages": stages})
 
 
-def analytic_over(plan: Plan, model: ModelSpec, capacity: int, margin: dict[int, int] | None = None) -> dict[int, int]:
-    """Stage -> bytes its device is over ``capacity`` by, closed form, own memory only (what a
-    stage's own actions can fix; targets are checked on the simulated timeline)."""
-    out = {}
-    held = d2d_held_by_device(plan, model)
+def analytic_own(plan: Plan, model: ModelSpec, held: dict[int, int] | None = None) -> dict[int, int]:
+    """Stage -> closed-form peak of its device's own memory (without the stripes peers D2D-swap
+    there). ``held``: the plan's d2d_held_by_device when the caller has it."""
+    held = d2d_held_by_device(plan, model) if held is None else held
     mem = device_memory(plan, model)
-    for s, stage in enumerate(plan.stages):
-        d = stage.devices[0]
-        own = mem[d][0].total_bytes - held.get(d, 0)
-        out[s] = max(0, own + (margin or {}).get(s, 0) - capacity)
-    return out
+    return {s: mem[stage.devices[0]][0].total_bytes - held.get(stage.devices[0], 0) for s, stage in enumerate(plan.stages)}
+
+
+def analytic_over(plan: Plan, model: ModelSpec, capacity: int, margin: dict[int, int] | None = None,
+                  held: dict[int, int] | None = None) -> dict[int, int]:
+    """Stage -> bytes its device is over ``capacity`` by, closed form, own memory only (what a
+    stage's own actions can fix; targets are checked on the simulated timeline). ``held``: the
+    plan's d2d_held_by_device when the caller has it."""
+    own = analytic_own(plan, model, held)
+    return {s: max(0, b + (margin or {}).get(s, 0) - capacity) for s, b in own.items()}
 
 
 class Assignment:
@@ -114,6 +118,12 @@ class Assignment:
         self.opt_why: dict[int, str] = {}
         self.spare_left: dict[int, int] = {}  # target stage -> bytes it can still hold (set by the search)
         self.margin = {s: 0 for s in range(len(plan.stages))}  # simulated peak above the closed form
+        # (stage, bytes of peers' stripes its device holds, closed form) -> simulated peak above the
+        # closed form of its own memory, learnt from rejected candidates (:meth:`learn_from`)
+        self.learnt: dict[tuple[int, int], int] = {}
+        # (stage, bytes of peers' stripes its device holds) -> simulated peak above the closed form
+        # of its own memory plus those stripes, learnt where a candidate overfilled a D2D target
+        self.target_gap: dict[tuple[int, int], int] = {}
         self.in_flight = {s: costs.activations.in_flight_microbatches(plan, s) for s in range(len(plan.stages))}
         self.fwd_s: dict[int, float] = {}  # stage -> one forward pass (set by the search)
         self.bwd_s: dict[int, float] = {}
@@ -268,10 +278,62 @@ class Assignment:
                 self.spare_left[t] -= round(self.held_bytes(key) * w / total)
         self.why[key] = why
 
-    def over(self) -> dict[int, int]:
+    def own(self, plan: Plan | None = None) -> tuple[dict[int, int], dict[int, int]]:
+        """(stage -> closed-form peak of its device's own memory, stage -> bytes of the peers'
+        D2D stripes its device holds) for ``plan`` (default :meth:`plan_now`)."""
+        plan = self.plan_now() if plan is None else plan
+        by_device = d2d_held_by_device(plan, self.model)
+        held = {s: by_device.get(stage.devices[0], 0) for s, stage in enumerate(plan.stages)}
+        return analytic_own(plan, self.model, by_device), held
+
+    def over(self, plan: Plan | None = None, own: tuple | None = None, targets=()) -> dict[int, int]:
         """Stage -> bytes its device's own memory (closed form, plus what simulation showed the
-        closed form misses) is over capacity."""
-        return analytic_over(self.plan_now(), self.model, self.capacity, self.margin)
+        closed form misses: the repair's margin, or what :meth:`learn_from` learnt while the
+        device held the peers' stripes it holds now) is over capacity. ``plan``: :meth:`plan_now`
+        when the caller has built it; ``own``: its :meth:`own` when the caller has it. The stages
+        in ``targets`` (a candidate's D2D targets) also count the stripes they hold, where a
+        candidate that overfilled one of them holding the same bytes taught what the simulated
+        timeline holds beyond that (:meth:`learn_from`)."""
+        mine, held = self.own(plan) if own is None else own
+        out = {s: max(0, b + max(self.margin[s], self.learnt.get((s, held[s]), 0)) - self.capacity)
+               for s, b in mine.items()}
+        for t in targets:
+            if (gap := self.target_gap.get((t, held[t]))) is not None:
+                out[t] = max(out[t], mine[t] + held[t] + gap - self.capacity)
+        return out
+
+    def targets_of(self, key: tuple[int, int]) -> list[int]:
+        """The stages ``key``'s D2D swap stripes over, as assigned now (none if not D2D)."""
+        return [t for t, _ in self.stripes.get(key, ())] if self.actions.get(key) is D2D else []
+
+    def learn_from(self, plan: Plan, sim, s: int, own: tuple | None = None) -> bool:
+        """A rejected candidate ``plan`` that changed stage ``s``, simulated as ``sim``: where
+        its device was over capacity, learn what the simulated timeline holds beyond the closed
+        form of its own memory so that :meth:`over` screens the next candidates of ``s`` that
+        the emulator would find over too (MPress §III-B step 5: the emulator's feedback steers
+        the assignment). Learnt per (stage, bytes of the peers' D2D stripes its device holds):
+        the simulated peak counts the stripes parked there at that moment, the own closed form
+        does not, so a gap learnt while the device held stripes holds only while it holds the
+        same ones (a peer's later move to CPU swap or keep frees them; a gap learnt with them
+        screened out keep and D2D candidates that fit, GPT-15.4B on DGX-1, 2026-11-27).
+        Every stage whose device was over holding peers' stripes also learns what the timeline
+        held beyond its own closed form plus those stripes (the D2D targets a candidate
+        overfilled: GPT-25.5B on DGX-1 retried the same stripes of like layers on one full peer).
+        ``own``: ``plan``'s :meth:`own` when the caller has it. Whether ``s``'s device was over."""
+        peaks = {d.device: d.peak_bytes for d in sim.result.devices if d.oom}
+        if not peaks:
+            return False
+        mine, held = self.own(plan) if own is None else own
+        for t, stage in enumerate(plan.stages):
+            if held[t] and (peak := peaks.get(stage.devices[0])) is not None:
+                key = (t, held[t])
+                self.target_gap[key] = max(self.target_gap.get(key, peak - mine[t] - held[t]), peak - mine[t] - held[t])
+        peak = peaks.get(plan.stages[s].devices[0])
+        if peak is None:
+            return False
+        key = (s, held[s])
+        self.learnt[key] = max(self.learnt.get(key, 0), peak - mine[s])
+        return True
 
     def snapshot(self) -> tuple:
         return (dict(self.actions), dict(self.stripes), dict(self.spare_left), dict(self.why), set(self.opt_swap),

@@ -74,14 +74,19 @@ def fits(sim) -> bool:
     return not any(d.oom for d in sim.result.devices)
 
 
+#: relative difference of two iteration times below which they count as equal (float64 rounding
+#: of sums of ~1e5 event times, far below any real difference between plans)
+TIE = 1e-9
+
+
 def better(sim, best_s: float) -> bool:
     """Fits and is faster than ``best_s``."""
-    return not any(d.oom for d in sim.result.devices) and sim.result.iteration_time_s < best_s * (1 - 1e-9)
+    return not any(d.oom for d in sim.result.devices) and sim.result.iteration_time_s < best_s * (1 - TIE)
 
 
 def no_worse(sim, best_s: float) -> bool:
     """Fits and is no slower than ``best_s``."""
-    return not any(d.oom for d in sim.result.devices) and sim.result.iteration_time_s <= best_s * (1 + 1e-9)
+    return not any(d.oom for d in sim.result.devices) and sim.result.iteration_time_s <= best_s * (1 + TIE)
 
 
 def over_and_spare(sim, devices: list, capacity: int) -> tuple[list, list]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from planners.mpress.assign import Assignment, analytic_over
 from planners.mpress.base import mapping_text
 from planners.mpress.choice import choices, marginal_cost_s, reason
-from planners.mpress.emulate import Emulator, better, no_worse
+from planners.mpress.emulate import TIE, Emulator, better, fits, no_worse
 from planners.mpress.facts import CPU, D2D, KEEP, RC, layer_facts
 from planners.mpress.joint import room_for_d2d
 from planners.mpress.mapping import search_mapping
@@ -166,7 +166,11 @@ def keep_optimizers(em: Emulator, st: Assignment, best):
             break
         saved = st.snapshot()
         st.opt_swap.discard(s)
-        t = em.run(st.plan_now())
+        plan = st.plan_now()
+        if st.over(plan)[s]:
+            st.restore(saved)  # the closed form already says the state does not fit back
+            continue
+        t = em.run(plan)
         best_t = best.result.iteration_time_s
         if no_worse(t, best_t):  # as fast and less PCIe traffic: keep it resident
             em.log.append(f"emulator {em.sims}: stage {s} keeps its optimizer state: {best_t:.3f} -> "
@@ -181,34 +185,58 @@ def keep_optimizers(em: Emulator, st: Assignment, best):
 def other_techniques(em: Emulator, st: Assignment, allowed: list, best):
     """The compacted layers, costliest estimate first, each tried with the other techniques."""
     order = sorted(st.actions, key=lambda k: (-st.cost_s(k, st.actions[k]), k))
+    slower: dict[tuple, float] = {}  # see try_layer
     for key in order:
         if not em.left:
             break
         current = st.actions.get(key)
         if current is None:
             continue
-        best = try_layer(em, st, key, current, allowed, best)
+        t = try_layer(em, st, key, current, allowed, best, slower)
+        if t is not best:
+            slower.clear()  # a move was kept: what the others were compared with changed
+        best = t
     return best
 
 
-def try_layer(em: Emulator, st: Assignment, key: tuple[int, int], current, allowed: list, best):
+def try_layer(em: Emulator, st: Assignment, key: tuple[int, int], current, allowed: list, best,
+              slower: dict | None = None):
     """Every other technique for ``key``, cheapest estimate first, then keep: the estimate misses
     link contention (a D2D stripe delays a pipeline send on the same NVLink), the emulator not.
     The first that is faster (keep: no slower) stays. A layer with saved tensors also tries the
-    swap of those whose own round trip hides (choice.choices, MPress §III-D)."""
+    swap of those whose own round trip hides (choice.choices, MPress §III-D).
+
+    Not emulated (the emulator's feedback, §III-B step 5, steering what is tried): a try the
+    closed form with the learnt margins says overfills its stage or its D2D targets
+    (Assignment.over, learn_from); keep once a try that freed some of the layer overfilled; and,
+    with ``slower`` (other_techniques' record of this pass, cleared when a move is kept), a try
+    of a like layer (same stage, current action, technique and bytes moved) estimated to save no
+    more than one that fit and left the iteration where it was (GPT-25.5B on DGX-1: the like
+    layers of a stage off the critical path)."""
     now = st.tensors.get(key)
     tries = [(a, sub) for _, a, sub in choices(st, key, allowed) if (a, sub) != (current, now)]
     tries.append((KEEP, None))
+    own_oom = False
     for a, sub in tries:
         if not em.left:
             break
+        if a is KEEP and own_oom:
+            break  # a try that freed some of the layer already overfilled its device
         saved = st.snapshot()
         cost = marginal_cost_s(st, key, a, sub) if a is not KEEP else 0.0
+        like = (key[0], current, st.tensors.get(key), a, st.moved_bytes(key, sub))
+        saving = st.cost_s(key, current) - cost
+        if slower is not None and saving <= slower.get(like, float("-inf")):
+            continue  # a like layer's same move, estimated to save as much, fit and was not faster
         st.set(key, a, "", sub)
-        if a is KEEP and st.over()[key[0]]:
+        plan = st.plan_now()
+        own = st.own(plan)
+        targets = st.targets_of(key)
+        over = st.over(plan, own, targets)
+        if over[key[0]] or any(over[t] for t in targets):
             st.restore(saved)  # the closed form already says it would not fit
             continue
-        t = em.run(st.plan_now())
+        t = em.run(plan)
         best_t = best.result.iteration_time_s
         # faster; or, for keep, no slower (nothing to move is better than a hidden move)
         if no_worse(t, best_t) if a is KEEP else better(t, best_t):
@@ -221,6 +249,9 @@ def try_layer(em: Emulator, st: Assignment, key: tuple[int, int], current, allow
                                       f"went back to keep (the emulator kept both)")
             return t
         st.restore(saved)
+        own_oom |= st.learn_from(plan, t, key[0], own)
+        if slower is not None and fits(t) and abs(t.result.iteration_time_s - best_t) <= TIE * best_t:
+            slower[like] = max(saving, slower.get(like, saving))  # it fit and the iteration did not move
     return best
 
 
@@ -265,7 +296,14 @@ def _to_peers(em: Emulator, st: Assignment, best, keys, source: str, note: str, 
         saved = st.snapshot()
         cost = cost_of(key)
         st.set(key, D2D, "", sub)
-        t = em.run(st.plan_now())
+        plan = st.plan_now()
+        own = st.own(plan)
+        targets = st.targets_of(key)
+        over = st.over(plan, own, targets)
+        if over[key[0]] or any(over[t] for t in targets):
+            st.restore(saved)
+            continue
+        t = em.run(plan)
         best_t, new_t = best.result.iteration_time_s, t.result.iteration_time_s
         if accept(t, best_t):
             em.log.append(f"emulator {em.sims}: stage {key[0]} layer {key[1]} {source} -> d2d_swap ({note}): "
@@ -275,4 +313,5 @@ def _to_peers(em: Emulator, st: Assignment, best, keys, source: str, note: str, 
             best = t
         else:
             st.restore(saved)
+            st.learn_from(plan, t, key[0], own)
     return best

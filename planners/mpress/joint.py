@@ -106,6 +106,10 @@ def room_for_d2d(em: Emulator, st: Assignment, allowed: list, best):
     if D2D not in allowed or not any(st.mapping.targets):
         return best
     tried = kept = no_room = 0
+    # (source stage, room made) -> (estimated saving, bytes moved) of a move that fit but was not
+    # faster: a later source (costliest first) of that stage needing the same room, saving no more
+    # and moving no fewer bytes over the same links, is not emulated
+    slower: dict[tuple, tuple[float, int]] = {}
     for key in sources(st):
         if not em.left:
             break
@@ -123,9 +127,22 @@ def room_for_d2d(em: Emulator, st: Assignment, allowed: list, best):
             continue
         sub = st.tensors.get(key)
         cost = marginal_cost_s(st, key, D2D, sub)
+        room = (key[0], tuple(sorted((l, a.value, s_) for l, a, s_ in made)))
+        saving, moved = st.cost_s(key, current) - cost, st.held_bytes(key)
+        if room in slower and saving <= slower[room][0] and moved >= slower[room][1]:
+            st.restore(saved)
+            continue
         st.set(key, D2D, "", sub)
+        plan = st.plan_now()
+        own = st.own(plan)
+        targets = st.targets_of(key)
+        over_now = st.over(plan, own, targets)
+        if any(over_now.get(s_, 0) for s_ in {key[0]} | {l[0] for l, _, _ in made} | set(targets)):
+            st.restore(saved)
+            no_room += 1
+            continue
         tried += 1
-        t = em.run(st.plan_now())
+        t = em.run(plan)
         best_t, new_t = best.result.iteration_time_s, t.result.iteration_time_s
         if better(t, best_t):
             kept += 1
@@ -137,6 +154,10 @@ def room_for_d2d(em: Emulator, st: Assignment, allowed: list, best):
             best = t
         else:
             st.restore(saved)
+            for s_ in sorted({key[0]} | {l[0] for l, _, _ in made}):
+                st.learn_from(plan, t, s_, own)
+            if not any(d.oom for d in t.result.devices):
+                slower[room] = (saving, moved)
     if tried or no_room:
         em.log.append(f"joint compaction: {tried} D2D move{'s' if tried != 1 else ''} with room made on peers "
                       f"emulated, {kept} kept; {no_room} source layer{'s' if no_room != 1 else ''} without a "

@@ -70,28 +70,35 @@ def _map_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
 
 def _pipedream_unsupported(plan: Plan, model_cfg) -> list[str]:
     """What executor.pipedream (PipeDream's per-microbatch updates with weight stashing) does not
-    run: tensor-parallel stages, a tied embedding/head over a first and last stage of different
-    replica counts (replica r of one pairs with replica r of the other), host-side weights
-    (windows, ZeRO-Offload), MAP stages, a user's own model (its ties are summed once per step).
-    Replicated stages run (PipeDream §3.1: a per-microbatch all-reduce before each update)."""
+    run: a tied embedding/head over a first and last stage of different replica counts or tp
+    degrees (replica r, tp rank t of one pairs with replica r, tp rank t of the other), host-side weights
+    (windows, ZeRO-Offload), MAP stages, a user's own model (its ties are summed once per step),
+    stashed versions of a tp stage on peers (stash_targets). Replicated stages run (PipeDream §3.1: a per-microbatch all-reduce before each update), and
+    tensor-parallel ones (each tp rank updates its shard; executor.pipedream)."""
     out = []
     for i, st in enumerate(plan.stages):
         where = f"stages[{i}]"
-        if st.tp > 1:
-            out.append(f"{where}.tp: {st.tp} with schedule pipedream_async (PipeDream's per-microbatch "
-                       "update of a replicated or sharded stage is not implemented; use 1)")
         if st.offload.window_layers is not None or st.offload.optimizer_on_cpu:
             out.append(f"{where}.offload: a window or optimizer_on_cpu with schedule pipedream_async (weights "
                        "homed on the host are not stashed; use keep/recompute/swap, optimizer_swap or "
                        "stash_swap_layers)")
         if st.sharding:
             out.append(f"{where}.sharding: a MAP stage with schedule pipedream_async (not implemented)")
+        if st.offload.stash_targets and st.tp > 1:  # as specs/plan.py refuses dp > 1: one version code per stage
+            out.append(f"{where}.offload.stash_targets: with tp {st.tp} every tp rank would send its shards of a "
+                       "stashed version to the same peers under one version code (not implemented; use tp 1 or "
+                       "host memory: drop stash_targets)")
     cfg = _config(model_cfg) if model_cfg is not None else None
     first, last = plan.stages[0], plan.stages[-1]
     if (len(plan.stages) > 1 and first.dp != last.dp and getattr(cfg, "tie_embeddings", False)):
         out.append(f"stages[{len(plan.stages) - 1}].dp: {last.dp} with schedule pipedream_async and a tied "
                    f"embedding/head (stages[0].dp: {first.dp}; each replica of the first stage sums the tied "
                    "gradient with its own replica of the last stage: use equal dp, or model.tie_embeddings=false)")
+    if (len(plan.stages) > 1 and first.tp != last.tp and getattr(cfg, "tie_embeddings", False)):
+        out.append(f"stages[{len(plan.stages) - 1}].tp: {last.tp} with schedule pipedream_async and a tied "
+                   f"embedding/head (stages[0].tp: {first.tp}; tp rank t of the first stage sums its vocabulary "
+                   "shard of the tied gradient with tp rank t of the last stage: use equal tp, or "
+                   "model.tie_embeddings=false)")
     if cfg is not None and cfg.family == "torch_module":
         out.append("model.family: torch_module with schedule pipedream_async (a user model's tied weights are "
                    "synced once per step; use schedule 1f1b)")

@@ -31,6 +31,17 @@
   then have version max(0, j - p + 1) at forward j (stage 0 has run j - p + 1 backwards by
   then), the version the float64 reference (executor.reference.train_reference_pipedream) gives
   both.
+* **Tensor-parallel stages** (Megatron TP, executor.megatron_tp: DTensor parameters): each tp
+  rank updates its own shard after every backward. The TP collectives inside the layers already
+  make every rank's gradient exact (Shoeybi et al. 2019 §3: the column-parallel input's backward
+  all-reduces, a row-parallel output's forward does), so there is no extra reduction: a sharded
+  weight's gradient is its shard's, a replicated one's (LayerNorm, a row-parallel bias) is the
+  same on every tp rank, and the copies stay bit-identical. A stale version is a DTensor of the
+  live one's mesh and placements (``old.detach().clone()`` keeps both); whatever moves bytes (the
+  host copy, the peers' stripes, the tied-gradient messages) moves the rank's local shard. The
+  tied embedding/head is vocab-parallel on both stages (the embedding row-, the decoder
+  column-parallel: the same rows per tp rank), so tp rank t of stage 0 pairs with tp rank t of the
+  last stage (equal tp, executor.measure).
 * **Stashed versions in host memory** (``offload.stash_swap_layers``, MPress §II-D): a listed
   layer's parameter that goes stale is copied to host memory and its device storage released
   (the graphs hold it through :class:`_ParamView` handles, not views of its storage: see
@@ -56,18 +67,33 @@ import torch.distributed as dist
 _TO_FIRST, _TO_LAST = 0, 1 << 20
 
 
+def _local(t):
+    """The rank's local tensor of a DTensor (its shard or replica), else ``t`` itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
 class _ParamView:
     """A saved tensor that is (a view of) a stash-swapped layer's parameter: the parameter object
     and the view's geometry. Unpacked from the parameter's data as it is then (back on the device
     for the backward), so the graph never pins the device storage of a stale version."""
 
-    __slots__ = ("param", "offset", "size", "stride")
+    __slots__ = ("param", "offset", "size", "stride", "dtensor")
 
     def __init__(self, param, t: torch.Tensor):
-        self.param, self.offset, self.size, self.stride = param, t.storage_offset(), t.size(), t.stride()
+        local = _local(t)
+        self.param, self.offset, self.size, self.stride = param, local.storage_offset(), local.size(), local.stride()
+        # a DTensor (a tp stage's saved weight): its mesh, placements and global geometry
+        self.dtensor = ((t.device_mesh, t.placements, t.size(), t.stride()) if local is not t else None)
 
     def unpack(self) -> torch.Tensor:
-        return self.param.detach().as_strided(self.size, self.stride, self.offset)
+        local = _local(self.param).detach().as_strided(self.size, self.stride, self.offset)
+        if self.dtensor is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.dtensor
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 class PipeDreamStash:
@@ -92,7 +118,7 @@ class PipeDreamStash:
         self.swap_slots = {j for j, p in enumerate(self.live) if layer_of.get(id(p)) in swapped}
         self.used: dict[int, list] = {}  # in-flight microbatch -> the parameters its forward used
         self.swap_ptrs: dict[int, torch.nn.Parameter] = {}
-        self.swap_base = (st.swapper.params - {p.untyped_storage().data_ptr() for p in self.live}
+        self.swap_base = (st.swapper.params - {_local(p).untyped_storage().data_ptr() for p in self.live}
                           if st.swapper is not None else set())  # the modules' buffers
         self.on_host: dict[int, torch.Tensor] = {}  # id(stale parameter) -> its host copy
         # D2D to peers instead (offload.stash_targets): (device, weight) per target; per stale
@@ -122,10 +148,11 @@ class PipeDreamStash:
         if tied is not None:
             first, last = st.plan.stages[0], st.plan.stages[-1]
             other = last if st.first else first
-            if first.dp != last.dp:
-                raise ValueError(f"schedule pipedream_async: a tied embedding/head over stages of dp {first.dp} "
-                                 f"and {last.dp} (replica r of the first stage pairs with replica r of the last)")
-            self.peer = st.rank_of[other.devices[st.replica * other.tp]]
+            if (first.dp, first.tp) != (last.dp, last.tp):
+                raise ValueError(f"schedule pipedream_async: a tied embedding/head over stages of (dp, tp) "
+                                 f"{(first.dp, first.tp)} and {(last.dp, last.tp)} (replica r, tp rank t of the "
+                                 "first stage pairs with replica r, tp rank t of the last)")
+            self.peer = st.rank_of[other.devices[st.replica * other.tp + st.tp_rank]]
         self.sends: list = []
         # this stage's passes in order ("F"/"B", microbatch): the prefetch looks one pass ahead
         from specs.schedule import ActionKind, position_schedule
@@ -147,7 +174,7 @@ class PipeDreamStash:
             self._reap(k - self.p)  # g_last(k - p) was taken by stage 0's update k - p by now
         self.used[k] = list(self.live)
         # the swapped slots' live storages, looked up by every saved tensor of this forward (pack)
-        self.swap_ptrs = {self.live[j].untyped_storage().data_ptr(): self.live[j] for j in self.swap_slots}
+        self.swap_ptrs = {_local(self.live[j]).untyped_storage().data_ptr(): self.live[j] for j in self.swap_slots}
         self._pass_start()
 
     def _reap(self, upto: int) -> None:
@@ -166,8 +193,9 @@ class PipeDreamStash:
     def pack(self, t: torch.Tensor):
         """saved_tensors_hooks pack for a stage with stash-swapped layers: a saved tensor sharing a
         swapped slot's live storage becomes a :class:`_ParamView` (else ``t`` itself)."""
-        if type(t) is torch.Tensor and t.layout is torch.strided:
-            p = self.swap_ptrs.get(t.untyped_storage().data_ptr())
+        local = _local(t)  # a tp stage saves DTensors: their local tensors share the storage
+        if type(local) is torch.Tensor and local.layout is torch.strided:
+            p = self.swap_ptrs.get(local.untyped_storage().data_ptr())
             if p is not None:
                 return _ParamView(p, t)
         return t
@@ -228,16 +256,16 @@ class PipeDreamStash:
             j = self.tied_slot
             if st.last:  # g_last(k) to stage 0; the last stage's own tied update comes later
                 with st.tracker.phase("buffers"):
-                    msg = self.bufs[j].clone()
+                    msg = _local(self.bufs[j]).clone()
                 self.sends.append((k, dist.isend(msg, self.peer, group=self.group, tag=_TO_FIRST + k), msg))
                 skip.add(j)
             else:  # stage 0: g_first(k) + g_last(k), the sum back to the last stage
                 self._reap(k - self.p)  # the last stage took sum(k - p) before its backward k
                 with st.tracker.phase("buffers"):
-                    other = torch.empty_like(self.bufs[j])
+                    other = torch.empty_like(_local(self.bufs[j]))
                 dist.recv(other, self.peer, group=self.group, tag=_TO_FIRST + k)
-                self.bufs[j].add_(other)
-                other.copy_(self.bufs[j])
+                _local(self.bufs[j]).add_(other)
+                other.copy_(_local(self.bufs[j]))
                 self.sends.append((k, dist.isend(other, self.peer, group=self.group, tag=_TO_LAST + k), other))
         self._update(skip)
 
@@ -280,15 +308,15 @@ class PipeDreamStash:
             # the storages the swapper must never move: the live weights' (and the modules'
             # buffers), rebuilt rather than grown: a freed version's address is reused by
             # activations, which a stale entry would keep on the device
-            st.swapper.params = self.swap_base | {p.untyped_storage().data_ptr() for p in self.live}
+            st.swapper.params = self.swap_base | {_local(p).untyped_storage().data_ptr() for p in self.live}
 
     def _tied_update_last(self) -> None:
         """The last stage's tied update number ``tied_done``: stage 0's sum g_first + g_last."""
         j, k = self.tied_slot, self.tied_done
         with self.st.tracker.phase("buffers"):
-            total = torch.empty_like(self.bufs[j])
+            total = torch.empty_like(_local(self.bufs[j]))
         dist.recv(total, self.peer, group=self.group, tag=_TO_LAST + k)
-        self.bufs[j].copy_(total)
+        _local(self.bufs[j]).copy_(total)
         del total
         self._update(set(), only=j)
         self.tied_done += 1
@@ -309,13 +337,20 @@ class PipeDreamStash:
             self.st.loss_sum /= self.st.stage.dp  # (executor.stage_passes), the global mean over all
 
     def digest(self) -> str:
-        """SHA-256 of the stage's live weights in order: replicas of a stage must agree bit for bit."""
+        """``<replicated>:<sharded>``: SHA-256 of the stage's live weights that every tp rank holds
+        whole (plain tensors, Replicate-only DTensors), then of this rank's shards of the others, in
+        order. Replicas of a stage must agree on both bit for bit, the tp ranks of a replica on the
+        first (identical gradients keep their copies identical)."""
         import hashlib
 
-        h = hashlib.sha256()
+        from torch.distributed.tensor import Replicate
+
+        whole, shards = hashlib.sha256(), hashlib.sha256()
         for p in self.live:
-            h.update(p.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+            sharded = any(not isinstance(q, Replicate) for q in getattr(p, "placements", ()))
+            (shards if sharded else whole).update(
+                _local(p).detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+        return f"{whole.hexdigest()}:{shards.hexdigest()}"
 
     def _install(self, old, new) -> None:
         for mod, name in self.slots.get(id(old), ()):
@@ -362,37 +397,40 @@ class PipeDreamStash:
         backward); :meth:`_drop` then lets go of the device storage (the graphs hold it through
         :class:`_ParamView`, the modules no longer)."""
         st = self.st
+        local = _local(param).detach()  # a tp stage's: the rank's shard
         with st.tracker.phase("host"):
-            host = torch.empty(param.shape, dtype=param.dtype, pin_memory=st.torch_device.type == "cuda")
+            host = torch.empty(local.shape, dtype=local.dtype, pin_memory=st.torch_device.type == "cuda")
         if self.side is None:
-            host.copy_(param.detach())
+            host.copy_(local)
         else:  # after the update's kernels that read it; the allocator keeps the device storage
             compute = torch.cuda.current_stream(st.torch_device)  # until the side stream's copy is done
             self.side.wait_stream(compute)
             with torch.cuda.stream(self.side):
-                host.copy_(param.detach(), non_blocking=True)
-            param.detach().record_stream(self.side)
+                host.copy_(local, non_blocking=True)
+            local.record_stream(self.side)
         self.on_host[id(param)] = host
 
     @staticmethod
     def _drop(param) -> None:
-        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        local = _local(param)  # a DTensor keeps its global geometry; its local storage goes
+        local.data = torch.empty(0, dtype=local.dtype, device=local.device)
 
     def _fetch(self, param) -> None:
         """Back on the device (a fresh copy per backward, as the simulator books it)."""
         host = self.on_host.get(id(param))
-        if host is None or param.numel() == host.numel():
+        local = _local(param)
+        if host is None or local.numel() == host.numel():
             return
         dev = self.st.torch_device
         with self.st.tracker.phase("stashed"):
             if self.side is None:
-                param.data = host.to(dev, copy=True)
+                local.data = host.to(dev, copy=True)
                 return
             with torch.cuda.stream(self.side):  # after its own device->host copy (same stream)
                 copy = host.to(dev, non_blocking=True)
             copy.record_stream(torch.cuda.current_stream(dev))  # the backward reads it on the compute stream
             self.ready[id(param)] = self.side.record_event()
-            param.data = copy
+            local.data = copy
 
     def _wait_fetched(self, params) -> None:
         """The compute stream waits for the copies of ``params`` fetched on the side stream."""
@@ -420,7 +458,7 @@ class PipeDreamStash:
         version = self.updates
         chunks = []
         for _, p in stale:
-            data = p.detach()
+            data = _local(p).detach()
             chunks.append(data.reshape(-1).view(torch.uint8))
             self.on_peer[id(p)] = (version, data.shape)
         self.client.send(stash_code(self.st.plan, self.st.index, version), self.peers, chunks, stash=True)
@@ -435,15 +473,16 @@ class PipeDreamStash:
         :meth:`_wait_peer`."""
         from executor.d2d import stash_code
 
-        params = [p for p in params if id(p) in self.on_peer and p.numel() == 0]
+        params = [p for p in params if id(p) in self.on_peer and _local(p).numel() == 0]
         if not params:
             return
         bufs = []
         with self.st.tracker.phase("stashed"):
             for p in params:
                 shape = self.on_peer[id(p)][1]
-                p.data = torch.empty(shape, dtype=p.dtype, device=self.st.torch_device)
-                bufs.append(p.data.reshape(-1).view(torch.uint8))
+                local = _local(p)
+                local.data = torch.empty(shape, dtype=local.dtype, device=self.st.torch_device)
+                bufs.append(local.data.reshape(-1).view(torch.uint8))
         version = self.on_peer[id(params[0])][0]
         works = self.client.request(stash_code(self.st.plan, self.st.index, version), self.peers, bufs, stash=True)
         self.peer_works[id(params[0])] = works  # one list per version: a gloo work is waited once

@@ -81,7 +81,10 @@ class StashEvents:
         if self._stash and len(plan.stages) > 1:
             import costs.buffers
 
-            self._tied_msg_bytes = costs.buffers.tied_sync_buffer_bytes(self.model, plan, plan.stages[0])
+            # each message is the rank's vocabulary shard: executor.pipedream pairs tp rank t of
+            # stage 0 (row-parallel embedding) with tp rank t of the last (column-parallel head)
+            self._tied_msg_bytes = -(-costs.buffers.tied_sync_buffer_bytes(self.model, plan, plan.stages[0])
+                                     // plan.stages[0].tp)
         if self._stash_swap:  # the pass after the current one, per position (a prefetch point)
             p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
             for pos in range(p):

@@ -84,6 +84,18 @@ def run_plan_float64(plan, cfg, iterations: int, timeout_s: float = 90.0):
     return launch(plan, cfg, opts, timeout_s)
 
 
+def params_of(out) -> dict:
+    """Every rank's collected weights of a run (``collect=True``), by parameter name."""
+    assert out.failure is None, out.failure
+    return {k: v for rep in out.reports.values() for k, v in rep["params"].items()}
+
+
+def worst_rel(got: dict, want: dict) -> float:
+    """Largest difference over all weights, relative to the largest weight of ``want``."""
+    scale = max(float(np.abs(v).max()) for v in want.values())
+    return max(float(np.abs(got[k] - v).max()) for k, v in want.items()) / scale
+
+
 @contextlib.contextmanager
 def deadline(seconds: float, what: str = "it"):
     """Raise TimeoutError if the body runs over ``seconds`` (SIGALRM; main thread only). A hang

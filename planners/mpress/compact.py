@@ -42,7 +42,7 @@ from planners.mpress.improve import cap_text, improve, remap
 from planners.mpress.mapping import search_mapping
 from planners.mpress.outcome import final_outcome
 from planners.mpress.repair import repair
-from planners.mpress.weights import add_weight_swap, weight_swap_line
+from planners.mpress.weights import swap_until_fits
 from planners.policy import MPressPolicy
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -148,14 +148,7 @@ def compact(plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity_bytes
             f"s{s}->{'+'.join(f's{t}' for t, _ in ts)}" for s, ts in enumerate(mapping.targets) if ts) or "none"))
     st = initial_assignment(plan, model, hw, first.trace, mapping, allowed, capacity_bytes, spare, adopt=True)
     sim = repair(em, st, allowed)
-    weights: list = []
-    while not _fits(sim) and CPU in allowed and em.left:  # live model data to the host (planners/mpress/weights.py)
-        more = add_weight_swap(st, hw)
-        if not more:
-            break
-        weights += more
-        em.log.append(weight_swap_line(em.sims, more))
-        sim = repair(em, st, allowed)
+    sim, weights = swap_until_fits(em, st, hw, allowed, sim)  # live model data to the host (weights.py)
     if not _fits(sim):
         stop = cap_text(em) if em.capped else "does not fit: nothing left to compact"
         out = final_outcome(em, st, allowed, sim, first, False, hw, stop, weights=weights)

@@ -58,7 +58,7 @@ from planners.mpress.improve import cap_text, improve, remap
 from planners.mpress.outcome import MPressOutcome, final_outcome, fits_as_is
 from planners.mpress.repair import repair
 from planners.mpress.stash import choose_stash_swap, choose_stash_targets, stash_line, with_stash_swap
-from planners.mpress.weights import add_weight_swap, weight_swap_line
+from planners.mpress.weights import swap_until_fits
 from planners.policy import MPressPolicy
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -114,16 +114,8 @@ def mpress_search(policy: MPressPolicy, model: ModelSpec, hardware: HardwareSpec
 
     st = initial_assignment(base, model, hardware, first.trace, mapping, allowed, capacity, spare)
     sim = repair(em, st, allowed)
+    sim, weights = swap_until_fits(em, st, hardware, allowed, sim)  # 6. live model data to the host (weights.py)
     fits = _fits(sim)
-    weights: list = []
-    while not fits and _CPU in allowed and em.left:  # 6. live model data to the host (weights.py)
-        more = add_weight_swap(st, hardware)
-        if not more:
-            break
-        weights += more
-        em.log.append(weight_swap_line(em.sims, more))
-        sim = repair(em, st, allowed)
-        fits = _fits(sim)
     if not fits:
         stop = cap_text(em) if em.capped else "does not fit: nothing left to compact"
         return final_outcome(em, st, allowed, sim, first, fits, hardware, stop, weights=weights)

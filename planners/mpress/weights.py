@@ -42,6 +42,9 @@ import costs.layer_time
 import costs.static
 from costs.window import cpu_step_s
 from planners.mpress.assign import Assignment, analytic_over, size_text
+from planners.mpress.emulate import Emulator, fits as _fits
+from planners.mpress.facts import CPU
+from planners.mpress.repair import repair
 from simulator.stagecost import host_link
 from specs.hardware import HardwareSpec
 from specs.plan import Plan, ScheduleKind
@@ -137,6 +140,22 @@ def add_weight_swap(st: Assignment, hardware: HardwareSpec) -> list[WeightSwapCh
             chosen.append(WeightSwapChoice(s, l, freed, cost, why))
             left = now
     return chosen
+
+
+def swap_until_fits(em: Emulator, st: Assignment, hardware: HardwareSpec, allowed: list, sim):
+    """The planner's last step (policy=mpress's step 6, policy=auto's compaction): while the
+    repaired assignment ``sim`` does not fit, cpu_swap is allowed and simulations are left, add
+    weight swaps (:func:`add_weight_swap`) and repair again. Returns (the last simulation, the
+    choices made, in order)."""
+    weights: list[WeightSwapChoice] = []
+    while not _fits(sim) and CPU in allowed and em.left:
+        more = add_weight_swap(st, hardware)
+        if not more:
+            break
+        weights += more
+        em.log.append(weight_swap_line(em.sims, more))
+        sim = repair(em, st, allowed)
+    return sim, weights
 
 
 def weight_swap_line(em_sims: int, chosen: list[WeightSwapChoice]) -> str:

@@ -83,6 +83,20 @@ def plain():
     return out
 
 
+def assert_matches_reference(out, steps: int) -> None:
+    """Losses, gradients and weights of a float64 run ``out`` against the single-process float64
+    reference after ``steps`` iterations, within the float32-reordering bound of its longest
+    reduction (absolute floor: that bound x each quantity's largest value)."""
+    ref = train_reference(GPT_TINY, CPU_TRAINING, steps, dtype=torch.float64)
+    rtol = reorder_rtol(longest_reduction(GPT_TINY, CPU_TRAINING))
+    np.testing.assert_allclose(out.losses, ref["losses"], rtol=rtol)
+    for key in ("grads", "params"):
+        got = merged(out, key)
+        scale = max(float(np.abs(v).max()) for v in ref[key].values())
+        for name, want in ref[key].items():
+            np.testing.assert_allclose(got[name], want, rtol=rtol, atol=rtol * scale, err_msg=(key, name))
+
+
 # ---- (1) one stage, w = 1 and 2, embedding and tied head resident ----------------------------
 
 @pytest.mark.slow
@@ -92,14 +106,7 @@ def test_single_stage_window_trains_as_the_plain_run_and_the_reference(w, plain)
     assert_bitwise(out, plain)
     # the reference sums in another order; absolute floors as test_executor_numerics.assert_matches
     # (tol x the largest value: the key bias's gradient is zero in exact arithmetic, pure noise)
-    ref = train_reference(GPT_TINY, CPU_TRAINING, STEPS, dtype=torch.float64)
-    rtol = reorder_rtol(longest_reduction(GPT_TINY, CPU_TRAINING))
-    np.testing.assert_allclose(out.losses, ref["losses"], rtol=rtol)
-    for key in ("grads", "params"):
-        got = merged(out, key)
-        scale = max(float(np.abs(v).max()) for v in ref[key].values())
-        for name, want in ref[key].items():
-            np.testing.assert_allclose(got[name], want, rtol=rtol, atol=rtol * scale, err_msg=(key, name))
+    assert_matches_reference(out, STEPS)
 
 
 def _param_counts() -> tuple[int, int, int, int]:

@@ -17,19 +17,16 @@ window; executor/measure.py no longer refuses dp/tp windows) and, for the trace 
 simulator's (simulator/engine.py passes the host ring to the window walk)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
 from costs.families import build_model
 from executor.measure import execute_run, unsupported
-from executor.reference import train_reference
 from simulator import simulate
 from planners import parse_policy
 from planners.stronghold.planner import stronghold_search
 from specs.plan import OffloadPolicy, Plan, ScheduleSpec, validate_plan
-from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol
-from tests.integration.executor.test_executor_window import assert_bitwise, f64, merged
+from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU
+from tests.integration.executor.test_executor_window import assert_bitwise, assert_matches_reference, f64
 
 pytestmark = pytest.mark.slow
 SPEC = build_model(GPT_TINY, 4)
@@ -58,14 +55,7 @@ def test_window_trains_as_the_plain_run_and_the_reference(dp, tp):
     assert unsupported(plan, GPT_TINY) == []
     out = f64(plan)
     assert_bitwise(out, f64(stage_plan(dp, tp, False)))
-    ref = train_reference(GPT_TINY, CPU_TRAINING, 2, dtype=torch.float64)
-    rtol = reorder_rtol(longest_reduction(GPT_TINY, CPU_TRAINING))
-    np.testing.assert_allclose(out.losses, ref["losses"], rtol=rtol)
-    for key in ("grads", "params"):
-        got = merged(out, key)
-        scale = max(float(np.abs(v).max()) for v in ref[key].values())
-        for name, want in ref[key].items():
-            np.testing.assert_allclose(got[name], want, rtol=rtol, atol=rtol * scale, err_msg=(key, name))
+    assert_matches_reference(out, 2)
 
 
 @pytest.mark.parametrize("dp, tp", DEGREES)

@@ -7,19 +7,16 @@ tolerance (as tests/integration/executor/test_executor_window.py). Memory: the d
 resident layers plus w slots, exactly; the simulated peak is within 10 % of the measured one."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
 from executor.measure import execute_run
-from executor.reference import train_reference
 from planners import parse_policy
 from planners.stronghold.planner import stronghold_search
 from simulator import simulate
 from costs.families import build_model
 from specs.plan import ScheduleSpec
-from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol
-from tests.integration.executor.test_executor_window import assert_bitwise, f64, merged, single
+from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU
+from tests.integration.executor.test_executor_window import assert_bitwise, assert_matches_reference, f64, single
 
 SPEC = build_model(GPT_TINY, 4)
 
@@ -38,14 +35,7 @@ def test_planned_window_with_resident_first_window_trains_exactly(planned):
     assert st.offload.resident_layers[:2] == [0, 1] and len(st.streamed_layers) >= w  # block0 resident
     out = f64(planned)
     assert_bitwise(out, f64(single(None)))
-    ref = train_reference(GPT_TINY, CPU_TRAINING, 2, dtype=torch.float64)
-    rtol = reorder_rtol(longest_reduction(GPT_TINY, CPU_TRAINING))
-    np.testing.assert_allclose(out.losses, ref["losses"], rtol=rtol)
-    for key in ("grads", "params"):
-        got = merged(out, key)
-        scale = max(float(np.abs(v).max()) for v in ref[key].values())
-        for name, want in ref[key].items():
-            np.testing.assert_allclose(got[name], want, rtol=rtol, atol=rtol * scale, err_msg=(key, name))
+    assert_matches_reference(out, 2)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from executor.reference import train_reference_pipedream
 from planners import make_plan, parse_policy
 from specs.plan import D2DTarget, OffloadPolicy, ScheduleSpec, validate_plan
 from specs.training import TrainingSpec
-from tests.conftest import GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol, run_plan_float64
+from tests.conftest import GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol, run_plan_float64, params_of
 
 pytestmark = pytest.mark.slow
 SPEC = build_model(GPT_TINY, 4)
@@ -43,15 +43,10 @@ def _plans(targets=(3,)):
                                                     stash_targets=[D2DTarget(device=d, weight=1) for d in targets])
 
 
-def _params(out) -> dict:
-    assert out.failure is None, out.failure
-    return {k: v for rep in out.reports.values() for k, v in rep["params"].items()}
-
-
 def test_numerics_equal_the_host_stash_bit_for_bit_and_the_stale_reference():
     host, d2d = _plans()
-    got = _params(run_plan_float64(d2d, GPT_TINY, iterations=2))
-    want = _params(run_plan_float64(host, GPT_TINY, iterations=2))
+    got = params_of(run_plan_float64(d2d, GPT_TINY, iterations=2))
+    want = params_of(run_plan_float64(host, GPT_TINY, iterations=2))
     assert got.keys() == want.keys()
     assert all(np.array_equal(got[k], want[k]) for k in want)  # a copy moves no number
     stale = train_reference_pipedream(GPT_TINY, d2d, 2, dtype=torch.float64)

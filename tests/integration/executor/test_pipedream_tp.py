@@ -5,7 +5,6 @@ a stale version is a DTensor of the same mesh and placements, its bytes the rank
 Numerics in float64 against the single-process stale-weight reference."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,7 +14,7 @@ from executor.reference import train_reference, train_reference_pipedream
 from planners import make_plan, parse_policy
 from specs.plan import OffloadPolicy, ScheduleSpec, validate_plan
 from specs.training import TrainingSpec
-from tests.conftest import GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol, run_plan_float64
+from tests.conftest import GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol, run_plan_float64, params_of, worst_rel
 
 pytestmark = pytest.mark.slow
 SPEC = build_model(GPT_TINY, 4)
@@ -27,17 +26,6 @@ PP, TP = 2, 2
 def pipedream_tp(**policy):
     return make_plan(parse_policy({"kind": "even", "pp": PP, "tp": TP, **policy}), SPEC, LOCAL_CPU, TRAINING,
                      ScheduleSpec(kind="pipedream_async"))
-
-
-def params_of(out) -> dict:
-    assert out.failure is None, out.failure
-    return {k: v for rep in out.reports.values() for k, v in rep["params"].items()}
-
-
-def worst(got: dict, want: dict) -> float:
-    """Largest difference over all weights, relative to the largest weight."""
-    scale = max(float(np.abs(v).max()) for v in want.values())
-    return max(float(np.abs(got[k] - v).max()) for k, v in want.items()) / scale
 
 
 def test_tp_stages_run_under_pipedream_and_unpaired_tied_shards_are_refused():
@@ -57,9 +45,9 @@ def test_tp_weights_equal_the_stale_reference_and_tp_peers_agree():
     stale = train_reference_pipedream(GPT_TINY, plan, 2, dtype=torch.float64)
     tol = reorder_rtol(longest_reduction(GPT_TINY, TRAINING))
     assert set(got) == set(stale["params"])
-    assert worst(got, stale["params"]) <= tol
+    assert worst_rel(got, stale["params"]) <= tol
     flushed = train_reference(GPT_TINY, TRAINING, 2, dtype=torch.float64)
-    assert worst(got, flushed["params"]) > 1e3 * tol  # the check can fail
+    assert worst_rel(got, flushed["params"]) > 1e3 * tol  # the check can fail
     # every tp rank steps its own shard of the sharded weights and its own copy of the replicated
     # ones (LayerNorm, row-parallel biases): identical gradients keep those copies bit-identical
     rank = {d: r for r, d in enumerate(plan.used_devices())}

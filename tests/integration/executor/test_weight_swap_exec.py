@@ -21,7 +21,7 @@ from executor.reference import train_reference, train_reference_pipedream
 from planners import make_plan, parse_policy
 from specs.plan import LayerMemory, MemoryAction, OffloadPolicy, ScheduleSpec, validate_plan
 from specs.training import TrainingSpec
-from tests.conftest import GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol, run_plan_float64
+from tests.conftest import GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol, run_plan_float64, params_of, worst_rel
 
 pytestmark = pytest.mark.slow
 SPEC = build_model(GPT_TINY, 4)
@@ -49,16 +49,6 @@ def blocks(plan, n: int = 2) -> list[list[int]]:
     return [[i for i in st.layers if i not in (0, last)][:n] for st in plan.stages]
 
 
-def params_of(out) -> dict:
-    assert out.failure is None, out.failure
-    return {k: v for rep in out.reports.values() for k, v in rep["params"].items()}
-
-
-def worst(got: dict, want: dict) -> float:
-    scale = max(float(np.abs(v).max()) for v in want.values())
-    return max(float(np.abs(got[k] - v).max()) for k, v in want.items()) / scale
-
-
 def layer_numel_and_tensors(i: int) -> tuple[int, int]:
     """(parameters, parameter tensors) of layer ``i`` as the executor builds it."""
     (_, _, mod), = build_layers(GPT_TINY, range(i, i + 1), "meta")
@@ -73,7 +63,7 @@ def test_weight_swapped_numerics_equal_the_reference_and_the_unswapped_run(kind,
     got = params_of(run_plan_float64(plan, GPT_TINY, iterations=2))
     want = (train_reference(GPT_TINY, TRAINING, 2, dtype=torch.float64) if kind == "1f1b"
             else train_reference_pipedream(GPT_TINY, plan, 2, dtype=torch.float64))
-    assert worst(got, want["params"]) <= reorder_rtol(longest_reduction(GPT_TINY, TRAINING))
+    assert worst_rel(got, want["params"]) <= reorder_rtol(longest_reduction(GPT_TINY, TRAINING))
     # the same operations in the same order as the weights kept on the device: bit for bit
     kept = params_of(run_plan_float64(base, GPT_TINY, iterations=2))
     assert all(np.array_equal(got[k], kept[k]) for k in kept)
@@ -120,7 +110,7 @@ def test_recomputed_and_activation_swapped_layers_are_weight_swapped_too():
     plan = plan_of("1f1b", 2, [[1, 2], [3]], recompute="full")
     got = params_of(run_plan_float64(plan, GPT_TINY, iterations=1))
     want = train_reference(GPT_TINY, TRAINING, 1, dtype=torch.float64)
-    assert worst(got, want["params"]) <= reorder_rtol(longest_reduction(GPT_TINY, TRAINING))
+    assert worst_rel(got, want["params"]) <= reorder_rtol(longest_reduction(GPT_TINY, TRAINING))
     # PipeDream: an activation-swapped weight-swapped layer, a stash-swapped one beside it
     plan = plan_of("pipedream_async", 2, [[1], [3, 4]])
     st0 = plan.stages[0].model_copy(update={
@@ -130,7 +120,7 @@ def test_recomputed_and_activation_swapped_layers_are_weight_swapped_too():
     plan = validate_plan(plan.model_copy(update={"stages": [st0, plan.stages[1]]}), SPEC, hw)
     got = params_of(run_plan_float64(plan, GPT_TINY, iterations=1))
     stale = train_reference_pipedream(GPT_TINY, plan, 1, dtype=torch.float64)
-    assert worst(got, stale["params"]) <= reorder_rtol(longest_reduction(GPT_TINY, TRAINING))
+    assert worst_rel(got, stale["params"]) <= reorder_rtol(longest_reduction(GPT_TINY, TRAINING))
 
 
 def test_a_tied_embedding_layer_is_refused_by_name():

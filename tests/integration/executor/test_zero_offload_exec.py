@@ -24,7 +24,7 @@ from executor.reference import _loss, _optimizer, train_reference
 from planners import make_plan, parse_policy
 from specs.plan import ScheduleSpec, validate_plan
 from specs.training import TrainingSpec
-from tests.conftest import GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol, run_plan_float64
+from tests.conftest import GPT_TINY, LOCAL_CPU, longest_reduction, reorder_rtol, run_plan_float64, params_of, worst_rel
 
 pytestmark = pytest.mark.slow
 ROOT = Path(run.__file__).resolve().parent
@@ -39,16 +39,6 @@ NVME_CPU = LOCAL_CPU.model_copy(update={"host": LOCAL_CPU.host.model_copy(update
 def plan_of(hardware=LOCAL_CPU, kind="zero_offload", **knobs):
     plan = make_plan(parse_policy({"kind": kind, **knobs}), SPEC, hardware, TRAINING, ScheduleSpec())
     return validate_plan(plan, SPEC, hardware)
-
-
-def params_of(out) -> dict:
-    assert out.failure is None, out.failure
-    return {k: v for rep in out.reports.values() for k, v in rep["params"].items()}
-
-
-def worst(got: dict, want: dict) -> float:
-    scale = max(float(np.abs(v).max()) for v in want.values())
-    return max(float(np.abs(got[k] - v).max()) for k, v in want.items()) / scale
 
 
 def test_compare_on_local_cpu_is_within_ten_percent_and_numerics_pass(tmp_path):
@@ -67,7 +57,7 @@ def test_weights_equal_the_reference_and_the_no_offload_run(knobs):
     hw = LOCAL_CPU.model_copy(update={"devices_per_node": knobs.get("pp", 1) * knobs.get("dp", 1)})
     got = params_of(run_plan_float64(plan_of(LOCAL_CPU, **knobs), GPT_TINY, iterations=2))
     want = train_reference(GPT_TINY, TRAINING, 2, dtype=torch.float64)
-    assert worst(got, want["params"]) <= reorder_rtol(longest_reduction(GPT_TINY, TRAINING))
+    assert worst_rel(got, want["params"]) <= reorder_rtol(longest_reduction(GPT_TINY, TRAINING))
     # the CPU's Adam is the device's (same class, same hyper-parameters, same numbers): bit for bit
     kept = params_of(run_plan_float64(plan_of(hw, kind="balanced", recompute="full", **knobs), GPT_TINY, iterations=2))
     assert all(np.array_equal(got[k], kept[k]) for k in kept)
@@ -117,7 +107,7 @@ def test_delayed_update_trains_one_step_stale_from_its_iteration():
     out = run_plan_float64(plan, GPT_TINY, iterations=iterations)
     want = delayed_reference(start, iterations)
     tol = reorder_rtol(longest_reduction(GPT_TINY, TRAINING))
-    assert worst(params_of(out), want["params"]) <= tol
+    assert worst_rel(params_of(out), want["params"]) <= tol
     assert np.allclose(out.losses, want["losses"], rtol=tol, atol=0)
     plain = train_reference(GPT_TINY, TRAINING, iterations, dtype=torch.float64)
     # before DPU starts the run is the reference; from its iteration on the weights are one step

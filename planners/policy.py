@@ -117,6 +117,8 @@ class StrongholdPolicy(Spec):
                                                                    "short (auto), always, never")
     resident_first_window: bool = Field(True, description="§III-E1: the first working window's layers stay "
                                                           "resident, stepped on the device")
+    streams: int | None = Field(None, ge=1, le=64, description="§IV-A: concurrent workers (CUDA streams) sharing "
+                                "each stage's window; null: the planner chooses (the fastest that fits)")
 
 
 class ZeroOffloadPolicy(Spec):

@@ -162,6 +162,21 @@ class OffloadPolicy(Spec):
         description="layers whose live weights, gradients and optimizer state live in host memory, fetched "
                     "for each pass and stepped by the CPU (MPress §II-D)")
 
+    # STRONGHOLD §IV-A (multi-streamed GPU execution, Fig. 5, §VI-D1 Fig. 11): S concurrent
+    # training workers on the stage's device, each on a CUDA stream of its own (a thread on a CPU
+    # rank), sharing the one copy of the window's slots and resident layers ("only one copy of the
+    # model parameters ... is stored in the GPU memory"). The stage's microbatches run in groups
+    # of S consecutive ones (microbatches divisible by S); the schedule orders groups as it orders
+    # microbatches (m / S of them). A group's pass walks the window once: a streamed layer is
+    # fetched once for the group and its S computes run concurrently (priced as one kernel over the
+    # group's samples: the streams fill the SMs a small kernel leaves idle, costs.gemm's curve);
+    # its slot is released when the last worker is done with it. The workers' gradients are
+    # accumulated into the slot's one gradient buffer (the paper's in-GPU all-reduce among workers
+    # before the update) and the group's sum goes to the host once per group. Per worker: its
+    # microbatch's activations and boundaries. 1: one worker (plain STRONGHOLD).
+    streams: int = Field(1, ge=1, le=64, description="STRONGHOLD §IV-A: concurrent workers (CUDA streams; threads "
+                         "on CPU) sharing the window; microbatches run in groups of this many")
+
     @model_validator(mode="after")
     def _one_home(self) -> OffloadPolicy:
         if self.optimizer_swap and (self.optimizer_on_cpu or self.window_layers is not None):
@@ -194,6 +209,9 @@ class OffloadPolicy(Spec):
             raise ValueError("delayed_update_from: ZeRO-Offload's delayed parameter update overlaps the CPU step "
                              "of optimizer_on_cpu without a window (a window steps each layer as its gradients "
                              "land); set optimizer_on_cpu and drop window_layers, or set it to null")
+        if self.streams > 1 and self.window_layers is None:
+            raise ValueError(f"streams: {self.streams} concurrent workers share a STRONGHOLD window (§IV-A); "
+                             "set window_layers or streams: 1")
         if self.nvme and self.window_layers is None and not self.optimizer_on_cpu:
             raise ValueError("nvme: holds the host-side optimizer state of a window (window_layers) or of "
                              "optimizer_on_cpu; set one of them")

@@ -3,6 +3,7 @@
     python benchmarks/stronghold_eval.py            # V100 and A10 series, Figs. 6-9 analogues (~3 min, 2 cores)
     python benchmarks/stronghold_eval.py --fast     # V100 only, no NVMe search, fewer windows (~30 s)
     python benchmarks/stronghold_eval.py --out DIR  # stronghold_eval.json / .png (default outputs/stronghold_eval)
+    python benchmarks/stronghold_eval.py --fig11    # only (e): Fig. 11, multi-stream (benchmarks/stronghold_streams.py)
 
 Methods, as memwall expresses them (the paper's in brackets):
 
@@ -32,6 +33,8 @@ Methods, as memwall expresses them (the paper's in brackets):
 (c) Fig. 9: iteration time vs a forced window (1..16) on the 1.7B and 39.4B presets, the planner's
     choice marked; the CPU-Adam rate (a default, not measured) varied as a sensitivity row.
 (d) planning time of policy=stronghold on each preset (time.perf_counter, best of 3).
+(e) Fig. 11 (§VI-D1): multi-streamed STRONGHOLD (§IV-A) over no offload at each batch size, with
+    streams=1 as the ablation (benchmarks/stronghold_streams.py; also part of the full run).
 
 Deterministic given the configs: planning and simulation are pure; only the planning times (wall
 clock) vary from run to run, and they stay out of every comparison.
@@ -559,8 +562,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fast", action="store_true", help="V100 series only, no NVMe search; windows 1-4, 8, 16; no sensitivity rows")
     ap.add_argument("--out", type=Path, default=ROOT / "outputs" / "stronghold_eval")
+    ap.add_argument("--fig11", action="store_true", help="only Fig. 11: multi-stream vs no offload per batch size")
     args = ap.parse_args(argv)
+    from benchmarks import stronghold_streams
     from reports.outputs import save_figure, write_json
+
+    if args.fig11:
+        return {"fig11": stronghold_streams.main()}
 
     t0 = time.perf_counter()
     platforms = ("v100",) if args.fast else ("v100", "a10")
@@ -576,6 +584,8 @@ def main(argv: list[str] | None = None) -> dict:
         sweeps += [fig9("stronghold_gpt_1b7_v100", windows, rate=r) for r in CPU_RATES[1:]]
     plan_s = planning_times(PRESETS if not args.fast else PRESETS[:2])
     print_report(f6, f7, f8, sweeps, plan_s)
+    f11 = stronghold_streams.fig11()
+    stronghold_streams.print_report(f11)
     data = {
         "fig6": {p: [{"method": r.method, "largest": asdict(r.largest) if r.largest else None,
                       "next": asdict(r.next_) if r.next_ else None, "tried": r.tried} for r in rows]
@@ -591,6 +601,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "worst_at_or_above": s.worst_at_or_above, "runs": {w: asdict(r) for w, r in s.runs.items()}}
                  for s in sweeps],
         "planning_s": plan_s,
+        "fig11": {b: {m: asdict(r) for m, r in rows.items()} for b, rows in f11.items()},
         "paper": {"largest": [asdict(c) for c in paper.LARGEST], "ratios": [asdict(c) for c in paper.RATIOS],
                   "numbers": [asdict(c) for c in paper.NUMBERS]},
     }

@@ -145,3 +145,36 @@ def first_window(stage: StagePlan, resident: list[int], w: int) -> list[int]:
     streamable = [i for i in stage.layers if i not in resident]
     keep = max(min(w, len(streamable) - w), 0)
     return sorted(set(resident) | set(streamable[:keep]))
+
+
+# ---- STRONGHOLD §IV-A multi-streamed execution (offload.streams) ------------------------------
+
+def plan_streams(plan: Plan) -> int:
+    """The streams (concurrent workers, §IV-A) of ``plan``'s windowed stage: 1 unless its one
+    stage (pp == 1, the only place streams > 1 is valid: specs.plan.validate_plan) sets more."""
+    return max((st.offload.streams for st in plan.stages), default=1)
+
+
+def grouped_plan(plan: Plan) -> Plan:
+    """The plan one iteration of ``plan`` with ``streams`` S > 1 is priced as (STRONGHOLD §IV-A,
+    the contract in specs.plan_memory.OffloadPolicy.streams): its m microbatches run in m / S
+    groups of S consecutive microbatches, the schedule orders groups as it orders microbatches,
+    and a group's pass walks the window once — each streamed layer fetched once for the group,
+    its S computes priced as one kernel over the group's S·b samples (costs.gemm's efficiency
+    curve at S·b: the streams fill SMs a small kernel leaves idle), one gradient copy per layer
+    per group backward (the workers accumulate into the slot's one gradient buffer), and the S
+    workers' activations (S·b samples' worth) on the device during the group. That is exactly
+    a plan of m / S microbatches of S·b samples with one stream, so every pricing (the
+    simulator, the analytic estimate, the planner's window walk) prices that plan. Unchanged
+    with S == 1. The global batch, and so throughput and FLOPs, are the same.
+    Raises ValueError where streams > 1 is invalid (pp > 1, S not dividing m)."""
+    S = plan_streams(plan)
+    if S == 1:
+        return plan
+    m = plan.training.microbatches
+    if len(plan.stages) != 1 or m % S:
+        raise ValueError(f"offload.streams: {S} workers need a one-stage pipeline and microbatches ({m}) "
+                         f"divisible by {S} (specs.plan.validate_plan)")
+    training = plan.training.model_copy(update={"num_microbatches": m // S, "microbatch_size": None})
+    stages = [st.model_copy(update={"offload": st.offload.model_copy(update={"streams": 1})}) for st in plan.stages]
+    return plan.model_copy(update={"training": training, "stages": stages})

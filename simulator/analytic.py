@@ -13,6 +13,7 @@ import costs.collectives
 import costs.layer_time
 import costs.params
 import costs.static
+from costs.window import grouped_plan
 from simulator.sharded import sharded_stage
 from simulator.stagecost import host_link
 from simulator.stash_peak import PeakParts, max_stashed_versions, pipedream_peak
@@ -66,6 +67,7 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     stashed version, as bytes held for peers: the most simulator.stash holds (for a moment, as the
     newest lands and the oldest goes back), added to the target's own peak as an upper bound.
     """
+    plan = grouped_plan(plan)  # STRONGHOLD §IV-A streams: S workers' activations (costs.window.grouped_plan)
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
     acts, work, swap_in, allreduce, sent, grads = {}, {}, {}, {}, {}, {}
     sharded = _sharded(plan, model, hardware)
@@ -300,6 +302,7 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
     blocking, on an idle fabric (Megatron-LM as run for Narayanan et al. SC'21, and memwall's
     executor); the simulator additionally books it on the links, where it can contend with sends.
     """
+    plan = grouped_plan(plan)  # STRONGHOLD §IV-A streams: m / S group passes of S·b samples
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     work = [0.0] * p
     p2p = [0.0] * p

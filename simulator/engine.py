@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import simpy
 
+from costs.window import grouped_plan, plan_streams
 from simulator.links import Links
 from simulator.memory import BUFFERS, GRADS, OPTIM, PARAMS, Timeline
 from simulator.optimizer import OptimizerEvents
@@ -34,7 +35,7 @@ from simulator.trace import TraceBuilder
 from simulator.transfers import Transfers
 from simulator.walk import ScheduleWalk
 from simulator.weightswap import WeightSwapEvents
-from simulator.window import WindowWalk, host_ring, resources as window_resources
+from simulator.window import GroupTrace, WindowWalk, host_ring, resources as window_resources
 from specs.dtype_support import is_cpu
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import ModelSpec
@@ -60,7 +61,14 @@ class NoTrace:
 class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEvents):
     def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec, overlap_dp_allreduce: bool = False,
                  progress: Callable[[int, int], None] | None = None, trace: bool = True):
-        """``trace=False``: record no Perfetto trace (:class:`NoTrace`); nothing else changes."""
+        """``trace=False``: record no Perfetto trace (:class:`NoTrace`); nothing else changes.
+
+        A plan with ``offload.streams`` S > 1 (STRONGHOLD §IV-A) is walked as its groups
+        (costs.window.grouped_plan: m / S microbatches of S·b samples, one window walk per group
+        pass); ``plan_id`` stays the given plan's, and the trace names each group's passes by
+        the group and its microbatches (simulator/window.py's docstring: :class:`GroupTrace`)."""
+        self.plan_id, self.streams = plan.id, plan_streams(plan)
+        plan = grouped_plan(plan)
         self.plan, self.hardware = plan, hardware
         # Gradient all-reduce: by default after the pipeline flush, blocking the position, as
         # Megatron-LM ran for Narayanan et al. SC'21 and as memwall's executor does. With
@@ -92,6 +100,8 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEv
         self._report_at = PROGRESS_EVERY if progress is not None else -1
         self.links = Links(hardware)
         self.trace = TraceBuilder() if trace else NoTrace()
+        if self.streams > 1 and trace:
+            self.trace = GroupTrace(self.trace, self.streams)
         self.mem = [Timeline() for _ in range(self.p)]
         self.extra: dict[int, Timeline] = {}       # d2d target device -> bytes held for peers
         self.host_now = [0] * self.p

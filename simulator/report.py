@@ -85,7 +85,7 @@ def build_result(engine: Engine, model: ModelSpec) -> tuple[Result, dict]:
     t = t_ns / 1e9
     flops = costs.layer_time.model_flops_per_iteration(model, plan)
     result = Result(
-        source="simulated", plan_id=plan.id, model=plan.model, hardware=plan.hardware,
+        source="simulated", plan_id=getattr(engine, "plan_id", plan.id), model=plan.model, hardware=plan.hardware,
         devices=devices, iteration_time_s=t,
         samples_per_s=plan.training.global_batch / t if t > 0 else 0.0,
         tflops_per_device=flops / t / len(plan.used_devices()) / 1e12 if t > 0 else 0.0,

@@ -49,15 +49,66 @@ neighbour replicas, the resources the plain dp all-reduce books, so it queues wi
 sends on the same ports). The CPU step of each rank's copy shares the node's cores
 (costs.window.cpu_step_s). With ``tp > 1`` every rank streams its shard: the layer costs are the
 shard's already (costs.window.streamed_params).
+
+**Multi-streamed execution** (STRONGHOLD §IV-A, ``offload.streams`` S > 1; the contract:
+specs.plan_memory.OffloadPolicy.streams). S workers share the window; the stage's m microbatches
+run in m / S groups of S consecutive ones, group g = microbatches g·S .. g·S + S − 1, ordered by
+the schedule as m / S microbatches would be. The walk is the one above with a group in place of
+a microbatch (costs.window.grouped_plan): per group pass one fetch per streamed layer, the S
+computes of a layer as one kernel over S·b samples, one gradient copy per layer per group
+backward, S workers' activations. **Trace names** (the simulator's and the executor's measured
+trace, executor/timeline.py, use the same): every ``mb{k}`` of a slice name above becomes
+``g{g} (mb {first}-{last})`` — the group and its microbatches — when S > 1
+(:func:`group_name`), e.g. with S = 2::
+
+    "F s0 g1 (mb 2-3)"       the group's forward on the compute stream (one slice for the S workers)
+    "B s0 g1 (mb 2-3)"       its backward
+    "F L4 g1 (mb 2-3)"       layer 4's forward of the group (the S workers' computes, one slice)
+    "B L4 g1 (mb 2-3)"       "recompute L4 g1 (mb 2-3)"   its backward, its recompute
+    "grads L4 g1 (mb 2-3)"   the group's summed gradient of layer 4 to the host (d2h), once per group
+    "allreduce L4 g1 (mb 2-3)"  (dp > 1) its host all-reduce
+    "fetch L4", "cpu step L4", "wait fetch L4", "wait cpu step L4", "optimizer_step (resident)"
+                             unchanged (they name no microbatch)
+
+With S = 1 every name is as before (``mb{k}``).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from costs import window as win
 from simulator.links import Links, pcie_switch
 from simulator.stagecost import LayerCost, StageCost
 from specs.plan import MemoryAction
+
+
+_MB = re.compile(r"\bmb(\d+)\b")
+
+
+def group_name(name: str, streams: int) -> str:
+    """A slice name with each ``mb{k}`` (k a group's index when ``streams`` > 1) written as the
+    group and its microbatches: ``g{k} (mb {k·S}-{k·S + S − 1})`` (the module docstring)."""
+    if streams == 1:
+        return name
+    return _MB.sub(lambda m: f"g{m[1]} (mb {int(m[1]) * streams}-{int(m[1]) * streams + streams - 1})", name)
+
+
+class GroupTrace:
+    """A trace builder that names slices by group (:func:`group_name`), around the engine's own
+    (simulator.trace.TraceBuilder): with streams > 1 the walk's ``k`` is a group's index."""
+
+    def __init__(self, inner, streams: int):
+        self.inner, self.streams = inner, streams
+
+    def slice(self, pid: int, stream: str, name: str, start_ns: int, dur_ns: int, cat: str) -> None:
+        self.inner.slice(pid, stream, group_name(name, self.streams), start_ns, dur_ns, cat)
+
+    def build(self, devices: dict, counters: dict, max_events: int | None = None) -> dict:
+        return self.inner.build(devices, counters, max_events)
+
+    def __getattr__(self, name: str):  # the inner builder's recorded slices and the rest
+        return getattr(self.inner, name)
 
 
 @dataclass

@@ -155,6 +155,7 @@ def validate_plan(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Plan:
     devices_ok = _check_devices(plan, hardware, err)
     if devices_ok:
         _check_batch(plan, err)
+        _check_streams(plan, err)
         _check_targets(plan, hardware, err)
     _check_stages(plan, model, hardware, layers_ok, err)
     if errors:
@@ -274,6 +275,23 @@ def _check_batch(plan: Plan, err) -> None:
     if plan.schedule.kind is ScheduleKind.interleaved_1f1b and m % plan.pipeline_depth:
         err("training.num_microbatches",
             f"interleaved_1f1b needs microbatches ({m}) divisible by pipeline depth ({plan.pipeline_depth})")
+
+
+def _check_streams(plan: Plan, err) -> None:
+    """STRONGHOLD §IV-A multi-streamed execution (``offload.streams``; OffloadPolicy's docstring):
+    S workers share a window stage of a one-stage pipeline, its microbatches in groups of S."""
+    m = plan.training.microbatches
+    for i, stage in enumerate(plan.stages):
+        S = stage.offload.streams
+        if S == 1:
+            continue
+        if len(plan.stages) != 1:
+            err(f"stages[{i}].offload.streams", f"{S} workers share a window stage of a one-stage pipeline "
+                f"(pp 1); this plan has {len(plan.stages)} stages: allowed streams here: 1")
+        elif m % S:
+            ok = [d for d in range(1, min(m, 64) + 1) if m % d == 0]
+            err(f"stages[{i}].offload.streams", f"{S} does not divide the {m} microbatches (they run in groups "
+                f"of {S}); allowed: {ok}")
 
 
 def _check_targets(plan: Plan, hardware: HardwareSpec, err) -> None:

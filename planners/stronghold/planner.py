@@ -30,7 +30,12 @@ The planner (§III-B–D, §III-G), pure:
 4. The CPU optimizer (eqs. 3–5): each streamed layer is stepped on the host's cores as soon as
    its last gradient lands, and the step runs on until the next iteration's forward fetches the
    layer (eq. 3); what that forward waits for (eq. 3 violated) is reported as the CPU-step wait.
-5. Host RAM and NVMe (§III-G): the streamed layers' state of every stage of a node must fit its
+5. Multi-streamed execution (§IV-A; planners/stronghold/streams.py): on a one-stage pipeline, how
+   many workers share the window (``policy.streams``; null: of the divisors of the microbatch count
+   whose workers' activations fit beside the window, the fastest the window walk times, 1 unless
+   more gain over PLATEAU); the window is then chosen again for those streams (a group's longer
+   compute hides more of each fetch).
+6. Host RAM and NVMe (§III-G): the streamed layers' state of every stage of a node must fit its
    DRAM; if not, their optimizer state goes to NVMe (``policy.nvme``: auto/on/off), and the CPU
    steps are then bounded by the drive's read + write.
 
@@ -45,19 +50,18 @@ from planners.baselines.partition import plan_balanced
 from planners.layout import PlanningError
 from planners.policy import BalancedPolicy, StrongholdPolicy
 from planners.stronghold.layouts import search_layouts
+from planners.stronghold.pricing import (  # noqa: F401  (_passes, _walk re-exported: callers import them here)
+    PLATEAU, WindowPrice, _passes, _walk, cold_start_ns, price, price_base)
+from planners.stronghold.streams import check_streams, choose_streams, with_streams
 from planners.verdict import peaks
 from costs import window as win
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import OffloadPolicy, Plan, ScheduleKind, ScheduleSpec
-from specs.schedule import iter_compute_order
 from specs.training import TrainingSpec
 from specs.units import size_text, time_text
 
 GIB = 1 << 30
-#: a window within this fraction of the best fitting window's time is on the plateau (Fig. 9):
-#: STRONGHOLD §V-D measures run-to-run variance "less than 3%", so a smaller gain is not measurable
-PLATEAU = 0.03
 #: a limit (stalls, the wait for the CPU steps) is named the bottleneck only past this fraction of
 #: the stage's time (issue 25's CLI rule: a 1 % wait does not bind an iteration)
 BOTTLENECK_FRACTION = 0.02
@@ -66,20 +70,6 @@ BOTTLENECK_FRACTION = 0.02
 #: versions a slot would have to hold as well (STRONGHOLD §III-C's window walks one flushing
 #: iteration: FP then BP, then the update)
 WINDOWLESS_SCHEDULES = (ScheduleKind.interleaved_1f1b, ScheduleKind.pipedream_async)
-
-
-@dataclass(frozen=True)
-class WindowPrice:
-    """One candidate window of one stage, as the window walk times it."""
-
-    window: int
-    peak_bytes: int           # the stage device's peak (analytic memory model = the simulator's)
-    fits: bool
-    stall_s: float            # compute waiting for the host link, after the cold start (steady state)
-    cold_stall_s: float       # what a slot per streamed layer still waits for the link (steady state)
-    cpu_wait_s: float         # compute waiting for fetches held by the previous iteration's CPU steps (eq. 3)
-    time_s: float             # the stage's passes back to back, plus its step (steady state)
-    first_cold_s: float = 0.0  # the first iteration's cold start: its first forward's wait, nothing carried in
 
 
 @dataclass
@@ -95,6 +85,8 @@ class StageChoice:
     layer_times_s: dict[str, float]   # a typical streamed layer: fwd, bwd, fetch, grad copy, cpu step
     bottleneck: str
     why: str
+    streams: int = 1          # §IV-A concurrent workers sharing the window (planners/stronghold/streams.py)
+    streams_why: str = ""
 
 
 @dataclass
@@ -139,89 +131,13 @@ def _base_plan(policy: StrongholdPolicy, model, hardware, training, schedule) ->
 def with_window(plan: Plan, s: int, w: int | None, resident: list[int], nvme: bool) -> Plan:
     """``plan`` with stage ``s``'s offload replaced by a window of ``w`` slots (None: no offload),
     ``resident`` layers kept on the device and the streamed optimizer state on NVMe with ``nvme``;
-    every other stage is the input's own object."""
+    every other stage is the input's own object. The stage's ``streams`` (§IV-A) are kept with a
+    window (planners/stronghold/streams.py chooses them), dropped without one."""
     stages = list(plan.stages)
-    offload = OffloadPolicy() if w is None else OffloadPolicy(window_layers=w, resident_layers=resident, nvme=nvme)
+    offload = OffloadPolicy() if w is None else OffloadPolicy(window_layers=w, resident_layers=resident, nvme=nvme,
+                                                              streams=stages[s].offload.streams)
     stages[s] = stages[s].model_copy(update={"offload": offload})
     return plan.model_copy(update={"stages": stages})
-
-
-def _passes(plan: Plan, s: int) -> list[tuple[str, int]]:
-    """Stage ``s``'s forwards and backwards in its device's schedule order."""
-    # the compute order alone (what build_schedule's forwards and backwards follow), without
-    # building every position's Action objects: 175B on Selene spent 60 s there
-    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
-    return [(kind, k) for kind, st, k in iter_compute_order(plan.schedule.kind, p, m, v, plan.device_group_of(s))
-            if st == s]
-
-
-def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=None,
-          peak: int | None = None, capacity_bytes: int | None = None, cold_ns: int | None = None) -> WindowPrice:
-    """Walk stage ``s``'s passes back to back with its window (simulator/window.py) and its memory.
-    ``base``: (stage costs, passes, host ring) of this stage with any window, from :func:`price_base`: only
-    the slot count differs between windows, so pricing many reuses them; ``peak``: its device
-    peak if known (:func:`_peak_of`); ``capacity_bytes``: what ``fits`` compares the peak with
-    (default: the device's memory); ``cold_ns``: the stage's cold start (:func:`cold_start_ns`),
-    computed when not given."""
-    stage = plan.stages[s]
-    sc, passes, ring = base if base is not None else price_base(plan, model, hardware, s)
-    stall, cpu_wait, t = _walk(sc, passes, hardware, plan.training.microbatches, stage.offload.window_layers,
-                               ring=ring)
-    if cold_ns is None:
-        cold_ns = cold_start_ns(plan, hardware, sc, passes, ring)
-    if peak is None:
-        peak = max(peaks(plan, model, hardware)[d] for d in stage.devices)
-    capacity = hardware.device.memory_bytes if capacity_bytes is None else capacity_bytes
-    link = stall - cpu_wait
-    cold = min(cold_ns, link)
-    first = _walk(sc, passes[:1], hardware, plan.training.microbatches, stage.offload.window_layers, steady=False,
-                  ring=ring)[0]
-    return WindowPrice(window=stage.offload.window_layers, peak_bytes=peak,
-                       fits=peak <= capacity, stall_s=(link - cold) / 1e9,
-                       cold_stall_s=cold / 1e9, cpu_wait_s=cpu_wait / 1e9, time_s=t / 1e9, first_cold_s=first / 1e9)
-
-
-def _walk(sc, passes, hardware: HardwareSpec, microbatches: int, w: int, steady: bool = True,
-          ring=None) -> tuple[int, int, int]:
-    """(compute stall, the part of it held by CPU steps (eq. 3), the passes and the step) in ns,
-    the stage's passes walked back to back with ``w`` slots (simulator/window.py, plain
-    arithmetic): the steady-state iteration, or with ``steady=False`` the first one. ``ring``:
-    the stage's host gradient all-reduce with dp > 1 (simulator.window.host_ring)."""
-    from dataclasses import replace
-
-    from simulator.links import Links  # the planner borrows the simulator's mechanism (lazy: STYLE)
-    from simulator.window import Clock, WindowWalk, drive, resources, walk_passes
-
-    sc = replace(sc, window=w)
-    clock = Clock()
-    walk = WindowWalk(sc, Links(hardware), *resources(hardware, sc), microbatches, clock, steady=steady, ring=ring)
-    walk_passes(walk, passes, clock)  # exact; the periodic middle is not re-walked
-    drive(walk.step(), clock)
-    return walk.stall_ns, walk.cpu_hold_ns, clock.t
-
-
-def cold_start_ns(plan: Plan, hardware: HardwareSpec, sc, passes, ring=None) -> int:
-    """The cold start of a stage (ns): what its compute waits for the host link (not for CPU
-    steps) in the steady-state iteration when every streamed layer has a slot, i.e. every fetch is
-    issued as the iteration starts (the step left every slot stale), back to back on the host
-    link, and none is ever repeated. No window can wait less (a smaller one issues each fetch no
-    earlier, in the same order), so the rest of a window's link stall is what a larger window
-    would hide (P1 (1b), P2 (2b)) and is what the choice counts. With the resident first window
-    (§III-E1) the first fetches land behind the resident layers' forwards: usually 0."""
-    streamed = sum(1 for lc in sc.layers if lc.streamed)
-    stall, held, _ = _walk(sc, passes, hardware, plan.training.microbatches, max(streamed, 1), ring=ring)
-    return stall - held
-
-
-def price_base(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int) -> tuple:
-    """What every window of stage ``s`` shares: its per-layer costs, its pass sequence and its host
-    gradient all-reduce with dp > 1 (simulator.window.host_ring; None with one replica)."""
-    from simulator.links import Links
-    from simulator.stagecost import stage_cost
-    from simulator.window import host_ring
-
-    sc = stage_cost(plan, model, hardware, s, plan.stages[s])
-    return sc, _passes(plan, s), host_ring(plan, model, hardware, sc, Links(hardware))
 
 
 def resident_of(plan: Plan, s: int, resident: list[int], w: int, first_window: bool) -> list[int]:
@@ -329,6 +245,7 @@ def _layer_times(plan, model, hardware, s) -> dict[str, float]:
     device step, the next forward's) are left to hide that before its fetch (which follows)."""
     from simulator.stagecost import stage_cost
 
+    plan = win.grouped_plan(plan)  # with streams (§IV-A): a group's times (S·b samples)
     sc = stage_cost(plan, model, hardware, s, plan.stages[s])
     streamed = [lc for lc in sc.layers if lc.streamed]
     if not streamed:
@@ -474,10 +391,26 @@ def _choose(policy, model, hardware, plan, residents, nvme) -> tuple[list[tuple[
                                 f"streamed layers (layers {st.layer_start}..{st.layer_stop - 1} less the resident "
                                 f"{residents[s]})")
         first = getattr(policy, "resident_first_window", True)  # §III-E1's default (planners.policy)
-        chosen, prices, residents[s] = choose_resident_window(plan, model, hardware, s, residents[s], nvme[s],
+        base = list(residents[s])  # Fig. 3's residents, before a first working window joins them
+        chosen, prices, residents[s] = choose_resident_window(plan, model, hardware, s, base, nvme[s],
                                                               hardware.device.memory_bytes, policy.window_layers,
                                                               first)
         plan = with_window(plan, s, chosen, residents[s], nvme[s])
+        plan, streams_why = _streams(policy, model, hardware, plan, s)
+        if plan.stages[s].offload.streams > 1 and policy.window_layers is None:
+            # the window for the chosen streams (planners/stronghold/streams.py's docstring): a
+            # group's compute (S·b samples) hides more of each fetch, so it may need fewer slots; kept
+            # only if the iteration is no slower than with the window chosen for one stream (the
+            # rule counts link stalls: a smaller first window may leave more CPU-step wait, eq. 3)
+            kept = price(plan, model, hardware, s)
+            w2, prices2, res2 = choose_resident_window(plan, model, hardware, s, base, nvme[s],
+                                                       hardware.device.memory_bytes, None, first)
+            again = next(p for p in prices2 if p.window == w2)
+            if again.fits and again.time_s <= kept.time_s:
+                chosen, prices, residents[s] = w2, prices2, res2
+                plan = with_window(plan, s, chosen, residents[s], nvme[s])
+            else:
+                prices = sorted([p for p in prices2 if p.window != chosen] + [kept], key=lambda p: p.window)
         final = next(p for p in prices if p.window == chosen)
         fits = fits and final.fits
         times = _layer_times(plan, model, hardware, s)
@@ -488,8 +421,19 @@ def _choose(policy, model, hardware, plan, residents, nvme) -> tuple[list[tuple[
         choices.append((plan, StageChoice(stage=s, layers=(st.layer_start, st.layer_stop), device=st.devices[0],
                                           resident=residents[s], streamed=st.num_layers - len(residents[s]),
                                           window=chosen, nvme=nvme[s], prices=prices, layer_times_s=times,
-                                          bottleneck=kind, why=why)))
+                                          bottleneck=kind, why=why, streams=plan.stages[s].offload.streams,
+                                          streams_why=streams_why)))
     return choices, fits
+
+
+def _streams(policy, model: ModelSpec, hardware: HardwareSpec, plan: Plan, s: int) -> tuple[Plan, str]:
+    """Stage ``s``'s streams (§IV-A, planners/stronghold/streams.py): ``policy.streams`` when set
+    (refused by name where the contract does not allow it), else chosen (the fastest that fits)."""
+    forced = getattr(policy, "streams", None)
+    if forced is None:
+        return choose_streams(plan, model, hardware, s, hardware.device.memory_bytes)
+    check_streams(plan, s, forced)
+    return with_streams(plan, s, forced), f"streams {forced}: policy.streams"
 
 
 def report(outcome: StrongholdOutcome) -> dict:
@@ -502,6 +446,7 @@ def report(outcome: StrongholdOutcome) -> dict:
         "stages": [{
             "stage": c.stage, "layers": list(c.layers), "device": c.device, "resident_layers": c.resident,
             "streamed_layers": c.streamed, "window_layers": c.window, "nvme": c.nvme,
+            "streams": c.streams, "streams_why": c.streams_why,
             "bottleneck": c.bottleneck, "why": c.why, "layer_times_s": c.layer_times_s,
             "windows_priced": [p.__dict__ for p in c.prices],
         } for c in outcome.stages],
@@ -525,6 +470,8 @@ def summary_lines(outcome: StrongholdOutcome) -> list[str]:
             lines.append(f"  per streamed layer (L{t['layer']}): forward {time_text(t['fwd_s'])}, backward "
                          f"{time_text(t['bwd_s'])}, fetch {time_text(t['fetch_s'])}, gradient copy "
                          f"{time_text(t['grad_copy_s'])}, CPU step {time_text(t['cpu_step_s'])}")
+        if c.streams_why:
+            lines.append(f"  multi-stream (§IV-A): {c.streams_why}")
         lines.append(f"  bottleneck: {c.bottleneck} — {c.why}")
     lines.extend(outcome.notes)
     return lines

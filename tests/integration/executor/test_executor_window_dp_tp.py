@@ -38,7 +38,7 @@ def stage_plan(dp: int, tp: int, windowed: bool) -> Plan:
     blocks 0..3 streamed through one slot (the embedding and tied head resident); ``windowed``
     False: the same stage without offload."""
     pol = parse_policy({"kind": "stronghold", "pp": 1, "dp": dp, "tp": tp, "window_layers": 1,
-                        "resident_first_window": False})
+                        "resident_first_window": False, "streams": 1})  # one worker: streams are test_*streams*
     plan = stronghold_search(pol, SPEC, LOCAL_CPU, CPU_TRAINING, ScheduleSpec()).plan
     assert plan.stages[0].offload.resident_layers == [0, HEAD]
     if not windowed:

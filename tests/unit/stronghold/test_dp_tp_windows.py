@@ -28,7 +28,8 @@ def gpt(name: str):
 
 
 def windowed(model, hardware, training, **degrees):
-    pol = parse_policy({"kind": "stronghold", "pp": 1, "window_layers": 1, "resident_first_window": False, **degrees})
+    pol = parse_policy({"kind": "stronghold", "pp": 1, "window_layers": 1, "resident_first_window": False,
+                        "streams": 1, **degrees})  # one worker: the walk below times microbatches
     return stronghold_search(pol, model, hardware, training, ScheduleSpec())
 
 

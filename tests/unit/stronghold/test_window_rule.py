@@ -33,7 +33,9 @@ def _stage(microbatches: int, precision: str = "fp16", microbatch: int = 2, mode
            first_window: bool = False, **policy):
     """The audit's cases price the window rule with the embedding/head resident only
     (``first_window=False``: policy.resident_first_window off); the first working window resident
-    (§III-E1, the default) is checked where it changes the answer."""
+    (§III-E1, the default) is checked where it changes the answer. One worker (``streams`` 1,
+    unless given): the rule is about a microbatch's passes; groups of S are test_streams*'s."""
+    policy = {"streams": 1, **policy}
     training = TrainingSpec(global_batch=microbatches * microbatch, microbatch_size=microbatch, precision=precision,
                             **({"mixed_bytes_per_param": 16} if precision != "fp32" else {}))
     pol = parse_policy({"kind": "stronghold", "pp": 1, **policy}).model_copy(

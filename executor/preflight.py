@@ -77,3 +77,35 @@ def host_available_bytes() -> int | None:
     except OSError:
         pass
     return None
+
+
+def streams_unsupported(plan) -> list[str]:
+    """Why the executor cannot run ``plan``'s multi-stream windows (``offload.streams`` > 1,
+    STRONGHOLD §IV-A; executor.window_streams), as 'field: why' lines (empty: runnable). S workers
+    share one stage's window, so: a window stage of a one-stage pipeline (pp = 1), microbatches
+    divisible by S (groups of S consecutive ones), no tensor parallelism (each worker's Megatron
+    collectives would be issued from S threads in an order the tp peers do not share), no PipeDream
+    (an update per backward), no swaps, weight swap or MAP sharding on the stage."""
+    out = []
+    m = plan.training.microbatches
+    for i, st in enumerate(plan.stages):
+        s = st.offload.streams
+        if s <= 1:
+            continue
+        where = f"stages[{i}].offload.streams"
+        if len(plan.stages) > 1:
+            out.append(f"{where}: {s} workers need a one-stage pipeline (pp = 1); the plan has "
+                       f"{len(plan.stages)} stages")
+        if m % s:
+            out.append(f"{where}: {s} workers run microbatches in groups of {s}; {m} microbatches is not a multiple")
+        if st.offload.window_layers is None:
+            out.append(f"{where}: {s} workers share a window; the stage has none (window_layers)")
+        if st.tp > 1:
+            out.append(f"{where}: {s} workers with tp = {st.tp}: the workers' tensor-parallel collectives would "
+                       "run from S threads in an order the tp peers do not share (not implemented)")
+        if plan.schedule.kind.value == "pipedream_async":
+            out.append(f"{where}: {s} workers under pipedream_async (an update per backward) is not implemented")
+        if st.offload.weight_swap_layers or st.sharding or any(
+                item.action.value in ("cpu_swap", "d2d_swap", "nvme") for item in st.memory):
+            out.append(f"{where}: {s} workers on a stage with swaps, weight swap or MAP sharding is not implemented")
+    return out

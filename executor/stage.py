@@ -101,11 +101,24 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
                                        torch_device)
                          if st.offload.optimizer_swap else None)
         self.optimizer = make_optimizer(self.params) if self.opt_swap is None and self.params else None
-        # STRONGHOLD §III-C: streamed layers pass through w device slots; host state, CPU steps
+        # STRONGHOLD §III-C: streamed layers pass through w device slots; host state, CPU steps.
+        # §IV-A: S workers share the window, one group pass per S microbatches (executor.window_streams)
+        self.streams = st.offload.streams if streamed else 1
         self.window = (Window([(i, mod) for i, _, mod in self.layers], st.streamed_layers, st.offload.window_layers,
-                              self.m, torch_device, make_optimizer, dtype, nvme=st.offload.nvme, nvme_dir=nvme_dir,
-                              tracker=lambda: self.tracker, record=record_window, dp_group=self.dp_group)
+                              self.m // self.streams, torch_device, make_optimizer, dtype, nvme=st.offload.nvme,
+                              nvme_dir=nvme_dir, tracker=lambda: self.tracker, record=record_window,
+                              dp_group=self.dp_group, streams=self.streams)
                        if streamed else None)
+        self.workers = None
+        if self.streams > 1:
+            from executor.preflight import streams_unsupported
+            from executor.window_streams import Workers
+
+            problems = streams_unsupported(plan)
+            if problems:
+                raise ValueError("; ".join(problems))
+            self.workers = Workers(self.streams, self.window, torch.get_num_threads(), self.window.worker_streams)
+            self.window.gate_resident(self.params)
         # MPress §II-D: listed layers' live weights, gradients and optimizer state in host memory,
         # fetched for each pass, stepped by the CPU (executor.weight_swap)
         self.weight_swap = None

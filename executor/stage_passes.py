@@ -48,6 +48,8 @@ class StagePasses:
         return found
 
     def forward(self, k: int, x: torch.Tensor | None, batch: dict) -> None:
+        if self.workers is not None:  # STRONGHOLD §IV-A: the group of S microbatches from k
+            return self._forward_group(k, batch)
         mb = self._microbatch(batch, k)
         if isinstance(x, torch.Tensor):  # a pytree boundary comes with requires_grad set (user_model.assemble)
             x.requires_grad_(True)
@@ -101,6 +103,8 @@ class StagePasses:
             self.swapper.swap_in(k)
 
     def backward(self, k: int, grad: torch.Tensor | None) -> None:
+        if self.workers is not None:
+            return self._backward_group(k)
         y = self.outputs.pop(k)
         if self.swapper is not None:
             self.swapper.begin_backward(k)
@@ -134,3 +138,46 @@ class StagePasses:
             run_backward([y], [grad])
         else:
             y.backward(grad)
+
+    # ---- STRONGHOLD §IV-A: S workers, one group pass (executor.window_streams) ----------------
+    def _forward_group(self, k0: int, batch: dict) -> None:
+        """Microbatches k0 .. k0 + S - 1, worker w running k0 + w through every layer in its thread;
+        a streamed layer is fetched once for the group. A one-stage pipeline (preflight): no
+        boundary comes in, every worker's output is its loss; the losses are summed in worker
+        order, as the single worker sums them in microbatch order."""
+        tracker = self.tracker
+
+        def run(w: int):
+            k = k0 + w
+            with tracker:  # a dispatch mode is thread-local: the tracked iteration counts each worker's tensors
+                y = self._layers_forward(k, None, self._microbatch(batch, k))
+                loss = float(y.detach())
+                return y * self.loss_scale, loss
+
+        with self.window.pass_("F", k0):
+            outs = self.workers.run(run, self.window._check)
+        for w, (y, loss) in enumerate(outs):
+            self.inputs[k0 + w] = None
+            self.loss_sum += loss * self.loss_scale
+            self.outputs[k0 + w] = y
+
+    def _backward_group(self, k0: int) -> None:
+        tracker = self.tracker
+        ys = [self.outputs.pop(k0 + w) for w in range(self.streams)]
+
+        def run(w: int):
+            with tracker:
+                self._run_backward(ys[w], None)
+
+        with self.window.pass_("B", k0):
+            if self.torch_device.type == "cuda":  # one autograd call over the S outputs: the device's one
+                with loss_context(self.vocab_parallel):  # autograd thread runs every worker's backward
+                    torch.autograd.backward(ys)  # anyway, each op on its forward's stream (window_streams)
+            else:
+                self.workers.run(run, self.window._check)
+        del ys
+        for p in self.params:
+            self.tracker.tag(p.grad, "gradients")
+        for w in range(self.streams):
+            self.inputs.pop(k0 + w, None)
+        self.grad_to_send = None

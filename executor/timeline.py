@@ -28,6 +28,11 @@ launch latency, a few µs). CPU steps are host work on both. Each event goes to 
 the iteration that issued it (the window passes its stamps along with a queued copy): a CPU step
 or gradient copy that STRONGHOLD's eq. 3 lets run on into the next iteration stays in its own
 iteration's trace, past that iteration's end.
+
+Multi-streamed windows (STRONGHOLD §IV-A, ``offload.streams`` S > 1; executor.window_streams):
+a group pass is one action, labelled in the events with the group and its microbatches,
+``g{g} (mb {first}-{last})`` (a string in the microbatch field), so its slices are named as
+simulator/window.py's :func:`group_name` names them ("F s0 g1 (mb 2-3)", "grads L4 g1 (mb 2-3)").
 Pure except :class:`Recorder`'s clock; no torch.
 """
 from __future__ import annotations
@@ -44,12 +49,12 @@ _COMPUTE = {"forward": ("F", "forward"), "backward": ("B", "backward")}
 #: event's microbatch is -1 otherwise)
 HOST_KINDS = {
     "window_fetch": ("h2d", "fetch L{layer}", "window"),
-    "window_grads": ("d2h", "grads L{layer} mb{k}", "window"),
+    "window_grads": ("d2h", "grads L{layer} {mb}", "window"),
     "window_cpu_step": ("cpu", "cpu step L{layer}", "optimizer_step"),
-    "swap_fetch": ("h2d", "fetch L{layer} mb{k}", "swap"),
-    "swap_fetch_memcpy": ("h2d", "fetch L{layer} mb{k} (memcpy)", "swap"),
-    "swap_grads": ("d2h", "grads L{layer} mb{k}", "swap"),
-    "swap_grads_memcpy": ("d2h", "grads L{layer} mb{k} (memcpy)", "swap"),
+    "swap_fetch": ("h2d", "fetch L{layer} {mb}", "swap"),
+    "swap_fetch_memcpy": ("h2d", "fetch L{layer} {mb} (memcpy)", "swap"),
+    "swap_grads": ("d2h", "grads L{layer} {mb}", "swap"),
+    "swap_grads_memcpy": ("d2h", "grads L{layer} {mb} (memcpy)", "swap"),
     "swap_cpu_step": ("cpu", "cpu step L{layer}", "optimizer_step"),
 }
 
@@ -57,8 +62,10 @@ HOST_KINDS = {
 class Recorder:
     """Collects one iteration's events on one rank (see module docstring)."""
 
-    def __init__(self, t0_ns: int):
-        self.t0_ns = t0_ns
+    def __init__(self, t0_ns: int, streams: int = 1):
+        """``streams``: S > 1 labels each microbatch ``k`` (a group's first) as its group (module
+        docstring)."""
+        self.t0_ns, self.streams = t0_ns, streams
         self.events: list[tuple] = []
         self.pending: list[tuple] = []  # CUDA: (kind, stage, k, layer, start event, end event)
         self.anchor = None  # CUDA: (timing event, the host perf_counter_ns it was recorded at)
@@ -69,7 +76,15 @@ class Recorder:
     def interval(self, kind: str, stage: int, k: int, layer: int, start_ns: int, end_ns: int) -> None:
         """A host-traffic event (:data:`HOST_KINDS`) from absolute ``perf_counter_ns`` stamps;
         any thread (list.append is atomic under the GIL)."""
-        self.events.append((kind, stage, k, layer, start_ns - self.t0_ns, end_ns - self.t0_ns))
+        self.events.append((kind, stage, self.label(k), layer, start_ns - self.t0_ns, end_ns - self.t0_ns))
+
+    def label(self, k: int):
+        """Microbatch ``k`` as events carry it: ``k``, or with S > 1 workers its group's label."""
+        s = self.streams
+        if s <= 1 or k is None or k < 0:
+            return k
+        g = k // s
+        return f"g{g} (mb {g * s}-{g * s + s - 1})"
 
     def resolve(self) -> bool:
         """CUDA: the recorded event pairs as intervals, on :attr:`anchor` (a timing event recorded
@@ -97,7 +112,7 @@ class Recorder:
         kind = a.kind.value
         if kind.startswith("send_"):  # the isend call only; the transfer is recorded by sent()
             return
-        self.events.append((kind, a.stage, -1 if a.microbatch is None else a.microbatch,
+        self.events.append((kind, a.stage, -1 if a.microbatch is None else self.label(a.microbatch),
                             -1 if a.peer_stage is None else a.peer_stage, start_ns - self.t0_ns, end))
 
     def sent(self, a):
@@ -180,6 +195,11 @@ class NoStamps:
 NO_STAMPS = NoStamps()
 
 
+def _mb(k) -> str:
+    """A slice name's microbatch part: ``mb{k}``, or a group's label as recorded (S > 1)."""
+    return k if isinstance(k, str) else f"mb{k}"
+
+
 def slices(events: list[tuple]) -> list[tuple[str, str, int, int, str]]:
     """One rank's iteration as trace slices ``(stream, name, start_ns, dur_ns, category)``, named
     and placed as the simulator does (``simulator/transfers.py``; host traffic: :data:`HOST_KINDS`),
@@ -189,22 +209,22 @@ def slices(events: list[tuple]) -> list[tuple[str, str, int, int, str]]:
         dur = max(0, end - start)
         if kind in _COMPUTE:
             letter, cat = _COMPUTE[kind]
-            out.append(("compute", f"{letter} s{s} mb{k}", start, dur, cat))
+            out.append(("compute", f"{letter} s{s} {_mb(k)}", start, dur, cat))
         elif kind in ("send_act", "send_grad"):
             fwd = kind == "send_act"
-            out.append(("send_fwd" if fwd else "send_bwd", f"{'act' if fwd else 'grad'} s{s}->s{peer} mb{k}",
+            out.append(("send_fwd" if fwd else "send_bwd", f"{'act' if fwd else 'grad'} s{s}->s{peer} {_mb(k)}",
                         start, dur, "p2p"))
         elif kind in ("recv_act", "recv_grad"):
             what = "act" if kind == "recv_act" else "grad"
-            out.append(("recv", f"wait {what} s{peer}->s{s} mb{k}", start, dur, "recv"))
+            out.append(("recv", f"wait {what} s{peer}->s{s} {_mb(k)}", start, dur, "recv"))
         elif kind == "allreduce_grads":
             out.append(("collective", f"allreduce_grads s{s}", start, dur, "allreduce_grads"))
         elif kind == "optimizer_step":
             out.append(("compute", f"optimizer_step s{s}", start, dur, "optimizer_step"))
         elif kind in HOST_KINDS:  # ``peer`` is the layer
             stream, name, cat = HOST_KINDS[kind]
-            name = name.format(layer=peer, k=k)
-            if kind.endswith("cpu_step") and k >= 0:  # PipeDream's per-backward step
+            name = name.format(layer=peer, mb=_mb(k))
+            if kind.endswith("cpu_step") and not isinstance(k, str) and k >= 0:  # PipeDream's per-backward step
                 name += f" mb{k}"
             out.append((stream, name, start, dur, cat))
     return out

@@ -60,8 +60,10 @@ backward); torchao's ``CPUOffloadOptimizer`` keeps every weight on the device (Z
 
 Window (here) holds the slots' contract: passes, fetches, releases and the copy engines. Its
 mixins: executor.window_slots (the records and the saved-weight hooks), executor.window_grads
-(gradient copies and the CPU steps, §III-E1) and executor.window_host (host master copies and
-optimizer state, on NVMe as file-backed tensors, §III-G).
+(gradient copies and the CPU steps, §III-E1), executor.window_host (host master copies and
+optimizer state, on NVMe as file-backed tensors, §III-G) and executor.window_streams (§IV-A:
+``offload.streams`` S > 1 workers sharing the slots, one group pass per S microbatches; S = 1
+takes none of its paths).
 """
 from __future__ import annotations
 
@@ -77,12 +79,14 @@ from executor.timeline import NO_STAMPS
 from executor.window_grads import WindowGrads
 from executor.window_host import WindowHost
 from executor.window_slots import WindowSaved, _Fetch, _Layer, _Slot, bind, bind_grad
+from executor.window_streams import WindowStreams
 
 
-class Window(WindowSaved, WindowGrads, WindowHost):
+class Window(WindowSaved, WindowGrads, WindowHost, WindowStreams):
     def __init__(self, layers, streamed: list[int], window: int, microbatches: int, device: torch.device,
                  make_optimizer, dtype: torch.dtype, nvme: bool = False, nvme_dir: str | None = None,
-                 tracker=None, record: bool = False, cpu_threads: int | None = None, dp_group=None):
+                 tracker=None, record: bool = False, cpu_threads: int | None = None, dp_group=None,
+                 streams: int = 1):
         """``layers``: (global index, module) of the stage; ``streamed``: the indices that stream
         (ascending); ``window``: w slots; ``microbatches``: backward passes per iteration (the
         last one triggers the CPU steps); ``make_optimizer(params)``: one layer's optimizer;
@@ -92,7 +96,10 @@ class Window(WindowSaved, WindowGrads, WindowHost):
         places back), evict (a pass start reuses a slot whose layer it does not need), d2h (the
         layer's gradient copy is queued), step (its CPU optimizer step is submitted).
         ``dp_group``: the stage's data-parallel group (None or one rank: no replicas); its ranks
-        get a gloo group of their own for the host gradient all-reduce (module docstring)."""
+        get a gloo group of their own for the host gradient all-reduce (module docstring).
+        ``streams``: S concurrent workers share the window, ``microbatches`` then counts group
+        passes (STRONGHOLD §IV-A; executor.window_streams); ``computes`` (with ``record``) holds
+        each worker's forward compute of a streamed layer, (F, layer, microbatch, start_ns, end_ns)."""
         self.cuda = device.type == "cuda"
         if self.cuda and device.index is None:  # "cuda" and "cuda:0" must compare equal in _pack
             device = torch.device("cuda", torch.cuda.current_device())
@@ -139,6 +146,7 @@ class Window(WindowSaved, WindowGrads, WindowHost):
         self.steps: list = []
         self.backwards = 0  # backward passes this iteration
         self.kind, self.k, self.pass_order, self.queued = None, -1, [], set()
+        self._init_streams(streams)
 
     # ---- the contract: passes, fetches, releases ---------------------------------------------
     def streams(self, index: int) -> bool:
@@ -154,6 +162,8 @@ class Window(WindowSaved, WindowGrads, WindowHost):
         self._check()
         self.kind, self.k = kind, k
         self.pass_order = self.order if kind == "F" else self.order[::-1]
+        if self.S > 1:  # a group pass of S workers (executor.window_streams), ``k`` its first microbatch
+            self._begin_group(kind)
         if kind == "B":
             self.backwards += 1
             self.queued = set()
@@ -210,6 +220,8 @@ class Window(WindowSaved, WindowGrads, WindowHost):
     def forward_layer(self, index: int, run, recompute: bool = False):
         """Run streamed layer ``index``'s forward (``run()``) in its slot; returns its output."""
         L = self.by_index[index]
+        if self.S > 1:
+            return self._forward_layer_group(L, run, recompute)
         self._acquire(L)
         if recompute:
             y = run()
@@ -231,6 +243,8 @@ class Window(WindowSaved, WindowGrads, WindowHost):
     def _compute_event(self):
         if not self.cuda:
             return None
+        if self.S > 1:  # every worker's stream (executor.window_streams)
+            return self._group_event()
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
@@ -252,8 +266,8 @@ class Window(WindowSaved, WindowGrads, WindowHost):
                 raise self._error
         if self.cuda:
             with torch.cuda.device(self.device), torch.cuda.stream(self.h2d):
-                if after is not None:
-                    self.h2d.wait_event(after)
+                for ev in (after if isinstance(after, list) else [after] if after is not None else []):
+                    self.h2d.wait_event(ev)
                 t = rec.begin(self.h2d)
                 slot.wbuf[:L.numel].copy_(L.host_w, non_blocking=True)
                 rec.end("window_fetch", -1, L.index, t, self.h2d)

@@ -34,6 +34,8 @@ class WindowGrads:
 
     def _accumulated(self, p) -> None:
         """post_accumulate_grad_hook: once all of a layer's gradients are in, copy them out."""
+        if self.S > 1:  # S workers' adds into one buffer (executor.window_streams)
+            return self._accumulated_group(p)
         L = self.by_param[id(p)]
         if self.kind != "B" or L.left <= 0:
             return
@@ -65,7 +67,8 @@ class WindowGrads:
         src = slot.gbuf[:L.numel]
         if self.cuda:  # one staging buffer suffices: this thread adds before the next copy
             with torch.cuda.device(self.device), torch.cuda.stream(self.d2h):
-                self.d2h.wait_event(after)
+                for ev in (after if isinstance(after, list) else [after]):  # a list: S workers' streams
+                    self.d2h.wait_event(ev)
                 t = rec.begin(self.d2h)
                 self.staging[:L.numel].copy_(src, non_blocking=True)
                 rec.end("window_grads", k, L.index, t, self.d2h)

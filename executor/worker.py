@@ -101,6 +101,10 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
                             world_size=world, timeout=timedelta(seconds=opts["timeout_s"]))
     if world != len(plan.used_devices()):
         raise ValueError(f"world size {world} != the plan's {len(plan.used_devices())} devices")
+    from executor.preflight import streams_unsupported
+
+    if problems := streams_unsupported(plan):  # STRONGHOLD §IV-A workers (executor.window_streams)
+        raise ValueError("; ".join(problems))
     rank_of = rank_of_device(plan)
     device = plan.used_devices()[rank]
     groups = {}
@@ -134,7 +138,7 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
                               nvme_dir=opts.get("nvme_dir"), record_window=opts.get("record_window", False))
               for s in my_stages}
     position = plan.device_group_of(my_stages[0])
-    actions = position_schedule(plan, position)  # this rank's list only, not every position's
+    actions = _group_actions(plan, position)  # this rank's list only, not every position's
     shapes = output_shapes(cfg)
     tail = {s: shapes[plan.stages[s].layer_stop - 1] for s in range(len(plan.stages))}
     # gloo: in timed iterations post each receive as soon as the previous one of its channel is
@@ -164,7 +168,8 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         dist.barrier()
         # the action timeline (executor.timeline): every untracked iteration, timed from the
         # barrier; perf_counter_ns is CLOCK_MONOTONIC, one clock for all ranks of a host
-        rec = Recorder(time.perf_counter_ns()) if record and not tracking else None
+        rec = Recorder(time.perf_counter_ns(), max(st.streams for st in stages.values())) \
+            if record and not tracking else None
         if rec is not None and cuda:  # the GPU clock's origin for the copies' event pairs (executor.timeline)
             anchor = torch.cuda.Event(enable_timing=True)
             anchor.record()
@@ -210,6 +215,10 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     windows = {s: st.window.events for s, st in stages.items() if st.window is not None and st.window.events is not None}
     if windows:
         report["window_events"] = windows
+    computes = {s: st.window.computes for s, st in stages.items()
+                if st.window is not None and st.window.computes is not None and st.streams > 1}
+    if computes:  # STRONGHOLD §IV-A: each worker's forward compute of each streamed layer (perf_counter_ns)
+        report["window_computes"] = computes
     swaps = {s: st.weight_swap.events for s, st in stages.items()
              if st.weight_swap is not None and st.weight_swap.events is not None}
     if swaps:  # MPress weight swap (executor.weight_swap): (event, layer, microbatch) in issue order
@@ -232,6 +241,19 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         report["d2d_received_bytes"] = server.received_bytes[at]
     hb.beat(total, -5)
     return report
+
+
+def _group_actions(plan: Plan, position: int) -> list:
+    """``position_schedule``; with ``offload.streams`` = S > 1 (one stage, preflight) the list of a
+    plan with m / S microbatches, each pass labelled with its group's first microbatch (g * S):
+    the schedule orders the groups as it orders microbatches (STRONGHOLD §IV-A)."""
+    s = max(st.offload.streams for st in plan.stages)
+    if s <= 1:
+        return position_schedule(plan, position)
+    groups = plan.model_copy(update={"training": plan.training.model_copy(
+        update={"num_microbatches": plan.training.microbatches // s})})
+    return [a.model_copy(update={"microbatch": a.microbatch * s}) if a.microbatch is not None else a
+            for a in position_schedule(groups, position)]
 
 
 def _timing_event():

@@ -52,10 +52,11 @@ def pct(predicted: float, measured: float) -> float:
     return 100.0 * (predicted - measured) / measured if measured else float("nan")
 
 
-#: trace slice name -> (action, stage): names as the simulator (walk, transfers, optimizer) and executor/timeline.py write them
+#: trace slice name -> (action, stage): names as the simulator (walk, transfers, optimizer) and executor/timeline.py write them;
+#: a multi-stream group pass (STRONGHOLD §IV-A, simulator.window.group_name) is ``g{g} (mb {a}-{b})`` in place of ``mb{k}``
 _PATTERNS = (
-    (re.compile(r"^F s(\d+) mb\d+$"), "forward"),
-    (re.compile(r"^B s(\d+) mb\d+$"), "backward"),
+    (re.compile(r"^F s(\d+) (?:mb\d+|g\d+ \(mb \d+-\d+\))$"), "forward"),
+    (re.compile(r"^B s(\d+) (?:mb\d+|g\d+ \(mb \d+-\d+\))$"), "backward"),
     (re.compile(r"^act s(\d+)->s\d+ mb\d+$"), "send_act"),
     (re.compile(r"^grad s(\d+)->s\d+ mb\d+$"), "send_grad"),
     (re.compile(r"^wait (?:act|grad) s\d+->s(\d+) mb\d+$"), "recv_wait"),
@@ -69,7 +70,7 @@ _PATTERNS = (
 #: comes from the plan
 _HOST_PATTERNS = (
     (re.compile(r"^fetch L(\d+)(?: mb\d+)?(?: \(memcpy\))?$"), "fetch", "h2d"),
-    (re.compile(r"^grads L(\d+) mb\d+(?: \(memcpy\))?$"), "grad_copy", "d2h"),
+    (re.compile(r"^grads L(\d+) (?:mb\d+|g\d+ \(mb \d+-\d+\))(?: \(memcpy\))?$"), "grad_copy", "d2h"),
     (re.compile(r"^cpu step L(\d+)(?: mb\d+)?$"), "cpu_step", "cpu"),
 )
 ACTIONS = tuple(a for _, a in _PATTERNS) + tuple(a for _, a, _ in _HOST_PATTERNS)

@@ -3,7 +3,7 @@ them into a ModelSpec with closed-form per-layer costs.
 
 A config names its family (``family: gpt``); a pydantic discriminated union picks the schema and a
 registry maps the family to its builder, so a config never names code to import. Closed forms
-live per family: ``family_transformer`` (gpt, bert), ``family_moe``, ``family_wresnet``.
+live per family: ``family_transformer`` (gpt, bert), ``family_llama``, ``family_moe``, ``family_wresnet``.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Annotated, Any, Callable, Literal, NamedTuple, Union
 from pydantic import ConfigDict, Field, TypeAdapter
 
 from specs._base import Spec
+from costs.family_llama import LlamaConfig, build_llama
+from costs.family_llama import tied_params as _llama_tied
 from costs.family_moe import MoEConfig, build_moe
 from costs.family_moe import tied_params as _moe_tied
 from costs.family_transformer import BertConfig, GPTConfig, build_bert, build_gpt
@@ -81,7 +83,7 @@ def build_torch_module(cfg: TorchModuleConfig, act: int) -> ModelSpec:
 
 
 ModelConfig = Annotated[
-    Union[GPTConfig, BertConfig, MoEConfig, WResNetConfig, CustomConfig, TorchModuleConfig],
+    Union[GPTConfig, BertConfig, LlamaConfig, MoEConfig, WResNetConfig, CustomConfig, TorchModuleConfig],
     Field(discriminator="family"),
 ]
 
@@ -94,6 +96,7 @@ class Family(NamedTuple):
 FAMILIES: dict[str, Family] = {
     "gpt": Family(build_gpt, _transformer_tied),
     "bert": Family(build_bert, _transformer_tied),
+    "llama": Family(build_llama, _llama_tied),
     "moe": Family(build_moe, _moe_tied),
     "wresnet": Family(build_wresnet, lambda cfg: 0),
     "custom": Family(build_custom, lambda cfg: 0),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from executor.models import Block, LMHead, MoEBlock, TokenEmbedding
+from executor.models import Block, LlamaBlock, LMHead, MoEBlock, TokenEmbedding
 
 
 def tensor_parallel(layers, group, device_type: str) -> bool:
@@ -13,6 +13,8 @@ def tensor_parallel(layers, group, device_type: str) -> bool:
     row-parallel projection and fc2. Token embedding: vocab-parallel (row-parallel ``wte``; the
     position table stays replicated, as the spec counts). LM head: column-parallel decoder whose
     sharded logits feed ``loss_parallel`` cross-entropy, so no rank holds the full s·V logits.
+    LLaMA blocks: the same with grouped-query k, v (tp must divide kv_heads) and SwiGLU's gate
+    and up column-parallel, down row-parallel.
     Other layers (Wide-ResNet, MoE experts) stay replicated: exact, but not memory-saving.
     Returns True when the stage's loss is vocab-parallel (backward must run under loss_parallel)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -24,7 +26,13 @@ def tensor_parallel(layers, group, device_type: str) -> bool:
             "attn.proj": RowwiseParallel()}
     vocab_parallel = False
     for _, _, mod in layers:
-        if isinstance(mod, Block):
+        if isinstance(mod, LlamaBlock):  # GQA q, k, v and SwiGLU gate, up column-parallel; proj, down row-parallel
+            if mod.attn.k.out_features // mod.attn.head_dim % mesh.size():
+                raise ValueError(f"tp {mesh.size()} does not divide the {mod.attn.k.out_features // mod.attn.head_dim} "
+                                 "kv heads (Megatron-Core refuses it too: num_query_groups % tp)")
+            parallelize_module(mod, mesh, {**attn, "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+                                           "mlp.down": RowwiseParallel()})
+        elif isinstance(mod, Block):
             parallelize_module(mod, mesh, {**attn, "mlp.fc1": ColwiseParallel(), "mlp.fc2": RowwiseParallel()})
         elif isinstance(mod, MoEBlock):
             parallelize_module(mod, mesh, attn)

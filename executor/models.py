@@ -73,15 +73,21 @@ class Block(nn.Module):
 class TokenEmbedding(nn.Module):
     """Word + learned position (+ token type and layernorm for BERT/MoE)."""
 
-    def __init__(self, vocab: int, s: int, h: int, token_types: int = 0, ln: bool = False):
+    def __init__(self, vocab: int, s: int, h: int, token_types: int = 0, ln: bool = False, positions: bool = True):
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(s, h)
+        # LLaMA has no position table (rotary embeddings inside attention: LlamaAttention)
+        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(s, h) if positions else None
         self.tte = nn.Embedding(token_types, h) if token_types else None
         self.ln = nn.LayerNorm(h) if ln else None
 
     def forward(self, x, batch):
         ids = batch["ids"]
-        y = self.wte(ids) + self.wpe.weight[: ids.shape[1]]
+        y = self.wte(ids)
+        if self.wpe is not None:
+            y = y + self.wpe.weight[: ids.shape[1]]
+        else:  # a fresh tensor, not a view of the row gather: a sent view frees nothing when the
+            # executor releases it (executor.boundary.release); Megatron's embedding ends in a copy too
+            y = y.clone()
         if self.tte is not None:
             y = y + self.tte(batch["token_types"])
         return self.ln(y) if self.ln is not None else y
@@ -95,7 +101,9 @@ class LMHead(nn.Module):
         self.kind = kind
         self.dense = nn.Linear(h, h) if kind == "bert" else None
         self.ln = nn.LayerNorm(h) if kind in ("gpt", "bert") else None
-        self.decoder = nn.Linear(h, vocab, bias=kind != "gpt")
+        if kind == "llama":  # final RMSNorm, bias-free decoder (Touvron et al. 2023 §2.2)
+            self.ln = nn.RMSNorm(h, eps=RMS_EPS)
+        self.decoder = nn.Linear(h, vocab, bias=kind not in ("gpt", "llama"))
         self.vocab_parallel = False  # set by executor.stage.tensor_parallel
 
     def forward(self, x, batch):
@@ -113,6 +121,87 @@ class LMHead(nn.Module):
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten())
         return loss.to_local()
+
+
+# ---- LLaMA (Touvron et al. 2023 §2.2; Llama 2 §2.2 and Llama 3 Table 3) ----------------------
+
+RMS_EPS = 1e-5  # rms_norm_eps of the Llama 2 / Llama 3 checkpoints (Hugging Face config.json)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021, RoFormer §3.4.2), in the rotate-half form of
+    Meta's and Hugging Face's Llama code: x·cos + rotate_half(x)·sin. The s x d cos/sin tables are
+    non-persistent buffers filled by :meth:`reset_parameters` (``init_layer`` calls it): a model
+    constant, so the backward of the rotation saves nothing per sample."""
+
+    def __init__(self, s: int, d: int, theta: float):
+        super().__init__()
+        self.s, self.d, self.theta = s, d, theta
+        self.register_buffer("cos", torch.empty(s, d), persistent=False)
+        self.register_buffer("sin", torch.empty(s, d), persistent=False)
+
+    def reset_parameters(self) -> None:
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.d, 2, dtype=torch.float64) / self.d)
+        angles = torch.outer(torch.arange(self.s, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)
+        with torch.no_grad():
+            self.cos.copy_(angles.cos())
+            self.sin.copy_(angles.sin())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (b, heads, s, d)
+        s = x.shape[-2]
+        # a no-op where the tables live with x; a STRONGHOLD window streams parameters, not buffers
+        cos, sin = self.cos[:s].to(x.device), self.sin[:s].to(x.device)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    """Causal grouped-query attention (Ainslie et al. 2023): ``heads`` query heads share
+    ``kv_heads`` key/value heads; bias-free q, k, v, proj; rotary q and k. Column-parallel q, k, v
+    split whole heads when tp divides kv_heads (Megatron-Core refuses other tp)."""
+
+    def __init__(self, h: int, heads: int, kv_heads: int, s: int, theta: float):
+        super().__init__()
+        self.head_dim = d = h // heads
+        self.q, self.proj = nn.Linear(h, h, bias=False), nn.Linear(h, h, bias=False)
+        self.k, self.v = nn.Linear(h, kv_heads * d, bias=False), nn.Linear(h, kv_heads * d, bias=False)
+        self.rotary = Rotary(s, d, theta)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        split = lambda t: t.view(b, s, -1, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k = self.rotary(split(self.q(x))), self.rotary(split(self.k(x)))
+        y = F.scaled_dot_product_attention(q, k, split(self.v(x)), is_causal=True, enable_gqa=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) · up(x)) (Shazeer 2020, eq. 6): three bias-free h x f matrices."""
+
+    def __init__(self, h: int, f: int):
+        super().__init__()
+        self.gate, self.up = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
+        self.down = nn.Linear(f, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(Block):
+    """Pre-norm LLaMA block: RMSNorm, GQA attention with rotary, RMSNorm, SwiGLU. A ``Block`` for
+    the tensor-parallel bookkeeping (its ``attn`` and ``mlp`` are the sharded scopes, as in
+    executor.profile_symbolic), with its own modules and DTensor plan (executor.megatron_tp)."""
+
+    def __init__(self, h: int, heads: int, kv_heads: int, f: int, s: int, theta: float):
+        nn.Module.__init__(self)  # not Block's LayerNorm/GeLU modules
+        self.pre_ln = True
+        self.ln1, self.ln2 = nn.RMSNorm(h, eps=RMS_EPS), nn.RMSNorm(h, eps=RMS_EPS)
+        self.attn, self.mlp = LlamaAttention(h, heads, kv_heads, s, theta), SwiGLU(h, f)
+
+    def forward(self, x, batch):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
 
 
 # ---- MoE (GShard top-k, Alpa's layout) ---------------------------------------------------------
@@ -213,6 +302,13 @@ def _transformer_layers(cfg, kind: str) -> list[tuple[str, nn.Module]]:
     return [("embed", embed), *blocks, ("head", LMHead(h, V, kind))]
 
 
+def _llama_layers(cfg) -> list[tuple[str, nn.Module]]:
+    h, s, V = cfg.hidden, cfg.seq_len, cfg.vocab
+    blocks = [(f"block_{i:02d}", LlamaBlock(h, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, s, cfg.rope_theta))
+              for i in range(cfg.num_layers)]
+    return [("embed", TokenEmbedding(V, s, h, positions=False)), *blocks, ("head", LMHead(h, V, "llama"))]
+
+
 def _moe_layers(cfg) -> list[tuple[str, nn.Module]]:
     h, s, a, V = cfg.hidden, cfg.seq_len, cfg.heads, cfg.vocab
     f = cfg.ffn_mult * h
@@ -242,6 +338,8 @@ def _wresnet_layers(cfg) -> list[tuple[str, nn.Module]]:
 def _layers(cfg) -> list[tuple[str, nn.Module]]:
     if cfg.family in ("gpt", "bert"):
         return _transformer_layers(cfg, cfg.family)
+    if cfg.family == "llama":
+        return _llama_layers(cfg)
     if cfg.family == "moe":
         return _moe_layers(cfg)
     if cfg.family == "wresnet":
@@ -261,7 +359,7 @@ def init_layer(layer: nn.Module, seed: int, index: int) -> nn.Module:
     gen = torch.Generator().manual_seed(seed * 100_003 + index)
     with torch.no_grad():
         for mod in layer.modules():
-            if isinstance(mod, (nn.LayerNorm, nn.BatchNorm2d)):
+            if isinstance(mod, (nn.LayerNorm, nn.BatchNorm2d, nn.RMSNorm)):
                 mod.reset_parameters()
                 continue
             for name, p in mod.named_parameters(recurse=False):
@@ -274,6 +372,9 @@ def init_layer(layer: nn.Module, seed: int, index: int) -> nn.Module:
                 buf.fill_(1.0)
             elif buf.is_floating_point():
                 buf.zero_()
+        for mod in layer.modules():  # model constants kept as buffers (rotary cos/sin tables)
+            if isinstance(mod, Rotary):
+                mod.reset_parameters()
     return layer
 
 

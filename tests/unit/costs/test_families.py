@@ -196,10 +196,10 @@ def test_custom_layers_rescale_to_fp32():
 
 def test_unknown_family_lists_allowed():
     with pytest.raises(ValidationError) as err:
-        parse_model_config(dict(family="llama", name="x"))
+        parse_model_config(dict(family="mamba", name="x"))
     msg = str(err.value)
     assert "family" in msg
-    for fam in ("gpt", "bert", "moe", "wresnet", "custom"):
+    for fam in ("gpt", "bert", "llama", "moe", "wresnet", "custom"):
         assert f"'{fam}'" in msg
 
 

@@ -17,7 +17,10 @@ BARE = {"gpt": "gpt3_2b6", "bert": "bert_0b64", "moe": "moe_2b4", "wresnet": "wr
 SIZED = [n for n in NAMES if n not in BARE]
 
 # Relative tolerance of the published parameter count (tied embedding counted once) vs the name.
-TOLERANCE = {"gpt": 0.03, "bert": 0.03, "moe": 0.05, "wresnet": 0.05}
+TOLERANCE = {"gpt": 0.03, "bert": 0.03, "moe": 0.05, "wresnet": 0.05,
+             # Meta names 6.74B "7B" (3.7 %) and 69.0B "70B"; tests/unit/costs/test_llama.py checks
+             # each LLaMA preset against its published count within 1 %
+             "llama": 0.04}
 # BERT-large's shape is fixed (L24 h1024 a16): 335M counted the usual way, which MPress calls
 # 0.35B and Devlin et al. 340M.
 TOLERANCE_EXCEPTIONS = {"bert_0b35": 0.05}

@@ -1,0 +1,215 @@
+"""LLaMA family (Touvron et al. 2023, "LLaMA" §2.2; Llama 2 §2.2; Llama 3, Dubey et al. 2024,
+Table 3): closed-form per-sample costs of the embedding, the blocks and the head.
+
+What differs from GPT (costs.family_transformer): pre-normalisation with RMSNorm (Zhang & Sennrich
+2019: one h-vector, no bias), rotary position embeddings (Su et al. 2021) instead of a position
+table, grouped-query attention (Ainslie et al. 2023: ``kv_heads`` key/value heads shared by the
+``heads`` query heads), the SwiGLU FFN (Shazeer 2020: three bias-free h x f matrices), no biases
+anywhere, no dropout, and an untied LM head.
+
+Symbols: s sequence, h hidden, a heads, g kv_heads, d = h/a head size, f ffn_hidden, V vocabulary,
+act bytes per activation element. Costs per sample (one sequence).
+
+Saved activations: Korthikanti et al. 2022 §4.1's tensor-by-tensor list, adapted. No dropout
+(no masks, no dropout output); K and V are s·g·d; SwiGLU keeps its input, the gate and up
+outputs, the silu output and the product (the down projection's input); the rotation saves no
+per-sample tensor (its cos/sin tables are constants) and Q, K are kept after it. With
+``flash_attention`` (the default: Meta trained with xformers' memory-efficient attention, LLaMA
+§2.4, "not storing the attention weights"; Megatron-Core's --use-flash-attn, torchtitan's SDPA)
+the attention core keeps its output (the projection's input) and the fp32 log-sum-exp a·s instead
+of the a·s² softmax. Normalisation statistics (s floats) are left out, as Korthikanti leaves out
+layernorm's. In fp16 bytes per block:
+    flash: sh·(12 + 4g/a + 8f/h) + 4as      math: sh·(12 + 4g/a + 8f/h) + 2as²
+of which everything but the two norm inputs, the QKV input and the SwiGLU input (8sh) is split
+by tensor parallelism (Korthikanti eq. 2's rule).
+
+Tensor parallelism (Megatron, Shoeybi et al. 2019 §3): column-parallel q, k, v, gate, up;
+row-parallel proj and down; norms replicated. K/V heads are split over tp, which must divide
+kv_heads: Megatron-Core refuses tp that does not ("num_query_groups must be a multiple of
+tensor_model_parallel_size", TransformerConfig.__post_init__), so ``max_tp`` is kv_heads
+(replicating K/V heads for tp > kv_heads, as inference engines do, is not modelled).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from specs._base import Spec
+from costs.family_transformer import TOKEN_ID_BYTES, Saved, _totals, head_layer, saved_specs
+from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec
+
+LSE_BYTES = 4  # flash attention's log-sum-exp per head and token is fp32 in any precision
+
+#: (forward, backward) operators of the executor's modules (executor.models.LlamaBlock, the
+#: position-free TokenEmbedding, LMHead "llama"), counted as costs.op_counts counts them
+#: (tests/unit/costs/test_llama.py checks them against the symbolic profiler)
+LLAMA_BLOCK_OPS = (72, 108)
+LLAMA_EMBED_OPS = (4, 2)
+LLAMA_HEAD_OPS = (15, 25)
+#: in 2-byte precision each RMSNorm computes in fp32: a cast in and out forward, three more backward
+RMSNORM_LOW_PRECISION_OPS = (2, 3)
+
+
+def _ops(base: tuple[int, int], norms: int, casts: int, act: int) -> dict[str, int]:
+    """``base`` (fp32 counts) plus, in 2-byte precision, ``norms`` RMSNorms' and ``casts`` more
+    casts each way (the head's logits to fp32)."""
+    low = act < 4
+    return {"fwd_ops": base[0] + low * (norms * RMSNORM_LOW_PRECISION_OPS[0] + casts),
+            "bwd_ops": base[1] + low * (norms * RMSNORM_LOW_PRECISION_OPS[1] + casts)}
+
+
+class LlamaConfig(Spec):
+    """A LLaMA-architecture decoder (Llama 1/2/3): published shapes in conf/model/llama*.yaml."""
+
+    family: Literal["llama"]
+    name: str = Field(min_length=1)
+    num_layers: int = Field(gt=0, le=MAX_LAYERS - 2, description="transformer blocks")
+    hidden: int = Field(gt=0, le=1 << 20)
+    heads: int = Field(gt=0, le=1 << 14, description="query heads")
+    kv_heads: int = Field(gt=0, le=1 << 14, description="key/value heads (grouped-query attention; = heads: "
+                                                       "multi-head attention)")
+    seq_len: int = Field(gt=0, le=1 << 24)
+    vocab: int = Field(gt=0, le=1 << 24)
+    ffn_hidden: int = Field(gt=0, le=1 << 22, description="SwiGLU width f (the published intermediate_size)")
+    tie_embeddings: bool = Field(False, description="LM head shares the word embedding (false for Llama 1/2/3)")
+    rope_theta: float = Field(10000.0, gt=0, le=1e9, description="rotary base (10,000 Llama 2; 500,000 Llama 3)")
+    flash_attention: bool = Field(True, description="the attention core keeps its output and log-sum-exp, not "
+                                                    "the a·s² softmax (fused/flash attention)")
+
+    @property
+    def ffn_width(self) -> int:
+        """f, as GPT's configs name it (executor.reference's reduction lengths read it)."""
+        return self.ffn_hidden
+
+    @model_validator(mode="after")
+    def _shapes(self):
+        if self.hidden % self.heads:
+            raise ValueError(f"heads: {self.heads} does not divide hidden {self.hidden}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"kv_heads: {self.kv_heads} does not divide heads {self.heads} (grouped-query "
+                             "attention shares each kv head among heads/kv_heads query heads)")
+        if (self.hidden // self.heads) % 2:
+            raise ValueError(f"heads: head size {self.hidden // self.heads} is odd (rotary embeddings rotate pairs)")
+        return self
+
+
+def attention_saved(s: int, h: int, a: int, g: int, flash: bool) -> Saved:
+    """What GQA attention with its RMSNorm saves, in forward order (fp16 bytes per sample): the
+    norm input 2sh (the block's input), the QKV input 2sh, rotated Q 2sh, rotated K and V 2s·g·d
+    each, then the core: flash keeps its output 2sh (the projection's input) and the fp32
+    log-sum-exp 4as; the unfused core its softmax output 2as² (for softmax and attention·V) and
+    the projection input 2sh. TP splits everything from Q on (heads split whole)."""
+    sh, skv = s * h, s * g * (h // a)
+    core = ([("attn.output", 2 * sh, True), ("attn.logsumexp", LSE_BYTES * a * s, True)] if flash else
+            [("attn.softmax_output", 2 * a * s * s, True), ("attn.proj_input", 2 * sh, True)])
+    return [("attn.norm_input", 2 * sh, False), ("attn.qkv_input", 2 * sh, False),
+            ("attn.q", 2 * sh, True), ("attn.k", 2 * skv, True), ("attn.v", 2 * skv, True), *core]
+
+
+def mlp_saved(s: int, h: int, f: int) -> Saved:
+    """What SwiGLU with its RMSNorm saves, in forward order: the norm input 2sh (the residual
+    after attention), the gate/up input 2sh (one tensor for both), the gate output 2sf (silu's
+    input), the up output and the silu output 2sf each (the product's operands) and the product
+    2sf (down's input); TP splits the four f-wide tensors (gate, up column-parallel)."""
+    sh, sf = s * h, s * f
+    return [("mlp.norm_input", 2 * sh, False), ("mlp.fc_input", 2 * sh, False),
+            ("mlp.gate_output", 2 * sf, True), ("mlp.up_output", 2 * sf, True),
+            ("mlp.silu_output", 2 * sf, True), ("mlp.down_input", 2 * sf, True)]
+
+
+def at_precision(saved: Saved, act: int) -> Saved:
+    """``saved`` (fp16 bytes) at ``act`` bytes per element; the fp32 log-sum-exp keeps its size."""
+    return [(role, nbytes if role == "attn.logsumexp" else nbytes * act // 2, sharded)
+            for role, nbytes, sharded in saved]
+
+
+def block_params(h: int, a: int, g: int, f: int) -> tuple[int, int]:
+    """(params, tp-sharded params) of one block: q and proj h² each, k and v h·g·d each, gate,
+    up, down h·f each, two RMSNorm weights h; no biases. Everything but the norms is sharded."""
+    matrices = 2 * h * h + 2 * h * g * (h // a) + 3 * h * f
+    return matrices + 2 * h, matrices
+
+
+def block_gemms(s: int, h: int, a: int, g: int, f: int) -> list[GemmSpec]:
+    """The block's matmuls per sample (Megatron §3 splits): q and k/v column-parallel (GQA: k and
+    v are g·d wide), scores QKᵀ and attention·V one product per query head, proj row-parallel,
+    gate/up column-parallel (fused: 2f wide), down row-parallel."""
+    d = h // a
+    return [GemmSpec(name="q", m=s, n=h, k=h, tp_split="n"),
+            GemmSpec(name="kv", m=s, n=2 * g * d, k=h, tp_split="n"),
+            GemmSpec(name="scores", m=s, n=s, k=d, batch=a, tp_split="batch"),
+            GemmSpec(name="attn_v", m=s, n=d, k=s, batch=a, tp_split="batch"),
+            GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
+            GemmSpec(name="gate_up", m=s, n=2 * f, k=h, tp_split="n"),
+            GemmSpec(name="down", m=s, n=h, k=f, tp_split="k")]
+
+
+def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
+    """One LLaMA block. FLOPs per sample = its GEMMs: 4sh² + 4sh·g·d + 4s²h + 6shf (GQA's k/v
+    g·d wide, SwiGLU's three h x f products; the QKᵀ and attention·V terms counted over the whole
+    s x s square, as Narayanan et al. 2021 §5.1 count GPT's)."""
+    s, h, a, g, f = cfg.seq_len, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
+    saved = at_precision([*attention_saved(s, h, a, g, cfg.flash_attention), *mlp_saved(s, h, f)], act)
+    saved_bytes, sharded_bytes = _totals(saved)
+    params, sharded_params = block_params(h, a, g, f)
+    gemms = block_gemms(s, h, a, g, f)
+    skv = s * g * (h // a)
+    # non-GEMM traffic of a forward (read + write): two RMSNorms 2sh each, the rotation of q and k,
+    # silu·up (2sf in, sf out, fused), two residual adds 3sh each; the unfused core adds its
+    # softmax a·s² in/out (a flash core's softmax stays on chip)
+    mem = (4 * s * h + 2 * (s * h + skv) + 3 * s * f + 6 * s * h) * act
+    if not cfg.flash_attention:
+        mem += 2 * a * s * s * act
+    return LayerSpec(
+        name=name,
+        kind=LayerKind.transformer_block,
+        params=params,
+        fwd_flops_per_sample=sum(gm.flops_per_sample for gm in gemms),
+        saved_bytes_per_sample=saved_bytes,
+        output_bytes_per_sample=s * h * act,
+        # largest transient of the backward (estimate): the gradients of the gate and up outputs
+        # together (2sf), or the unfused core's a·s² score gradient where that is larger
+        workspace_bytes_per_sample=max(2 * s * f, 0 if cfg.flash_attention else a * s * s) * act,
+        tp_sharded_param_fraction=sharded_params / params,
+        tp_sharded_saved_fraction=sharded_bytes / saved_bytes,
+        tp_allreduces_per_pass=2,  # after proj and after down (Megatron §3)
+        max_tp=g,  # Megatron-Core: tp must divide num_query_groups (kv heads split whole)
+        gemms=gemms,
+        fwd_mem_bytes_per_sample=mem,
+        saved_tensors=saved_specs(saved, lambda n: n, skip=1),  # the norm input is the block's input
+        **_ops(LLAMA_BLOCK_OPS, norms=2, casts=0, act=act),
+    )
+
+
+def embedding_layer(s: int, h: int, V: int, act: int) -> LayerSpec:
+    """Token embedding V·h only (no position table, no dropout), vocab-parallel under TP with one
+    all-reduce of its output per pass (Shoeybi et al. 2019 §3). Saves the int64 ids; no FLOPs;
+    the row gather reads and writes s·h. Backward scratch: the dense V x h weight gradient."""
+    return LayerSpec(
+        name="embed", kind=LayerKind.embedding, params=V * h, fwd_flops_per_sample=0.0,
+        saved_bytes_per_sample=s * TOKEN_ID_BYTES, output_bytes_per_sample=s * h * act,
+        workspace_fixed_bytes=V * h * act, saves_input=False,
+        tp_sharded_param_fraction=1.0, tp_sharded_saved_fraction=0.0, tp_allreduces_per_pass=1,
+        fwd_mem_bytes_per_sample=2 * s * h * act,
+        saved_tensors=saved_specs([("ids_0", s * TOKEN_ID_BYTES, False)], lambda n: n),
+        fwd_ops=LLAMA_EMBED_OPS[0], bwd_ops=LLAMA_EMBED_OPS[1],
+    )
+
+
+def build_llama(cfg: LlamaConfig, act: int) -> ModelSpec:
+    """embed, block_00..block_{L-1}, head (final RMSNorm h + LM head h·V, untied unless
+    ``tie_embeddings``, and the loss over fp32 logits, as family_transformer's head)."""
+    s, h, V = cfg.seq_len, cfg.hidden, cfg.vocab
+    head = head_layer("head", s, h, V, act, params=h + h * V, sharded_params=h * V, flops=2.0 * s * h * V,
+                      saved_inputs=[("norm_input", s * h * act), ("decoder_input", s * h * act)],
+                      tied_to="embed" if cfg.tie_embeddings else None)
+    head = head.model_copy(update=_ops(LLAMA_HEAD_OPS, norms=1, casts=1, act=act))  # the logits cast to fp32
+    blocks = [block_layer(f"block_{i:02d}", cfg, act) for i in range(cfg.num_layers)]
+    return ModelSpec(name=cfg.name, family=cfg.family, layers=[embedding_layer(s, h, V, act), *blocks, head],
+                     act_dtype_bytes=act, seq_len=s, hidden=h, heads=cfg.heads)
+
+
+def tied_params(cfg: LlamaConfig) -> int:
+    """Published LLaMA sizes count the untied head (6.74B, 8.03B, ...): nothing to subtract."""
+    return 0

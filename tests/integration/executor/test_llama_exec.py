@@ -1,0 +1,78 @@
+"""llama_tiny (executor.models.LlamaBlock: GQA with rotary, SwiGLU, RMSNorm; untied head) trained on
+4 gloo ranks under pipeline, data- and tensor-parallel plans matches the single-process reference
+in float64, and `python -m run ... mode=compare` predicts its per-rank memory."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import run
+from costs.families import build_model, parse_model_config
+from executor.reference import train_reference
+from planners import make_plan, parse_policy
+from specs.plan import ScheduleSpec
+from tests.conftest import CPU_TRAINING, LOCAL_CPU, conf, longest_reduction, reorder_rtol, run_plan_float64
+from tests.integration.executor.test_executor_numerics import assert_matches
+
+pytestmark = pytest.mark.slow
+CFG = parse_model_config(conf("model", "llama_tiny"))
+SPEC = build_model(CFG, 4)
+STEPS = 2
+ROOT = Path(run.__file__).resolve().parent
+
+
+def planned(schedule: str, **policy):
+    return make_plan(parse_policy({"kind": "even", **policy}), SPEC, LOCAL_CPU, CPU_TRAINING,
+                     ScheduleSpec(kind=schedule))
+
+
+PLANS = {
+    "pp4-1f1b": lambda: planned("1f1b", pp=4),
+    # tp 2 splits the 4 query heads and the 2 kv heads whole, and SwiGLU's gate/up/down
+    "pp2xtp2-1f1b-recompute": lambda: planned("1f1b", pp=2, tp=2, recompute="full"),
+    "pp1xtp2xdp2-gpipe": lambda: planned("gpipe", pp=1, tp=2, dp=2),
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return train_reference(CFG, CPU_TRAINING, STEPS, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_llama_plan_matches_single_process_reference(name, reference):
+    plan = PLANS[name]()
+    assert len(plan.used_devices()) == 4
+    out = run_plan_float64(plan, CFG, iterations=STEPS)
+    assert_matches(out, reference, reorder_rtol(longest_reduction(CFG, CPU_TRAINING)))
+
+
+def test_tp_that_splits_a_kv_head_is_refused():
+    """tp 4 over 2 kv heads: the planners see max_tp = kv_heads (Megatron-Core refuses it too)."""
+    with pytest.raises(ValueError, match="tp: 4 exceeds layer 1's max tensor-parallel degree 2"):
+        planned("1f1b", pp=1, tp=4)
+
+
+@pytest.mark.parametrize("policy", [["policy=balanced"], ["policy=manual", "policy.pp=2", "policy.tp=2"]],
+                         ids=["balanced", "manual-pp2-tp2"])
+def test_compare_numerics_pass_and_memory_per_rank(policy, tmp_path):
+    """mode=compare predicts from the symbolic profile of the same modules: per-rank peak memory
+    within issue 27's 5 % (measured 2026-11-27 on this 2-core box: balanced max 1.1 %, pp2 x tp2
+    max 2.9 %), and the loss PASSes against the single-process reference."""
+    out = tmp_path / "out"
+    # one warm-up iteration (the default): the tracked one then holds Adam's state, as predicted
+    args = ["+hardware=local_cpu", "+model=llama_tiny", *policy, "execute.iterations=1", "mode=compare",
+            f"hydra.run.dir={out}"]
+    proc = subprocess.run([sys.executable, "-m", "run", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"numerics: loss of .* PASS", proc.stdout), proc.stdout
+    compare = json.loads((out / "compare.json").read_text())
+    assert compare["failure"] is None and len(compare["ranks"]) == 4
+    assert compare["memory_abs_error_pct_max"] <= 5.0, proc.stdout

@@ -6,9 +6,11 @@ planner's stage table (planners/baselines: Alpa's stage space, CAPTURE's power-o
 tensor parallelism inside a node) and priced in closed form twice:
 
 * ``time_lb_s``: the iteration time of the stages' compute alone, no memory action (Σ work +
-  (m − 1) · max work). Every action adds time (a recompute its forward, a swap whatever its copy
-  does not hide, a window its stalls), and transfers and all-reduces only add to compute, so this
-  bounds any compaction of the layout from below — exact for the closed-form stage times; the
+  (m − 1) · max work), or, where a stage must take a window (over its floor), the CPU steps of
+  what it must stream when they take longer (:func:`host_step_bound_s`; a plan of that layout
+  that fits streams it). Every action adds time (a recompute its forward, a swap whatever its
+  copy does not hide, a window its stalls), and transfers and all-reduces only add to compute, so
+  this bounds any compaction of the layout from below — exact for the closed-form stage times; the
   simulator's per-layer timing can differ slightly (measured ≥ 0.987 × over the test configs),
   so against simulated times it is a heuristic bound (search.py keeps 2 % slack).
 * ``peaks_full``: per stage, the peak with every layer recomputed (Megatron's full activation
@@ -16,8 +18,9 @@ tensor parallelism inside a node) and priced in closed form twice:
   the host or to peers, MPress §III-C) and the optimizer state swapped to the host between steps
   (MPress's optimizer swap): weights and gradients, one layer's working set, the boundary
   buffers. No per-layer action goes below the floor, so a layout with a stage over capacity at
-  its floor is pruned unless that stage can take a STRONGHOLD window (one device, no ZeRO, not
-  PipeDream), which streams the parameter state itself. Exact for the closed-form bytes; the
+  its floor is pruned unless that stage can take a STRONGHOLD window (no ZeRO, not PipeDream; a
+  dp x tp stage too: each replica streams its own window, a tp rank its shard, STRONGHOLD §III-F),
+  which streams the parameter state itself. Exact for the closed-form bytes; the
   simulator's timeline can differ by what the table omits (a heuristic prune against it).
 
 Which layouts: for each variant, the exact DP's Pareto fronts (small inputs) or every uniform
@@ -136,9 +139,43 @@ def compute_bound_s(table: StageTable, stages) -> float:
     return sum(work) + (m - 1) * max(work)
 
 
+def host_step_bound_s(table: StageTable, stages, floors, capacity: int) -> float:
+    """A lower bound on the iteration of a layout whose stages over their floor must take a
+    STRONGHOLD window (s): the CPU optimizer steps of what they stream. A window stage's device
+    holds its resident layers' full state, so at most capacity / (w_b + g_b + o_b) of its P
+    parameters stay; the rest, at least (static bytes − capacity) / (w_b + g_b + o_b), is stepped
+    on the host each iteration, by every rank on a node on the node's shared cores
+    (costs.window.cpu_step_s: a dp replica steps its own copy, a tp rank its shard), before the
+    next forward needs it (eq. 3). The busiest node bounds the steady-state iteration. It
+    keeps dp replicas of a model that must be streamed behind the layouts that stream it once
+    (GPT-3 175B on one Selene node: pp1 dp4 tp2 steps 4 copies, ≥ 328 s; pp8 or tp8: ≥ 66 s)."""
+    w_b, g_b, o_b = table.training.bytes_per_param()
+    rate = table.hardware.host.cpu_adam_params_per_s
+    per_node: dict[int, float] = {}   # the node's cores are one resource (simulator.window.resources)
+    for p, floor in zip(stages, floors):
+        c = table.cost(p)
+        if floor <= capacity or c is None:
+            continue
+        streamed = max(0, c.static_bytes - capacity) / (w_b + g_b + o_b)   # parameters per rank
+        for d in range(p.gpu, p.gpu + p.degree):
+            node = table.hardware.node_of(d)
+            per_node[node] = per_node.get(node, 0.0) + streamed / rate
+    return max(per_node.values(), default=0.0)
+
+
+def needs_dp_tp_window(layout: Layout, capacity: int) -> bool:
+    """A stage of dp x tp > 1 devices over its floor: the layout needs a data- or tensor-parallel
+    window (issue 25; search.py realises these on a budget of their own)."""
+    return any(f > capacity and p.degree > 1 for p, f in zip(layout.stages, layout.floors))
+
+
 def window_possible(p: Placed, variant: Variant) -> bool:
-    """A STRONGHOLD window needs a one-device stage, no ZeRO, 1F1B or GPipe (specs/plan.py, executor)."""
-    return p.degree == 1 and variant.zero_stage == 0 and variant.schedule.kind.value in ("1f1b", "gpipe")
+    """A STRONGHOLD window needs no ZeRO and 1F1B or GPipe (specs/plan.py, executor); a stage of dp
+    x tp devices takes one as policy=stronghold's layouts do (issue 25: each dp replica streams its
+    own window, all-reducing its host gradients before the CPU steps, §III-F; a tp rank streams its
+    shard). ``p`` is any stage of the table (no MAP sharding: map_mix adds that after)."""
+    del p  # every stage the table places can be windowed
+    return variant.zero_stage == 0 and variant.schedule.kind.value in ("1f1b", "gpipe")
 
 
 def floor_bytes(table: StageTable, p: Placed, stages_after: int) -> int:
@@ -153,9 +190,11 @@ def floor_bytes(table: StageTable, p: Placed, stages_after: int) -> int:
     # to the host but the two a backward may hold (its own and the next one's, simulator/stash.py)
     stash = min(stages_after, 2) if table.schedule.kind.value == "pipedream_async" else 0
     w_b, g_b, o_b = table.training.bytes_per_param()
-    # MPress's optimizer swap (§III-C) keeps the Adam state in host memory between steps; with
-    # ZeRO it is sharded already (and the executor's swap is for unsharded state), so it stays
-    optimizer = 0 if table.proto.zero_stage else c.static_bytes * o_b // (w_b + g_b + o_b)
+    # MPress's optimizer swap (§III-C) keeps the Adam state in host memory between steps, with
+    # ZeRO too (planners/mpress/choice.py swaps a ZeRO stage's shard): off the floor. Under ZeRO the
+    # state is sharded at least as finely as the weights and gradients, so its share of the static
+    # bytes is at most o_b / (w_b + g_b + o_b): taking that share keeps the floor a lower bound
+    optimizer = c.static_bytes * o_b // (w_b + g_b + o_b)
     return (c.static_bytes - optimizer + max(c.transient_bytes, c.allreduce_bytes) + c.grad_bytes + c.buffer_bytes
             + stash * c.weights_bytes)
 
@@ -215,8 +254,9 @@ def search_layouts(policy, model: ModelSpec, hardware: HardwareSpec, training: T
             floors = tuple(min(floor_bytes(t, st, p - 1 - i) for t in tables) for i, st in enumerate(stages))
             if any(f > capacity and not window_possible(st, v) for st, f in zip(stages, floors)):
                 pruned["a stage's parameter state and working set alone exceed the capacity, and it cannot take "
-                       "a window (dp·tp > 1, ZeRO or PipeDream)"] += 1
+                       "a window (ZeRO or PipeDream)"] += 1
                 continue
+            t_none = max(t_none, host_step_bound_s(tables[0], stages, floors, capacity))
             kept.append(Layout(tuple(stages), v, t_none, t_full, tuple(peaks_none), tuple(peaks_full), floors, tables))
     if progress is not None:
         progress(len(vs), len(vs))

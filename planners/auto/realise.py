@@ -16,7 +16,12 @@ comparing:
    allows no swap beside a window); compaction does not run again once a window is in the plan
    (compact() takes no windowed plan), so the other stages keep what the first pass gave them.
    When every stage is over its floor, compaction is skipped: windows go on the layout with
-   every layer recomputed and with none (:func:`_all_windowed`).
+   every layer recomputed and with none (:func:`_all_windowed`);
+4. windowed instead of compacted: the stages whose state is over the capacity even with every
+   layer recomputed, windowed on the layout (:func:`windowed_instead`), a candidate beside the
+   compacted one. A stage of dp x tp devices takes a window as policy=stronghold's layouts do
+   (issue 25, STRONGHOLD §III-F): each replica streams its own window and all-reduces its host
+   gradients before the CPU steps, a tp rank streams its shard.
 
 Heuristic, not exact: the order (compact, then window) and the single retry. Exact: each plan's
 time and peak are the simulator's.
@@ -35,9 +40,29 @@ from specs.plan import MemoryAction, Plan, validate_plan
 
 def simulated_candidate(how: str, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
                notes: list[str] | None = None) -> Candidate:
+    """``plan`` validated and simulated; a one-stage windowed plan first gets its streams
+    (:func:`with_streams`)."""
+    notes = list(notes or [])
+    plan, why = with_streams(plan, model, hardware, capacity)
+    if why is not None:
+        how = f"{how}, streams {plan.stages[0].offload.streams}"
+        notes.append(why)
     plan = validate_plan(plan, model, hardware)
     result = simulate(plan, model, hardware, trace=False).result
-    return Candidate("auto", how, plan, result, not over_capacity(result, capacity), list(notes or []))
+    return Candidate("auto", how, plan, result, not over_capacity(result, capacity), notes)
+
+
+def with_streams(plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int) -> tuple[Plan, str | None]:
+    """STRONGHOLD §IV-A's multi-streamed execution on a one-stage windowed plan (the contract:
+    specs.plan_memory.OffloadPolicy.streams, a one-stage pipeline only): its streams chosen as
+    policy=stronghold chooses them (planners/stronghold/streams.choose_streams: the fastest
+    simulated S within the plateau whose S workers' activations fit ``capacity``, 1 otherwise),
+    and the one line why; a plan of several stages or without a window: as is, None."""
+    if len(plan.stages) != 1 or plan.stages[0].offload.window_layers is None:
+        return plan, None
+    from planners.stronghold.streams import choose_streams
+
+    return choose_streams(plan, model, hardware, 0, capacity)
 
 
 def _over_stages(plan: Plan, cand: Candidate, capacity: int) -> list[int]:
@@ -120,7 +145,8 @@ def realise(layout: Layout, model: ModelSpec, hardware: HardwareSpec, capacity: 
     if max(layout.peaks_full) <= capacity:
         out.append(simulated_candidate("every layer recomputed", layout.plan("full"), model, hardware, capacity))
     got = compacted(layout, base.plan, model, hardware, capacity, max_simulations, improve)
-    return out + ([got] if got is not None else [])
+    alt = windowed_instead(layout, model, hardware, capacity)
+    return out + [c for c in (got, alt) if c is not None]
 
 
 def compacted(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
@@ -146,6 +172,31 @@ def _compacted_layout(layout: Layout, plan: Plan, model: ModelSpec, hardware: Ha
     must = [i for i, f in enumerate(layout.floors) if f > capacity]
     if len(must) == len(layout.stages):
         return _all_windowed(layout, model, hardware, capacity)
+    return _compacted_then_windowed(layout, plan, model, hardware, capacity, max_simulations, improve, progress,
+                                    stash, must, notes)
+
+
+def windowed_instead(layout: Layout, model: ModelSpec, hardware: HardwareSpec, capacity: int) -> Candidate | None:
+    """The stages whose parameter state keeps them over the capacity even with every layer
+    recomputed windowed instead of compacted (:func:`_all_windowed` on those stages), when each
+    can take a window and some stage is under its floor (else :func:`compacted` windows them
+    already). MPress's swaps move activations, a window the state itself: for a tp slice or dp
+    replica of a model whose state is the problem (STRONGHOLD §III-F) the window is the faster
+    (GPT-3 13B on two V100s: tp2 compacted 20.0 s, tp2 windowed 16.3 s, policy=stronghold's own
+    layout). None when no stage qualifies."""
+    heavy = [i for i, f in enumerate(layout.peaks_full) if f > capacity]
+    must = [i for i, f in enumerate(layout.floors) if f > capacity]
+    if not heavy or len(must) == len(layout.stages):
+        return None
+    if not all(window_possible(layout.stages[i], layout.variant) for i in heavy):
+        return None
+    return _all_windowed(layout, model, hardware, capacity, heavy)
+
+
+def _compacted_then_windowed(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
+                             max_simulations: int, improve: bool, progress, stash: bool, must: list[int],
+                             notes: list[str]) -> Candidate | None:
+    base_plan = plan
     # compaction first (planners/mpress/compact.py takes no windowed plan), then the windows: a
     # window stage keeps its recomputes and drops its swaps (_drop_swaps)
     if stash:
@@ -169,16 +220,19 @@ def _compacted_layout(layout: Layout, plan: Plan, model: ModelSpec, hardware: Ha
     return cand
 
 
-def _all_windowed(layout: Layout, model: ModelSpec, hardware: HardwareSpec, capacity: int) -> Candidate | None:
+def _all_windowed(layout: Layout, model: ModelSpec, hardware: HardwareSpec, capacity: int,
+                  stages: list[int] | None = None) -> Candidate | None:
     """Every stage's parameter state and working set exceed the capacity: each stage takes a
     window, and a window stage keeps only its recomputes, so MPress's compaction (whose swaps
     the window drops) is skipped: the windows go on the layout with every layer recomputed
     (STRONGHOLD §V-D's setting) and with none, and the faster fitting one is kept. On GPT-39.4B
-    / one V100 the compaction this replaces spent 25 s per layout to choose recomputes."""
+    / one V100 the compaction this replaces spent 25 s per layout to choose recomputes.
+    ``stages``: only those windowed (default: all); the others keep the layout's recompute or none."""
     got = []
     for recompute in ("full", "none"):
         notes: list[str] = []
-        plan = _windowed(layout.plan(recompute), list(range(len(layout.stages))), model, hardware, capacity, notes)
+        which = list(range(len(layout.stages))) if stages is None else stages
+        plan = _windowed(layout.plan(recompute), which, model, hardware, capacity, notes)
         if plan is not None:
             how = "windowed" + (", every layer recomputed" if recompute == "full" else "")
             got.append(simulated_candidate(how, plan, model, hardware, capacity, notes))

@@ -23,14 +23,17 @@ def stage_rows(plan: Plan, cand: Candidate, capacity: int) -> list[dict]:
         if st.sharding:
             binds = "MAP sharding: " + ("rotor checkpointing" if st.checkpoint else "no checkpointing")
         elif st.offload.window_layers:
-            binds = f"window of {st.offload.window_layers} layers: weights stream over PCIe"
+            binds = (f"window of {st.offload.window_layers} layers: weights stream over PCIe"
+                     + (f", {st.offload.streams} streams share it (STRONGHOLD §IV-A)" if st.offload.streams > 1
+                        else ""))
         elif acts or st.offload.weight_swap_layers:
             binds = "memory: per-layer actions bring it under the capacity"
         else:
             binds = "compute" if peak <= capacity else "memory: over the capacity"
         rows.append({"stage": s, "layers": [st.layer_start, st.layer_stop], "devices": list(st.devices),
                      "dp": st.dp, "tp": st.tp, "actions": dict(sorted(acts.items())),
-                     "window_layers": st.offload.window_layers, "optimizer_swap": st.offload.optimizer_swap,
+                     "window_layers": st.offload.window_layers, "streams": st.offload.streams,
+                     "optimizer_swap": st.offload.optimizer_swap,
                      "weight_swap": list(st.offload.weight_swap_layers),
                      "peak_bytes": peak, "use": round(peak / capacity, 4), "binds": binds})
     return rows
@@ -89,7 +92,7 @@ def summary_lines(outcome: AutoOutcome) -> list[str]:
         acts = ", ".join(f"{n} {k}" for k, n in row["actions"].items()) or "no action"
         lines.append(f"  stage {row['stage']}: layers {row['layers'][0]}-{row['layers'][1]} on {len(row['devices'])} "
                      f"device(s) dp{row['dp']} tp{row['tp']}, {acts}"
-                     + (f", window {row['window_layers']}" if row["window_layers"] else "")
+                     + (f", window {row['window_layers']}, streams {row['streams']}" if row["window_layers"] else "")
                      + (f", weights+grads+optimizer to host L{','.join(map(str, row['weight_swap']))}"
                         if row.get("weight_swap") else "")
                      + f"; peak {size_text(row['peak_bytes'])} ({row['use']:.0%}); {row['binds']}")

@@ -16,7 +16,10 @@ not enumerated; the search decomposes as the papers' own solvers do:
    (what no activation action goes below); layouts that cannot fit are pruned.
 3. **inner per-stage compaction** (planners/auto/realise.py): in order of the lower bound, each
    layout is simulated as is, with full recompute, and compacted (STRONGHOLD windows where a
-   stage's state does not fit, MPress's per-layer actions elsewhere).
+   stage's state does not fit, MPress's per-layer actions elsewhere; a dp x tp stage's window
+   streams per replica / per shard, issue 25, and a one-stage windowed plan gets its streams,
+   STRONGHOLD §IV-A). Layouts that need a dp / tp window are realised on a budget of their own
+   (policy.max_layouts // 2).
 4. **interleaved 1F1B** (planners/auto/interleave.py): the fastest fitting uniform layouts again
    with v = 2, 3, 4 chunks per device group (Megatron-LM's schedule), no action or full recompute.
 5. **branch and bound**: the loop stops once a layout's lower bound reaches the fastest fitting
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 
 from planners.auto.candidate import Candidate, pareto
 from planners.auto.interleave import interleaved
-from planners.auto.layouts import search_layouts
+from planners.auto.layouts import needs_dp_tp_window, search_layouts
 from planners.auto.map_mix import map_mixed
 from planners.auto.realise import compacted, realise
 from planners.auto.singles import BOUNDED, Single, run_single, single_bound_s
@@ -185,14 +188,20 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     say(f"layouts that fit as they are: {len(as_is)} simulated", time.perf_counter() - start)
     done = {id(lay) for lay in as_is}
     layouts_left = [lay for lay in layouts if id(lay) not in done]
-    stop, realised = "every kept layout realised", 0
+    stop, realised, dp_tp = "every kept layout realised", 0, 0
     start = time.perf_counter()
     for n, layout in enumerate(layouts_left):
         if layout.time_lb_s >= best * BOUND_SLACK:
             stop = (f"bound: the next layout's lower bound {layout.time_lb_s:.3f} s ≥ the fastest fitting plan's "
                     f"{best:.3f} s ({len(layouts_left) - n} layouts left)")
             break
-        if realised >= policy.max_layouts:
+        # layouts that need a data- or tensor-parallel window (issue 25) have a budget of their own,
+        # policy.max_layouts // 2: they add to the search without displacing the layouts it realised
+        # before (GPT-3 175B on one Selene node: eight of them ranked first and left its pp8 plan out)
+        windows = needs_dp_tp_window(layout, capacity)
+        if windows and dp_tp >= max(1, policy.max_layouts // 2):
+            continue
+        if not windows and realised >= policy.max_layouts:
             stop = (f"policy.max_layouts={policy.max_layouts} reached ({len(layouts_left) - n} layouts left "
                     "unrealised)")
             break
@@ -203,13 +212,17 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
         except (PlanningError, PlanError, ValueError) as exc:  # e.g. the simulator refuses its size
             pruned[f"could not be realised: {' '.join(str(exc).split())[:160]}"] += 1
             continue
-        realised += 1
+        if windows:
+            dp_tp += 1
+        else:
+            realised += 1
         for c in got:
             c.how = f"{layout.text()}: {c.how}"
             c.layout = layout
         cands += got
         best = min([best] + [c.time_s for c in got if c.fits])
-    say(f"layouts realised: {realised}", time.perf_counter() - start)
+    say(f"layouts realised: {realised}" + (f", and {dp_tp} with a dp/tp window" if dp_tp else ""),
+        time.perf_counter() - start)
     start = time.perf_counter()
     improved = _improve(policy, cands, best, model, hardware, capacity, progress)
     cands += improved
@@ -244,5 +257,5 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     singles.sort(key=lambda s: policy.singles.index(s.name))
     winner = _pick([s.candidate for s in singles if s.candidate is not None] + cands, singles, pruned)
     return AutoOutcome(winner.plan.model_copy(update={"planner": "auto"}), winner.fits, capacity, winner, singles,
-                       cands, priced, len(layouts), realised + len(as_is), pruned, left_out, stop, hardware=hardware,
-                       model=model)
+                       cands, priced, len(layouts), realised + dp_tp + len(as_is), pruned, left_out, stop,
+                       hardware=hardware, model=model)

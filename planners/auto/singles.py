@@ -64,9 +64,9 @@ def _plan(name: str, model: ModelSpec, plan_hw: HardwareSpec, training: Training
     if name == "stronghold":
         from planners.stronghold.planner import stronghold_search
 
-        # one-device stages, as _stronghold_bound_s assumes (policy=stronghold's null dp / tp would
-        # also search data- and tensor-parallel windows, issue 25; auto's own layouts cover those)
-        return stronghold_search(StrongholdPolicy(dp=1, tp=1), model, plan_hw, training, schedule).plan
+        # policy=stronghold's own plan: its null dp / tp search the data- and tensor-parallel
+        # windows too (planners/stronghold/layouts.py, issue 25), as _stronghold_bound_s bounds it
+        return stronghold_search(StrongholdPolicy(), model, plan_hw, training, schedule).plan
     if name == "map":
         if schedule.virtual_stages > 1:  # as planning._plan_map: its stages are whole meshes
             raise PlanningError("MAP plans non-interleaved schedules (one stage per device group)")
@@ -129,18 +129,26 @@ def single_bound_s(name: str, model: ModelSpec, plan_hw: HardwareSpec, training:
 
 def _stronghold_bound_s(model: ModelSpec, plan_hw: HardwareSpec, training: TrainingSpec,
                         schedule: ScheduleSpec) -> float | None:
-    """STRONGHOLD's plan (planners/stronghold/planner.py) is a pipeline of pp ≤ min(devices, layers)
-    one-device stages, every layer recomputed (its default), windows adding only stalls. Its
-    compute alone, Σ work + (m − 1) · max work, is at least W · (1 + (m − 1) / pp) for W the whole
-    model's recomputed work on one device (max ≥ Σ / pp), smallest at the largest pp. GPT 1T on
-    512 A100s: its search took 125 s of auto's 350 s, for a plan that does not fit."""
+    """STRONGHOLD's plan (planners/stronghold/planner.py, layouts.py) is one of its layouts: a
+    pipeline of pp ≤ min(devices, layers) one-device stages, or pp stages of dp x tp devices over
+    every device (planners.stronghold.layouts._layouts), every layer recomputed (its default),
+    windows adding only stalls (and, with dp > 1, the host all-reduce). A stage's work per
+    microbatch is at least its one-device work / (dp · tp) (dp splits the microbatch, tp each
+    layer's GEMMs; the GEMM efficiency curve does not rise as a kernel shrinks, costs.gemm), so the
+    layout's compute, Σ work + (m − 1) · max work, is at least W / (dp · tp) · (1 + (m − 1) / pp) for
+    W the whole model's recomputed work on one device (max ≥ Σ / pp); the bound is the least over
+    its layouts. GPT 1T on 512 A100s: its search took 125 s of auto's 350 s, for a plan that does
+    not fit."""
     from planners.baselines.stage_place import Placed
     from planners.baselines.stagetable import StageTable
+    from planners.stronghold.layouts import _layouts
 
     if schedule.kind.value not in ("1f1b", "gpipe") or schedule.virtual_stages != 1:
         return None  # it refuses these; run it to say so
     cost = StageTable(model, plan_hw, training, schedule, 0, "full").cost(Placed(0, model.num_layers, "pp", 1, 0))
     if cost is None:
         return None
-    pp, m = min(plan_hw.num_devices, model.num_layers), training.microbatches
-    return cost.work_s * (1 + (m - 1) / pp)
+    m = training.microbatches
+    layouts = [(min(plan_hw.num_devices, model.num_layers), 1, 1)]  # the fewest-stage search's deepest pipeline
+    layouts += _layouts(StrongholdPolicy(), model, plan_hw, training)
+    return min(cost.work_s / (dp * tp) * (1 + (m - 1) / pp) for pp, dp, tp in layouts)

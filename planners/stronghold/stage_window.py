@@ -6,7 +6,11 @@ layers, devices and memory actions, STRONGHOLD's resident layers (Fig. 3: embedd
 weights; costs.window.default_resident) stay on the device and the rest stream through ``w``
 slots (§III-C); every other stage of the plan is left as it was. The window is the one
 policy=stronghold would pick for that stage (planner.choose_window, §III-D) against a capacity the
-caller gives, and the host tier is STRONGHOLD's (planner.host_tier, §III-G).
+caller gives, and the host tier is STRONGHOLD's (planner.host_tier, §III-G). A stage of dp x tp
+devices is windowed as policy=stronghold windows its layouts (planners/stronghold/layouts.py):
+each dp replica streams its own window and all-reduces its streamed layers' host gradients on the
+host before their CPU steps (§III-F; priced in the window walk: simulator.window.host_ring), a tp
+rank streams its shard of every layer (a slot holds 1/tp of a layer).
 """
 from __future__ import annotations
 
@@ -55,12 +59,11 @@ def window_blockers(plan: Plan, s: int, model: ModelSpec | None = None) -> str |
                 "sharding does not apply")
     if st.sharding:  # StagePlan._check_sharded; measure._map_unsupported
         return f"{where}.sharding: a MAP-sharded stage keeps its states on its devices; it takes no offload"
-    if st.dp > 1:  # Plan._window; measure._offload_unsupported
-        return (f"{where}.dp: {st.dp}; the host gradients of a window would need an all-reduce before each CPU "
-                "step (not modelled)")
-    if st.tp > 1:  # Plan._window; measure._offload_unsupported
-        return (f"{where}.tp: {st.tp}; each device would stream its shard of every layer (not modelled: "
-                "STRONGHOLD's window runs on one device per stage)")
+    # dp > 1 and tp > 1 are windowed as policy=stronghold windows them (planners/stronghold/layouts.py,
+    # issue 25): each dp replica streams its own window and all-reduces its streamed layers' host
+    # gradients before their CPU steps (§III-E2, §III-F; simulator.window.host_ring, priced by
+    # planner.price_base), a tp rank streams its shard of every layer (costs.window: the shard is the
+    # unit of offload); Plan._window and executor.measure._offload_unsupported accept both
     swapped = sorted(item.layer for item in st.memory if item.action in SWAPS)
     if swapped:  # StagePlan._check_window
         return (f"{where}.memory: layers {swapped[:8]}{' ...' if len(swapped) > 8 else ''} swap activations; a "
@@ -99,11 +102,13 @@ def window_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, c
     st = plan.stages[s]
     resident = win.default_resident(model, st)
     node = hardware.node_of(st.devices[0])
-    others = [win.window_static(model, plan, o)[3:] for i, o in enumerate(plan.stages)
+    # the other windows on this node: each of their ranks there keeps its own host copy (dp
+    # replicas, tp shards: costs.window.node_ranks, as planner.host_tier counts them)
+    others = [(win.node_ranks(hardware, o), win.window_static(model, plan, o)[3:]) for i, o in enumerate(plan.stages)
               if i != s and o.offload.window_layers is not None and hardware.node_of(o.devices[0]) == node]
-    ram_left = (hardware.host.memory_bytes - sum(h for h, _ in others) if host_bytes_left is None
+    ram_left = (hardware.host.memory_bytes - sum(k * h for k, (h, _) in others) if host_bytes_left is None
                 else host_bytes_left)
-    drive_left = hardware.host.nvme_bytes - sum(d for _, d in others)
+    drive_left = hardware.host.nvme_bytes - sum(k * d for k, (_, d) in others)
     use, ram, host, drive = host_tier(nvme, model, plan, hardware, {s: resident}, ram_left)
     chosen, prices, resident = choose_resident_window(plan, model, hardware, s, resident, use, capacity_bytes,
                                                       first_window=first_window)

@@ -3,6 +3,7 @@
     python benchmarks/map_eval.py            # all three parts (~3-5 min on 2 cores)
     python benchmarks/map_eval.py --fast     # fewer budgets
     python benchmarks/map_eval.py --out DIR  # map_eval.json, map_budget.png (default outputs/map_eval)
+    python benchmarks/map_eval.py --tables   # (b) and (d) only (~1 min)
 
 (a) Time vs budget: gpt3_2b6 (fp16, microbatch 2, global batch 64) on map_8xa100 at per-device
     budgets from the device's 80 GiB down past the smallest feasible one: policy=map's plan, its
@@ -17,6 +18,10 @@
     memwall's A100 GEMM curve is borrowed (conf/hardware/map_8xa100.yaml), so the absolute PFLOPS
     are not a reproduction; the comparison is the ratio MAP / Megatron per row.
 (c) Planning time of each plan (time.perf_counter), printed with it.
+(d) Issue 26's fairness check: each Table 3-4 model on one GPU, MAP's chain (every operator
+    replicated) against the closed-form Megatron layer times (costs.layer_time) of the same
+    program; they must agree within 2 %. (b) also prints, per MAP plan, its gradient all-reduces
+    of the iteration and the part the backward does not hide (simulator.sharded).
 
 Deterministic given the configs except the planning times.
 """
@@ -37,6 +42,8 @@ from planners import make_plan, parse_policy  # noqa: E402
 from planners.map.plan import map_search  # noqa: E402
 from planners.policy import MapPolicy  # noqa: E402
 from simulator import simulate  # noqa: E402
+from simulator.sharded import sharded_stage  # noqa: E402
+from costs.layer_time import layer_pass_times_s  # noqa: E402
 from costs.families import build_model, parse_model_config  # noqa: E402
 from specs.hardware import HardwareSpec  # noqa: E402
 from specs.plan import ScheduleSpec  # noqa: E402
@@ -94,6 +101,25 @@ def budget_curve(budgets: list[float | None]) -> list[dict]:
     return rows
 
 
+def one_device() -> list[dict]:
+    """(d): MAP's and the closed form's forward + backward seconds of one microbatch on one GPU."""
+    hw = first_devices(HardwareSpec.model_validate(load("hardware", "map_8xa100")), 1)
+    tr = TrainingSpec(global_batch=8, microbatch_size=8, precision="bf16")
+    rows = []
+    for exp, (_, h, _, _) in PAPER.items():
+        model = with_graphs(f"map_gpt2_h{h}", tr)
+        plan = map_search(MapPolicy(), model, hw, tr, ScheduleSpec()).plan
+        stage = plan.stages[0]
+        sh = sharded_stage(plan, model, hw, stage)
+        map_s = sum(sh.chain.t_fwd(i) + sh.chain.t_bwd(i) for i in range(len(sh.layers)))
+        closed_s = sum(sum(layer_pass_times_s(model, plan, hw, stage, l)[:2]) for l in sh.layers)
+        rows.append({"experiment": exp, "hidden": h, "map_s": map_s, "closed_form_s": closed_s})
+        print(f"{exp:>5}: hidden {h} on 1 GPU, forward + backward of one microbatch | MAP {map_s * 1e3:.2f} ms, "
+              f"closed form {closed_s * 1e3:.2f} ms, MAP / closed form {map_s / closed_s:.4f} "
+              f"({'within' if abs(map_s / closed_s - 1) <= 0.02 else 'OUTSIDE'} 2 %)", flush=True)
+    return rows
+
+
 def weak_scaling() -> list[dict]:
     base = HardwareSpec.model_validate(load("hardware", "map_8xa100"))
     tr = TrainingSpec(global_batch=8, microbatch_size=8, precision="bf16")
@@ -105,6 +131,7 @@ def weak_scaling() -> list[dict]:
         ours = map_search(MapPolicy(), model, hw, tr, ScheduleSpec())
         plan_s = time.perf_counter() - t0
         sim_map = simulate(ours.plan, model, hw).result
+        shs = [sharded_stage(ours.plan, model, hw, st) for st in ours.plan.stages]
         meg_plan = make_plan(parse_policy({"kind": "manual", "pp": 1, "tp": n}), model, hw, tr, ScheduleSpec())
         sim_meg = simulate(meg_plan, model, hw).result
         pf = lambda r: r.tflops_per_device * n / 1000  # noqa: E731
@@ -112,10 +139,14 @@ def weak_scaling() -> list[dict]:
                "map_pflops": pf(sim_map), "megatron_pflops": pf(sim_meg), "paper_map_pflops": paper_map,
                "paper_megatron_pflops": paper_meg, "map_mesh": list(ours.stages[0].mesh), "plan_s": plan_s,
                "map_peak_gib": max(d.peak_bytes for d in sim_map.devices if d.stages) / GIB,
-               "megatron_peak_gib": max(d.peak_bytes for d in sim_meg.devices if d.stages) / GIB}
+               "megatron_peak_gib": max(d.peak_bytes for d in sim_meg.devices if d.stages) / GIB,
+               "map_grad_sync_ms": sum(x.grad_sync_s for x in shs) * 1e3,
+               "map_grad_sync_exposed_ms": sum(x.grad_sync_exposed_s for x in shs) * 1e3}
         rows.append(row)
         print(f"{exp:>5}: {n} GPU(s), hidden {h}, {row['params_b']:.3f} B params | memwall: MAP {row['map_pflops']:.3f} "
               f"PFLOPS (mesh {row['map_mesh']}, peak {row['map_peak_gib']:.1f} GiB, planned in {plan_s:.1f} s), "
+              f"gradient all-reduces {row['map_grad_sync_ms']:.1f} ms/iteration of which exposed "
+              f"{row['map_grad_sync_exposed_ms']:.1f} ms; "
               f"Megatron TP {row['megatron_pflops']:.3f} (peak {row['megatron_peak_gib']:.1f} GiB), ratio "
               f"{row['map_pflops'] / row['megatron_pflops']:.3f} | paper: MAP {paper_map:.3f}, Megatron {paper_meg:.3f}, "
               f"ratio {paper_map / paper_meg:.3f}", flush=True)
@@ -133,7 +164,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fast", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("outputs/map_eval"))
+    ap.add_argument("--tables", action="store_true", help="Tables 3-4 and the one-device check only")
     args = ap.parse_args()
+    if args.tables:
+        print("(d) one device: MAP's cost and the closed form's (issue 26)", flush=True)
+        one = one_device()
+        print("(b) MAP Tables 3-4, weak scaling (total PFLOPS)", flush=True)
+        scaling = weak_scaling()
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "map_tables.json").write_text(json.dumps({"one_device": one, "weak_scaling": scaling}, indent=1))
+        print(f"wrote {args.out / 'map_tables.json'}")
+        return
     budgets = [None, 40, 20, 10, 7] if args.fast else [None, 60, 40, 30, 20, 15, 12, 10, 8, 7, 6.5, 6]
     print("(a) gpt3_2b6 on map_8xa100: iteration time vs the per-device memory budget", flush=True)
     curve = budget_curve(budgets)
@@ -143,8 +184,11 @@ def main() -> None:
           f"{all(r['map']['peak_gib'] <= r['budget_gib'] for r in fits)}")
     print("(b) MAP Tables 3-4, weak scaling (total PFLOPS)", flush=True)
     scaling = weak_scaling()
+    print("(d) one device: MAP's cost and the closed form's (issue 26)", flush=True)
+    one = one_device()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "map_eval.json").write_text(json.dumps({"budget_curve": curve, "weak_scaling": scaling}, indent=1,
+    (args.out / "map_eval.json").write_text(json.dumps({"budget_curve": curve, "weak_scaling": scaling,
+                                                       "one_device": one}, indent=1,
                                                        default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else x))
     figure(curve, args.out / "map_budget.png")
     print(f"wrote {args.out / 'map_eval.json'}, {args.out / 'map_budget.png'}")

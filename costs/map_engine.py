@@ -28,6 +28,13 @@ class Strategy:
     u_bcomm: float
     o_fcomm: float
     o_bcomm: float
+    #: forward HBM bytes one device moves in the node's memory-bound operators (issue 26: the
+    #: element-wise traffic the closed forms charge, costs.layer_time._mem_s): see :func:`hbm_bytes`
+    hbm_bytes: float = 0.0
+    #: of ``u_bcomm``, the parameter-gradient all-reduces (the data-parallel part): a training
+    #: iteration runs them once, overlapped with the backward (simulator.sharded.grad_sync_exposed_s),
+    #: not once per microbatch
+    grad_sync_s: float = 0.0
 
 
 def spec_of(labels: str, axes_of: dict[str, tuple[int, ...]]) -> ShardingSpec:
@@ -71,11 +78,56 @@ def engine_strategies(node: OpNode, op: LabelledOp, mesh: Mesh, dtype_bytes: int
         shards = math.prod(ms[a] for a in used)
         partial, u_f, o_f = _forward_comm(op, axes_of, o_spec, mesh, dtype_bytes)
         u_b, o_b = _backward_comm(op, axes_of, in_specs, p_specs, mesh, dtype_bytes)
+        sync = sum(param_sync_s(sp, shape, used, mesh, dtype_bytes) for sp, (_, shape) in zip(p_specs, op.params))
         mem = _memory(node, in_specs, p_specs, o_spec, op, ms, bytes_per_param)
         name = ",".join(map(str, in_specs + p_specs)) + "->" + str(o_spec) + ("" if not partial else f"(AR{''.join(map(str, partial))})")
         out.setdefault(name, Strategy(name, in_specs, o_spec, p_specs, total_flops / shards, u_f + u_b, mem,
-                                      u_f, u_b, o_f, o_b))
+                                      u_f, u_b, o_f, o_b, hbm_bytes(node, op, in_specs, o_spec, ms), sync))
     return list(out.values())
+
+
+def param_sync_s(spec: ShardingSpec, shape, used_axes, mesh: Mesh, dtype_bytes: int) -> float:
+    """Seconds of one parameter's gradient all-reduce: its local gradient is partial over every
+    axis the strategy splits (``used_axes``) that the parameter itself is not split over (GSPMD
+    §3.3's partial-sum rule; over a batch axis this is data parallelism's all-reduce)."""
+    axes = sorted(set(used_axes) - spec.mesh_axes())
+    nbytes = spec.local_numel(tuple(shape), mesh.shape) * dtype_bytes
+    return sum(mesh.all_reduce_s(a, nbytes) for a in axes)
+
+
+def hbm_bytes(node: OpNode, op: LabelledOp, in_specs, o_spec: ShardingSpec, ms) -> float:
+    """Forward HBM bytes one device moves in ``node``'s own operator outside GEMM kernels, each
+    tensor at its local share, as the closed forms count them (costs.family_transformer's
+    ``*_mem_bytes``):
+
+    * GEMM kinds (linear, matmul, bmm, conv2d, MoE dispatch): none (their FLOPs are priced);
+    * scaled-dot-product attention: the a·s_q·s_k scores' softmax (in + out) and the dropout of
+      the probabilities (in + out, and a 1-byte mask), as Megatron's attention core runs them and
+      ``attention_mem_bytes`` charges them (Korthikanti et al. 2022 §4.1 for the tensors); the
+      Megatron side of the comparison is priced so, and one device runs one program;
+    * a softmax cross-entropy (a loss): ~3 passes over its logits (max, exp-sum, loss) and the
+      log-probabilities written (``head_layer``'s 4 x 4sV); other inputs (targets) read once;
+    * an embedding lookup: its ids read, the gathered rows read and written (output-sized);
+    * a view: none; anything else (layer norm, softmax, element-wise, reductions): every
+      activation input read and the output written."""
+    kind = node.kind
+    if kind in ("linear", "matmul", "bmm", "conv2d", "moe_dispatch", "view"):
+        return 0.0
+    out_shape = tuple(op.output[1])
+    out_db = node.output_dtype_bytes[0] if node.output_dtype_bytes else 0
+    out_b = math.prod(out_shape) * out_db * share_of(o_spec, out_shape, ms) if out_shape or out_db else 0.0
+    ins = [math.prod(s) * db * share_of(sp, s, ms)
+           for sp, s, db in zip(in_specs, node.input_shapes, node.input_dtype_bytes)]
+    if kind == "sdpa":
+        q, k = node.input_shapes[0], node.input_shapes[1]
+        scores = math.prod(q[:-1]) * k[-2] * share_of(in_specs[0], q, ms)
+        return scores * (4 * node.input_dtype_bytes[0] + 1)
+    if kind == "softmax" and "cross_entropy" in node.target:
+        big = max(range(len(ins)), key=ins.__getitem__)
+        return 4 * ins[big] + sum(ins) - ins[big] + out_b
+    if kind == "embedding":
+        return ins[0] + 2 * out_b
+    return sum(ins) + out_b
 
 
 def _forward_comm(op: LabelledOp, axes_of: dict[str, tuple[int, ...]], o_spec: ShardingSpec, mesh: Mesh,

@@ -30,6 +30,14 @@ label maps of their dims); a strategy assigns mesh axes to the labels the family
 * MAP Table 2's per-phase pieces: ``u_fcomm``/``u_bcomm`` the forward/backward collective times;
   ``o_fcomm``/``o_bcomm`` the per-device bytes of the largest tensor a collective of that phase
   works on (live while it runs; 0 without communication).
+* ``grad_sync_s`` (issue 26): the part of ``u_bcomm`` that all-reduces parameter gradients (a
+  folded op's parameters included). A training iteration runs it once, overlapped with the
+  backward (simulator.sharded), not once per microbatch as the rest of ``u_bcomm``.
+* ``hbm_bytes`` (issue 26): forward bytes one device moves through HBM in the node's operators
+  outside GEMM kernels -- layer norms, softmax and loss passes, the attention core's scores, and
+  every folded element-wise op (GeLU, residual add, cast) -- each tensor at its local share
+  (``costs.map_engine.hbm_bytes``, ``costs.map_views.through_folded``), as the closed forms count
+  them (``costs.layer_time._mem_s``).
 
 Kinds without a generator here (``other``: topk, one_hot, cumsum, pooling) get the fully
 replicated strategy only, which every node has.

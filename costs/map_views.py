@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from costs.map_engine import Strategy, assignments, share_of, spec_of
+from costs.map_engine import Strategy, assignments, param_sync_s, share_of, spec_of
 from costs.map_ops import LabelledOp, align, letters
 from specs.op_graph import OpNode
 from specs.sharding import Mesh, ShardingSpec
@@ -95,6 +95,7 @@ def through_folded(node: OpNode, s: Strategy, mesh: Mesh, dtype_bytes: int) -> S
     extra_in: list[ShardingSpec] = []
     extra_p: list[ShardingSpec] = []
     mem = s.memory_bytes
+    traffic = s.hbm_bytes
     for op in node.ops[1:]:
         # the folded op's input from the group, and its other inputs
         k = op.inputs.index(node.name) if node.name in op.inputs else 0
@@ -106,10 +107,17 @@ def through_folded(node: OpNode, s: Strategy, mesh: Mesh, dtype_bytes: int) -> S
             if spec is None:
                 return None
         else:
+            n_in = len(extra_in)
             folded = _fold_elementwise(op, k, spec, shape, mem, ms, extra_in, extra_p)
             if folded is None:
                 return None
+            # issue 26: a folded element-wise op reads its inputs and writes its output (each at
+            # its local share), as the closed forms' bias-GeLU / bias-dropout-add / cast do
+            others = iter(extra_in[n_in:])
+            traffic += sum(math.prod(sh) * db * share_of(spec if i == k else next(others), sh, ms)
+                           for i, (sh, db) in enumerate(zip(op.input_shapes, op.input_dtype_bytes)))
             spec, mem = folded
+            traffic += math.prod(out_shape) * op.output_dtype_bytes[0] * share_of(spec, out_shape, ms)
         shape = out_shape
         mem += op.fwd_in_output * share_of(spec, shape, ms) + max(op.fwd_in_other, 0) * share_of(spec, shape, ms)
         if not spec.valid_for(tuple(shape), ms):
@@ -119,8 +127,13 @@ def through_folded(node: OpNode, s: Strategy, mesh: Mesh, dtype_bytes: int) -> S
         return None
     params = s.param_specs + tuple(extra_p)
     name = s.name.split("->")[0] + "->" + str(spec) + ("(" + s.name.split("(", 1)[1] if "(AR" in s.name else "")
-    return Strategy(name, ins, spec, params, s.flops_per_device, s.comm_s, mem,
-                    s.u_fcomm, s.u_bcomm, s.o_fcomm, s.o_bcomm)
+    # a folded op's parameter (a bias after a matmul) is partial over the axes the core splits
+    # that it is not split over, like the core's own (costs.map_engine.param_sync_s)
+    used = set().union(*(x.mesh_axes() for x in s.input_specs + s.param_specs + (s.output_spec,)))
+    folded_p = [p for op in node.ops[1:] for p in op.params]
+    sync = sum(param_sync_s(sp, p.shape, used, mesh, dtype_bytes) for sp, p in zip(extra_p, folded_p))
+    return Strategy(name, ins, spec, params, s.flops_per_device, s.comm_s + sync, mem,
+                    s.u_fcomm, s.u_bcomm + sync, s.o_fcomm, s.o_bcomm, traffic, s.grad_sync_s + sync)
 
 
 def _fold_elementwise(op: OpNode, k: int, spec: ShardingSpec, shape, mem: float, ms,

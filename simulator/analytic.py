@@ -336,9 +336,10 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         pipe = sum(work) + sum(p2p) + (m - 1) * slowest
     per_device_sync: dict[int, float] = {}
     for i, stage in enumerate(plan.stages):
-        # a MAP stage has no dp all-reduce (its batch split's gradient reduction is among its
-        # strategies' backward collectives) and steps only the shards it stores
-        sync = ((0.0, sharded[i].optimizer_s) if i in sharded else
+        # a MAP stage has no dp all-reduce of its own: its batch split's parameter-gradient
+        # all-reduces run once per iteration, overlapped with the last backward (issue 26), and only
+        # what outlasts it delays the step; it steps only the shards it stores
+        sync = ((sharded[i].grad_sync_exposed_s, sharded[i].optimizer_s) if i in sharded else
                 (costs.collectives.dp_allreduce_s(model, plan, hardware, stage), costs.layer_time.optimizer_step_s(model, plan, hardware, stage)))
         tied_s = costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)
         if stepped and i not in sharded and stage.offload.window_layers is None:

@@ -80,6 +80,28 @@ def stage_pass(chain: Chain, segments: tuple[Segment, ...]) -> StagePass:
     return StagePass(fwd_s, bwd_s, fwd_s + bwd_s - once, act, max(peak - act, 0), peak)
 
 
+def grad_sync_exposed_s(chain: Chain, segments: tuple[Segment, ...], sync_s: tuple[float, ...]) -> float:
+    """Seconds of the parameter-gradient all-reduces (``sync_s`` per layer, stage order) that
+    outlast the backward of the iteration's last microbatch, run as PyTorch DDP and Colossal-AI
+    run them (issue 26; MAP §6.1's extra stream, which §7 credits for δ's plan): once per iteration (the
+    microbatches accumulate locally, DDP's ``no_sync``), one bucket per layer, issued when the
+    layer's last backward B^l of that microbatch completes (rotor's order, recomputations
+    included) and run one after another on a communication stream beside the compute. Exposed:
+    what ends after the backward does. Contention of these all-reduces with the backward's own
+    collectives (u_bcomm) for the links is not modelled."""
+    if not any(sync_s):
+        return 0.0
+    seq = sequence_of(segments, len(chain))
+    last = len(chain) - 1
+    first_b = next(i for i, (op, l) in enumerate(seq) if op != "B" and l == last) + 1
+    now = comm_end = 0.0
+    for op, l in seq[first_b:]:
+        now += chain.t_fwd(l) if op != "B" else chain.t_bwd(l)
+        if op == "B" and sync_s[l] > 0:
+            comm_end = max(comm_end, now) + sync_s[l]
+    return max(comm_end - now, 0.0)
+
+
 @dataclass(frozen=True)
 class ShardedStage:
     """A MAP stage priced for one microbatch on one device (all devices of the mesh alike, SPMD).
@@ -94,7 +116,10 @@ class ShardedStage:
     only its sharded a^{L-1}) and ``sent_output_bytes`` lives only until its send is done
     (training.deallocate_pipeline_outputs, costs.activations.sent_output_bytes); the last stage's loss is
     the walk's own a^{L-1}: neither;
-    ``optimizer_s``: the update of the stored shards (memory-bound, costs.layer_time.optimizer_step_s)."""
+    ``optimizer_s``: the update of the stored shards (memory-bound, costs.layer_time.optimizer_step_s);
+    ``grad_sync_s``: the stored parameters' gradient all-reduces of one iteration, serially
+    (issue 26: once per iteration, not per microbatch), of which ``grad_sync_exposed_s`` outlasts
+    the last backward (:func:`grad_sync_exposed_s`) and delays the optimizer step."""
 
     layers: tuple[int, ...]
     mesh: Mesh
@@ -109,6 +134,8 @@ class ShardedStage:
     held_output_bytes: int
     sent_output_bytes: int
     optimizer_s: float
+    grad_sync_s: float = 0.0
+    grad_sync_exposed_s: float = 0.0
 
     @property
     def act_bytes(self) -> int:
@@ -212,7 +239,8 @@ def stage_chain(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec
         c = seen.get(key)
         if c is None:
             try:
-                c = seen[key] = layer_cost(graph, shardings[l], mesh, hardware, dtype, bpp, ins, skip, tied)
+                c = seen[key] = layer_cost(graph, shardings[l], mesh, hardware, dtype, bpp, ins, skip, tied,
+                                           accumulate_bytes_per_param(training))
             except ValueError as exc:
                 raise ValueError(f"layer {l} ({model.layers[l].name}): {exc}") from None
         costs_.append(c)
@@ -221,6 +249,16 @@ def stage_chain(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec
     fixed = sum(c.param_elems for c in costs_) * (w_b + g_b + o_b)
     input_bytes = costs.activations.layer_input_bytes(model, layers.start, training.samples_per_microbatch)
     return tuple(costs_), chain_of(costs_, fixed, input_bytes, input_bytes if layers.start > 0 else 0)
+
+
+def accumulate_bytes_per_param(training: TrainingSpec) -> int:
+    """HBM bytes per parameter element that adding one microbatch's gradient into the accumulated
+    one moves: costs.layer_time.accumulate_bytes_per_param's rule (which reads a plan's training
+    alone): 0 for the fused fp32 main-grad mode (18 B/param, not fp32), else read both and write
+    one gradient."""
+    if training.precision.value != "fp32" and training.mixed_bytes_per_param == 18:
+        return 0
+    return 3 * training.bytes_per_param()[1]
 
 
 def _sharding_key(sh: LayerSharding) -> tuple:
@@ -271,8 +309,10 @@ def sharded_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, stage: S
     out_bytes = b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
     sent = costs.activations.sent_output_bytes(model, plan, stage)
     held = out_bytes if stage.layer_stop < model.num_layers and not sent else 0
+    sync = tuple(c.grad_sync_s for c in costs_)
     return ShardedStage(
         layers=tuple(stage.layers), mesh=mesh, costs=costs_, chain=chain, segments=segments,
         run=stage_pass(chain, segments), param_elems=elems, static=static, input_bytes=chain.w_input,
         output_bytes=out_bytes, held_output_bytes=held, sent_output_bytes=sent,
-        optimizer_s=elems * (2 * w_b + g_b + 2 * o_b) / hardware.device.hbm_bytes_per_s)
+        optimizer_s=elems * (2 * w_b + g_b + 2 * o_b) / hardware.device.hbm_bytes_per_s,
+        grad_sync_s=sum(sync), grad_sync_exposed_s=grad_sync_exposed_s(chain, segments, sync))

@@ -7,9 +7,15 @@ A layer's plan (specs.plan.LayerSharding) names one strategy per operator group 
 (specs.op_graph). Here each named strategy is found among ``costs.map_strategies``' generated
 ones (so the planner's ILP and the simulator price the same object):
 
-* u_f / u_b: per-node compute on the device's share (GEMM kinds at the device's GEMM efficiency
-  for the kernel size, the rest memory-bound), plus per-operator framework overhead;
-* u_fcomm / u_bcomm: the strategies' collectives (partial sums, eq. 1's c_v) plus the layout
+* u_f / u_b: per-node compute on the device's share: each GEMM kernel on its local shape on
+  costs.gemm's roofline (as the closed forms price theirs), plus the HBM traffic of every
+  operator outside GEMM kernels, folded element-wise ops included (Strategy.hbm_bytes; the
+  backward BWD_MEM_FACTOR times it), plus per-operator framework overhead, plus (backward) the
+  gradient accumulation of the stored parameters (issue 26: the one-device program costs what the
+  closed form charges, within 2 %);
+* u_fcomm / u_bcomm: the strategies' collectives (partial sums, eq. 1's c_v) -- except the
+  parameter-gradient all-reduces, which run once per iteration (LayerCost.grad_sync_s,
+  simulator.sharded.grad_sync_exposed_s) -- plus the layout
   conversions on the edges (Algorithm 1, costs.map_layout.convert; eq. 1's R_uv): forward
   src -> dst, and in backward the gradient back dst -> src (DTensor's redistribute backward);
 * w_a / w_delta: the layer output's local bytes; w_abar: what the backward needs (MAP §4.1's
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from costs.map_layout import convert
+from costs.map_engine import param_sync_s
 from costs.map_strategies import Strategy, strategies
 from costs import gemm
 from costs.collectives import allreduce_link
@@ -69,25 +76,54 @@ def node_compute_s(node: OpNode, strategy: Strategy, mesh: Mesh, hardware: Hardw
     (sharding propagation, wrapping) is host work on top of the plain framework cost."""
     dev = hardware.device
     overhead = max(len(node.ops), 1) * (dev.op_overhead_s + dev.dtensor_op_overhead_s)
-    if node.kind in GEMM_KINDS and node.fwd_flops > 0:
+    # memory-bound work (issue 26): every operator of the group outside GEMM kernels moves its
+    # tensors' local shares through HBM (costs.map_engine.hbm_bytes, the folded ops'
+    # in costs.map_views.through_folded), as the closed forms charge it (costs.layer_time._mem_s);
+    # the backward moves BWD_MEM_FACTOR times that (grad in, saved, grad out)
+    mem = strategy.hbm_bytes / dev.hbm_bytes_per_s
+    fwd, bwd = mem, BWD_MEM_FACTOR * mem
+    shapes = gemm_shapes(node, strategy, mesh.shape) if node.kind in GEMM_KINDS else None
+    if shapes:
+        # each GEMM on its local shape, on costs.gemm's roofline as the closed forms price theirs
+        # (costs.gemm.gemms_fwd_s / gemms_bwd_s: the same kernels, the same curve)
+        for sh in shapes:
+            fwd += gemm.gemm_time_s(dev, dtype, *sh)
+            bwd += sum(gemm.gemm_time_s(dev, dtype, *g) for g in gemm.backward_shapes(sh))
+    elif node.kind in GEMM_KINDS and node.fwd_flops > 0:
         rate = dev.peak_tflops[dtype] * 1e12
         # the generator's flops_per_device is forward + backward over the devices sharing the work
         share = strategy.flops_per_device / (node.fwd_flops + node.bwd_flops)
         f, b = node.fwd_flops * share, node.bwd_flops * share
-        fwd = f / (rate * gemm.efficiency(dev, dtype, f)) if f > 0 else 0.0
+        fwd += f / (rate * gemm.efficiency(dev, dtype, f)) if f > 0 else 0.0
         # backward: two GEMMs (data and weight gradient) of about the forward's size each
-        bwd = b / (rate * gemm.efficiency(dev, dtype, b / 2)) if b > 0 else 0.0
-        return fwd + overhead, bwd + overhead
-    # memory-bound: read the inputs and write the output, each at its local share; the backward
-    # moves about 1.5x that (costs.layer_time.BWD_MEM_FACTOR's reasoning: grad in, saved, grad out)
-    ms = mesh.shape
-    moved = sum(math.prod(s) * db * _share(sp, s, ms)
-                for s, db, sp in zip(node.input_shapes, node.input_dtype_bytes, strategy.input_specs))
-    if node.output_shapes:
-        moved += math.prod(node.output_shapes[0]) * node.output_dtype_bytes[0] * _share(
-            strategy.output_spec, node.output_shapes[0], ms)
-    t = moved / dev.hbm_bytes_per_s
-    return t + overhead, BWD_MEM_FACTOR * t + overhead
+        bwd += b / (rate * gemm.efficiency(dev, dtype, b / 2)) if b > 0 else 0.0
+    return fwd + overhead, bwd + overhead
+
+
+def gemm_shapes(node: OpNode, strategy: Strategy, ms: tuple[int, ...]) -> list[tuple[int, int, int, int]] | None:
+    """The (m, n, k, batch) local shapes of the GEMM kernels ``node``'s core operator runs under
+    ``strategy`` (costs.gemm.rank_shape's convention): a linear one (b·s x k)·(k x n); a matmul its
+    two last dims with the leading ones as the batch; scaled-dot-product attention the scores
+    Q·Kᵀ and the product with V, one per (sample, head) (``attention_gemms``). None for the
+    kinds priced by FLOPs alone (convolutions, einsum contractions, MoE dispatch) and for shapes
+    these rules do not cover."""
+    core = node.ops[0] if node.ops else node
+    ins = [sp.local_shape(tuple(sh), ms) for sp, sh in zip(strategy.input_specs, core.input_shapes)]
+    prm = [sp.local_shape(tuple(p.shape), ms) for sp, p in zip(strategy.param_specs, core.params)]
+    if core.kind == "linear" and ins and prm and len(prm[0]) == 2 and ins[0]:
+        x, w = ins[0], prm[0]
+        return [(math.prod(x[:-1]), w[0], x[-1], 1)]
+    if core.kind in ("matmul", "bmm") and not core.equation:
+        ops = [t for t in ins + prm if len(t) >= 2][-2:]
+        if len(ops) < 2:
+            return None
+        a, b = ops
+        return [(a[-2], b[-1], a[-1], max(math.prod(a[:-2]), math.prod(b[:-2])))]
+    if core.kind == "sdpa" and len(ins) >= 3 and all(len(t) == 4 for t in ins[:3]):
+        q, k, v = ins[:3]
+        batch = q[0] * q[1]
+        return [(q[2], k[2], q[3], batch), (q[2], v[3], k[2], batch)]
+    return None
 
 
 def _key(spec: ShardingSpec) -> str:
@@ -150,6 +186,9 @@ class LayerCost:
     o_bcomm: int
     param_elems: int
     output_spec: str
+    #: the parameter-gradient all-reduces of the stored parameters (seconds, once per iteration:
+    #: not in u_bcomm; simulator.sharded overlaps them with the last microbatch's backward)
+    grad_sync_s: float = 0.0
 
 
 
@@ -171,6 +210,7 @@ class _Sums:
     o_b: float = 0.0
     o_fc: float = 0.0
     o_bc: float = 0.0
+    grad_sync: float = 0.0
 
     def redistribute(self, src: ShardingSpec, dst: ShardingSpec, shape: tuple, dtype_bytes: int, mesh: Mesh) -> None:
         """A layout conversion (Algorithm 1): src -> dst in forward, the gradient back in backward."""
@@ -182,7 +222,7 @@ class _Sums:
 
 def layer_cost(graph: OpGraph, sharding: LayerSharding, mesh: Mesh, hardware: HardwareSpec, dtype: str,
                bytes_per_param: float, input_specs: dict[str, str], skip_params: frozenset[str] = frozenset(),
-               param_layouts: dict[str, str] | None = None) -> LayerCost:
+               param_layouts: dict[str, str] | None = None, accumulate_bytes_per_param: float = 0.0) -> LayerCost:
     """``input_specs``: layout of each graph input as it arrives (the previous layer's output
     layout for ``x``; batch fields arrive replicated when absent). ``skip_params``: parameters
     this layer reads but does not store (a tied copy: its owner stores it); ``param_layouts``:
@@ -190,7 +230,11 @@ def layer_cost(graph: OpGraph, sharding: LayerSharding, mesh: Mesh, hardware: Ha
 
     A parameter is stored once, in the layout of the first node that reads it (executor.map_exec
     distributes it so); a node reading it in another layout gets a differentiable redistribute
-    (its gradient converts back), priced like an activation conversion (Algorithm 1)."""
+    (its gradient converts back), priced like an activation conversion (Algorithm 1).
+
+    ``accumulate_bytes_per_param``: HBM bytes per stored parameter element that adding a
+    microbatch's gradient into the accumulated one moves in each backward (the closed forms'
+    ``costs.layer_time.accumulate_bytes_per_param``; 0 by default)."""
     by_name = {n.node: n for n in sharding.nodes}
     missing = [n.name for n in graph.nodes if n.name not in by_name]
     if missing:
@@ -200,7 +244,8 @@ def layer_cost(graph: OpGraph, sharding: LayerSharding, mesh: Mesh, hardware: Ha
                  {k: ShardingSpec.parse(v) for k, v in (param_layouts or {}).items()})
     for node in graph.nodes:
         st = find_strategy(node, by_name[node.name], mesh, act_bytes, bytes_per_param)
-        _add_node(sums, node, st, mesh, hardware, dtype, skip_params)
+        _add_node(sums, node, st, mesh, hardware, dtype, skip_params, act_bytes)
+    sums.u_b += sum(sums.params.values()) * accumulate_bytes_per_param / hardware.device.hbm_bytes_per_s
     return _layer_of(sums, graph, mesh.shape)
 
 
@@ -214,17 +259,19 @@ def _input_layouts(graph: OpGraph, input_specs: dict[str, str]) -> dict[str, Sha
 
 
 def _add_node(sums: _Sums, node: OpNode, st: Strategy, mesh: Mesh, hardware: HardwareSpec, dtype: str,
-              skip_params: frozenset[str]) -> None:
+              skip_params: frozenset[str], dtype_bytes: int) -> None:
     """One node under its strategy: its compute and collectives, then its inputs, transients and
     parameters; its output takes the strategy's layout."""
     f, b = node_compute_s(node, st, mesh, hardware, dtype)
     sums.u_f, sums.u_b = sums.u_f + f, sums.u_b + b
-    sums.u_fc, sums.u_bc = sums.u_fc + st.u_fcomm, sums.u_bc + st.u_bcomm
+    # the parameter-gradient all-reduces leave the per-microbatch backward (issue 26): _add_params
+    # counts them once per stored parameter, for the iteration
+    sums.u_fc, sums.u_bc = sums.u_fc + st.u_fcomm, sums.u_bc + st.u_bcomm - st.grad_sync_s
     sums.o_fc, sums.o_bc = max(sums.o_fc, st.o_fcomm), max(sums.o_bc, st.o_bcomm)
     ins = list(st.input_specs)
     _add_inputs(sums, node, ins, mesh)
     _add_transients(sums, node, st, ins, mesh.shape)
-    _add_params(sums, node, st, mesh, skip_params)
+    _add_params(sums, node, st, mesh, skip_params, dtype_bytes)
     sums.layout[node.name] = st.output_spec
 
 
@@ -256,16 +303,21 @@ def _add_transients(sums: _Sums, node: OpNode, st: Strategy, ins: list[ShardingS
     sums.o_b = max(sums.o_b, (node.bwd_tmp + node.bwd_out) * other_share)
 
 
-def _add_params(sums: _Sums, node: OpNode, st: Strategy, mesh: Mesh, skip_params: frozenset[str]) -> None:
+def _add_params(sums: _Sums, node: OpNode, st: Strategy, mesh: Mesh, skip_params: frozenset[str],
+                dtype_bytes: int) -> None:
     """The node's parameters: stored in the first reader's layout, redistributed for a later reader
-    in another one; a skipped (tied) copy is not stored."""
+    in another one; a skipped (tied) copy is not stored. A stored parameter's gradient all-reduce
+    (costs.map_engine.param_sync_s, at the strategies' ``dtype_bytes``) is counted once, with its
+    first reader's strategy."""
     ms = mesh.shape
+    used = set().union(*(x.mesh_axes() for x in st.input_specs + st.param_specs + (st.output_spec,)))
     for p, spec in zip(node.params, st.param_specs):
         home = sums.stored.setdefault(p.name, spec)
         if home != spec and home.ndim == spec.ndim:
             sums.redistribute(home, spec, tuple(p.shape), p.dtype_bytes, mesh)
-        if p.name not in skip_params:
-            sums.params.setdefault(p.name, spec.local_numel(tuple(p.shape), ms))
+        if p.name not in skip_params and p.name not in sums.params:
+            sums.params[p.name] = spec.local_numel(tuple(p.shape), ms)
+            sums.grad_sync += param_sync_s(spec, p.shape, used, mesh, dtype_bytes)
 
 
 def _layer_of(sums: _Sums, graph: OpGraph, ms: tuple[int, ...]) -> LayerCost:
@@ -280,4 +332,5 @@ def _layer_of(sums: _Sums, graph: OpGraph, ms: tuple[int, ...]) -> LayerCost:
     out_saved = out.fwd_in_output * _share(out_spec, out_shape, ms)
     w_abar = max(w_a, math.ceil(sums.saved - out_saved) + w_a)
     return LayerCost(sums.u_f, sums.u_b, sums.u_fc, sums.u_bc, w_a, w_abar, math.ceil(sums.o_f), math.ceil(sums.o_b),
-                     math.ceil(sums.o_fc), math.ceil(sums.o_bc), sum(sums.params.values()), str(out_spec))
+                     math.ceil(sums.o_fc), math.ceil(sums.o_bc), sum(sums.params.values()), str(out_spec),
+                     sums.grad_sync)

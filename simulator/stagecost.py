@@ -246,9 +246,11 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
     """A MAP stage (MAP §5; simulator.sharded prices it): one pass per microbatch, its time and
     bytes from rotor's walk of the plan's checkpoint tree (the backward includes the recomputed
     forwards). Its layers are listed as kept (their recomputation is inside the stage's backward
-    time, not a per-layer action). No data-parallel all-reduce: a batch split is one of the
-    strategies, and its gradient reduction is among their backward collectives (u_bcomm). Only a
-    tied weight whose other side is on another stage still syncs after the flush (Megatron's
+    time, not a per-layer action). No data-parallel all-reduce of its own: a batch split is one of
+    the strategies, and its parameter-gradient all-reduces run once per iteration, overlapped with
+    the last backward (issue 26); what outlasts it (``grad_sync_exposed_s``) holds the position
+    before the optimizer step, in ``allreduce_ns``. A tied weight whose other side is on another
+    stage also syncs after the flush (Megatron's
     embedding group, costs.collectives.embedding_group_allreduce_s: an approximation for MAP, which
     prices the copy's gradient as split over the stage's devices)."""
     sh = sharded_stage(plan, model, hardware, stage)
@@ -270,6 +272,6 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
         act_out_bytes=sh.output_bytes, grad_out_bytes=sh.input_bytes,
         static=sh.static, host_bytes=0, buffer_bytes=costs.buffers.received_grad_buffer_bytes(model, plan, stage),
         grad_buffer_bytes=costs.buffers.sent_grad_buffer_bytes(model, plan, stage),
-        allreduce_ns=ns(tied_s), dp_allreduce_ns=0, ar_buckets_ns=(),
+        allreduce_ns=ns(tied_s + sh.grad_sync_exposed_s), dp_allreduce_ns=0, ar_buckets_ns=(),
         optimizer_ns=ns(sh.optimizer_s), opt_chunks=(), opt_chunk_ns=(),
     )

@@ -149,7 +149,8 @@ def test_timeline_is_the_walk():
     assert sc.allreduce_ns == sc.dp_allreduce_ns == 0 and sc.opt_chunks == () and sc.simple
     res = simulate(plan, model, h).result
     assert round(res.iteration_time_s * 1e9) == m * (sc.fwd_ns + sc.bwd_ns) + sc.optimizer_ns
-    assert estimate(plan, model, h).iteration_time_s == pytest.approx(res.iteration_time_s, rel=1e-6)
+    # the simulator rounds each of its 2m + 1 pieces to a nanosecond, the closed form does not
+    assert estimate(plan, model, h).iteration_time_s == pytest.approx(res.iteration_time_s, abs=(2 * m + 1) * 0.5e-9)
 
 
 def test_analytic_needs_hardware_for_map():
@@ -241,7 +242,8 @@ def test_weight_split_divides_parameters(hw_name):
 def test_checkpoint_every_layer(hw_name, pick):
     """Every layer its own checkpoint segment: fewer held bytes, and the backward is longer by
     exactly one forward (compute + its collectives) of every layer; the simulated iteration by m
-    times that (1F1B, pp = 1)."""
+    times that (1F1B, pp = 1), less what the longer last backward hides more of the gradient
+    all-reduces (issue 26: they overlap it; ``allreduce_ns`` holds the exposed rest)."""
     h, model, m = hw(hw_name), gpt(), 2
     L = model.num_layers
     base = map_plan(model, h, pick, m=m)
@@ -254,7 +256,9 @@ def test_checkpoint_every_layer(hw_name, pick):
     assert b.run.bwd_s - a.run.bwd_s == pytest.approx(recompute, rel=1e-9)
     ra, rb = (simulate(p, model, h).result for p in (base, ck))
     sa, sb = (stage_cost(p, model, h, 0, p.stages[0]) for p in (base, ck))
-    assert round(rb.iteration_time_s * 1e9) - round(ra.iteration_time_s * 1e9) == m * (sb.bwd_ns - sa.bwd_ns)
+    assert sb.allreduce_ns <= sa.allreduce_ns
+    assert round(rb.iteration_time_s * 1e9) - round(ra.iteration_time_s * 1e9) == \
+        m * (sb.bwd_ns - sa.bwd_ns) - (sa.allreduce_ns - sb.allreduce_ns)
     assert max(d.peak_bytes for d in rb.devices) <= max(d.peak_bytes for d in ra.devices)
 
 

@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 from calibration.link_bench import fit_alpha_beta, fit_residuals, free_port, ping_pong
 from executor.liveness import die_with
 from reports.files import write_text
+from specs.sharding import mesh_lines
 
 #: gloo (TCP loopback): 4 KiB for latency .. 16 MiB for bandwidth (~10 ms one way at 1.5 GB/s)
 GLOO_BYTES = (4 << 10, 64 << 10, 1 << 20, 16 << 20)
@@ -128,14 +129,95 @@ def measure_pairs(world: int, quick: bool = True, backend: str | None = None,
             "note": "pairs measured one at a time (the other ranks wait at a barrier): uncontended"}
 
 
+def _axis_worker(rank: int, world: int, port: int, out_dir: str, backend: str, sizes: tuple[int, ...],
+                 quick: bool, shape: tuple[int, ...], order: tuple[int, ...]) -> None:
+    die_with(os.getppid())
+    cuda = backend == "nccl"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    bufs = {b: torch.zeros(b // 4, dtype=torch.float32, device=device) for b in sizes}
+    mine: dict[str, list[float]] = {}
+    for k in range(len(shape)):
+        if shape[k] < 2:
+            continue
+        for li, line in enumerate(mesh_lines(list(order), shape, k)):
+            group = dist.new_group(line)      # every rank creates every group, in the same order
+            dist.barrier()                    # one line at a time: the others wait (uncontended)
+            if rank in line:
+                times = []
+                for n in sizes:
+                    dist.all_reduce(bufs[n], group=group)     # un-timed: the group's connections
+                    best = float("inf")
+                    for _ in range(_reps(n, quick)):
+                        dist.barrier(group=group)
+                        start = time.perf_counter()
+                        dist.all_reduce(bufs[n], group=group)
+                        if cuda:
+                            torch.cuda.synchronize()
+                        best = min(best, time.perf_counter() - start)
+                    times.append(best)
+                if rank == line[0]:
+                    mine[f"{k}:{li}"] = times
+    dist.barrier()
+    dist.destroy_process_group()
+    write_text(os.path.join(out_dir, f"rank{rank}.json"), json.dumps(mine))
+
+
+def measure_axes(shape: tuple[int, ...], order: tuple[int, ...], quick: bool = True, backend: str | None = None,
+                 sizes: tuple[int, ...] | None = None) -> list[dict]:
+    """MAP §4.2's detector step: the all-reduce bus bandwidth of each axis of a candidate mesh.
+
+    ``shape`` (slowest axis first) over ranks ``order`` (row-major, as planners.map.cluster lays
+    them out). Per axis, every line of it (specs.sharding.mesh_lines) all-reduces each message size
+    by itself (the other ranks wait at a barrier), the fastest of a few repetitions. A ring
+    all-reduce of S bytes over n ranks moves 2 (n-1)/n S per rank in 2 (n-1) steps, the model
+    specs.sharding.Mesh.all_reduce_s prices: t = 2 (n-1) alpha + 2 (n-1)/n S / busbw, so
+    busbw and alpha come from :func:`fit_alpha_beta` on (2 (n-1)/n S, t), the alpha intercept
+    divided by 2 (n-1). The axis keeps its slowest line (lowest busbw, largest alpha): the slowest
+    member sets a ring's pace (§4.2). Out: one JSON-ready entry per axis of size >= 2."""
+    world = len(order)
+    backend = backend or backend_for(world)
+    sizes = tuple(sizes or (NCCL_BYTES if backend == "nccl" else GLOO_BYTES))
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_axis_worker, args=(world, free_port(), out_dir, backend, sizes, quick, tuple(shape), tuple(order)),
+                 nprocs=world, join=True)
+        times: dict[str, list[float]] = {}
+        for r in range(world):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                times.update(json.load(f))
+    out = []
+    for k, n in enumerate(shape):
+        if n < 2:
+            continue
+        lines = []
+        for li, line in enumerate(mesh_lines(list(order), tuple(shape), k)):
+            t = times[f"{k}:{li}"]
+            moved = [2 * (n - 1) / n * b for b in sizes]
+            a, busbw = fit_alpha_beta(moved, t)
+            lines.append({"devices": line, "seconds": t, "busbw_bytes_per_s": busbw, "alpha_s": a / (2 * (n - 1)),
+                          "residuals": fit_residuals(moved, t, a, busbw)})
+        out.append({"shape": list(shape), "devices": list(order), "axis": k, "size": n,
+                    "busbw_bytes_per_s": min(x["busbw_bytes_per_s"] for x in lines),
+                    "alpha_s": max(x["alpha_s"] for x in lines), "message_bytes": list(sizes), "lines": lines})
+    return out
+
+
 def cluster_json(hardware, world: int, quick: bool = True) -> dict:
-    """Measure all pairs and add what they imply (planners.map.cluster.cluster_report): the
-    contents of mode=calibrate's cluster.json."""
+    """Measure all pairs, group them (planners.map.cluster.cluster_report), then measure the
+    all-reduce bus bandwidth of each axis of the mesh they imply (:func:`measure_axes`, MAP §4.2):
+    the contents of mode=calibrate's cluster.json, read back by ``policy.cluster=PATH``
+    (planners.map.cluster_file)."""
     from planners.map.cluster import cluster_report
 
     table = measure_pairs(world, quick)
     report = cluster_report(table["beta_bytes_per_s"], table["alpha_s"], table["devices"], hardware)
-    return {**table, **report}
+    found = report["mesh"]
+    axes = measure_axes(tuple(found["shape"]), tuple(found["devices"]), quick, table["backend"])
+    return {**table, **report, "axis_allreduce": axes}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -163,8 +245,11 @@ def summary_line(out: dict) -> str:
     axes = ", ".join(f"{ax['size']} @ {ax['beta_bytes_per_s'] / 1e9:.3g} GB/s, {ax['alpha_s'] * 1e6:.0f} us"
                      for ax in mesh["axes"])
     extra = f"; {len(out['link_disagreements'])} pair(s) disagree with {out['hardware']}" if "hardware" in out else ""
+    measured = ", ".join(f"axis {a['axis']} ({a['size']}): {a['busbw_bytes_per_s'] / 1e9:.3g} GB/s bus, "
+                         f"{a['alpha_s'] * 1e6:.0f} us per step" for a in out.get("axis_allreduce", []))
     return (f"[cluster] {len(out['pairs'])} pairs ({out['backend']}, {out['elapsed_s']:.1f} s): mesh "
-            f"{' x '.join(map(str, mesh['shape']))} over devices {mesh['devices']} ({axes}){extra}")
+            f"{' x '.join(map(str, mesh['shape']))} over devices {mesh['devices']} ({axes}){extra}"
+            + (f"; all-reduce per axis: {measured}" if measured else ""))
 
 
 if __name__ == "__main__":

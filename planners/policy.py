@@ -146,7 +146,9 @@ class ZeroOffloadPolicy(Spec):
 class MapPolicy(Spec):
     """MAP (Liu et al.): per-operator sharding strategies on a logical mesh of each stage's devices,
     the fastest under ``memory_budget_gib`` per device (eq. 1 ILP + rotor checkpointing, §5.3).
-    ``mesh``: the logical mesh (null: detected from the hardware's links, §4.2, folded to 2-D);
+    ``mesh``: the logical mesh (null: detected, §4.2, with every axis found); ``cluster``: a
+    cluster.json from mode=calibrate whose measured pairs and per-axis all-reduce fits build the
+    mesh and price its axes (null: the hardware YAML's links);
     ``pp``: pipeline stages (each stage's devices form its mesh); ``alpha``/``budgets``: §5.3's
     ILP budgets B(1+alpha)^k, k < budgets; ``refine``: re-solves when the simulated peak exceeds
     the budget. ``constrain=params`` bounds parameter state only, as the solvers MAP compares
@@ -155,6 +157,8 @@ class MapPolicy(Spec):
     kind: Literal["map"] = "map"
     memory_budget_gib: float | None = Field(None, gt=0, le=1 << 20, description="per device; null: device memory")
     mesh: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(None, min_length=1, max_length=3)
+    cluster: str | None = Field(None, min_length=1, max_length=4096,
+                                description="path of a cluster.json (mode=calibrate, MAP §4.2); null: the YAML's links")
     pp: int = Field(1, ge=1)
     alpha: float = Field(0.25, gt=0, le=4)
     budgets: int = Field(10, ge=1, le=40)

@@ -25,6 +25,11 @@ class StagePlan(Spec):
     devices: list[Annotated[int, Field(ge=0, lt=MAX_DEVICES)]] = Field(min_length=1, max_length=MAX_DEVICES)
     dp: int = Field(1, ge=1, le=MAX_DEVICES)
     tp: int = Field(1, ge=1, le=MAX_DEVICES)
+    mesh: list[Annotated[int, Field(ge=1, le=MAX_DEVICES)]] | None = Field(
+        None, min_length=1, max_length=8,
+        description="MAP: the stage's logical device mesh (slowest axis first, devices row-major over it), what "
+                    "the stage is; dp 1 and tp = its devices are then only the device count (every strategy "
+                    "picks its own data/tensor split per operator, map.json lists them)")
     memory: list[LayerMemory] = Field(default_factory=list, description="layers not listed: keep")
     offload: OffloadPolicy = Field(default_factory=OffloadPolicy)
     sharding: list[LayerSharding] = Field(default_factory=list, description="MAP: every layer's strategies, or none")
@@ -44,6 +49,8 @@ class StagePlan(Spec):
                                      f"[{self.layer_start}, {self.layer_stop})")
         if self.sharding:
             self._check_sharded()
+        elif self.mesh is not None:
+            raise ValueError("mesh: only a MAP-sharded stage (sharding) has a logical mesh")
         elif self.checkpoint:
             raise ValueError("checkpoint: rotor segments apply to a MAP-sharded stage (sharding); use memory's "
                              "recompute actions otherwise")
@@ -109,6 +116,9 @@ class StagePlan(Spec):
             if math.prod(s.mesh) != len(self.devices):
                 raise ValueError(f"sharding: layer {s.layer}'s mesh {s.mesh} has {math.prod(s.mesh)} devices, the "
                                  f"stage {len(self.devices)}")
+        if self.mesh is not None and any(list(s.mesh) != list(self.mesh) for s in self.sharding):
+            raise ValueError(f"mesh: {self.mesh} differs from the layers' sharding meshes "
+                             f"{sorted({tuple(s.mesh) for s in self.sharding})}")
         if (mixed := mixed_meshes(self.sharding)) is not None:
             raise ValueError(f"sharding: {mixed}")
         # the simulator and executor.map_exec keep a MAP stage's states on its devices: an offload

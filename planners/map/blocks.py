@@ -5,6 +5,9 @@ becomes one dimension of a label, and the 32 identical layers are priced once.
 Input: ``IlpProblem.blocks``, node indices per block in chain order, every edge inside one block or
 between two consecutive blocks (checked by IlpProblem). Steps, after map_ilp's exact reductions:
 
+0. First eq. (1) without its budget row (planners/map/fastest.py: min-sum elimination on dense
+   tables, no Pareto sets); when that choice's bytes fit, it is the optimum and the rest is skipped
+   (issue 26: a 3-D mesh's unconstrained solve took 232 s in the Pareto frontiers below).
 1. Per block b its *out-boundary* tau_b: its free nodes with an edge into block b+1; the block's
    *in-boundary* is tau_{b-1}. A boundary state is one strategy per boundary node.
 2. Per block, for every (in-state sigma, out-state tau), the Pareto set of (time, bytes) over the
@@ -57,6 +60,7 @@ import dataclasses
 
 import numpy as np
 
+from planners.map.fastest import fastest_choice
 from planners.map.problem import IlpProblem, IlpSolution, Reduced, evaluate, min_memory_choice
 
 MAX_STATES = 1 << 14    # boundary states per block: a frontier and a DP step cost about their square
@@ -313,6 +317,7 @@ def _cached_frontier(sig: bytes, red, nbr, blk, sigma, tau, cap: int):
     return front
 
 
+_FAST: list = []        # the last fastest choice (nodes, edges, choice or None): see _fastest
 _REDUCED: list = []     # the last reduction: §5.3 poses one graph at up to 11 budgets (Reduced ignores them)
 
 
@@ -354,6 +359,9 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
             raise ValueError(f"block {b}: its out-boundary {[problem.nodes[n].name for n in taus[b]]} has {k} "
                              f"strategy combinations (> {MAX_STATES}); cut the chain where one node links the blocks")
     bmin = [sum(int(red.mem[n].min()) for n in blk) for blk in blocks]
+    fast = _fastest(problem, red, nbr, blocks, taus, min_mem)
+    if fast is not None:        # the budget does not bind: the time-only optimum is eq. (1)'s optimum
+        return fast
     total_min = sum(bmin)
     cache: dict[bytes, tuple] = {}
     fronts = []
@@ -390,6 +398,13 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
         return solve_blocks(dataclasses.replace(problem, memory_quantum_bytes=0))
     if at < 0:       # cannot happen: the incumbent's labels meet the last threshold
         raise AssertionError("block DP lost every label although a solution fits")
+    choice = _walk_back(problem, red, blocks, fronts, back, at)
+    tt, mm = evaluate(problem, choice)
+    return IlpSolution(choice, tt, mm, "optimal", min_mem, tt)
+
+
+def _walk_back(problem: IlpProblem, red: Reduced, blocks, fronts, back, at: int) -> tuple[int, ...]:
+    """The per-node choice (original strategy indices) of the final label ``at`` of :func:`_chain`."""
     choice = list(range(len(problem.nodes)))
     for n in red.fixed:
         choice[n] = int(red.keep[n][0])
@@ -398,5 +413,31 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
         for n, p in zip(blocks[b], fronts[b][4][point]):
             choice[n] = int(red.keep[n][p])
         at = int(prev)
-    tt, mm = evaluate(problem, tuple(choice))
-    return IlpSolution(tuple(choice), tt, mm, "optimal", min_mem, tt)
+    return tuple(choice)
+
+
+def _fastest(problem: IlpProblem, red: Reduced, nbr, blocks, taus, min_mem: int) -> IlpSolution | None:
+    """Eq. (1) without its budget row (planners.map.fastest: min-sum elimination on dense tables);
+    when that fastest choice's true bytes fit the budget it is eq. (1)'s optimum (relaxing a
+    constraint cannot slow the optimum, and this point meets it), else None and the caller runs the
+    Pareto DP. Issue 26: on a 3-D mesh the Pareto DP took 232 s for §5.3's unconstrained solve."""
+    if _FAST and _FAST[0] is problem.nodes and _FAST[1] is problem.edges:
+        choice = _FAST[2]        # §5.3 poses one graph at up to 11 budgets: the fastest choice is theirs
+    else:
+        pos = fastest_choice(red, nbr, blocks, taus, lambda blk, sigma, tau: _signature(red, nbr, blk, sigma, tau))
+        choice = None
+        if pos is not None:
+            full = list(range(len(problem.nodes)))
+            for n in red.fixed:
+                full[n] = int(red.keep[n][0])
+            for n, p in zip((n for blk in blocks for n in blk), pos):
+                full[n] = int(red.keep[n][p])
+            choice = tuple(full)
+        tuples = isinstance(problem.nodes, tuple) and isinstance(problem.edges, tuple)
+        _FAST[:] = [problem.nodes, problem.edges, choice] if tuples else []
+    if choice is None:
+        return None
+    t, m = evaluate(problem, choice)
+    if m > problem.budget_bytes:
+        return None
+    return IlpSolution(choice, t, m, "optimal", min_mem, t)

@@ -3,9 +3,11 @@
 Per stage (the whole machine by default; ``policy.pp`` > 1 cuts a balanced pipeline first and
 each stage's devices form its own mesh, so MAP is an intra-stage policy):
 
-1. the mesh: ``policy.mesh``, or the cluster detector on the hardware's links (§4.2,
-   planners.map.cluster), folded to two axes (the fastest kept, the slower ones joined) because
-   the strategy count grows with the axes and MAP §7 plans on 2-D meshes;
+1. the mesh: ``policy.mesh``, or the cluster detector (§4.2, planners.map.cluster) on the measured
+   cluster (``policy.cluster``: mode=calibrate's cluster.json, planners.map.cluster_file) or else on
+   the hardware YAML's links, with every axis it finds: MAP §1 faults earlier work because it "can
+   only organize the devices into a 2D mesh", and §4.3 converts layouts "in an arbitrary dimension
+   device mesh" (the delta experiment's detected 2 x 2 x 2 runs faster than a 4 x 2 fold);
 2. eq. 1's ILP over every operator group of every layer (specs.op_graph, traced from the real
    modules): per strategy its compute + collectives (simulator.sharded prices both, so the
    simulator times exactly what the ILP chose), per edge the layout conversion both ways
@@ -27,8 +29,9 @@ from dataclasses import dataclass, field
 
 from planners.layout import PlanningError
 from planners.map.cluster import mesh_from_hardware
+from planners.map.cluster_file import cluster_mesh, load_cluster
+from planners.map.conv_table import round_trip_s
 from planners.map.problem import IlpEdge, IlpNode, IlpProblem, IlpSolution
-from costs.map_layout import convert
 from costs.rotor import INF, Chain
 from planners.map.stage import PHASES, Clock, solve_stage
 from costs.map_strategies import Strategy, strategies
@@ -61,6 +64,9 @@ class StageChoice:
     solve_s: float = 0.0             # wall time of ILP + rotor for this stage
     min_budget_bytes: int = 0        # the smallest budget any strategy choice + rotor accepts
     tried: list = field(default_factory=list)
+    mesh_source: str = ""            # "cluster PATH" (measured, policy.cluster) or "hardware NAME links"
+    axes: list = field(default_factory=list)      # per mesh axis: size, alpha_s, beta_bytes_per_s (as priced)
+    strategies_per_node: dict = field(default_factory=dict)   # "L<layer>.<node>" -> candidate strategies
 
 
 @dataclass
@@ -75,21 +81,37 @@ class MapOutcome:
     notes: list[str]
 
 
-def _fold(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Detected axes slowest first; keep the fastest, join the rest (row-major order is kept)."""
-    return shape if len(shape) <= 2 else (math.prod(shape[:-1]), shape[-1])
+def choose_mesh(mesh: list[int] | None, hardware: HardwareSpec, devices: tuple[int, ...],
+                cluster: dict | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(mesh shape, devices in row-major mesh order): see :func:`stage_mesh_of`."""
+    shape, order, _, _ = stage_mesh_of(mesh, hardware, devices, cluster)
+    return shape, order
 
 
-def choose_mesh(mesh: list[int] | None, hardware: HardwareSpec, devices: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(mesh shape, devices in row-major mesh order)."""
+def stage_mesh_of(mesh: list[int] | None, hardware: HardwareSpec, devices: tuple[int, ...],
+                  cluster: dict | None = None) -> tuple[tuple[int, ...], tuple[int, ...], Mesh, str]:
+    """(shape, device order, per-axis alpha-beta, where they came from) of one stage's mesh.
+
+    ``mesh`` (policy.mesh) fixes the shape over ``devices`` in order; otherwise MAP §4.2's detector
+    groups the devices, with as many axes as it finds (no fold to 2-D: see the module doc). ``cluster`` (a checked cluster.json,
+    planners.map.cluster_file): the measured pairs and per-axis all-reduce fits; None: the hardware
+    YAML's links (the axes priced as the simulator prices them, simulator.sharded_layer.stage_mesh)."""
+    if mesh and math.prod(mesh) != len(devices):
+        raise PlanningError(f"policy.mesh: {mesh} has {math.prod(mesh)} devices, the stage {len(devices)}")
+    if cluster is not None:
+        try:
+            found = cluster_mesh(cluster, devices, tuple(mesh) if mesh else None)
+        except ValueError as exc:
+            raise PlanningError(str(exc)) from None
+        return found.shape, found.devices, found.mesh, "cluster"
     if mesh:
-        if math.prod(mesh) != len(devices):
-            raise PlanningError(f"policy.mesh: {mesh} has {math.prod(mesh)} devices, the stage {len(devices)}")
-        return tuple(mesh), devices
-    if len(devices) == 1:
-        return (1,), devices
-    found = mesh_from_hardware(hardware, devices)
-    return _fold(tuple(found.shape)), tuple(found.devices)
+        shape, order = tuple(mesh), devices
+    elif len(devices) == 1:
+        shape, order = (1,), devices
+    else:
+        found = mesh_from_hardware(hardware, devices)
+        shape, order = tuple(found.shape), tuple(found.devices)
+    return shape, order, stage_mesh(hardware, order, shape), "hardware"
 
 
 class _StageModel:
@@ -98,13 +120,16 @@ class _StageModel:
     once per graph (the cache keys are the graph keys)."""
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, layers: range,
-                 devices: tuple[int, ...], shape: tuple[int, ...], constrain: str = "all") -> None:
+                 devices: tuple[int, ...], shape: tuple[int, ...], constrain: str = "all",
+                 mesh: Mesh | None = None) -> None:
         self.constrain = constrain
         self.quantum_of = 0          # the budget the memory quantum derives from (0: each problem's own)
         self.model, self.hardware, self.layers, self.devices, self.shape = model, hardware, layers, devices, shape
-        self.mesh: Mesh = stage_mesh(hardware, devices, shape)
+        self.mesh: Mesh = stage_mesh(hardware, devices, shape) if mesh is None else mesh   # mesh: measured (cluster.json)
         self.dtype = training.precision.value
         self.bpp = float(sum(training.bytes_per_param()))
+        w_b, g_b, o_b = training.bytes_per_param()
+        self.step_bytes_per_param = 2 * w_b + g_b + 2 * o_b   # Adam: read w, g, m, v; write w, m, v
         self.graphs = [model.op_graphs[model.layers[l].op_graph] for l in layers]
         self.training = training
         self._cands: dict[tuple[str, str], list[Strategy]] = {}
@@ -126,9 +151,7 @@ class _StageModel:
         return hit
 
     def _conv_s(self, src: ShardingSpec, dst: ShardingSpec, shape, db) -> float:
-        if src == dst or src.ndim != dst.ndim:
-            return 0.0
-        return convert(src, dst, tuple(shape), db, self.mesh).cost_s + convert(dst, src, tuple(shape), db, self.mesh).cost_s
+        return round_trip_s(src, dst, shape, db, self.mesh)   # = convert both ways, one Dijkstra per source
 
     def build(self) -> None:
         """Node costs (compute + collectives + conversions from fixed layouts: the stage input and
@@ -148,7 +171,17 @@ class _StageModel:
                 cost = []
                 for s in (cands if cached is None else ()):
                     f, b = node_compute_s(n, s, self.mesh, self.hardware, self.dtype)
-                    c = f + b + s.u_fcomm + s.u_bcomm
+                    # issue 26: the parameter-gradient all-reduces (s.grad_sync_s, inside u_bcomm)
+                    # run once per iteration, not per microbatch: charged over the microbatches, in
+                    # full (no credit for their overlap with the backward, which the simulator
+                    # gives: simulator.sharded.grad_sync_exposed_s); so is the optimizer step of
+                    # the node's stored parameter shards (memory-bound, simulator.sharded's
+                    # optimizer_s), which replicated parameters make longer. docs/map.md "A fair
+                    # cost model (issue 26)"
+                    step = sum(x.local_numel(tuple(p.shape), self.mesh.shape)
+                               for p, x in zip(n.params, s.param_specs)) * self.step_bytes_per_param
+                    c = (f + b + s.u_fcomm + s.u_bcomm - s.grad_sync_s
+                         + (s.grad_sync_s + step / self.hardware.device.hbm_bytes_per_s) / self.training.microbatches)
                     for k, (src, shape, db) in enumerate(zip(n.inputs, n.input_shapes, n.input_dtype_bytes)):
                         fixed = src not in names and not (src == "x" and li > 0)
                         if fixed:  # a batch field, or the stage's input: replicated
@@ -269,16 +302,27 @@ def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Train
     budget = int(policy.memory_budget_gib * GIB) if policy.memory_budget_gib is not None else hardware.device.memory_bytes
     ranges = _stage_ranges(model, pp) if pp > 1 else [range(0, model.num_layers)]
     models, choices, meshes = [], [], []
+    cluster = None
+    if getattr(policy, "cluster", None):
+        try:
+            cluster = load_cluster(policy.cluster)
+        except ValueError as exc:
+            raise PlanningError(str(exc)) from None
     for s, r in enumerate(ranges):
         devs = tuple(range(s * per, (s + 1) * per))
-        meshes.append(choose_mesh(policy.mesh, hardware, devs))
+        meshes.append(stage_mesh_of(policy.mesh, hardware, devs, cluster))
     clock.lap(PHASES[0])
-    for s, (r, (shape, order)) in enumerate(zip(ranges, meshes)):
-        sm = _StageModel(model, hardware, training, r, order, shape, policy.constrain)
+    for s, (r, (shape, order, mesh, source)) in enumerate(zip(ranges, meshes)):
+        sm = _StageModel(model, hardware, training, r, order, shape, policy.constrain, mesh)
         sm.build()
         models.append(sm)
         choices.append(StageChoice(stage=s, layers=(r.start, r.stop), devices=order, mesh=shape,
-                                   nodes=len(sm.nodes), strategies=sum(len(x) for x in sm._unary)))
+                                   nodes=len(sm.nodes), strategies=sum(len(x) for x in sm._unary),
+                                   mesh_source=(f"cluster {policy.cluster}" if source == "cluster"
+                                                else f"hardware {hardware.name} links"),
+                                   axes=[{"size": ax.size, "alpha_s": ax.alpha_s, "beta_bytes_per_s": ax.beta_bytes_per_s}
+                                         for ax in mesh.axes],
+                                   strategies_per_node={f"L{l}.{name}": len(u) for (l, name), u in zip(sm.nodes, sm._unary)}))
     clock.lap(PHASES[1])
     rounds, notes = [], []
     target = budget
@@ -290,8 +334,11 @@ def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Train
             total = (policy.refine + 1) * len(models) * policy.budgets
             step = (lambda k, n, done=done, total=total: progress(done + k, total)) if progress is not None else None
             shard, segs = solve_stage(sm, target, policy, ch, step, notes, clock.spent)
+            # what the stage is: its mesh (StagePlan.mesh, where specs carries it: patch
+            # F_plan_stage_mesh); dp 1 x tp n is only the device count specs.plan_stage asks of a MAP stage
+            mesh_field = {"mesh": list(sm.shape)} if "mesh" in StagePlan.model_fields else {}
             stages.append(StagePlan(layer_start=sm.layers.start, layer_stop=sm.layers.stop, devices=list(sm.devices),
-                                    dp=1, tp=len(sm.devices), sharding=shard, checkpoint=segs))
+                                    dp=1, tp=len(sm.devices), sharding=shard, checkpoint=segs, **mesh_field))
         plan = Plan(planner="map", model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
                     training=training,
                     schedule=schedule, stages=stages)
@@ -345,6 +392,11 @@ def summary_lines(outcome: MapOutcome) -> list[str]:
                      f"{list(c.mesh)}): {c.nodes} operators, {c.strategies} strategies; solved in {c.solve_s:.2f} s; "
                      f"per microbatch {c.ilp_time_s * 1e3:.2f} ms + recompute {max(c.recompute_s, 0.0) * 1e3:.2f} ms; "
                      f"checkpointed {', '.join(ck) if ck else 'none'}")
+        per = list(c.strategies_per_node.values())
+        axes = ", ".join(f"{a['size']} @ {a['beta_bytes_per_s'] / 1e9:.3g} GB/s {a['alpha_s'] * 1e6:.3g} us"
+                         for a in c.axes)
+        lines.append(f"  mesh axes from the {c.mesh_source} (slowest first): {axes}; strategies per operator "
+                     f"{min(per, default=0)}-{max(per, default=0)} (map.json: strategies_per_node)")
     lines.append(f"map: budget {outcome.budget_bytes / GIB:.2f} GiB per device; simulated peak "
                  f"{max(outcome.peak_bytes) / GIB:.2f} GiB; iteration {outcome.iteration_s:.3f} s"
                  f"{'' if outcome.fits else ' | DOES NOT FIT'}")
@@ -352,4 +404,4 @@ def summary_lines(outcome: MapOutcome) -> list[str]:
     return lines
 
 
-__all__ = ["MapOutcome", "choose_mesh", "map_search", "plan_map", "report", "summary_lines"]
+__all__ = ["MapOutcome", "choose_mesh", "map_search", "plan_map", "report", "stage_mesh_of", "summary_lines"]

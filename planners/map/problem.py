@@ -142,12 +142,32 @@ class Reduced:
         for n in range(len(self.keep)):
             if n in self.fixed or len(self.keep[n]) < 2:
                 continue
-            vec = np.column_stack([self.cost[n], self.mem[n].astype(float)] + self._incident(n))
+            rows = self._incident(n)
+            vec = np.column_stack([self.cost[n], self.mem[n].astype(float)] + rows)
             le = (vec[:, None, :] <= vec[None, :, :]).all(axis=2)       # le[a, b]: a no worse than b
             eq = le & le.T
             k = len(vec)
             lower = np.arange(k)[:, None] < np.arange(k)[None, :]
-            dominated = ((le & ~eq) | (eq & lower)).any(axis=0)          # some a beats b, or ties it with a lower index
+            beats = (le & ~eq) | (eq & lower)                            # a beats b, or ties it with a lower index
+            # Slack dominance (issue 26): a beats b when a's bytes are no more and a's cost, plus per
+            # edge the most a's row can exceed b's at any neighbour strategy, is still below b's cost
+            # (strictly, or equal with a lower index): swapping b -> a cannot slow any solution.
+            # Componentwise dominance above is its zero-slack case. The relation is transitive
+            # (max(x + y) <= max x + max y), but float rounding could close a cycle, so b goes only
+            # while a beater of it is alive: the removals form a forest whose roots survive.
+            if k > 2 and k * k * sum(r.shape[1] for r in rows) <= 1 << 26:
+                slack = self.cost[n][:, None] - self.cost[n][None, :]      # slack[a, b]: cost_a - cost_b
+                for r in rows:
+                    if r.shape[1]:
+                        slack = slack + (r[:, None, :] - r[None, :, :]).max(axis=2)
+                small = self.mem[n][:, None] <= self.mem[n][None, :]
+                beats |= small & ((slack < 0) | ((slack == 0) & lower))
+            np.fill_diagonal(beats, False)
+            alive = np.ones(k, dtype=bool)
+            for b in range(k):
+                if (beats[:, b] & alive).any():
+                    alive[b] = False
+            dominated = ~alive
             if dominated.any():
                 keep = ~dominated
                 self._restrict(n, keep)

@@ -19,6 +19,8 @@ reduction, where the host ring runs beside both.
 """
 from __future__ import annotations
 
+import math
+
 from costs.collectives import collective_link, ring_allreduce_s
 from costs.params import layer_params_on_device, stage_params_on_device
 from specs.hardware import HardwareSpec, LinkSpec
@@ -178,3 +180,72 @@ def grouped_plan(plan: Plan) -> Plan:
     training = plan.training.model_copy(update={"num_microbatches": m // S, "microbatch_size": None})
     stages = [st.model_copy(update={"offload": st.offload.model_copy(update={"streams": 1})}) for st in plan.stages]
     return plan.model_copy(update={"training": training, "stages": stages})
+
+
+def _fixed_scratch(model: ModelSpec, layer: int, tp: int) -> int:
+    """A layer's batch-independent backward scratch, its TP share (as costs.activations.backward_workspace_bytes)."""
+    spec = model.layers[layer]
+    fixed = spec.workspace_fixed_bytes * spec.tp_sharded_param_fraction
+    return math.ceil(fixed / tp + spec.workspace_fixed_bytes - fixed)
+
+
+def tied_grad_bytes(model: ModelSpec, layer: int, tp: int, act_b: int) -> int:
+    """The gradient a tied copy's backward computes for the shared weight (a tied head's V x h,
+    its vocabulary shard under tp > 1), in the activation dtype its GEMM runs in; 0 for an untied layer."""
+    spec = model.layers[layer]
+    return math.ceil(spec.tied_params * act_b / (tp if spec.tp_sharded_param_fraction > 0 else 1))
+
+
+def group_workspace_bytes(model: ModelSpec, plan: Plan, s: int) -> int:
+    """The backward workspace of a group of ``plan``'s S = ``offload.streams`` workers on stage
+    ``s`` (§IV-A, as executor.window_streams runs them: S concurrent backwards, one per
+    microbatch): costs.activations.backward_workspace_bytes of the grouped plan
+    (:func:`grouped_plan`: the S·b samples' scratch and recomputed activations of each layer,
+    walked last layer to first) plus what each worker holds ACROSS layers on its own, which one
+    worker of S·b samples holds once: a tied weight's copy-side gradient (the head's V x h of a
+    tied embedding, :func:`tied_grad_bytes`). Autograd keeps it from the copy's backward until
+    the owner's contribution arrives (the shared weight has one AccumulateGrad, fed the sum of
+    both), so where the owner is on this stage all S workers hold theirs through the layers in
+    between, owner included: S of them there, where the one-worker walk has it at the copy's
+    backward only (its batch-independent scratch). Layer-local scratch stays the grouped
+    walk's (the S workers' peaks inside a layer are counted as one S·b kernel's, not summed).
+
+    Measured (executor allocation log at the peak, dp 2 x S 4, gpt_tiny, layer-wise recompute):
+    one fp32 65,536 B ``aten.mm`` gradient (V·h·4 B) per worker, held from the head's backward,
+    the measured-minus-simulated peak growing by that much per worker. S == 1: the one-worker
+    workspace, unchanged."""
+    from costs.activations import backward_workspace_bytes, layer_freed_bytes, layer_input_bytes, layer_saved_bytes
+    from costs.activations import vocab_parallel_loss_bytes
+    from costs.params import samples_per_replica
+    from specs.plan import MemoryAction
+
+    S = plan_streams(plan)
+    grouped = grouped_plan(plan)
+    stage = grouped.stages[s]
+    if S == 1:
+        return backward_workspace_bytes(model, grouped, stage)
+    b, tp, act_b = samples_per_replica(grouped, stage), stage.tp, grouped.training.act_dtype_bytes
+    # tied copy -> (its owner, the copy-side gradient) where both are on this stage
+    tied = {c: (model.tied_owner(c), tied_grad_bytes(model, c, tp, act_b)) for c in model.tied_layers
+            if c in stage.layers and model.tied_owner(c) in stage.layers}
+    best = freed = 0
+    for n, l in enumerate(reversed(stage.layers)):
+        spec = model.layers[l]
+        # the grouped walk's need (costs.activations.backward_workspace_bytes: one worker of S·b)
+        frac = spec.tp_sharded_param_fraction
+        per_sample = spec.workspace_bytes_per_sample * frac
+        fixed = _fixed_scratch(model, l, tp)
+        need = math.ceil(b * (per_sample / tp + spec.workspace_bytes_per_sample - per_sample)) + fixed
+        need = max(need, vocab_parallel_loss_bytes(spec, b, tp))
+        if stage.action_of(l).action is MemoryAction.recompute:
+            need += layer_saved_bytes(spec, b, tp) - (layer_input_bytes(model, l, b) if spec.saves_input else 0)
+        if n:
+            need += b * spec.output_bytes_per_sample
+        for c, (owner, g) in tied.items():  # every worker's copy-side gradient, held down to the owner
+            if owner <= l < c:
+                need += S * g
+            elif l == c:  # the copy's own backward: the walk has one worker's (its scratch)
+                need += max(S * g - fixed, 0)
+        best = max(best, need - freed)
+        freed += layer_freed_bytes(model, stage, l, b)
+    return best

@@ -13,7 +13,7 @@ import costs.collectives
 import costs.layer_time
 import costs.params
 import costs.static
-from costs.window import grouped_plan
+from costs.window import group_workspace_bytes, grouped_plan, plan_streams
 from simulator.sharded import sharded_stage
 from simulator.stagecost import host_link
 from simulator.stash_peak import PeakParts, max_stashed_versions, pipedream_peak
@@ -67,7 +67,11 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     stashed version, as bytes held for peers: the most simulator.stash holds (for a moment, as the
     newest lands and the oldest goes back), added to the target's own peak as an upper bound.
     """
-    plan = grouped_plan(plan)  # STRONGHOLD §IV-A streams: S workers' activations (costs.window.grouped_plan)
+    # STRONGHOLD §IV-A streams: S workers' activations (costs.window.grouped_plan) and each worker's
+    # own backward transients (costs.window.group_workspace_bytes)
+    group_work = ({i: group_workspace_bytes(model, plan, i) for i in range(len(plan.stages))}
+                  if plan_streams(plan) > 1 else {})
+    plan = grouped_plan(plan)
     out: dict[int, tuple[MemoryBreakdown, int]] = {d: (MemoryBreakdown(), 0) for d in plan.used_devices()}
     acts, work, swap_in, allreduce, sent, grads = {}, {}, {}, {}, {}, {}
     sharded = _sharded(plan, model, hardware)
@@ -84,6 +88,7 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
         acts[i] = -(-sum(costs.activations.stage_activation_bytes(model, plan, v) for v in variants) // len(variants))
         sent[i] = max(costs.activations.sent_output_bytes(model, plan, v) for v in variants)
         work[i], swap_in[i] = (max(x) for x in zip(*(costs.activations.backward_transient_bytes(model, plan, v) for v in variants)))
+        work[i] = group_work.get(i, work[i])
         allreduce[i] = costs.buffers.allreduce_buffer_bytes(model, plan, stage)
     peaks = {pos: activation_peak(plan, pos, acts, work, sent, grads) for pos in range(plan.pipeline_depth)}
     # weight-swapped layers (MPress §II-D) put their fetched weights and a gradient on the device

@@ -30,7 +30,7 @@ from simulator.links import Links
 from simulator.memory import BUFFERS, GRADS, OPTIM, PARAMS, Timeline
 from simulator.optimizer import OptimizerEvents
 from simulator.stash import StashEvents
-from simulator.stagecost import StageCost, cached_stage_cost, cost_context, host_link
+from simulator.stagecost import StageCost, cached_stage_cost, cost_context, host_link, with_stream_workers
 from simulator.trace import TraceBuilder
 from simulator.transfers import Transfers
 from simulator.walk import ScheduleWalk
@@ -68,7 +68,7 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEv
         pass); ``plan_id`` stays the given plan's, and the trace names each group's passes by
         the group and its microbatches (simulator/window.py's docstring: :class:`GroupTrace`)."""
         self.plan_id, self.streams = plan.id, plan_streams(plan)
-        plan = grouped_plan(plan)
+        given, plan = plan, grouped_plan(plan)
         self.plan, self.hardware = plan, hardware
         # Gradient all-reduce: by default after the pipeline flush, blocking the position, as
         # Megatron-LM ran for Narayanan et al. SC'21 and as memwall's executor does. With
@@ -87,6 +87,8 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEv
         self._context = cost_context(plan, model, hardware)
         self.costs: list[StageCost] = [cached_stage_cost(plan, model, hardware, s, stage, self._context)
                                        for s, stage in enumerate(plan.stages)]
+        if self.streams > 1:  # the S workers' own backward transients (costs.window.group_workspace_bytes)
+            self.costs = [with_stream_workers(sc, model, given, s) for s, sc in enumerate(self.costs)]
         self._variants: dict[int, tuple] = {}  # id(stage variant) -> (variant, its StageCost)
         # stages whose memory actions apply to some microbatches only (a microbatch_period): their
         # costs depend on the microbatch (_cost); the others' are self.costs[s] for every one

@@ -156,6 +156,20 @@ def cached_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: i
     return sc
 
 
+def with_stream_workers(sc: StageCost, model: ModelSpec, plan: Plan, s: int) -> StageCost:
+    """Stage ``s``'s costs as priced on costs.window.grouped_plan(``plan``) (``sc``), with the
+    backward workspace of ``plan``'s S = ``offload.streams`` concurrent workers
+    (costs.window.group_workspace_bytes: the grouped walk's plus each worker's own tied-weight
+    gradient held across layers, STRONGHOLD §IV-A as executor.window_streams runs it); ``sc``
+    itself with S == 1.
+    ``plan`` is the plan as given, before grouping (the grouped plan has one stream)."""
+    from dataclasses import replace
+
+    if window.plan_streams(plan) == 1:
+        return sc
+    return replace(sc, workspace_bytes=window.group_workspace_bytes(model, plan, s))
+
+
 def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, stage) -> StageCost:
     """Stage ``s``'s costs with its layers' actions as in ``stage`` (``plan.stages[s]``, or the
     variant one microbatch sees: specs.plan.stage_for_microbatch)."""

@@ -56,7 +56,10 @@ run in m / S groups of S consecutive ones, group g = microbatches g·S .. g·S +
 the schedule as m / S microbatches would be. The walk is the one above with a group in place of
 a microbatch (costs.window.grouped_plan): per group pass one fetch per streamed layer, the S
 computes of a layer as one kernel over S·b samples, one gradient copy per layer per group
-backward, S workers' activations. **Trace names** (the simulator's and the executor's measured
+backward, S workers' activations; the backward's workspace is the group's
+(costs.window.group_workspace_bytes, booked through simulator.stagecost.with_stream_workers): the
+grouped walk's plus what each of the S concurrent backwards holds across layers on its own (a tied
+weight's copy-side gradient, held from the head's backward to the embedding's). **Trace names** (the simulator's and the executor's measured
 trace, executor/timeline.py, use the same): every ``mb{k}`` of a slice name above becomes
 ``g{g} (mb {first}-{last})`` — the group and its microbatches — when S > 1
 (:func:`group_name`), e.g. with S = 2::

@@ -52,6 +52,8 @@ def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=Non
     (default: the device's memory); ``cold_ns``: the stage's cold start (:func:`cold_start_ns`),
     computed when not given. With ``streams`` S > 1 (§IV-A) the walk is of the stage's m / S group
     passes (costs.window.grouped_plan)."""
+    if peak is None:  # of the plan as given: S workers' own transients (costs.window.group_workspace_bytes)
+        peak = max(peaks(plan, model, hardware)[d] for d in plan.stages[s].devices)
     plan = win.grouped_plan(plan)
     stage = plan.stages[s]
     sc, passes, ring = base if base is not None else price_base(plan, model, hardware, s)
@@ -59,8 +61,6 @@ def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=Non
                                ring=ring)
     if cold_ns is None:
         cold_ns = cold_start_ns(plan, hardware, sc, passes, ring)
-    if peak is None:
-        peak = max(peaks(plan, model, hardware)[d] for d in stage.devices)
     capacity = hardware.device.memory_bytes if capacity_bytes is None else capacity_bytes
     link = stall - cpu_wait
     cold = min(cold_ns, link)

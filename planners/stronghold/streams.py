@@ -15,7 +15,8 @@ window walk (planners/stronghold/planner.py ``price``: the simpy engine's mechan
 plain arithmetic, equal to it on a one-stage pipeline): every divisor S of m (at most
 MAX_STREAMS) is priced with the stage's window; those whose device peak (the analytic memory
 model, the simulator's) exceeds ``capacity_bytes`` are out (the paper's OOM bound: the window's
-static bytes plus S workers' activations); of the rest, the smallest S within PLATEAU of the
+static bytes plus S workers' activations and each worker's own held gradients,
+costs.window.group_workspace_bytes); of the rest, the smallest S within PLATEAU of the
 fastest, and 1 unless that gains more than PLATEAU over one stream (STRONGHOLD §V-D: run-to-run
 variance under 3 %, so a smaller gain is not measurable, the window plateau rule of Fig. 9).
 Where the gain comes from: a window's transfers are amortised over the group (one fetch and one

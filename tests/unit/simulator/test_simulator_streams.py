@@ -144,3 +144,81 @@ def test_the_group_plan_keeps_the_global_batch_and_refuses_what_the_contract_ref
     bad = plan_of(3)  # 3 does not divide 8
     with pytest.raises(ValueError, match="streams"):
         grouped_plan(bad)
+
+
+# ---- each worker's own backward transients (costs.window.group_workspace_bytes) ------------------
+
+def _gpt_tiny_plan(streams: int, tied: bool = True):
+    """policy=stronghold's one-stage plan of gpt_tiny over 2 replicas (layer-wise recompute, blocks
+    streamed through one slot, embedding and head resident), ``streams`` workers; ``tied`` False:
+    the head's own V x h weight (tie_embeddings false)."""
+    from planners import parse_policy
+    from planners.stronghold.planner import stronghold_search
+    from specs.plan import ScheduleSpec
+    from tests.conftest import CPU_TRAINING, GPT_TINY, LOCAL_CPU
+
+    cfg = GPT_TINY if tied else GPT_TINY.model_copy(update={"tie_embeddings": False})
+    spec = build_model(cfg, 4)
+    pol = parse_policy({"kind": "stronghold", "pp": 1, "dp": 2, "tp": 1, "window_layers": 1,
+                        "resident_first_window": False, "streams": streams})
+    return cfg, spec, stronghold_search(pol, spec, LOCAL_CPU, CPU_TRAINING, ScheduleSpec()).plan, LOCAL_CPU
+
+
+@pytest.mark.parametrize("S", [2, 4])
+def test_each_worker_holds_its_own_tied_head_gradient_through_the_blocks(S):
+    """The S workers' backwards run concurrently (executor.window_streams) and autograd keeps each
+    one's head-side V x h gradient of the tied embedding until the embedding's contribution
+    arrives: at a streamed block's backward (gpt_tiny's workspace peak) S of them are live, where
+    one worker of S·b samples (the grouped walk) has none left. With one worker the workspace is
+    the one-worker walk's."""
+    from costs.activations import backward_workspace_bytes
+    from costs.window import group_workspace_bytes, plan_streams
+
+    cfg, spec, plan, _ = _gpt_tiny_plan(S)
+    assert plan_streams(plan) == S and plan.stages[0].offload.resident_layers == [0, len(spec.layers) - 1]
+    grouped = grouped_plan(plan)
+    v_h_fp32_bytes = cfg.vocab * cfg.hidden * 4
+    assert group_workspace_bytes(spec, plan, 0) == backward_workspace_bytes(spec, grouped, grouped.stages[0]) \
+        + S * v_h_fp32_bytes
+    _, _, one, _ = _gpt_tiny_plan(1)
+    assert group_workspace_bytes(spec, one, 0) == backward_workspace_bytes(spec, one, one.stages[0])
+
+
+def test_an_untied_head_adds_nothing_per_worker():
+    """No tied weight: each worker's head gradient goes to its own AccumulateGrad at once; the
+    group's workspace is the grouped walk's."""
+    from costs.activations import backward_workspace_bytes
+    from costs.window import group_workspace_bytes
+
+    _, spec, plan, _ = _gpt_tiny_plan(4, tied=False)
+    assert not spec.tied_layers
+    grouped = grouped_plan(plan)
+    assert group_workspace_bytes(spec, plan, 0) == backward_workspace_bytes(spec, grouped, grouped.stages[0])
+
+
+def test_the_analytic_peak_and_the_engines_costs_carry_the_workers_gradients():
+    """simulator.analytic.device_memory prices the S workers' workspace (the planner's memory bound
+    reads it), and simulator.stagecost.with_stream_workers gives the engine's stage costs the same
+    workspace; unchanged with one worker."""
+    from costs.activations import backward_workspace_bytes
+    from costs.window import group_workspace_bytes
+    from simulator.stagecost import with_stream_workers
+
+    cfg, spec, plan, hardware = _gpt_tiny_plan(4)
+    grouped = grouped_plan(plan)
+    extra = group_workspace_bytes(spec, plan, 0) - backward_workspace_bytes(spec, grouped, grouped.stages[0])
+    assert extra == 4 * cfg.vocab * cfg.hidden * 4
+    assert device_memory(plan, spec)[0][0].total_bytes == device_memory(grouped, spec)[0][0].total_bytes + extra
+    sc = stage_cost(grouped, spec, hardware, 0, grouped.stages[0])
+    assert with_stream_workers(sc, spec, plan, 0).workspace_bytes == sc.workspace_bytes + extra
+    _, _, one, _ = _gpt_tiny_plan(1)
+    sc1 = stage_cost(one, spec, hardware, 0, one.stages[0])
+    assert with_stream_workers(sc1, spec, one, 0) is sc1
+
+
+def test_the_simulated_peak_is_the_analytic_with_the_workers_gradients():
+    """The simpy engine books the group's workspace (needs simulator/engine.py to pass its stage
+    costs through simulator.stagecost.with_stream_workers): its peak is the analytic model's."""
+    _, spec, plan, hardware = _gpt_tiny_plan(4)
+    dev = simulate(plan, spec, hardware, trace=False).result.devices[0]
+    assert dev.peak_bytes == device_memory(plan, spec)[0][0].total_bytes

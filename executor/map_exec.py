@@ -41,6 +41,12 @@ granularity the plan has. Here:
   ``torch.utils.checkpoint`` calls: a checkpointed segment keeps only its input, its children say
   how its recomputation is split (MAP §5.2).
 
+Any model (issue 26): a layer's user inputs are the leaves of ``((x, batch), {})`` as export
+flattened them (a user's pieces pass tuples), its outputs the traced pytree; an operator DTensor
+has no rule for, or refuses in the layouts it gets (BatchNorm, a masked attention), runs
+replicated (``ShardedLayout._call``, listed in ``stats["replicated"]``); conv2d runs on local
+shards (``ShardedOps._conv2d``); buffers a graph returns as mutated are written back.
+
 The stage's inputs arrive whole on every rank (all ranks of a MAP stage receive the same
 microbatch, as TP ranks do) and are wrapped as Replicate DTensors; its output (the loss, or the
 boundary activation) leaves Replicate as a plain tensor, so the pipeline code is unchanged.
@@ -79,9 +85,10 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
 
         self.index, self.inner, self.mesh, self.stats = index, module, mesh, stats
         self.gm, sig = ep.graph_module, ep.graph_signature
-        if any(s.kind.name != "USER_OUTPUT" for s in sig.output_specs):
-            raise MapPlanError(f"layer {index} ({type(module).__name__}) mutates buffers (BatchNorm statistics); "
-                               "the MAP executor runs stateless layers only")
+        other = sorted({s.kind.name for s in sig.output_specs} - {"USER_OUTPUT", "BUFFER_MUTATION"})
+        if other:  # export's training IR mutates buffers in place (BatchNorm); a functional one returns them
+            raise MapPlanError(f"layer {index} ({type(module).__name__}): export outputs of kind {other} "
+                               "(the MAP executor writes back buffers only)")
         merged, self.group_of = _groups(ep)
         planned = {ns.node: ns for ns in sharding.nodes}
         heads = {g.name: g for g in merged.nodes}
@@ -116,18 +123,20 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
                 dt = distribute_tensor(p.detach(), mesh, list(pl), src_data_rank=None)  # same weights on all ranks
                 shared[id(p)] = shared[id(dt)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             setattr(owner, leaf, shared[id(p)])
-        # placeholders: (name, kind, what): a parameter / buffer FQN, a constant, or the user input
-        # by name (export names them after the arguments: ``x``, ``batch_ids`` = batch["ids"])
+        # placeholders: (name, kind, what): a parameter / buffer FQN, a constant, or the k-th user
+        # input: the k-th leaf of ((x, batch), {}) flattened as export's in_spec says (x any pytree:
+        # a user model's layers pass tuples, export names them x_0, x_1, ...; batch fields batch_<key>)
+        self.in_spec, self.out_spec = ep.call_spec.in_spec, ep.call_spec.out_spec
+        self.out_kinds = [(s.kind.name, s.target) for s in sig.output_specs]
         self.placeholders = []
+        k = 0
         for s in sig.input_specs:
             kind = s.kind.name
-            if kind == "USER_INPUT" and not isinstance(s.arg, TensorArgument):
-                self.placeholders.append((s.arg.name, "CONSTANT", s.arg.value))
-            elif kind == "USER_INPUT":
-                name = s.arg.name
-                if name != "x" and not name.startswith("batch_"):
-                    raise MapPlanError(f"layer {index}: user input {name!r} is neither x nor a batch field")
-                self.placeholders.append((name, kind, None if name == "x" else name[len("batch_"):]))
+            if kind == "USER_INPUT":
+                # a non-tensor leaf (x = None of a first layer) is a ConstantArgument: its traced value
+                entry = (kind, k) if isinstance(s.arg, TensorArgument) else ("CONSTANT", s.arg.value)
+                self.placeholders.append((s.arg.name, *entry))
+                k += 1
             elif kind in ("PARAMETER", "BUFFER"):
                 self.placeholders.append((s.arg.name, kind, s.target))
             else:
@@ -142,11 +151,12 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
         from torch.distributed.tensor import DTensor
 
         params = dict(self.inner.named_parameters(remove_duplicate=False))
-        buffers = dict(self.inner.named_buffers())
+        buffers = dict(self.inner.named_buffers(remove_duplicate=False))
         env: dict[str, object] = {}
         # per group: how many of its inputs from outside it its ops have read so far (a folded op's
         # other input, the residual of ``linear -> add``, is the group's 2nd input, not its op's 1st)
         counters: dict[str | None, list[int]] = {}
+        flat = self._flat_inputs(x, batch)
         for name, kind, what in self.placeholders:
             if kind == "PARAMETER":
                 env[name] = params[what]
@@ -155,13 +165,13 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
             elif kind == "CONSTANT":
                 env[name] = what
             else:  # the stage's inputs arrive whole on every rank: Replicate
-                env[name] = self._dt(x if what is None else batch.get(what))
+                env[name] = self._dt(flat[what])
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":
                 continue
             if n.op == "output":
                 outs = [env[a.name] if isinstance(a, torch.fx.Node) else a for a in tree_flatten(n.args)[0]]
-                return outs[0] if len(outs) == 1 else tuple(outs)
+                return self._outputs(outs)
             if isinstance(n.target, torch._ops.OpOverload) and n.target._opname.startswith("_assert"):
                 continue  # export's metadata asserts (a dtype check of .to()): no DTensor rule, nothing to run
             group = self.group_of.get(n.name)
@@ -175,7 +185,7 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
                 elif n.target in _LOCAL and n.name == group:  # a group's core contraction: local
                     out = _LOCAL[n.target](self, group, args, kwargs)
                 else:
-                    out = n.target(*args, **kwargs)
+                    out = self._call(n, args, kwargs)
             except (RuntimeError, NotImplementedError) as exc:  # name the planned strategy DTensor refused
                 where = f"group {group!r} ({self.kind[group]})" if group is not None else "no group"
                 raise type(exc)(f"layer {self.index} node {n.name} ({n.target}) in {where}: {exc}") from exc

@@ -60,6 +60,70 @@ class ShardedLayout:
         return out.redistribute(self.mesh, want)
 
 
+    def _flat_inputs(self, x, batch: dict) -> list:
+        """The layer's user inputs as export flattened them: the leaves of ``((x, batch), {})``
+        (x any pytree, None for a first layer; the batch fields export saw, in its order)."""
+        from torch.utils._pytree import tree_flatten
+
+        keys = self.in_spec.child(0).child(1).context  # the batch dict's keys
+        # a field this stage is not given (the targets, on a first pipeline stage) is one the
+        # layer does not read: None (a node reading it would fail by name)
+        flat, spec = tree_flatten(((x, {k: batch.get(k) for k in keys}), {}))
+        if spec.num_leaves != self.in_spec.num_leaves:
+            raise MapPlanError(f"layer {self.index}: input {spec} is not the traced {self.in_spec}")
+        return flat
+
+    def _outputs(self, outs: list):
+        """The user outputs in the traced pytree (a user layer passes tuples on); a buffer the
+        graph returns as mutated (BUFFER_MUTATION) gets its new value written back."""
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_unflatten
+
+        user = []
+        for value, (kind, target) in zip(outs, self.out_kinds):
+            if kind == "USER_OUTPUT":
+                user.append(value)
+            else:  # BUFFER_MUTATION (checked at build): the buffer holds the whole value on every rank
+                with torch.no_grad():
+                    buf = self.inner.get_buffer(target)
+                    buf.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+        return tree_unflatten(user, self.out_spec)
+
+    def _call(self, n: torch.fx.Node, args, kwargs):
+        """Node ``n`` on DTensor; an operator DTensor cannot run in the layouts it gets (no
+        sharding rule: BatchNorm, a user's custom op; or a propagation it refuses) runs
+        replicated instead (issue 26: never a refusal after planning): its DTensor arguments
+        gathered to Replicate, the op on the whole tensors (every rank the same), its tensor
+        outputs Replicate DTensors. Recorded in ``stats["replicated"]``; the group's output check
+        then moves the value to the planned layout. In-place ops (BatchNorm's running
+        statistics, ``num_batches_tracked += 1``) update the local tensor of a Replicate buffer,
+        which is the buffer itself."""
+        try:
+            return n.target(*args, **kwargs)
+        except (NotImplementedError, RuntimeError, AssertionError, ValueError, TypeError) as exc:
+            first = exc
+        try:
+            out = self._replicated(n.target, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - replicated fails too: the op's own error, not a layout's
+            raise type(first)(f"{first} (and run replicated: {type(exc).__name__}: {exc})") from exc
+        why = " ".join(str(first).split())[:160]
+        self.stats.setdefault("replicated", {})[(self.index, n.name)] = f"{n.target}: {why}"
+        return out
+
+    def _replicated(self, target, args, kwargs):
+        """``target`` on whole tensors: DTensor arguments gathered to Replicate (differentiable:
+        each rank's gradient is the whole one), tensor outputs Replicate DTensors."""
+        from torch.distributed.tensor import DTensor
+        from torch.utils._pytree import tree_map
+
+        rep = [_replicate()] * self.mesh.ndim
+        whole = lambda t: t.redistribute(self.mesh, rep).to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        out = target(*tree_map(whole, args), **tree_map(whole, kwargs))
+        wrap = lambda t: DTensor.from_local(t, self.mesh, rep, run_check=False) \
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t  # noqa: E731
+        return tree_map(wrap, out)
+
+
 _RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
              torch.ops.aten.flatten.using_ints, torch.ops.aten.unflatten.int}
 

@@ -24,13 +24,20 @@ class ShardedOps:
         planner strategy) are replicated first; the output check then records the difference."""
         from torch.distributed.tensor import DTensor
 
+        from torch.utils._pytree import tree_flatten, tree_map
+
         q, k, v = args[:3]
         pl = tuple(q.placements)
-        if any(p.is_partial() or (p.is_shard() and p.dim % q.ndim >= q.ndim - 2) for p in pl) or \
+        # a DTensor mask (a user model's attn_mask: Hugging Face passes one) is not split with the
+        # heads: all of q, k, v and the mask run whole (replicated), as any op of no rule does
+        masked = any(isinstance(t, DTensor) for t in tree_flatten((args[3:], kwargs))[0])
+        if masked or any(p.is_partial() or (p.is_shard() and p.dim % q.ndim >= q.ndim - 2) for p in pl) or \
                 tuple(k.placements) != pl or tuple(v.placements) != pl:
             pl = (_replicate(),) * self.mesh.ndim
         q, k, v = (t.redistribute(self.mesh, pl).to_local() for t in (q, k, v))
-        out = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, *args[3:], **kwargs)
+        local = lambda t: t.redistribute(self.mesh, pl).to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        out = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, *tree_map(local, tuple(args[3:])),
+                                                                  **tree_map(local, kwargs))
         return DTensor.from_local(out, self.mesh, pl, run_check=False)
 
     def _settle(self, group: str, y_local, placements: list, shape, stride):
@@ -127,6 +134,45 @@ class ShardedOps:
         shape = tuple(ids.shape) + (w.shape[1],)
         return self._settle(group, yl, out_pl, torch.Size(shape), _contiguous_stride(shape))
 
+    def _conv2d(self, group: str, args, kwargs):
+        """``aten.conv2d`` of a group's core op on the local shards, as MAP's conv strategy
+        (``bchw,ocij->bohw``, costs.map_strategies) says: per mesh axis the batch (x dim 0), the
+        output channels (w dim 0, the bias) or the input channels (x dim 1 and w dim 1: a partial
+        sum) is split, or none; gradients as in :meth:`_linear`. DTensor's own convolution handler
+        assumes a width-split input (halo exchange) and runs a channel split on mismatched local
+        shapes. Any other layout (groups > 1, a split spatial dim) runs replicated."""
+        import torch.nn.functional as F
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        x, w, b = (list(args) + [None])[:3]
+        rest = list(args[3:]) + [kwargs[k] for k in ("stride", "padding", "dilation", "groups") if k in kwargs]
+        stride, padding, dilation, groups = (rest + [1, 0, 1, 1][len(rest):])[:4]
+        tensors = (x, w) if b is None else (x, w, b)
+        if groups != 1 or not all(hasattr(t, "placements") for t in tensors) or x.ndim != 4:
+            return self._replicated(torch.ops.aten.conv2d.default, args, kwargs)
+        out_pl, gx, gw, gb = [], [], [], []
+        for a, (px, pw) in enumerate(zip(x.placements, w.placements)):
+            pb = b.placements[a] if b is not None else Replicate()
+            if type(px) is Shard and px.dim % 4 == 0 and pw.is_replicate() and pb.is_replicate():  # batch
+                out_pl.append(Shard(0)), gx.append(px), gw.append(Partial()), gb.append(Partial())
+            elif type(px) is Shard and px.dim % 4 == 1 and type(pw) is Shard and pw.dim % 4 == 1 \
+                    and pb.is_replicate():  # input channels: partial sum
+                out_pl.append(Partial()), gx.append(px), gw.append(pw), gb.append(Replicate())
+            elif px.is_replicate() and type(pw) is Shard and pw.dim % 4 == 0 and (b is None or type(pb) is Shard):
+                out_pl.append(Shard(1)), gx.append(Partial()), gw.append(pw), gb.append(pb)  # output channels
+            elif px.is_replicate() and pw.is_replicate() and pb.is_replicate():
+                out_pl.append(Replicate()), gx.append(px), gw.append(pw), gb.append(pb)
+            else:
+                return self._replicated(torch.ops.aten.conv2d.default, args, kwargs)
+        xl, wl = x.to_local(grad_placements=gx), w.to_local(grad_placements=gw)
+        partial = any(p.is_partial() for p in out_pl)
+        bl = b.to_local(grad_placements=gb) if b is not None and not partial else None
+        yl = F.conv2d(xl, wl, bl, stride, padding, dilation, 1)
+        # global output: the local result's spatial dims, batch and channels of the whole tensors
+        shape = (x.shape[0], w.shape[0]) + tuple(yl.shape[2:])
+        y = self._settle(group, yl, out_pl, torch.Size(shape), _contiguous_stride(shape))
+        return y + b.reshape(-1, 1, 1) if b is not None and partial else y
+
 
 def _contiguous_stride(shape) -> tuple[int, ...]:
     stride, acc = [], 1
@@ -138,4 +184,5 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 #: core ops run on the local shards (ShardedOps._linear / _embedding)
 _LOCAL = {torch.ops.aten.linear.default: ShardedOps._linear,
-          torch.ops.aten.embedding.default: ShardedOps._embedding}
+          torch.ops.aten.embedding.default: ShardedOps._embedding,
+          torch.ops.aten.conv2d.default: ShardedOps._conv2d}

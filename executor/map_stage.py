@@ -62,10 +62,20 @@ class MapStage:
         mb = plan.training.samples_per_microbatch
         for i, _, mod in layers:
             key = (type(mod).__name__, shapes[i - 1] if i else None,
-                   tuple((n, tuple(p.shape)) for n, p in mod.named_parameters()))
+                   tuple((n, tuple(p.shape)) for n, p in mod.named_parameters()),
+                   tuple(getattr(m, "code", "") for m in mod.modules() if isinstance(m, torch.fx.GraphModule)))
             if key not in traces:
                 traces[key] = _export(cfg, i, mb, dtype)
             self.layers[i] = ShardedLayer(i, mod, st.sharding_of(i), self.mesh, traces[key], shared, self.stats)
+        # a user model's tied weights (user_model.TiedGrads): tied layers all in this stage share
+        # one (DTensor) Parameter on the stage's mesh, whose gradient is already the sum: nothing
+        # to sync (every rank of the tie's group is in this stage). Ties across MAP stages are
+        # refused before running (executor.measure._map_unsupported)
+        ties = groups.get("tied_grads")
+        if ties is not None:
+            for g, group in enumerate(ties.tied):
+                if g in ties.copies and all(i in st.layers for i, _ in group):
+                    del ties.copies[g]
 
     @property
     def mismatches(self) -> dict:
@@ -75,8 +85,11 @@ class MapStage:
         """The stage's output for input ``x`` (None on the first stage) as a plain tensor."""
         segments = self.stage.checkpoint or [CheckpointSegment(start=self.stage.layer_start, stop=self.stage.layer_stop,
                                                                checkpointed=False)]
+        from torch.utils._pytree import tree_map
+
         y = self._run(segments, x, batch)
-        return y.redistribute(self.mesh, [_replicate()] * self.mesh.ndim).to_local() if hasattr(y, "placements") else y
+        rep = [_replicate()] * self.mesh.ndim  # a user layer's output may be any pytree
+        return tree_map(lambda t: t.redistribute(self.mesh, rep).to_local() if hasattr(t, "placements") else t, y)
 
     def _run(self, segments: list[CheckpointSegment], y, batch: dict):
         for seg in segments:

@@ -48,9 +48,9 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
 
 def _map_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
     """What executor.map_exec cannot run of a MAP stage: memory actions (swaps: it recomputes by
-    checkpoint segments only), offload, layers of several mesh shapes (one DeviceMesh per stage),
-    and families whose layers are not plain functions of (x, batch) (BatchNorm statistics, a
-    user's own modules)."""
+    checkpoint segments only), offload, and layers of several mesh shapes (one DeviceMesh per stage).
+    Any model family runs (issue 26): an operator DTensor cannot run as planned runs replicated
+    (executor.map_exec), and BatchNorm's running statistics are written back."""
     st, out = plan.stages[i], []
     where = f"stages[{i}]"
     if st.memory:
@@ -62,9 +62,14 @@ def _map_unsupported(plan: Plan, i: int, model_cfg) -> list[str]:
     if len(shapes) > 1:
         out.append(f"{where}.sharding: layers use meshes {shapes}; the MAP executor runs one mesh per stage")
     cfg = _config(model_cfg) if model_cfg is not None else None
-    if cfg is not None and cfg.family not in ("gpt", "bert"):
-        out.append(f"{where}.sharding: family {cfg.family!r} (the MAP executor runs GPT and BERT: "
-                   "stateless layers of (x, batch))")
+    if cfg is not None and cfg.family == "torch_module":  # a tie over stages sums DTensor grads over meshes
+        from executor import user_model
+
+        for group in user_model.tied_groups(cfg, meta=True):
+            inside = {j for j, _ in group if j in st.layers}
+            if inside and len(inside) < len(group):
+                out.append(f"{where}.sharding: layers {sorted(j for j, _ in group)} share a tied weight across MAP "
+                           "stages (not implemented: one MAP stage must hold all of them; use policy.pp=1)")
     return out
 
 

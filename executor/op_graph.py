@@ -68,8 +68,9 @@ def _layer_graph(module, inputs, dtype, name, attention) -> OpGraph:
     module = _fake_module(module, dtype)
     ep = torch.export.export(module, inputs)
     gm, sig = ep.graph_module, ep.graph_signature
-    params = dict(module.named_parameters())
-    buffers = dict(module.named_buffers())
+    # every name of a tied weight (export names the piece's own: GPT-2's lm_head.weight = wte.weight)
+    params = dict(module.named_parameters(remove_duplicate=False))
+    buffers = dict(module.named_buffers(remove_duplicate=False))
     user = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
     args, param_of, user_names = [], {}, []
     it = iter(user)
@@ -128,26 +129,57 @@ def _layer_graph(module, inputs, dtype, name, attention) -> OpGraph:
                    outputs=tuple(outs))
 
 
-def _layer_inputs(cfg, index: int, microbatch: int, torch_dtype: torch.dtype):
-    """((name, module) of layer ``index``, its input as the previous layers produce it on the meta
-    device (a tensor, a pytree, or None for the first layer), the microbatch's real batch)."""
+def _named_layers(cfg, microbatch: int, torch_dtype: torch.dtype) -> list[tuple[str, nn.Module]]:
+    """The model's layers on the meta device, a fresh copy (tracing swaps their tensors). A user's
+    whole module (family torch_module) is split for this microbatch and dtype: torch's splitter
+    specialises each piece's graph to the shapes it traced (executor.user_model)."""
+    if cfg.family == "torch_module":
+        import copy
+
+        from executor import user_model
+
+        return copy.deepcopy(user_model.layers(cfg, rows=microbatch, dtype=torch_dtype, meta=True))
     with torch.device("meta"):
-        named = _layers(cfg)
-        batch = {k: v.to("meta") for k, v in make_batch(cfg, microbatch, 0).items()}
-        x = None
-        for _, mod in named[:index]:
-            x = mod(x, batch)
+        return _layers(cfg)
+
+
+def _chain(cfg, microbatch: int, torch_dtype: torch.dtype):
+    """(named layers, each layer's input on the meta device (a tensor, any pytree, None for the
+    first layer), the microbatch's real batch). The inputs are found by running the layers on
+    FakeTensor with fake parameters (profile_symbolic._fake_module), never a forward on meta
+    tensors: a user's traced piece carries device arguments recorded on CPU (GPT-2's position
+    ids, ``to(device=cpu)`` of a weight), and a meta tensor cannot be copied to CPU."""
+    named = _named_layers(cfg, microbatch, torch_dtype)
     real_batch = {k: v.to(torch_dtype) if v.is_floating_point() else v
                   for k, v in make_batch(cfg, microbatch, 0).items()}
-    return named[index], x, real_batch
+    to_meta = lambda t: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") \
+        if isinstance(t, torch.Tensor) else t  # noqa: E731
+    inputs = []
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode, torch.no_grad():
+        fb = {k: mode.from_tensor(v) for k, v in real_batch.items()}
+        x = None
+        for _, mod in named:
+            inputs.append(torch.utils._pytree.tree_map(to_meta, x))
+            x = _fake_module(mod, torch_dtype)(x, fb)
+    return named, inputs, real_batch
+
+
+def _layer_inputs(cfg, index: int, microbatch: int, torch_dtype: torch.dtype):
+    """((name, module) of layer ``index``, its input on the meta device, the microbatch's real batch)."""
+    named, inputs, real_batch = _chain(cfg, microbatch, torch_dtype)
+    return named[index], inputs[index], real_batch
 
 
 def model_layer_graph(cfg, index: int, microbatch: int = 1, dtype: str = "bf16",
                       attention: str = "default") -> OpGraph:
     """The graph of layer ``index`` of a model config (costs.families), fed a fake input shaped
-    like the previous layer's output (found on the meta device) and the microbatch's fake batch."""
+    like the previous layer's output (found on FakeTensor) and the microbatch's fake batch."""
     torch_dtype = DTYPES[dtype]
     (name, module), x, real_batch = _layer_inputs(cfg, index, microbatch, torch_dtype)
+    return _graph_of(name, module, x, real_batch, torch_dtype, attention)
+
+
+def _graph_of(name: str, module: nn.Module, x, real_batch: dict, torch_dtype: torch.dtype, attention: str) -> OpGraph:
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fb = {k: mode.from_tensor(v) for k, v in real_batch.items()}
         inp = torch.utils._pytree.tree_map(lambda t: _fake_like(t, torch_dtype), x)  # a user layer passes pytrees
@@ -162,6 +194,15 @@ def export_layer(cfg, index: int, microbatch: int, torch_dtype: torch.dtype):
         fb = {k: mode.from_tensor(v) for k, v in real_batch.items()}
         inp = torch.utils._pytree.tree_map(lambda t: _fake_like(t, torch_dtype), x)
         return torch.export.export(_fake_module(module, torch_dtype), (inp, fb))
+
+
+def layer_key(mod: nn.Module, x) -> tuple:
+    """What makes two layers one trace: module type, input shapes, parameter shapes, and for a
+    piece of a user's split module its generated code (two pieces of equal parameter shapes may
+    compute different things: the last block carries the final norm)."""
+    shapes = str(torch.utils._pytree.tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, x))
+    code = tuple(getattr(m, "code", "") for m in mod.modules() if isinstance(m, torch.fx.GraphModule))
+    return (type(mod).__name__, shapes, tuple((n, tuple(p.shape)) for n, p in mod.named_parameters()), code)
 
 
 def _fake_like(t, dtype: torch.dtype):
@@ -180,26 +221,22 @@ def model_op_graphs(cfg, microbatch: int, dtype: str, progress=None) -> tuple[di
     (a GPT's blocks: one trace). Returns ({key: graph}, key per layer); keys are ``g<k>_<Module>``."""
     from specs.op_graph import merge_trivial
 
-    with torch.device("meta"):
-        named = _layers(cfg)
-        batch = {k: v.to("meta") for k, v in make_batch(cfg, microbatch, 0).items()}
-        shapes, x = [], None
-        for _, mod in named:
-            shapes.append(str(torch.utils._pytree.tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, x)))
-            x = mod(x, batch)
+    torch_dtype = DTYPES[dtype]
+    named, inputs, real_batch = _chain(cfg, microbatch, torch_dtype)
     graphs: dict[str, OpGraph] = {}
     by_sig: dict[tuple, str] = {}
     keys: list[str] = []
     for i, (name, mod) in enumerate(named):
-        sig = (type(mod).__name__, shapes[i], tuple((n, tuple(p.shape)) for n, p in mod.named_parameters()))
+        sig = layer_key(mod, inputs[i])
         key = by_sig.get(sig)
         if key is None:
             key = by_sig[sig] = f"g{len(graphs)}_{type(mod).__name__}"
             if progress is not None:
                 progress(len(graphs), i, name)
-            graphs[key] = merge_trivial(model_layer_graph(cfg, i, microbatch, dtype)).model_copy(update={"layer": key})
+            graph = _graph_of(name, mod, inputs[i], real_batch, torch_dtype, "default")
+            graphs[key] = merge_trivial(graph).model_copy(update={"layer": key})
         keys.append(key)
     return graphs, keys
 
 
-__all__ = ["export_layer", "layer_graph", "model_layer_graph", "model_op_graphs"]
+__all__ = ["export_layer", "layer_graph", "layer_key", "model_layer_graph", "model_op_graphs"]

@@ -94,6 +94,19 @@ def check_inputs(plan: Plan, cfg, hardware: HardwareSpec, world: int) -> list[st
     return problems
 
 
+def _profiled_spec(plan: Plan, cfg):
+    """A user's model (family torch_module) has no closed-form spec: its FLOPs for the measured
+    Result come from the symbolic profile at the plan's microbatch and precision (as the shell's
+    model_costs does); None (the family's closed forms) for memwall's own families."""
+    if cfg.family != "torch_module":
+        return None
+    from executor.profile_symbolic import profile_model
+    from specs.profile import model_from_profile
+
+    return model_from_profile(profile_model(cfg, microbatch=plan.training.samples_per_microbatch,
+                                            dtype=plan.training.precision.value))
+
+
 def with_op_graphs(cfg, model, plan: Plan):
     """``model`` with MAP's operator graphs (traced at the plan's microbatch and precision, as the
     shell's model_costs.with_op_graphs does for policy=map), which a MAP plan is validated against."""
@@ -160,7 +173,8 @@ def _run_rank(args, plan: Plan, cfg, hardware: HardwareSpec, rank: int, world: i
     reports: list = [None] * world
     dist.all_gather_object(reports, report)
     if rank == 0:
-        result = result_from_run(plan, cfg, hardware, RunOutput(reports=dict(enumerate(reports))), args.warmup)
+        result = result_from_run(plan, cfg, hardware, RunOutput(reports=dict(enumerate(reports))), args.warmup,
+                                 spec=_profiled_spec(plan, cfg))
         write_text(Path(args.out) / "measured.json", result.model_dump_json(indent=2) + "\n")
     dist.barrier()  # nobody tears down while a peer still talks to it
     dist.destroy_process_group()

@@ -19,8 +19,9 @@ import torch
 from executor.memtrack import LiveTensorTracker, tag_static
 from executor.models import make_batch, output_shapes
 from executor.stage import StageRuntime
+from executor.worker import group_actions
 from specs.plan import Plan
-from specs.schedule import ActionKind, build_schedule
+from specs.schedule import ActionKind
 
 
 class _LocalStage(StageRuntime):
@@ -63,7 +64,8 @@ def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2
     tracker = LiveTensorTracker()
     st = _LocalStage(plan, model_cfg, stage_index, stage.devices[0], {}, {}, dev, seed, tracker)
     position = plan.device_group_of(stage_index)
-    actions = [a for a in build_schedule(plan)[position] if a.stage == stage_index]
+    # the rank's list as executor.worker runs it: STRONGHOLD §IV-A streams group the microbatches
+    actions = [a for a in group_actions(plan, position) if a.stage == stage_index]
     shapes = output_shapes(model_cfg)
     tail = {s: shapes[plan.stages[s].layer_stop - 1] for s in range(len(plan.stages))}
     cuda = dev.type == "cuda"

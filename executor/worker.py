@@ -138,7 +138,7 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
                               nvme_dir=opts.get("nvme_dir"), record_window=opts.get("record_window", False))
               for s in my_stages}
     position = plan.device_group_of(my_stages[0])
-    actions = _group_actions(plan, position)  # this rank's list only, not every position's
+    actions = group_actions(plan, position)  # this rank's list only, not every position's
     shapes = output_shapes(cfg)
     tail = {s: shapes[plan.stages[s].layer_stop - 1] for s in range(len(plan.stages))}
     # gloo: in timed iterations post each receive as soon as the previous one of its channel is
@@ -243,7 +243,7 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     return report
 
 
-def _group_actions(plan: Plan, position: int) -> list:
+def group_actions(plan: Plan, position: int) -> list:
     """``position_schedule``; with ``offload.streams`` = S > 1 (one stage, preflight) the list of a
     plan with m / S microbatches, each pass labelled with its group's first microbatch (g * S):
     the schedule orders the groups as it orders microbatches (STRONGHOLD §IV-A)."""

@@ -52,8 +52,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: 3 = those counts include nn.Module calls, 4 = saved bytes exclude module buffers (BatchNorm's
 #: running statistics were counted as activations of every microbatch), 5 = the transient is
 #: tracked above FlopCounterMode (its decompositions of fused backward kernels were counted),
-#: 6 = per-tensor saved lists ``saved_tensors`` (MPress §III-D; a cached revision-5 profile has none)
-PROFILE_REVISION = 6
+#: 6 = per-tensor saved lists ``saved_tensors`` (MPress §III-D; a cached revision-5 profile has none),
+#: 7 = a layer's input laid out as the previous layer's output (a view keeps its whole storage, issue 26)
+PROFILE_REVISION = 7
 
 # ---- FLOP formulas FlopCounterMode lacks: CPU flash attention (same math as the CUDA one) ----
 _aten = torch.ops.aten
@@ -375,15 +376,22 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _boundary(out) -> tuple:
-    """Hashable (treedef, per leaf (shape, dtype, requires_grad)) of a layer's output pytree."""
+    """Hashable (treedef, per leaf (shape, dtype, requires_grad, stride, storage offset, storage
+    elements)) of a layer's output pytree. A leaf that is a view of a larger storage (ViT's
+    ``x[:, 0]`` of all tokens, when the split puts the select before the boundary) hands the next
+    layer that whole storage: in a stage the next layer gets the tensor itself, so what it saves of
+    its input holds the whole storage (the real pack hook counts its nbytes)."""
     leaves, treedef = tree_flatten(out)
-    return treedef, tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in leaves)
+    return treedef, tuple((tuple(t.shape), t.dtype, t.requires_grad, tuple(t.stride()), t.storage_offset(),
+                           t.untyped_storage().nbytes() // t.element_size()) for t in leaves)
 
 
 def _fake_input(boundary: tuple):
-    """Fresh fake leaves shaped like ``boundary`` (the next layer's input; call in FakeTensorMode)."""
+    """Fresh fake leaves laid out like ``boundary`` (the next layer's input; call in FakeTensorMode):
+    each a leaf view of a storage as large as the real one."""
     treedef, leaves = boundary
-    return tree_unflatten([torch.empty(shape, dtype=dt, requires_grad=rg) for shape, dt, rg in leaves], treedef)
+    return tree_unflatten([torch.empty(n, dtype=dt).as_strided(shape, stride, offset).detach().requires_grad_(rg)
+                           for shape, dt, rg, stride, offset, n in leaves], treedef)
 
 
 def profile_model(cfg, microbatch: int = 1, dtype: str = "bf16", attention: str = "default",

@@ -287,23 +287,20 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
                 write_compare_figure(outdir / "compare.png", sim.result, measured)]
     print(action_table(comparison.actions))
     print(comparison_table(comparison))
-    if cfg.model.family != "torch_module":  # a user's factory need not be deterministic across processes
-        from executor.reference import check_losses
+    # a user's model (torch_module) too: its factory runs under torch.manual_seed in every process
+    # (executor.user_model), and the float32 bound's widest sum is read off its operator graphs
+    from executor.reference import check_losses
 
-        ok, line = check_losses(cfg.model, plan.training, losses, plan=plan)  # pipedream: the stale reference
+    ok, line = check_losses(cfg.model, plan.training, losses, plan=plan, model=model)  # pipedream: the stale reference
+    print(line)
+    if plan.schedule.kind.value == "pipedream_async":  # and its weights, which every stale update moves
+        from executor.reference import check_pipedream_params
+
+        params_ok, line = check_pipedream_params(cfg.model, plan)
         print(line)
-        if plan.schedule.kind.value == "pipedream_async":  # and its weights, which every stale update moves
-            from executor.reference import check_pipedream_params
-
-            params_ok, line = check_pipedream_params(cfg.model, plan)
-            print(line)
-            ok = ok and params_ok
-        if not ok:
-            print("NUMERICS DIFFER from the single-process reference (see above)", flush=True)
-    else:  # say so rather than print nothing: the float32 bound needs the model's widest sum (h, f, V)
-        print("numerics: not checked for a torch_module model (its factory need not build the same weights in "
-              "every process, and the float32 reordering bound needs its widest sum; the float64 split-vs-whole "
-              "check is tests/integration/executor/test_byom.py)")
+        ok = ok and params_ok
+    if not ok:
+        print("NUMERICS DIFFER from the single-process reference (see above)", flush=True)
     if any(st.offload.window_layers is not None for st in plan.stages):
         written.append(_window_compare(cfg, plan, model, sim.result, measured, outdir))
     print("wrote " + ", ".join(str(p) for p in written))

@@ -2,6 +2,8 @@
 microbatching and loss scaling as a distributed run, so a plan's numerics can be checked."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -118,15 +120,105 @@ def train_reference_pipedream(cfg, plan, iterations: int, seed: int = 0, dtype: 
     return _result(layers, losses)
 
 
-def longest_reduction(cfg, training: TrainingSpec) -> int:
+def longest_reduction(cfg, training: TrainingSpec, model=None) -> int:
     """An upper bound on the number of terms of any one sum in a training step: matmul inner
     dims (h, f), the softmax over the vocabulary, and weight gradients / norm
-    statistics, which sum over every token (pixel) of the global batch."""
+    statistics, which sum over every token (pixel) of the global batch. A user's model
+    (torch_module) has no closed form: the bound is read off its traced operator graphs
+    (:func:`graph_longest_reduction`), ``model.op_graphs`` when the plan carries them (policy=map),
+    else traced here on FakeTensor (executor.op_graph, seconds)."""
+    if cfg.family == "torch_module":
+        graphs, rows = _op_graphs(cfg, training, model)
+        from executor.user_model import tied_groups
+
+        copies = max((len(g) for g in tied_groups(cfg)), default=1)
+        return max(graph_longest_reduction(graphs, training.global_batch / rows, copies), training.microbatches)
     if cfg.family == "wresnet":
         widest = cfg.base_channels * 2 ** (len(cfg.blocks_per_stage) - 1)
         return max(9 * widest * cfg.width_factor, 4 * widest, training.global_batch * (cfg.image_size // 2) ** 2)
     f = cfg.ffn_width if hasattr(cfg, "ffn_width") else cfg.ffn_mult * cfg.hidden  # MoE: ffn_mult
     return max(f, cfg.vocab, training.global_batch * cfg.seq_len)
+
+
+def _op_graphs(cfg, training: TrainingSpec, model) -> tuple[list, int]:
+    """(one OpGraph per distinct layer, the samples it was traced at)."""
+    if model is not None and model.op_graphs and model.op_graph_microbatch:
+        return list(model.op_graphs.values()), model.op_graph_microbatch
+    from executor.op_graph import model_op_graphs
+
+    graphs, _ = model_op_graphs(cfg, training.samples_per_microbatch, "fp32")
+    return list(graphs.values()), training.samples_per_microbatch
+
+
+def graph_longest_reduction(graphs, batch_scale: float, tied_copies: int = 1) -> int:
+    """The longest float32 sum of a training step, from operator graphs (specs.op_graph, MAP §4.1)
+    traced at a microbatch that is ``batch_scale`` times smaller than the global batch: per
+    original aten node (a merged group's ``ops``), :func:`node_reduction_terms`; a parameter's
+    gradient sums over every row of the global batch (microbatch accumulation and the
+    data-parallel all-reduce continue the same sum), and a tied weight's over ``tied_copies``
+    layers' uses (applied to every parameter's: an upper bound)."""
+    terms = 1
+    for graph in graphs:
+        for group in graph.nodes:
+            for node in group.ops or (group,):
+                act, param = node_reduction_terms(node)
+                terms = max(terms, act, math.ceil(param * batch_scale) * tied_copies)
+    return terms
+
+
+def node_reduction_terms(node) -> tuple[int, int]:
+    """(longest sum over activations in the node's forward or backward, longest sum a parameter
+    gradient takes over the traced microbatch) for one aten node, by kind. An upper bound: every
+    sum of a contraction (linear, matmul, bmm, sdpa, einsum) runs over one dim of an input or
+    of the output, except a weight's gradient, over every row of the activation; conv2d over
+    C_in/g·k_h·k_w (forward), C_out·k_h·k_w (input gradient), N·H_out·W_out (weight gradient);
+    a norm's statistics over the normalised dims (batch norm: all but the channel); softmax and
+    the loss over the class dim and the loss's mean over every row; a reduction over its dims;
+    a broadcast (element-wise, expand) gradient over numel(out)/numel(in); any other op over at
+    most all elements of its inputs or output (none if it returns bool/uint8: a mask)."""
+    ins = [math.prod(s) for s in node.input_shapes]
+    out = max((math.prod(s) for s in node.output_shapes), default=1)
+    prm = [p.numel for p in node.params]
+    dims = [d for s in (*node.input_shapes, *node.output_shapes, *(p.shape for p in node.params)) for d in s]
+    x = node.input_shapes[0] if node.input_shapes else ()
+    kind, target = node.kind, node.target
+    rows = math.prod(x[:-1]) if x else 1  # tokens of a (..., features) activation
+    if kind in ("linear", "matmul", "bmm", "sdpa", "moe_dispatch"):
+        return max(dims, default=1), rows if node.params else 0
+    if kind == "conv2d":
+        w = node.params[0].shape if node.params else (1,)
+        c_out = w[0]
+        return max(math.prod(w[1:]), c_out * math.prod(w[2:])), (out // c_out if node.params else 0)
+    if kind == "layer_norm":
+        if "batch_norm" in target:  # statistics per channel over N·H·W (per replica, as the reference's rows)
+            stats = math.prod(x) // x[1] if len(x) > 1 else 1
+        else:
+            stats = math.prod(x[d] for d in node.dims) if node.dims else (x[-1] if x else 1)
+        return stats, (math.prod(x) // stats if "batch_norm" not in target else stats) if node.params else 0
+    if kind == "softmax":
+        d = x[node.dims[0]] if node.dims and x else (x[-1] if x else 1)
+        return (max(d, math.prod(x) // d) if "cross_entropy" in target else d), 0
+    if kind == "reduction":
+        return (math.prod(x[d] for d in node.dims) if node.dims else (ins[0] if ins else 1)), 0
+    if kind == "embedding":  # the weight's gradient: a scatter-add of every looked-up row
+        return 1, max(ins, default=1)
+    if kind in ("elementwise", "view"):  # a broadcast input's gradient sums over the broadcast dims
+        return max((out // n for n in ins if n), default=1), max((out // n for n in prm if n), default=0)
+    if all(b == 1 for b in node.output_dtype_bytes):  # a bool/uint8 result (a mask's and/or): no float sum
+        return 1, 0
+    # element-wise or a copy: only a broadcast input's gradient sums
+    if (target.split(".")[1] if target.startswith("aten.") else target) in _NO_SUM:
+        return max((out // n for n in ins if n), default=1), max((out // n for n in prm if n), default=0)
+    return max([out, *ins]), max([out, *ins]) if prm else 0
+
+
+#: aten ops executor.op_graph_nodes calls "other" whose forward and backward are element-wise or
+#: copies (each output element from one input element): no sum but a broadcast input's gradient
+_NO_SUM = frozenset({"cos", "sin", "log", "log1p", "expm1", "reciprocal", "square", "sign", "floor", "ceil", "round",
+                     "stack", "cat", "masked_fill", "masked_fill_", "flip", "roll", "constant_pad_nd", "pad", "repeat",
+                     "tril", "triu", "max_pool2d", "max_pool2d_with_indices", "hardtanh", "leaky_relu", "elu",
+                     "softplus", "mish", "hardswish", "hardsigmoid", "zeros_like", "ones_like", "full_like",
+                     "empty_like", "copy", "copy_", "fill", "fill_", "zero_", "lift_fresh_copy"})
 
 
 def reorder_rtol(terms: int, dtype=np.float64, amplification: float = 1e4) -> float:
@@ -149,21 +241,31 @@ def reorder_rtol(terms: int, dtype=np.float64, amplification: float = 1e4) -> fl
 CHECKED_ITERATIONS = 2
 
 
-def check_losses(cfg, training: TrainingSpec, losses: list[float], seed: int = 0, plan=None) -> tuple[bool, str]:
+def check_losses(cfg, training: TrainingSpec, losses: list[float], seed: int = 0, plan=None,
+                 model=None) -> tuple[bool, str]:
     """A run's float32 losses against the single-process float32 reference (same weights, data,
     microbatches): every checked iteration within float32's reordering bound γ_n (n: the longest
-    sum of a step). Returns (ok, one line saying so with the figures)."""
+    sum of a step; ``model``: the run's ModelSpec, whose operator graphs bound a torch_module's).
+    Returns (ok, one line saying so with the figures)."""
     n = min(CHECKED_ITERATIONS, len(losses))
     if n == 0:
         return False, "numerics: the run reported no loss"
     pipedream = plan is not None and plan.schedule.kind.value == "pipedream_async"
     ref = (train_reference_pipedream(cfg, plan, n, seed=seed, dtype=torch.float32) if pipedream
            else train_reference(cfg, training, n, seed=seed, dtype=torch.float32))["losses"]
-    tol = reorder_rtol(longest_reduction(cfg, training), np.float32, amplification=1)
-    errs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(losses[:n], ref)]
-    ok = max(errs) <= tol
+    return loss_verdict(losses[:n], ref, longest_reduction(cfg, training, model))
+
+
+def loss_verdict(measured: list[float], reference: list[float], terms: int) -> tuple[bool, str]:
+    """Measured losses against the reference's, each within float32's reordering bound γ_n of a
+    ``terms``-term sum (Higham eq. 4.4; :func:`reorder_rtol` with no amplification): (ok, line)."""
+    n = min(len(measured), len(reference))
+    tol = reorder_rtol(terms, np.float32, amplification=1)
+    errs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(measured[:n], reference[:n])]
+    ok = n > 0 and all(np.isfinite(errs)) and max(errs) <= tol
     return ok, (f"numerics: loss of iterations 1-{n} vs the single-process reference: max relative error "
-                f"{max(errs):.2e} (float32 reordering bound {tol:.2e}) {'PASS' if ok else 'FAIL'}")
+                f"{max(errs, default=float('nan')):.2e} (float32 reordering bound {tol:.2e}, longest sum "
+                f"{terms} terms) {'PASS' if ok else 'FAIL'}")
 
 
 def check_pipedream_params(cfg, plan, seed: int = 0, timeout_s: float = 120.0) -> tuple[bool, str]:

@@ -23,9 +23,11 @@ granularity the plan has. Here:
   back into the one parameter); the module's parameters become these DTensors, so the optimizer,
   the gradient buffers and the memory tracker see the shards;
 * forward interprets the exported graph on DTensors: before a group's ops read an activation from
-  outside the group it is ``redistribute``d to the planned input layout (the conversions MAP
-  Algorithm 1 prices; the group's k-th outside read, over all its ops, gets its k-th planned
-  input layout, as merge_trivial lists them); after the group's last op DTensor's sharding
+  outside the group it is converted to the planned input layout along the step sequence the
+  planner prices (costs.map_layout.convert, MAP §4.3; executor.map_layout.planned_redistribute:
+  one ``redistribute`` per step, the gradient back along the priced reverse path; the group's
+  k-th outside read, over all its ops, gets its k-th planned input layout, as merge_trivial lists
+  them; the executed steps in ``stats["conversions"]``); after the group's last op DTensor's sharding
   propagation is compared with the planned output layout. A pending ``Partial`` sum on an axis
   the plan replicates is the all-reduce the strategy includes (name suffix "(AR..)"): counted
   in ``reductions``. Any other difference is a disagreement between the planner's strategy
@@ -57,6 +59,8 @@ shards (executor.map_local).
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.nn as nn
 from torch.export.graph_signature import TensorArgument
@@ -68,6 +72,10 @@ from executor.map_trace import MapPlanError, _groups
 from specs.plan import LayerSharding
 
 
+#: conversion events a layer keeps until the worker drains them (executor.timeline.conversion_events)
+CONV_EVENTS_KEPT = 1 << 16
+
+
 # ---- one layer -------------------------------------------------------------------------------------
 
 class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
@@ -77,13 +85,17 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
     stage's {"mismatches": {(layer, node): why}, "reductions": {(layer, node): axes}}."""
 
     def __init__(self, index: int, module: nn.Module, sharding: LayerSharding, mesh, ep, shared: dict,
-                 stats: dict):
+                 stats: dict, price_mesh=None):
         super().__init__()
         from torch.distributed.tensor import distribute_tensor
 
         from executor.sharding import to_dtensor_placements
 
         self.index, self.inner, self.mesh, self.stats = index, module, mesh, stats
+        # layout conversions run the priced step sequence (ShardedLayout._convert): on the
+        # planner's alpha-beta mesh (specs.sharding.Mesh) when given, else one with alike axes
+        self.price_mesh = price_mesh
+        self.conv_events = deque(maxlen=CONV_EVENTS_KEPT)  # (kind, layer, label, start_ns, end_ns)
         self.gm, sig = ep.graph_module, ep.graph_signature
         other = sorted({s.kind.name for s in sig.output_specs} - {"USER_OUTPUT", "BUFFER_MUTATION"})
         if other:  # export's training IR mutates buffers in place (BatchNorm); a functional one returns them
@@ -148,8 +160,6 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
                 self.consumers[a.name] = n.name
 
     def forward(self, x, batch: dict):
-        from torch.distributed.tensor import DTensor
-
         params = dict(self.inner.named_parameters(remove_duplicate=False))
         buffers = dict(self.inner.named_buffers(remove_duplicate=False))
         env: dict[str, object] = {}
@@ -172,34 +182,42 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
             if n.op == "output":
                 outs = [env[a.name] if isinstance(a, torch.fx.Node) else a for a in tree_flatten(n.args)[0]]
                 return self._outputs(outs)
-            if isinstance(n.target, torch._ops.OpOverload) and n.target._opname.startswith("_assert"):
-                continue  # export's metadata asserts (a dtype check of .to()): no DTensor rule, nothing to run
-            group = self.group_of.get(n.name)
-            counter = counters.setdefault(group, [0])
-            read = lambda a, group=group, counter=counter: self._read(a, group, env, counter)  # noqa: E731
-            args = torch.fx.node.map_arg(n.args, read)
-            kwargs = torch.fx.node.map_arg(n.kwargs, read)
-            try:
-                if n.target is torch.ops.aten.scaled_dot_product_attention.default:
-                    out = self._attention(args, kwargs)
-                elif n.target in _LOCAL and n.name == group:  # a group's core contraction: local
-                    out = _LOCAL[n.target](self, group, args, kwargs)
-                else:
-                    out = self._call(n, args, kwargs)
-            except (RuntimeError, NotImplementedError) as exc:  # name the planned strategy DTensor refused
-                where = f"group {group!r} ({self.kind[group]})" if group is not None else "no group"
-                raise type(exc)(f"layer {self.index} node {n.name} ({n.target}) in {where}: {exc}") from exc
-            if n.target in _RESHAPES and isinstance(out, DTensor) and out.requires_grad:
-                out = _ContiguousGrad.apply(out)
-            if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
-                out = self._dt(out)  # a node of no group made a plain tensor (an arange): replicated
-            if group is not None and self.last_op[group] == n.name:
-                out = self._check(group, out)
-            env[n.name] = out
+            self._step(n, env, counters)
             for a in n.all_input_nodes:  # drop values whose last reader ran (as fx.Interpreter)
                 if self.consumers.get(a.name) == n.name:
                     env.pop(a.name, None)
         raise AssertionError("exported graph without an output node")
+
+    def _step(self, n: torch.fx.Node, env: dict, counters: dict) -> None:
+        """One call_function node of the exported graph on DTensors: its inputs read in the planned
+        layouts, run, its group's output checked; ``env[n.name]`` gets the value. Also what
+        executor.map_stage replays per node group for a checkpoint that cuts inside a layer."""
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(n.target, torch._ops.OpOverload) and n.target._opname.startswith("_assert"):
+            return  # export's metadata asserts (a dtype check of .to()): no DTensor rule, nothing to run
+        group = self.group_of.get(n.name)
+        counter = counters.setdefault(group, [0])
+        read = lambda a, group=group, counter=counter: self._read(a, group, env, counter)  # noqa: E731
+        args = torch.fx.node.map_arg(n.args, read)
+        kwargs = torch.fx.node.map_arg(n.kwargs, read)
+        try:
+            if n.target is torch.ops.aten.scaled_dot_product_attention.default:
+                out = self._attention(args, kwargs)
+            elif n.target in _LOCAL and n.name == group:  # a group's core contraction: local
+                out = _LOCAL[n.target](self, group, args, kwargs)
+            else:
+                out = self._call(n, args, kwargs)
+        except (RuntimeError, NotImplementedError) as exc:  # name the planned strategy DTensor refused
+            where = f"group {group!r} ({self.kind[group]})" if group is not None else "no group"
+            raise type(exc)(f"layer {self.index} node {n.name} ({n.target}) in {where}: {exc}") from exc
+        if n.target in _RESHAPES and isinstance(out, DTensor) and out.requires_grad:
+            out = _ContiguousGrad.apply(out)
+        if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+            out = self._dt(out)  # a node of no group made a plain tensor (an arange): replicated
+        if group is not None and self.last_op[group] == n.name:
+            out = self._check(group, out)
+        env[n.name] = out
 
 
 __all__ = ["MapPlanError", "ShardedLayer"]

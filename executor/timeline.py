@@ -33,6 +33,14 @@ Multi-streamed windows (STRONGHOLD §IV-A, ``offload.streams`` S > 1; executor.w
 a group pass is one action, labelled in the events with the group and its microbatches,
 ``g{g} (mb {first}-{last})`` (a string in the microbatch field), so its slices are named as
 simulator/window.py's :func:`group_name` names them ("F s0 g1 (mb 2-3)", "grads L4 g1 (mb 2-3)").
+MAP layout conversions (issue 26 item 4; executor.map_layout.planned_redistribute): each
+conversion a MAP layer runs, forward or its gradient's, is one event of kind ``convert`` /
+``convert_grad`` (:data:`CONVERSION_KINDS`), its fourth field the layer, its microbatch field the
+label "<group> in<k> <src>-><dst>" (or "<group> <param> ..."); :func:`conversion_events` turns a
+layer's drained ``conv_events`` into such events. They run inside the pass that reads the value,
+so their slices go on the ``collective`` stream (a stream of simulator/trace.py's: "convert L3
+linear in0 S0R->RS0", "convert grad L3 linear in0 RS0->S0R"; category ``conversion``).
+
 Pure except :class:`Recorder`'s clock; no torch.
 """
 from __future__ import annotations
@@ -57,6 +65,22 @@ HOST_KINDS = {
     "swap_grads_memcpy": ("d2h", "grads L{layer} {mb} (memcpy)", "swap"),
     "swap_cpu_step": ("cpu", "cpu step L{layer}", "optimizer_step"),
 }
+
+
+#: conversion event kind -> slice name prefix (module docstring)
+CONVERSION_KINDS = {"convert": "convert", "convert_grad": "convert grad"}
+
+
+def conversion_events(drained, stage: int, t0_ns: int) -> list[tuple]:
+    """A MAP layer's ``conv_events`` ``(kind, layer, label, start_ns, end_ns)`` (absolute
+    perf_counter_ns) as this module's events of ``stage`` on the iteration's origin ``t0_ns``."""
+    return [(kind, stage, label, layer, start - t0_ns, end - t0_ns)
+            for kind, layer, label, start, end in drained if kind in CONVERSION_KINDS]
+
+
+def conversion_name(kind: str, layer: int, label: str) -> str:
+    """A conversion slice's name: ``convert L{layer} {label}`` (``convert grad ...`` backward)."""
+    return f"{CONVERSION_KINDS[kind]} L{layer} {label}"
 
 
 class Recorder:
@@ -221,6 +245,8 @@ def slices(events: list[tuple]) -> list[tuple[str, str, int, int, str]]:
             out.append(("collective", f"allreduce_grads s{s}", start, dur, "allreduce_grads"))
         elif kind == "optimizer_step":
             out.append(("compute", f"optimizer_step s{s}", start, dur, "optimizer_step"))
+        elif kind in CONVERSION_KINDS:  # ``peer`` is the layer, ``k`` the conversion's label
+            out.append(("collective", conversion_name(kind, peer, k), start, dur, "conversion"))
         elif kind in HOST_KINDS:  # ``peer`` is the layer
             stream, name, cat = HOST_KINDS[kind]
             name = name.format(layer=peer, mb=_mb(k))

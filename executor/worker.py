@@ -20,7 +20,7 @@ from executor.liveness import Heartbeat, NoHeartbeat, die_with
 from executor.memtrack import LiveTensorTracker, NullTracker, tag_static
 from executor.models import make_batch, output_shapes
 from executor.stage import StageRuntime
-from executor.timeline import NoRecorder, Recorder
+from executor.timeline import NoRecorder, Recorder, conversion_events
 from executor.topology import process_groups, rank_of_device
 from costs.families import parse_model_config
 from specs.plan import Plan
@@ -186,6 +186,13 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         if server is not None:
             server.check()  # a serving thread's error (its sources would wait on it forever)
         iter_times.append(time.perf_counter() - t0)
+        for s, st in stages.items():  # MAP layout conversions run this iteration (executor.map_layout)
+            if st.map is not None:
+                for layer in st.map.layers.values():
+                    drained = list(layer.conv_events)
+                    layer.conv_events.clear()
+                    if rec is not None:
+                        rec.events.extend(conversion_events(drained, s, rec.t0_ns))
         timelines.append({"t0_ns": rec.t0_ns, "events": rec.events} if rec is not None else None)
         losses.append(sum(st.loss_sum for st in stages.values() if st.last and st.tp_rank == 0))
         if progress is not None:

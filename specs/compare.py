@@ -25,8 +25,9 @@ class ActionError(Spec):
     stage, all microbatches; measured: every timed iteration)."""
 
     action: str = Field(description="forward | backward | send_act | send_grad | recv_wait | allreduce | optimizer "
-                                    "| fetch | grad_copy | cpu_step (the last three: a STRONGHOLD window's or a "
-                                    "weight swap's host traffic, per layer of the stage)")
+                                    "| fetch | grad_copy | cpu_step (these three: a STRONGHOLD window's or a "
+                                    "weight swap's host traffic, per layer of the stage) | conversion (a MAP "
+                                    "layout conversion, forward or gradient)")
     stage: int
     simulated_mean_s: float | None = Field(description="None: the simulator books no slice for it")
     measured_mean_s: float | None
@@ -73,6 +74,11 @@ _HOST_PATTERNS = (
     (re.compile(r"^grads L(\d+) (?:mb\d+|g\d+ \(mb \d+-\d+\))(?: \(memcpy\))?$"), "grad_copy", "d2h"),
     (re.compile(r"^cpu step L(\d+)(?: mb\d+)?$"), "cpu_step", "cpu"),
 )
+#: a MAP layout conversion (issue 26 item 4), forward or its gradient's, named by its layer as
+#: executor/timeline.py's conversion_name names it; its stage from the plan. The simulator books a
+#: layer's conversions inside its passes (simulator/sharded_layer.py: u_fcomm / u_bcomm), not as
+#: slices of their own: where it names none, the row's simulated side is '-'
+_HOST_PATTERNS += ((re.compile(r"^convert(?: grad)? L(\d+) .+$"), "conversion", "collective"),)
 ACTIONS = tuple(a for _, a in _PATTERNS) + tuple(a for _, a, _ in _HOST_PATTERNS)
 
 

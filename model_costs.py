@@ -118,14 +118,14 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
                 print(f"note: model_costs=closed_form: {cfg.model.name} is a torch_module model, which has no "
                       "closed-form costs; using its traced (symbolic) costs")
             model = model_from_profile(symbolic_profile(cfg))
-            return with_op_graphs(cfg, model) if wants_op_graphs(cfg) else model
+            return _op_graphs_for_policy(cfg, model) if wants_op_graphs(cfg) else model
         model = closed_form_spec(cfg)
         if costs_source(cfg) == "symbolic":
             from specs.profile import apply_profile
 
             model = apply_profile(model, symbolic_profile(cfg))
         if wants_op_graphs(cfg):
-            model = with_op_graphs(cfg, model)
+            model = _op_graphs_for_policy(cfg, model)
         return model
     except CostsError:
         raise
@@ -134,14 +134,26 @@ def model_spec(cfg: RunConfig) -> ModelSpec:
 
 
 def wants_op_graphs(cfg: RunConfig) -> bool:
-    """MAP plans from operator graphs: policy=map, and policy=auto when MAP is among its singles
-    (families MAP cannot trace plan without it: auto reports why)."""
+    """MAP plans from operator graphs: policy=map, and policy=auto when MAP is among its singles,
+    for any model (issue 26: executor.op_graph traces every family and a user's torch_module;
+    MAP §1 parallelises any model). Under auto a model that cannot be traced plans without them
+    (:func:`_op_graphs_for_policy` says why)."""
     kind = cfg.policy.kind
-    return kind == "map" or (kind == "auto" and "map" in cfg.policy.singles and cfg.model.family in MAP_FAMILIES)
+    return kind == "map" or (kind == "auto" and "map" in cfg.policy.singles)
 
 
-#: the families executor.op_graph traces (MAP's executor runs gpt and bert; executor/measure.py)
-MAP_FAMILIES = ("gpt", "bert")
+def _op_graphs_for_policy(cfg: RunConfig, model: ModelSpec) -> ModelSpec:
+    """:func:`with_op_graphs`; under policy=auto a trace failure leaves MAP out (its single then
+    reports "no operator graphs") with a note naming the error, instead of failing the whole run."""
+    if cfg.policy.kind != "auto":
+        return with_op_graphs(cfg, model)
+    try:
+        return with_op_graphs(cfg, model)
+    except Exception as exc:  # noqa: BLE001 — torch.export / FakeTensor raise many kinds on an untraceable module
+        print(f"note: policy=auto: {model.name}'s operator graphs could not be traced "
+              f"({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); MAP's sharding is left out", flush=True)
+        return model
+
 
 #: what executor.op_graph measures per node: a cached graph set of another revision is traced again
 #: (2: backward scratch measured below FlopCounterMode's decompositions, e.g. silu_backward)

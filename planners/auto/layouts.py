@@ -113,8 +113,8 @@ def variants(policy, training: TrainingSpec, schedule: ScheduleSpec) -> tuple[li
     left_out.append("D2D swap from stages with dp·tp > 1: the executor sends every replica's stripes, the simulator "
                     "counts one share (planners/mpress/compact.py); such stages recompute or swap to the host")
     left_out.append("MAP's per-operator sharding beside dp × tp stages: tried on the fastest plan at the configured "
-                    "microbatch only (its operator graphs are traced at that size), one stage at a time "
-                    "(planners/auto/map_mix.py)")
+                    "microbatch only (its operator graphs are traced at that size; the lowest-peak one when none "
+                    "fits), one stage at a time (planners/auto/map_mix.py)")
     out = []
     for size in sizes:
         tr = training.model_copy(update={"microbatch_size": size, "num_microbatches": None})

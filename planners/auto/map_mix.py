@@ -1,4 +1,4 @@
-"""MAP's per-operator sharding on single stages of policy=auto's winner (issue 23; MAP §4-§5).
+"""MAP's per-operator sharding on single stages of policy=auto's winner (issues 23, 26; MAP §4-§5).
 
 policy=map plans every stage as a MAP mesh; auto's layouts give each stage dp × tp. This step
 mixes them: for each stage of the fastest fitting auto plan that spans several devices (no
@@ -9,6 +9,17 @@ optimizer swap with it), the other stages unchanged. The mixed plan is simulated
 it fits and is faster, and the next stage is tried on top of it (greedy, in stage order). When the
 simulator puts the sharded stage over the capacity, MAP's own refinement is applied once: the
 budget shrinks by capacity / peak and the stage is solved again (as map_search does).
+
+Any model with operator graphs (issue 26): MAP's strategies are per operator of the traced graph
+(executor.op_graph: GPT, BERT, LLaMA, Wide-ResNet, MoE and a user's torch_module alike), so nothing
+here asks the family. A torch_module layer has no closed-form tensor parallelism (max_tp 1), so for
+such a model a MAP stage is auto's only way to shard a layer's parameters (MAP §1: automatic
+parallelisation of any model).
+
+When no plan of auto's fits (a layer's state alone over the capacity on one device), the base is
+the own plan with the lowest peak instead: sharding a stage may be what makes it fit. A mixed plan
+is kept when it is better than the last kept one: it fits and is faster, or the last one does not
+fit and it fits or peaks lower.
 
 Heuristic, not exact: one plan (the winner), stages one at a time, one refinement. Exact: each
 mixed plan's time and peak are the simulator's. Needs the model's operator graphs (the shell
@@ -41,14 +52,34 @@ def _sharded_stage(plan: Plan, s: int, model: ModelSpec, hardware: HardwareSpec,
     shard, segs = solve_stage(sm, budget, MapPolicy(memory_budget_gib=budget / GIB), choice, None, [])
     if choice.min_budget_bytes:
         raise PlanningError(f"stage {s}: MAP needs {choice.min_budget_bytes / GIB:.2f} GiB per device")
+    # what the stage is, as map_search writes it: its mesh (StagePlan.mesh where specs carries it)
+    mesh_field = {"mesh": list(shape)} if "mesh" in StagePlan.model_fields else {}
     return StagePlan(layer_start=st.layer_start, layer_stop=st.layer_stop, devices=list(order), dp=1,
-                     tp=len(order), sharding=shard, checkpoint=segs)
+                     tp=len(order), sharding=shard, checkpoint=segs, **mesh_field)
 
 
 def _with_stage(plan: Plan, s: int, stage: StagePlan) -> Plan:
     stages = list(plan.stages)
     stages[s] = stage
     return plan.model_copy(update={"stages": stages})
+
+
+def _better(got: Candidate, best: Candidate) -> bool:
+    """Kept over ``best`` (module doc): fits and faster; or ``best`` does not fit, and it fits or peaks lower."""
+    if best.fits:
+        return got.fits and got.time_s < best.time_s
+    return got.fits or got.peak < best.peak
+
+
+def map_base(cands: list[Candidate], samples_per_microbatch: int) -> Candidate | None:
+    """The plan MAP sharding is tried on: auto's own fastest fitting plan at the configured
+    microbatch (the operator graphs' size, module doc); if none fits, its lowest-peak one."""
+    own = [c for c in cands
+           if c.layout is not None and c.plan.training.samples_per_microbatch == samples_per_microbatch]
+    fit = [c for c in own if c.fits]
+    if fit:
+        return min(fit, key=lambda c: (c.time_s, c.how))
+    return min(own, key=lambda c: (c.peak, c.time_s, c.how), default=None)
 
 
 def map_mixed(winner: Candidate, model: ModelSpec, hardware: HardwareSpec, capacity: int) -> list[Candidate]:
@@ -62,7 +93,7 @@ def map_mixed(winner: Candidate, model: ModelSpec, hardware: HardwareSpec, capac
     for s, st in enumerate(plan.stages):
         if len(st.devices) < 2 or st.offload.window_layers is not None or st.sharding:
             continue
-        budget = capacity
+        budget, last = capacity, None
         for _ in range(2):  # the solve, then MAP's one refinement if the simulator says it is over
             try:
                 mixed = _with_stage(best.plan, s, _sharded_stage(best.plan, s, model, hardware, budget))
@@ -71,10 +102,11 @@ def map_mixed(winner: Candidate, model: ModelSpec, hardware: HardwareSpec, capac
                 break
             got.how = f"{winner.how} + MAP sharding on stage {s}"
             out.append(got)
+            last = got
             peak = max(d.peak_bytes for d in got.result.devices if d.device in set(st.devices))
             if not over_capacity(got.result, capacity) or peak <= capacity:
                 break
             budget = int(budget * capacity / peak * 0.995)
-        if out and out[-1].fits and out[-1].time_s < best.time_s:
-            best = out[-1]
+        if last is not None and _better(last, best):
+            best = last
     return out

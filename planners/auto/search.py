@@ -29,8 +29,9 @@ not enumerated; the search decomposes as the papers' own solvers do:
 The winner is the fastest simulated candidate that fits; if none fits, the one with the lowest
 peak (the closest), which the shell reports as "does not fit" with its knobs. MAP's per-operator
 sharding enters twice: as policy=map's whole plan (single 1), and per stage of the fastest plan at
-the configured microbatch (planners/auto/map_mix.py: a stage replaced by MAP's sharding of its
-devices, kept when the simulator says faster).
+the configured microbatch, or of the lowest-peak one when none fits (planners/auto/map_mix.py: a
+stage replaced by MAP's sharding of its devices, kept when the simulator says faster, or fitting
+where nothing did). Both for any model whose operator graphs were traced (issue 26).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 from planners.auto.candidate import Candidate, pareto
 from planners.auto.interleave import interleaved
 from planners.auto.layouts import needs_dp_tp_window, search_layouts
-from planners.auto.map_mix import map_mixed
+from planners.auto.map_mix import map_base, map_mixed
 from planners.auto.realise import compacted, realise
 from planners.auto.singles import BOUNDED, Single, run_single, single_bound_s
 from specs.hardware import HardwareSpec
@@ -232,12 +233,12 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     cands += inter
     say(f"interleaved 1F1B on the fastest uniform layouts: {len(inter)} simulated", time.perf_counter() - start)
     # MAP's strategies come from operator graphs traced at the configured microbatch
-    # (specs/plan.py refuses a sharded stage at another): the fastest own plan at that size
-    own = [c for c in cands if c.fits and c.layout is not None
-           and c.plan.training.samples_per_microbatch == training.samples_per_microbatch]
-    if own:
+    # (specs/plan.py refuses a sharded stage at another): the fastest own plan at that size, or
+    # when none fits its lowest-peak one (sharding a stage may make it fit: issue 26, map_mix.py)
+    base = map_base(cands, training.samples_per_microbatch)
+    if base is not None:
         start = time.perf_counter()
-        mixed = map_mixed(min(own, key=lambda c: (c.time_s, c.how)), model, hardware, capacity)
+        mixed = map_mixed(base, model, hardware, capacity)
         cands += mixed
         say(f"MAP sharding on the fastest plan's stages: {len(mixed)} simulated", time.perf_counter() - start)
     best = min([best] + [c.time_s for c in cands if c.fits])

@@ -71,7 +71,10 @@ def _plan(name: str, model: ModelSpec, plan_hw: HardwareSpec, training: Training
         if schedule.virtual_stages > 1:  # as planning._plan_map: its stages are whole meshes
             raise PlanningError("MAP plans non-interleaved schedules (one stage per device group)")
         if not model.op_graphs:
-            raise PlanningError("the model carries no operator graphs (MAP profiles gpt/bert families)")
+            # the shell traces them for any model when "map" is in policy.singles (issue 26:
+            # model_costs.wants_op_graphs); it prints why when a model cannot be traced
+            raise PlanningError("the model carries no operator graphs (traced when 'map' is in policy.singles; "
+                                "a model torch.export cannot trace has none)")
         from planners.map.plan import map_search
 
         return map_search(MapPolicy(memory_budget_gib=capacity / GIB), model, plan_hw, training, schedule,

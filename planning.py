@@ -265,6 +265,7 @@ def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
     against the simulator) and prints its summary. ``model`` carries its op graphs (model_spec
     attaches them for policy=map)."""
     from planners.map.plan import map_search, report, summary_lines
+    from specs.units import size_text
 
     if cfg.schedule.virtual_stages > 1:  # its stages are whole meshes, one per pipeline position
         raise PlanningError(f"MAP plans non-interleaved schedules (one stage per device group), but "
@@ -274,7 +275,7 @@ def _plan_map(cfg: RunConfig, model: ModelSpec, outdir: Path, progress) -> Plan:
     outcome = map_search(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, progress,
                          phase=lambda name, s: print(f"[map] {name}: {s:.2f} s", flush=True))
     return _publish(cfg, model, outdir, outcome, REPORT_FILES["map"], report(outcome), summary_lines(outcome),
-                    f"no strategy choice with checkpointing meets the {outcome.budget_bytes / (1 << 30):.2f} GiB "
+                    f"no strategy choice with checkpointing meets the {size_text(outcome.budget_bytes)} "
                     "memory budget per device")
 
 

@@ -3,8 +3,8 @@ graph: issue 14 asks the ILP to solve in <= 10 s on one core.
 
     python benchmarks/map_solve_time.py [--product] [--traced-only] [--delta-only]
 
-First experiment=map_gpt2_delta on its detected 3-D mesh and on the old 2-D fold (``delta``, issue
-26), then the planner's real problem (the traced graph, see ``traced``), then the synthetic one below.
+First experiment=map_gpt2_delta at 40/60/80 GiB, planned on its detected 3-D mesh and on its 2-D
+fold (``delta``, issue 26), then the planner's real problem (the traced graph, see ``traced``), then the synthetic one below.
 
 The graph and every number in it are SYNTHETIC (no profiler, no hardware spec): hidden 2560, 32 heads
 of 80, sequence 2048, microbatch 2, 32 blocks of 12 ops (linear qkv, bmm scores, softmax, bmm context,
@@ -295,27 +295,27 @@ def traced() -> None:
 
 def delta() -> None:
     """Issue 26: experiment=map_gpt2_delta (GPT2 hidden 16384, 4 layers, bf16, batch 8 on map_8xa100)
-    planned on the detected 2 x 2 x 2 mesh and on the 4 x 2 it used to be folded to: the whole
-    map_search (mesh, strategy table, ILP + rotor at §5.3's budgets, refinement), wall and process
-    CPU seconds on one core, and each plan's simulated iteration. Before issue 26 the 2 x 2 x 2
-    solve took 261 s (232 s in the block DP's Pareto frontiers, ~55 s pricing conversions)."""
+    at 40, 60 and 80 GiB: the whole map_search (mesh, strategy table, ILP + rotor over §5.3's budgets
+    and the grid under B, refinement), which plans the detected 2 x 2 x 2 mesh and its 4 x 2 fold
+    and keeps the faster; wall and process CPU seconds on one core, each mesh's simulated
+    iteration. Before issue 26 the 2 x 2 x 2 solve took 261 s (232 s in the block DP's Pareto
+    frontiers, ~55 s pricing conversions)."""
     from model_costs import model_spec
     from planners.map.plan import map_search
     from runconfig import compose
-    from simulator import simulate
 
     cfg = compose("experiment=map_gpt2_delta")
     model = model_spec(cfg)
-    for mesh in (None, [4, 2]):
-        pol = cfg.policy.model_copy(update={"mesh": mesh})
+    for gib in (40, 60, 80):
+        pol = cfg.policy.model_copy(update={"memory_budget_gib": float(gib)})
         out, wall, cpu = _timed(lambda: map_search(pol, model, cfg.hardware, cfg.training, cfg.schedule))
-        sim = simulate(out.plan, model, cfg.hardware).result
         st = out.stages[0]
-        print(f"delta mesh {'x'.join(map(str, st.mesh)):<6} ({'detected' if mesh is None else 'policy.mesh, the old fold'}): "
-              f"solved {wall:6.2f} s wall, {cpu:6.2f} s cpu ({st.strategies} strategies, "
-              f"{min(st.strategies_per_node.values())}-{max(st.strategies_per_node.values())} per operator); "
-              f"simulated iteration {sim.iteration_time_s:.4f} s, peak {max(out.peak_bytes) / GiB:.2f} GiB, "
-              f"{'fits' if out.fits else 'DOES NOT FIT'}")
+        meshes = "; ".join(f"{m['kind']} {'x'.join(map(str, m['mesh'][0]))} {m['iteration_s']:.4f} s"
+                           f"{'' if m['fits'] else ' (does not fit)'}{' <- kept' if m.get('kept') else ''}"
+                           for m in out.meshes)
+        print(f"delta {gib} GiB: solved {wall:6.2f} s wall, {cpu:6.2f} s cpu (both meshes); plan on "
+              f"{'x'.join(map(str, st.mesh))}, ILP budget k={st.budget_k}, iteration {out.iteration_s:.4f} s, peak "
+              f"{max(out.peak_bytes) / GiB:.2f} GiB, {'fits' if out.fits else 'DOES NOT FIT'} | {meshes}")
 
 
 def main() -> None:

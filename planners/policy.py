@@ -150,7 +150,8 @@ class MapPolicy(Spec):
     cluster.json from mode=calibrate whose measured pairs and per-axis all-reduce fits build the
     mesh and price its axes (null: the hardware YAML's links);
     ``pp``: pipeline stages (each stage's devices form its mesh); ``alpha``/``budgets``: §5.3's
-    ILP budgets B(1+alpha)^k, k < budgets; ``refine``: re-solves when the simulated peak exceeds
+    ILP budgets B(1+alpha)^k, k < budgets; ``budgets_below``: ILP budgets under B too,
+    B(1+alpha)^(-j/4), j <= budgets_below (planners.map.rotor.budget_grid); ``refine``: re-solves when the simulated peak exceeds
     the budget. ``constrain=params`` bounds parameter state only, as the solvers MAP compares
     with do, to show what ignoring activations costs (rotor and the refinement are then off)."""
 
@@ -162,6 +163,8 @@ class MapPolicy(Spec):
     pp: int = Field(1, ge=1)
     alpha: float = Field(0.25, gt=0, le=4)
     budgets: int = Field(10, ge=1, le=40)
+    budgets_below: int = Field(12, ge=0, le=40, description="ILP budgets under B, B(1+alpha)^(-j/4), j = 1.."
+                                                           "budgets_below (the first infeasible one ends them)")
     memory_slots: int = Field(500, ge=10, le=5000)
     ilp_time_limit_s: float = Field(60.0, gt=0, le=3600)
     refine: int = Field(4, ge=0, le=20)

@@ -7,11 +7,15 @@ The stage's time and activation bytes then come from walking rotor's sequence fo
 checkpoint tree (costs.rotor.walk), so recomputation is timed and its memory counted the
 way the planner's DP counted them. Pure: no I/O, no torch.
 
+A stage is priced on the mesh the plan carries when it carries one (:func:`plan_mesh`: the measured
+cluster's per-axis prices, ``StagePlan.mesh_axes``), else on the hardware YAML's links.
+
 The layer-level names (stage_mesh, node_compute_s, find_strategy, layer_cost, ...) stay importable
 from here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from costs.map_layout import convert
@@ -24,7 +28,7 @@ from specs.op_graph import OpGraph
 from specs.plan import CheckpointSegment, LayerSharding, Plan, StagePlan
 from specs.result import MemoryBreakdown
 from specs.training import TrainingSpec
-from specs.sharding import Mesh, ShardingSpec
+from specs.sharding import Mesh, MeshAxis, ShardingSpec
 
 
 def chain_of(costs: list[LayerCost], fixed_bytes: int = 0, input_bytes: int = 0,
@@ -291,6 +295,18 @@ def _replicate_output(costs_: list[LayerCost], graph: OpGraph, mesh: Mesh) -> No
                              output_spec=str(rep))
 
 
+def plan_mesh(hardware: HardwareSpec, stage: StagePlan) -> Mesh:
+    """The mesh a MAP stage is priced on: the per-axis alpha-beta the plan carries
+    (``StagePlan.mesh_axes``: the measured cluster the planner used, policy.cluster, MAP §4.2), else
+    the hardware YAML's links (:func:`stage_mesh`), so a plan is simulated on the prices it was
+    planned on."""
+    shape = stage_layout(stage)
+    if stage.mesh_axes is None:
+        return stage_mesh(hardware, tuple(stage.devices), shape)
+    return Mesh(tuple(MeshAxis(a.size, a.alpha_s, math.inf if a.beta_bytes_per_s is None else a.beta_bytes_per_s)
+                      for a in stage.mesh_axes))
+
+
 def sharded_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, stage: StagePlan) -> ShardedStage:
     """Price ``stage`` (a MAP stage of ``plan``, validated by specs.plan.validate_plan):
     :func:`stage_chain` on the stage's mesh, then rotor's walk of its checkpoint tree
@@ -298,7 +314,7 @@ def sharded_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, stage: S
     if model.op_graph_microbatch is not None and model.op_graph_microbatch != plan.training.samples_per_microbatch:
         raise ValueError(f"the op graphs were traced at microbatch {model.op_graph_microbatch}, the plan runs "
                          f"{plan.training.samples_per_microbatch}: trace them again for this batch")
-    mesh = stage_mesh(hardware, tuple(stage.devices), stage_layout(stage))
+    mesh = plan_mesh(hardware, stage)
     w_b, g_b, o_b = plan.training.bytes_per_param()
     costs_, chain = stage_chain(model, hardware, plan.training, range(stage.layer_start, stage.layer_stop), mesh,
                                 {s.layer: s for s in stage.sharding})

@@ -13,10 +13,28 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from specs._base import MAX_COUNT, Spec
+from specs._base import MAX_COUNT, Spec, finite_in
 from specs.hardware import MAX_DEVICES
 from specs.plan_memory import LayerMemory, MemoryAction, OffloadPolicy
 from specs.plan_sharding import CheckpointSegment, LayerSharding, check_tiling, mixed_meshes
+
+
+class MeshAxisPrice(Spec):
+    """One axis of a MAP stage's mesh as the planner priced it (specs.sharding.MeshAxis in plain JSON):
+    the alpha-beta of a collective among the axis's devices. ``beta_bytes_per_s`` null: a size-1
+    axis (no collective)."""
+
+    size: int = Field(ge=1, le=MAX_DEVICES)
+    alpha_s: Annotated[float, finite_in(0.0, 10.0, lo_open=False)] = Field(
+        description="latency per ring step of a collective over the axis, seconds")
+    beta_bytes_per_s: Annotated[float, finite_in(0.0, 1e15)] | None = Field(
+        description="bus bandwidth of a collective over the axis, bytes/s; null only on a size-1 axis")
+
+    @model_validator(mode="after")
+    def _priced(self) -> MeshAxisPrice:
+        if self.size > 1 and self.beta_bytes_per_s is None:
+            raise ValueError(f"beta_bytes_per_s: an axis of {self.size} devices needs its bandwidth")
+        return self
 
 
 class StagePlan(Spec):
@@ -30,6 +48,11 @@ class StagePlan(Spec):
         description="MAP: the stage's logical device mesh (slowest axis first, devices row-major over it), what "
                     "the stage is; dp 1 and tp = its devices are then only the device count (every strategy "
                     "picks its own data/tensor split per operator, map.json lists them)")
+    mesh_axes: list[MeshAxisPrice] | None = Field(
+        None, min_length=1, max_length=8,
+        description="MAP: per axis of mesh, the alpha-beta the planner priced when it came from a measured "
+                    "cluster (policy.cluster, MAP §4.2); the simulator prices the stage's collectives with "
+                    "these. null: the hardware YAML's links (simulator.sharded_layer.stage_mesh)")
     memory: list[LayerMemory] = Field(default_factory=list, description="layers not listed: keep")
     offload: OffloadPolicy = Field(default_factory=OffloadPolicy)
     sharding: list[LayerSharding] = Field(default_factory=list, description="MAP: every layer's strategies, or none")
@@ -49,7 +72,7 @@ class StagePlan(Spec):
                                      f"[{self.layer_start}, {self.layer_stop})")
         if self.sharding:
             self._check_sharded()
-        elif self.mesh is not None:
+        elif self.mesh is not None or self.mesh_axes is not None:
             raise ValueError("mesh: only a MAP-sharded stage (sharding) has a logical mesh")
         elif self.checkpoint:
             raise ValueError("checkpoint: rotor segments apply to a MAP-sharded stage (sharding); use memory's "
@@ -116,11 +139,14 @@ class StagePlan(Spec):
             if math.prod(s.mesh) != len(self.devices):
                 raise ValueError(f"sharding: layer {s.layer}'s mesh {s.mesh} has {math.prod(s.mesh)} devices, the "
                                  f"stage {len(self.devices)}")
+        if (mixed := mixed_meshes(self.sharding)) is not None:
+            raise ValueError(f"sharding: {mixed}")
         if self.mesh is not None and any(list(s.mesh) != list(self.mesh) for s in self.sharding):
             raise ValueError(f"mesh: {self.mesh} differs from the layers' sharding meshes "
                              f"{sorted({tuple(s.mesh) for s in self.sharding})}")
-        if (mixed := mixed_meshes(self.sharding)) is not None:
-            raise ValueError(f"sharding: {mixed}")
+        if self.mesh_axes is not None and (self.mesh is None or [a.size for a in self.mesh_axes] != list(self.mesh)):
+            raise ValueError(f"mesh_axes: sizes {[a.size for a in self.mesh_axes]} must be the stage's mesh "
+                             f"{self.mesh} (one price per axis, in order)")
         # the simulator and executor.map_exec keep a MAP stage's states on its devices: an offload
         # here would be priced and run as if it were not there
         for name in ("window_layers", "optimizer_on_cpu", "optimizer_swap", "nvme", "stash_swap_layers",

@@ -14,7 +14,9 @@ each stage's devices form its own mesh, so MAP is an intra-stage policy):
    (Algorithm 1, costs.map_layout), per strategy the bytes it keeps (saved activations and
    parameter state); ``blocks`` = the layers, so planners.map.blocks solves it exactly;
 3. §5.3: the ILP at budgets B(1+alpha)^k, each solution's layer chain checkpointed by rotor
-   (§5.2, planners.map.rotor) within the real budget B; the fastest ILP time + recomputation wins;
+   (§5.2, planners.map.rotor) within the real budget B; the fastest ILP time + recomputation wins.
+   Generalised to a grid around B: ILP budgets under B too (planners.map.rotor.budget_grid), where
+   a more sharded choice can beat a replicated one that rotor must recompute;
 4. the plan is simulated; if the simulator's peak (which also counts what the ILP's sum leaves
    out: a tied weight read in two layouts, conversion buffers, the gradient in flight) exceeds
    B, the solve is repeated with the internal budget scaled down by the overshoot (at most
@@ -33,18 +35,23 @@ from planners.map.cluster_file import cluster_mesh, load_cluster
 from planners.map.conv_table import round_trip_s
 from planners.map.problem import IlpEdge, IlpNode, IlpProblem, IlpSolution
 from costs.rotor import INF, Chain
-from planners.map.stage import PHASES, Clock, solve_stage
+from planners.map.stage import PHASES, Clock, budgets_below, solve_stage
 from costs.map_strategies import Strategy, strategies
 from simulator.sharded import stage_chain
 from simulator.sharded_layer import act_dtype_bytes, node_compute_s, stage_mesh
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import LayerSharding, NodeSharding, Plan, ScheduleSpec, StagePlan
+from specs.plan_stage import MeshAxisPrice
 from specs.sharding import Mesh, ShardingSpec
 from specs.training import TrainingSpec
 from specs.units import size_text
 
 GIB = 1 << 30
+#: the detected N-D mesh's 2-D fold is solved too (the faster plan kept) while the detected stages hold
+#: at most this many candidate strategies (δ's 2 x 2 x 2: 3485; the fold always has fewer): past it
+#: the second solve is not cheap and the detected mesh is kept (map.json's notes say so)
+FOLD_MAX_STRATEGIES = 50_000
 #: the block DP rounds each layer's bytes up to budget / QUANTA (planners.map.ilp.IlpProblem):
 #: at most layers / QUANTA of the budget is given away (34 layers: 0.8 %)
 QUANTA = 1024
@@ -79,6 +86,7 @@ class MapOutcome:
     iteration_s: float
     rounds: list[dict]
     notes: list[str]
+    meshes: list[dict] = field(default_factory=list)   # the detected mesh and its 2-D fold, when both were solved
 
 
 def choose_mesh(mesh: list[int] | None, hardware: HardwareSpec, devices: tuple[int, ...],
@@ -281,9 +289,8 @@ def _stage_ranges(model: ModelSpec, pp: int) -> list[range]:
 def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
                schedule: ScheduleSpec, progress=None, phase=None) -> MapOutcome:
     """``progress(done, total)``: §5.3's budgets solved so far; ``phase(name, seconds)``: called as each
-    phase ends (PHASES, in order; the solve phases and the simulation once per refinement round)."""
-    from simulator import simulate
-
+    phase ends (PHASES, in order; the solve phases and the simulation once per refinement round; a
+    2-D fold tried beside a detected N-D mesh reports its phases again, named with the fold)."""
     clock = Clock(phase)
 
     if not model.op_graphs or any(l.op_graph is None for l in model.layers):
@@ -301,25 +308,83 @@ def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Train
     per = n_dev // pp
     budget = int(policy.memory_budget_gib * GIB) if policy.memory_budget_gib is not None else hardware.device.memory_bytes
     ranges = _stage_ranges(model, pp) if pp > 1 else [range(0, model.num_layers)]
-    models, choices, meshes = [], [], []
     cluster = None
     if getattr(policy, "cluster", None):
         try:
             cluster = load_cluster(policy.cluster)
         except ValueError as exc:
             raise PlanningError(str(exc)) from None
-    for s, r in enumerate(ranges):
-        devs = tuple(range(s * per, (s + 1) * per))
-        meshes.append(stage_mesh_of(policy.mesh, hardware, devs, cluster))
+    meshes = [stage_mesh_of(policy.mesh, hardware, tuple(range(s * per, (s + 1) * per)), cluster)
+              for s in range(len(ranges))]
     clock.lap(PHASES[0])
+    source = f"cluster {policy.cluster}" if cluster is not None else f"hardware {hardware.name} links"
+    out = _search(policy, model, hardware, training, schedule, ranges, meshes, budget, source, clock, progress)
+    folded = [fold_mesh(shape, order, hardware, cluster) for shape, order, _, _ in meshes] if policy.mesh is None else []
+    if not folded or all(f is None for f in folded):
+        return out
+    shapes = [list(m[0]) for m in meshes]
+    fold_shapes = [list(m[0]) if f is None else list(f[0]) for m, f in zip(meshes, folded)]
+    solved = sum(c.strategies for c in out.stages)
+    if solved > FOLD_MAX_STRATEGIES:
+        out.notes.append(f"mesh: the detected {_shapes(shapes)} has {solved} strategies (> {FOLD_MAX_STRATEGIES}); "
+                         f"its 2-D fold {_shapes(fold_shapes)} was not tried")
+        return out
+    # MAP §4.3 converts layouts on a mesh of any dimension, but a 3-D mesh contains its 2-D fold only
+    # where the strategies split a tensor dimension over the two joined axes at once: the fold is
+    # solved too, and the faster simulated plan (a fitting one first) is kept (issue 26)
+    name = _shapes(fold_shapes)
+    fclock = Clock(None if phase is None else (lambda n, s: phase(f"{n} (2-D fold {name})", s)))
+    fold_meshes = [m if f is None else f for m, f in zip(meshes, folded)]
+    other = _search(policy, model, hardware, training, schedule, ranges, fold_meshes, budget, source, fclock, progress)
+    tried = [{"mesh": shapes, "kind": "detected", "iteration_s": out.iteration_s, "fits": out.fits},
+             {"mesh": fold_shapes, "kind": "2-D fold", "iteration_s": other.iteration_s, "fits": other.fits}]
+    best = other if (other.fits, -other.iteration_s) > (out.fits, -out.iteration_s) else out
+    tried[best is other]["kept"] = True
+    best.meshes = tried
+    best.notes.insert(0, f"mesh: detected {_shapes(shapes)} {_it_text(out)} against its 2-D fold {name} "
+                         f"{_it_text(other)}: kept the {'fold' if best is other else 'detected mesh'} (both solved: "
+                         f"{solved} and {sum(c.strategies for c in other.stages)} strategies)")
+    return best
+
+
+def _shapes(shapes: list[list[int]]) -> str:
+    return ", ".join(dict.fromkeys("x".join(map(str, s)) for s in shapes))
+
+
+def _it_text(out: MapOutcome) -> str:
+    return f"{out.iteration_s:.3f} s" + ("" if out.fits else " (does not fit)")
+
+
+def fold_mesh(shape: tuple[int, ...], order: tuple[int, ...], hardware: HardwareSpec,
+              cluster: dict | None) -> tuple[tuple[int, ...], tuple[int, ...], Mesh, str] | None:
+    """The 2-D fold of a detected mesh (slowest axes first): the slower axes joined into one, the
+    fastest kept, the devices in the same row-major order, each axis priced as the detected one
+    is (the cluster file's pairs and fits, else the YAML's links). None: two axes or fewer of size > 1."""
+    if sum(s > 1 for s in shape) <= 2:
+        return None
+    fold = (math.prod(shape[:-1]), shape[-1])
+    if cluster is not None:
+        try:
+            found = cluster_mesh(cluster, order, fold)
+        except ValueError as exc:
+            raise PlanningError(str(exc)) from None
+        return found.shape, found.devices, found.mesh, "cluster"
+    return fold, order, stage_mesh(hardware, order, fold), "hardware"
+
+
+def _search(policy, model, hardware, training, schedule, ranges, meshes, budget: int, mesh_source: str,
+            clock: Clock, progress) -> MapOutcome:
+    """Steps 2-4 of the module doc on the stages' ``meshes`` (stage_mesh_of's tuples)."""
+    from simulator import simulate
+
+    models, choices = [], []
     for s, (r, (shape, order, mesh, source)) in enumerate(zip(ranges, meshes)):
         sm = _StageModel(model, hardware, training, r, order, shape, policy.constrain, mesh)
         sm.build()
         models.append(sm)
         choices.append(StageChoice(stage=s, layers=(r.start, r.stop), devices=order, mesh=shape,
                                    nodes=len(sm.nodes), strategies=sum(len(x) for x in sm._unary),
-                                   mesh_source=(f"cluster {policy.cluster}" if source == "cluster"
-                                                else f"hardware {hardware.name} links"),
+                                   mesh_source=mesh_source,
                                    axes=[{"size": ax.size, "alpha_s": ax.alpha_s, "beta_bytes_per_s": ax.beta_bytes_per_s}
                                          for ax in mesh.axes],
                                    strategies_per_node={f"L{l}.{name}": len(u) for (l, name), u in zip(sm.nodes, sm._unary)}))
@@ -327,18 +392,20 @@ def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Train
     rounds, notes = [], []
     target = budget
     best = None
+    per_stage = policy.budgets + budgets_below(policy)
     for rnd in range(policy.refine + 1):
         stages = []
-        for sm, ch in zip(models, choices):
-            done = (rnd * len(models) + ch.stage) * policy.budgets
-            total = (policy.refine + 1) * len(models) * policy.budgets
+        for sm, ch, (_, _, mesh, source) in zip(models, choices, meshes):
+            done = (rnd * len(models) + ch.stage) * per_stage
+            total = (policy.refine + 1) * len(models) * per_stage
             step = (lambda k, n, done=done, total=total: progress(done + k, total)) if progress is not None else None
             shard, segs = solve_stage(sm, target, policy, ch, step, notes, clock.spent)
-            # what the stage is: its mesh (StagePlan.mesh, where specs carries it: patch
-            # F_plan_stage_mesh); dp 1 x tp n is only the device count specs.plan_stage asks of a MAP stage
-            mesh_field = {"mesh": list(sm.shape)} if "mesh" in StagePlan.model_fields else {}
+            # what the stage is: its mesh; dp 1 x tp n is only the device count specs.plan_stage asks of a
+            # MAP stage. A measured mesh (policy.cluster) travels with its per-axis prices, so the
+            # simulator prices the collectives the planner priced (simulator.sharded.plan_mesh)
             stages.append(StagePlan(layer_start=sm.layers.start, layer_stop=sm.layers.stop, devices=list(sm.devices),
-                                    dp=1, tp=len(sm.devices), sharding=shard, checkpoint=segs, **mesh_field))
+                                    dp=1, tp=len(sm.devices), sharding=shard, checkpoint=segs, mesh=list(sm.shape),
+                                    mesh_axes=mesh_prices(mesh) if source == "cluster" else None))
         plan = Plan(planner="map", model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
                     training=training,
                     schedule=schedule, stages=stages)
@@ -362,12 +429,19 @@ def map_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Train
         need = max(c.min_budget_bytes for c in choices)
         if need:
             notes.append(f"does not fit: the smallest budget any strategy choice with checkpointing meets is "
-                         f"{need / GIB:.2f} GiB per device (asked {budget / GIB:.2f} GiB); the plan is the "
+                         f"{size_text(need)} per device (asked {size_text(budget)}); the plan is the "
                          "minimum-memory one")
         else:
             notes.append(f"does not fit: after {policy.refine} refinements the simulated peak "
-                         f"{max(peaks) / GIB:.2f} GiB still exceeds {budget / GIB:.2f} GiB")
+                         f"{size_text(max(peaks))} still exceeds {size_text(budget)}")
     return MapOutcome(plan, fits, budget, choices, peaks, it_s, rounds, notes)
+
+
+def mesh_prices(mesh: Mesh) -> list[MeshAxisPrice]:
+    """``mesh``'s per-axis alpha-beta as the plan carries them (StagePlan.mesh_axes; a size-1 axis has
+    no bandwidth)."""
+    return [MeshAxisPrice(size=ax.size, alpha_s=ax.alpha_s,
+                          beta_bytes_per_s=ax.beta_bytes_per_s if ax.size > 1 else None) for ax in mesh.axes]
 
 
 def plan_map(policy, model, hardware, training, schedule) -> Plan:
@@ -378,6 +452,7 @@ def report(outcome: MapOutcome) -> dict:
     return {
         "fits": outcome.fits, "budget_bytes": outcome.budget_bytes, "simulated_peak_bytes": outcome.peak_bytes,
         "iteration_s": outcome.iteration_s, "rounds": outcome.rounds, "notes": outcome.notes,
+        "meshes": outcome.meshes,
         "stages": [{**{k: v for k, v in c.__dict__.items() if k != "tried"},
                     "ilp_time_s": c.ilp_time_s if math.isfinite(c.ilp_time_s) else None,
                     "tried": c.tried} for c in outcome.stages],
@@ -388,8 +463,10 @@ def summary_lines(outcome: MapOutcome) -> list[str]:
     lines = []
     for c, st in zip(outcome.stages, outcome.plan.stages):
         ck = [f"[{g.start},{g.stop})" for g in st.checkpoint if g.checkpointed]
+        won = next((t["ilp_budget_bytes"] for t in c.tried if t["k"] == c.budget_k and c.budget_k is not None), None)
+        at = "" if won is None else f" (ILP budget {size_text(won)}, k = {c.budget_k})"
         lines.append(f"map stage {c.stage} (layers {c.layers[0]}..{c.layers[1] - 1}, devices {list(c.devices)}, mesh "
-                     f"{list(c.mesh)}): {c.nodes} operators, {c.strategies} strategies; solved in {c.solve_s:.2f} s; "
+                     f"{list(c.mesh)}): {c.nodes} operators, {c.strategies} strategies; solved in {c.solve_s:.2f} s{at}; "
                      f"per microbatch {c.ilp_time_s * 1e3:.2f} ms + recompute {max(c.recompute_s, 0.0) * 1e3:.2f} ms; "
                      f"checkpointed {', '.join(ck) if ck else 'none'}")
         per = list(c.strategies_per_node.values())
@@ -397,11 +474,11 @@ def summary_lines(outcome: MapOutcome) -> list[str]:
                          for a in c.axes)
         lines.append(f"  mesh axes from the {c.mesh_source} (slowest first): {axes}; strategies per operator "
                      f"{min(per, default=0)}-{max(per, default=0)} (map.json: strategies_per_node)")
-    lines.append(f"map: budget {outcome.budget_bytes / GIB:.2f} GiB per device; simulated peak "
-                 f"{max(outcome.peak_bytes) / GIB:.2f} GiB; iteration {outcome.iteration_s:.3f} s"
+    lines.append(f"map: budget {size_text(outcome.budget_bytes)} per device; simulated peak "
+                 f"{size_text(max(outcome.peak_bytes))}; iteration {outcome.iteration_s:.3f} s"
                  f"{'' if outcome.fits else ' | DOES NOT FIT'}")
     lines += outcome.notes
     return lines
 
 
-__all__ = ["MapOutcome", "choose_mesh", "map_search", "plan_map", "report", "stage_mesh_of", "summary_lines"]
+__all__ = ["FOLD_MAX_STRATEGIES", "MapOutcome", "choose_mesh", "fold_mesh", "map_search", "mesh_prices", "plan_map", "report", "stage_mesh_of", "summary_lines"]

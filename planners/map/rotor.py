@@ -173,8 +173,9 @@ def solve(chain: Chain, budget_bytes: int, memory_slots: int = 500, find_min: bo
 
 @dataclass(frozen=True)
 class Integrated:
-    """MAP §5.3's pick: ``k`` the winning budget exponent (ILP budget = budget * (1+alpha)^k),
-    ``total_s`` = ILP time + rotor's recomputation; ``tried``: (k, ilp budget, total or inf)."""
+    """MAP §5.3's pick: ``k`` the winning budget exponent (ILP budget = budget * (1+alpha)^k; k < 0:
+    below the budget, budget * (1+alpha)^(k/BELOW_STEPS), see :func:`budget_grid`), ``total_s`` = ILP time + rotor's recomputation;
+    ``tried``: (k, ilp budget, total or inf), in the order solved."""
 
     k: int | None
     ilp: IlpSolution | None
@@ -184,41 +185,88 @@ class Integrated:
     tried: tuple[tuple[int, int, float], ...]
     ilp_s: float = 0.0           # wall time in the ILP solves
     rotor_s: float = 0.0         # wall time pricing the chains and checkpointing them
+    alternative: int = 0         # which of chain_builder's chains won (one chain: 0)
+
+
+#: an alternative chain of the same ILP solution (integrate's ``chain_builder``) wins only when faster
+#: by more than this share: the chains sum the same per-operator times grouped differently, so an
+#: equal schedule differs by float64 reassociation alone (~1e-16 per term)
+ALT_RTOL = 1e-9
+
+#: the grid under B is finer than §5.3's steps above it: BELOW_STEPS budgets per factor (1 + alpha).
+#: On δ's 2 x 2 x 2 mesh at 40 GiB the fastest ILP budget is 0.9 B (1.091 s after rotor, against
+#: 1.273 s at B and an infeasible ILP at 0.8 B = B / 1.25): whole (1 + alpha) steps miss it
+BELOW_STEPS = 4
+
+
+def budget_grid(budget_bytes: int, alpha: float, n: int, below: int) -> list[tuple[int, int]]:
+    """(k, ILP budget) in the order :func:`integrate` solves them: §5.3's B(1+alpha)^k, k = 0..n-1,
+    then the grid's lower half B(1+alpha)^(k/BELOW_STEPS), k = -1..-below (ILP budgets under B)."""
+    return ([(k, int(budget_bytes * (1 + alpha) ** k)) for k in range(n)]
+            + [(-j, int(budget_bytes * (1 + alpha) ** (-j / BELOW_STEPS))) for j in range(1, below + 1)])
 
 
 def integrate(ilp_problem_builder: Callable[[int], IlpProblem], chain_builder: Callable[[IlpSolution], Chain],
               budget_bytes: int, alpha: float = 0.25, n: int = 10, memory_slots: int = 500,
-              ilp_time_limit_s: float = 60.0, progress: Callable[[int, int], None] | None = None) -> Integrated:
+              ilp_time_limit_s: float = 60.0, progress: Callable[[int, int], None] | None = None,
+              below: int = 0) -> Integrated:
     """MAP §5.3: the ILP alone would squeeze its strategies into the budget and leave rotor nothing to
     do, so it is solved at inflated budgets budget*(1+alpha)^k, k = 0..n-1; each solution's chain
     (``chain_builder``) is checkpointed by rotor within the *real* budget; the fastest ILP time +
-    recomputation wins. Ties keep the smaller k. Once an ILP budget admits the unconstrained optimum
-    (solved once, first), larger budgets reuse it instead of solving again."""
-    best: tuple = (INF, None, None, None, None)
+    recomputation wins. Ties keep the one solved first. Once an ILP budget admits the unconstrained
+    optimum (solved once, first), larger budgets reuse it instead of solving again.
+
+    ``below`` > 0 generalises §5.3's inflation to a grid around B: also budget (1+alpha)^(-j/BELOW_STEPS),
+    j = 1..below (recorded as k = -j). The ILP's row counts every saved activation as kept, so at B it may have to keep
+    replicated (fast, memory-heavy) strategies whose chain rotor then recomputes a lot; a smaller ILP
+    budget shards more and may leave rotor less to recompute (issue 26: δ's 2 x 2 x 2 mesh at 40 GiB).
+    The lower half stops at the first infeasible ILP (the ILP's feasibility is monotone in its
+    budget); a solution already tried (same choice) is not checkpointed again.
+
+    ``chain_builder`` may return several chains for one ILP solution, alternatives that run the same
+    strategies (planners.map.linearise: per layer, and per node group, MAP §5.2.2's Algorithm 2);
+    each is checkpointed and the fastest that fits counts (a later one must be faster by more than
+    ALT_RTOL: ties keep the first), recorded in
+    ``alternative``. Neither chain's rotor family contains the other's: a node group stored with
+    F_all keeps its input a^{g-1} to its backward, where the whole layer may free it once read."""
+    best: tuple = (INF, None, None, None, None, 0)
     tried = []
     t0 = time.perf_counter()
     probe = ilp_problem_builder(budget_bytes)
     roomy = sum(max(nd.memory_bytes) for nd in probe.nodes)
     free = solve_ilp(ilp_problem_builder(roomy), time_limit_s=ilp_time_limit_s)
     rotor_s = 0.0
-    for k in range(n):
-        ilp_budget = int(budget_bytes * (1 + alpha) ** k)
-        if ilp_budget >= free.memory_bytes and free.status == "optimal":
-            sol = free
+    grid = budget_grid(budget_bytes, alpha, n, below)
+    seen: dict[tuple[int, ...], float] = {}
+    for i, (k, ilp_budget) in enumerate(grid):
+        if k < 0 and tried and tried[-1][0] < 0 and tried[-1][3]:
+            tried.append((k, ilp_budget, INF, True))       # a smaller budget than an infeasible one
         else:
-            sol = solve_ilp(ilp_problem_builder(ilp_budget), time_limit_s=ilp_time_limit_s)
-        total = INF
-        if sol.status != "infeasible":
-            t1 = time.perf_counter()
-            chain = chain_builder(sol)
-            rot = solve(chain, budget_bytes, memory_slots, find_min=False)
-            rotor_s += time.perf_counter() - t1
-            if rot.feasible and rot.peak_bytes <= budget_bytes:
-                total = sol.time_s + rot.recompute_s
+            if ilp_budget >= free.memory_bytes and free.status == "optimal":
+                sol = free
+            else:
+                sol = solve_ilp(ilp_problem_builder(ilp_budget), time_limit_s=ilp_time_limit_s)
+            total = INF
+            if sol.status != "infeasible" and tuple(sol.choice) in seen:
+                total = seen[tuple(sol.choice)]
+            elif sol.status != "infeasible":
+                t1 = time.perf_counter()
+                built = chain_builder(sol)
+                mine: tuple = (INF,)
+                for alt, chain in enumerate((built,) if isinstance(built, Chain) else tuple(built)):
+                    rot = solve(chain, budget_bytes, memory_slots, find_min=False)
+                    if rot.feasible and rot.peak_bytes <= budget_bytes:
+                        got = sol.time_s + rot.recompute_s
+                        if got < mine[0] * (1 - ALT_RTOL):
+                            mine = (got, k, sol, chain, rot, alt)
+                total = mine[0]
                 if total < best[0]:
-                    best = (total, k, sol, chain, rot)
-        tried.append((k, ilp_budget, total))
+                    best = mine
+                rotor_s += time.perf_counter() - t1
+                seen[tuple(sol.choice)] = total
+            tried.append((k, ilp_budget, total, sol.status == "infeasible"))
         if progress is not None:
-            progress(k + 1, n)
-    total, k, sol, chain, rot = best
-    return Integrated(k, sol, chain, rot, total, tuple(tried), time.perf_counter() - t0 - rotor_s, rotor_s)
+            progress(i + 1, len(grid))
+    total, k, sol, chain, rot, alt = best
+    return Integrated(k, sol, chain, rot, total, tuple(t[:3] for t in tried), time.perf_counter() - t0 - rotor_s,
+                      rotor_s, alt)

@@ -14,8 +14,13 @@ import time
 from planners.map.rotor import integrate, min_feasible_budget
 from planners.map.rotor import solve as solve_rotor
 from specs.plan import CheckpointSegment, LayerSharding
+from specs.units import size_text
 
 GIB = 1 << 30
+#: ILP budgets tried below B (planners.map.rotor.integrate's ``below``) when the policy names none
+#: (``policy.budgets_below``): B (1+alpha)^(-j/4), j = 1..12, down to B / (1+alpha)^3 (0.51 B at alpha
+#: 0.25), stopping at the first infeasible one
+BUDGETS_BELOW = 12
 #: the deepest checkpoint tree a plan holds: specs.plan serialises one JSON level per nesting level
 #: (pydantic refuses past ~255: 254 levels serialise, 256 do not) and the executor nests one
 #: torch.utils.checkpoint call per level
@@ -67,7 +72,8 @@ def solve_stage(sm, budget_bytes: int, policy, choice, progress=None, notes: lis
         return sm.shardings(sol.choice), []
     sm.quantum_of = budget_bytes
     res = integrate(sm.problem, sm.chain, budget_bytes, alpha=policy.alpha, n=policy.budgets,
-                    memory_slots=policy.memory_slots, ilp_time_limit_s=policy.ilp_time_limit_s, progress=progress)
+                    memory_slots=policy.memory_slots, ilp_time_limit_s=policy.ilp_time_limit_s, progress=progress,
+                    below=budgets_below(policy))
     choice.solve_s += time.perf_counter() - t0
     spent[PHASES[2]] = spent.get(PHASES[2], 0.0) + res.ilp_s
     spent[PHASES[3]] = spent.get(PHASES[3], 0.0) + res.rotor_s
@@ -100,10 +106,16 @@ def solve_stage(sm, budget_bytes: int, policy, choice, progress=None, notes: lis
     rot, at = shallow(chain, need, policy.memory_slots)
     if at != need and notes is not None:
         notes.append(f"stage {choice.stage}: the minimum-memory checkpointing nests deeper than {MAX_NESTING} "
-                     f"levels; the plan checkpoints within {at / GIB:.2f} GiB instead of {need / GIB:.2f} GiB")
+                     f"levels; the plan checkpoints within {size_text(at)} instead of {size_text(need)}")
     choice.recompute_s = rot.recompute_s if rot.feasible else 0.0
     spent[PHASES[3]] += time.perf_counter() - t1
     return shard, segments(rot.segments, sm.layers.start) if rot.feasible else []
+
+
+def budgets_below(policy) -> int:
+    """How many ILP budgets under B §5.3's grid tries (``policy.budgets_below`` where the policy has it)."""
+    got = getattr(policy, "budgets_below", None)
+    return BUDGETS_BELOW if got is None else int(got)
 
 
 class Clock:
@@ -134,4 +146,4 @@ def nesting(segs) -> int:
     return max((1 + nesting(g.children) if g.checkpointed else 0 for g in segs), default=0)
 
 
-__all__ = ["MAX_NESTING", "PHASES", "Clock", "nesting", "segments", "shallow", "solve_stage"]
+__all__ = ["BUDGETS_BELOW", "MAX_NESTING", "budgets_below", "PHASES", "Clock", "nesting", "segments", "shallow", "solve_stage"]

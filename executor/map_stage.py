@@ -1,13 +1,17 @@
 """A MAP-sharded stage (``StagePlan.sharding``) as one rank runs it: the stage's DeviceMesh, its
 layers as executor.map_exec.ShardedLayer, run through rotor's checkpoint segments (MAP §5.2, §6:
 the generator packages each checkpoint block's nodes into a function under
-``torch.utils.checkpoint``; here a block is a run of layers, nested as rotor's tree says)."""
+``torch.utils.checkpoint``; here a block is a run of layers, nested as rotor's tree says, or
+(:meth:`MapStage.set_node_checkpoint`) a run of node groups, Algorithm 2's, that may start and end
+inside a layer: the exported graph's nodes of each group are replayed as ShardedLayer.forward
+replays a whole layer)."""
 from __future__ import annotations
 
 import math
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from executor.map_exec import ShardedLayer
@@ -53,6 +57,7 @@ class MapStage:
         st = plan.stages[index]
         self.stage, self.mesh = st, build_mesh(st, index, rank_of, groups, device_type)
         self.stats: dict[str, dict] = {"mismatches": {}, "reductions": {}}
+        self.node_plan: _NodePlan | None = None      # set_node_checkpoint: segments cutting inside layers
         shared: dict[int, nn.Parameter] = {}
         # identical layers (a GPT's blocks: type, input shape, parameter shapes) share one trace,
         # as executor.op_graph.model_op_graphs shares their op graph
@@ -87,7 +92,10 @@ class MapStage:
                                                                checkpointed=False)]
         from torch.utils._pytree import tree_map
 
-        y = self._run(segments, x, batch)
+        if self.node_plan is not None:
+            y = self._chain(self.node_plan.segments, (None, x), batch)[1]
+        else:
+            y = self._run(segments, x, batch)
         rep = [_replicate()] * self.mesh.ndim  # a user layer's output may be any pytree
         return tree_map(lambda t: t.redistribute(self.mesh, rep).to_local() if hasattr(t, "placements") else t, y)
 
@@ -109,6 +117,167 @@ class MapStage:
         for i in range(start, stop):
             y = self.layers[i](y, batch)
         return y
+
+    # ---- checkpoint segments that cut inside a layer (MAP §5.2.2-§5.2.4, Algorithm 2) ------------
+
+    def set_node_checkpoint(self, stages: list[tuple[int, tuple[str, ...]]], segments) -> None:
+        """Run the stage as rotor's chain over node groups (planners.map.linearise): ``stages``
+        per chain stage (layer, the planned op-graph node names of that group, in graph order),
+        tiling each layer of the stage; ``segments`` (costs.rotor.Segment) over chain-stage
+        indices. The plan format names layers only (specs.plan.CheckpointSegment), so nothing
+        sets this from a plan yet (planners.map.linearise.INTRA_BLOCK_CUTS is off)."""
+        self.node_plan = _NodePlan(self.layers, stages, tuple(segments))
+
+    def _chain(self, segments, state: tuple, batch: dict) -> tuple:
+        for seg in segments:
+            if seg.checkpointed:
+                # only the segment's input state is saved: at a cut inside a layer, the one
+                # differentiable tensor Algorithm 2 lets cross it (and non-differentiable values)
+                state = checkpoint(self._chain_segment, seg, batch, *state, use_reentrant=False)
+            else:
+                state = self._chain_stages(seg.start, seg.stop, state, batch)
+        return state
+
+    def _chain_segment(self, seg, batch: dict, *state):
+        if seg.children:
+            return self._chain(seg.children, state, batch)
+        return self._chain_stages(seg.start, seg.stop, state, batch)
+
+    def _chain_stages(self, start: int, stop: int, state: tuple, batch: dict) -> tuple:
+        """State between chain stages: (None, y) at a layer boundary (the layer output), else
+        (names, *values): the FX values of the current layer still read later."""
+        plan = self.node_plan
+        for g in range(start, stop):
+            layer = self.layers[plan.layer[g]]
+            names, vals = state[0], state[1:]
+            env = _bind(layer, _user_env(layer, vals[0], batch) if plan.first[g] else dict(zip(names, vals)))
+            _run_nodes(layer, env, plan.nodes[g], plan.drop[g])
+            if plan.last[g]:
+                out = next(n for n in layer.gm.graph.nodes if n.op == "output")
+                outs = [env[a.name] if isinstance(a, torch.fx.Node) else a for a in tree_flatten(out.args)[0]]
+                state = (None, layer._outputs(outs))
+            else:
+                state = (plan.live[g], *(env[n] for n in plan.live[g]))
+        return state
+
+
+def _user_env(layer: ShardedLayer, x, batch: dict) -> dict:
+    flat = layer._flat_inputs(x, batch)
+    return {name: layer._dt(flat[what]) for name, kind, what in layer.placeholders if kind == "USER_INPUT"}
+
+
+def _bind(layer: ShardedLayer, env: dict) -> dict:
+    """``env`` plus the layer's parameters, buffers and constants (read afresh: a recomputation
+    sees the same Parameters)."""
+    params = dict(layer.inner.named_parameters(remove_duplicate=False))
+    buffers = dict(layer.inner.named_buffers(remove_duplicate=False))
+    env = dict(env)
+    for name, kind, what in layer.placeholders:
+        if kind == "PARAMETER":
+            env[name] = params[what]
+        elif kind == "BUFFER":
+            env[name] = layer._dt(buffers[what])
+        elif kind == "CONSTANT":
+            env[name] = what
+    return env
+
+
+def _run_nodes(layer: ShardedLayer, env: dict, nodes: list, drop: dict) -> None:
+    """executor.map_exec.ShardedLayer.forward's loop over ``nodes`` (a node group range of the
+    layer's exported graph); ``drop``: node -> values its run frees (last reader in this order,
+    not read after the range)."""
+    counters: dict[str | None, list[int]] = {}
+    step = getattr(layer, "_step", None)    # ShardedLayer._step: patch Q_map_exec_step
+    for n in nodes:
+        if step is not None:
+            step(n, env, counters)
+        else:
+            _step_copy(layer, n, env, counters)
+        for a in drop.get(n.name, ()):
+            env.pop(a, None)
+
+
+def _step_copy(layer: ShardedLayer, n, env: dict, counters: dict) -> None:
+    """ShardedLayer.forward's body for one node, until map_exec has it as ``_step`` (then unused)."""
+    from torch.distributed.tensor import DTensor
+
+    from executor.map_exec import _LOCAL, _RESHAPES, _ContiguousGrad
+
+    if isinstance(n.target, torch._ops.OpOverload) and n.target._opname.startswith("_assert"):
+        return
+    group = layer.group_of.get(n.name)
+    counter = counters.setdefault(group, [0])
+    read = lambda a, group=group, counter=counter: layer._read(a, group, env, counter)  # noqa: E731
+    args = torch.fx.node.map_arg(n.args, read)
+    kwargs = torch.fx.node.map_arg(n.kwargs, read)
+    if n.target is torch.ops.aten.scaled_dot_product_attention.default:
+        out = layer._attention(args, kwargs)
+    elif n.target in _LOCAL and n.name == group:
+        out = _LOCAL[n.target](layer, group, args, kwargs)
+    else:
+        out = layer._call(n, args, kwargs)
+    if n.target in _RESHAPES and isinstance(out, DTensor) and out.requires_grad:
+        out = _ContiguousGrad.apply(out)
+    if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+        out = layer._dt(out)
+    if group is not None and layer.last_op[group] == n.name:
+        out = layer._check(group, out)
+    env[n.name] = out
+
+
+class _NodePlan:
+    """MapStage.set_node_checkpoint's chain: per chain stage g its layer, its exported-graph
+    nodes (in graph order), whether it opens / closes its layer, the values live after it, and
+    the values each node frees. A node outside every group (an ``arange``) runs with the first
+    group that reads it; a group whose nodes read a later group's value is refused."""
+
+    def __init__(self, layers: dict, stages: list[tuple[int, tuple[str, ...]]], segments: tuple) -> None:
+        self.segments = segments
+        self.layer = [l for l, _ in stages]
+        self.first = [g == 0 or stages[g - 1][0] != l for g, (l, _) in enumerate(stages)]
+        self.last = [g == len(stages) - 1 or stages[g + 1][0] != l for g, (l, _) in enumerate(stages)]
+        self.nodes, self.live, self.drop = [], [], []
+        for l in dict.fromkeys(self.layer):
+            mine = [g for g, (k, _) in enumerate(stages) if k == l]
+            layer = layers[l]
+            stage_of = {head: i for i, g in enumerate(mine) for head in stages[g][1]}
+            fx = [n for n in layer.gm.graph.nodes if n.op not in ("placeholder", "output")]
+            if set(stage_of) != set(layer.last_op):
+                raise MapPlanError(f"layer {l}: the node groups name {sorted(stage_of)}, the plan's groups are "
+                                   f"{sorted(layer.last_op)}")
+            owner: dict[str, int] = {}
+            for n in reversed(fx):       # an ungrouped node: with its first reader (the last group: none)
+                head = layer.group_of.get(n.name)
+                owner[n.name] = stage_of[head] if head is not None else min(
+                    (owner[u.name] for u in n.users if u.name in owner), default=len(mine) - 1)
+            for n in fx:
+                if any(owner.get(a.name, -1) > owner[n.name] for a in n.all_input_nodes):
+                    raise MapPlanError(f"layer {l}: node {n.name} reads a value of a later node group; "
+                                       "these groups do not cut the layer's exported graph")
+            out_node = next(n for n in layer.gm.graph.nodes if n.op == "output")
+            order = sorted(fx, key=lambda n: owner[n.name])           # stable: graph order within a group
+            keep = {a.name for a in out_node.all_input_nodes}
+            for i in range(len(mine)):
+                run = [n for n in order if owner[n.name] == i]
+                later = {a.name for n in order if owner[n.name] > i for a in n.all_input_nodes}
+                live = tuple(sorted(v for v in later if owner.get(v, -1) <= i and v in _values(layer, fx)))
+                last_read: dict[str, str] = {}
+                for n in run:
+                    for a in n.all_input_nodes:
+                        last_read[a.name] = n.name
+                drop: dict[str, list[str]] = {}
+                for a, n in last_read.items():
+                    if a not in later and a not in keep:
+                        drop.setdefault(n, []).append(a)
+                self.nodes.append(run)
+                self.live.append(live)
+                self.drop.append(drop)
+
+
+def _values(layer: ShardedLayer, fx: list) -> set[str]:
+    """Names a chain state carries: computed values and the user inputs (not parameters, buffers
+    or constants, which every stage binds itself)."""
+    return {n.name for n in fx} | {name for name, kind, _ in layer.placeholders if kind == "USER_INPUT"}
 
 
 

@@ -19,6 +19,7 @@ from executor.map_layout import _replicate
 from executor.map_trace import MapPlanError, _export
 from executor.models import output_shapes
 from specs.plan import CheckpointSegment, StagePlan
+from specs.sharding import Mesh, MeshAxis
 
 
 def stage_mesh_shape(st: StagePlan) -> tuple[int, ...]:
@@ -64,6 +65,12 @@ class MapStage:
         traces: dict[tuple, object] = {}
         shapes = output_shapes(cfg)
         self.layers: dict[int, ShardedLayer] = {}
+        # conversions take the path the planner priced: on the per-axis prices the plan carries
+        # (StagePlan.mesh_axes, a measured cluster); without them every axis alike
+        # (executor.map_layout.uniform_price_mesh)
+        price_mesh = None if st.mesh_axes is None else Mesh(tuple(
+            MeshAxis(a.size, a.alpha_s, math.inf if a.beta_bytes_per_s is None else a.beta_bytes_per_s)
+            for a in st.mesh_axes))
         mb = plan.training.samples_per_microbatch
         for i, _, mod in layers:
             key = (type(mod).__name__, shapes[i - 1] if i else None,
@@ -71,7 +78,8 @@ class MapStage:
                    tuple(getattr(m, "code", "") for m in mod.modules() if isinstance(m, torch.fx.GraphModule)))
             if key not in traces:
                 traces[key] = _export(cfg, i, mb, dtype)
-            self.layers[i] = ShardedLayer(i, mod, st.sharding_of(i), self.mesh, traces[key], shared, self.stats)
+            self.layers[i] = ShardedLayer(i, mod, st.sharding_of(i), self.mesh, traces[key], shared, self.stats,
+                                          price_mesh=price_mesh)
         # a user model's tied weights (user_model.TiedGrads): tied layers all in this stage share
         # one (DTensor) Parameter on the stage's mesh, whose gradient is already the sum: nothing
         # to sync (every rank of the tie's group is in this stage). Ties across MAP stages are

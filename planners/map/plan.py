@@ -401,11 +401,13 @@ def _search(policy, model, hardware, training, schedule, ranges, meshes, budget:
             step = (lambda k, n, done=done, total=total: progress(done + k, total)) if progress is not None else None
             shard, segs = solve_stage(sm, target, policy, ch, step, notes, clock.spent)
             # what the stage is: its mesh; dp 1 x tp n is only the device count specs.plan_stage asks of a
-            # MAP stage. A measured mesh (policy.cluster) travels with its per-axis prices, so the
-            # simulator prices the collectives the planner priced (simulator.sharded.plan_mesh)
+            # MAP stage. The mesh travels with the per-axis prices the planner used (a measured
+            # cluster's, policy.cluster, or the YAML links'), so the simulator prices the collectives
+            # the planner priced (simulator.sharded.plan_mesh) and the executor converts layouts along
+            # the paths priced on them (executor.map_stage)
             stages.append(StagePlan(layer_start=sm.layers.start, layer_stop=sm.layers.stop, devices=list(sm.devices),
                                     dp=1, tp=len(sm.devices), sharding=shard, checkpoint=segs, mesh=list(sm.shape),
-                                    mesh_axes=mesh_prices(mesh) if source == "cluster" else None))
+                                    mesh_axes=mesh_prices(mesh)))
         plan = Plan(planner="map", model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
                     training=training,
                     schedule=schedule, stages=stages)

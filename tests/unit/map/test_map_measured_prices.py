@@ -86,10 +86,10 @@ def test_carried_prices_4x_slower_give_a_slower_simulated_iteration(tiny8, yaml_
     simulates bit for bit as without them; with every bandwidth divided by 4 and every latency times
     4 it is slower (a simulator that ignored mesh_axes would give the same time)."""
     model, hw, _ = tiny8
-    plan = yaml_plan.plan
-    assert plan.stages[0].mesh_axes is None                     # planned on the YAML: nothing carried
+    yaml_mesh = stage_mesh(hw, tuple(yaml_plan.plan.stages[0].devices), tuple(MESH))
+    assert yaml_plan.plan.stages[0].mesh_axes == mesh_prices(yaml_mesh)  # planned on the YAML: its prices carried
+    plan = _with_axes(yaml_plan.plan, None)                     # and without them: the simulator reads the YAML
     assert _communicates(plan, model, hw) > 0                   # the plan's collectives are what is priced
-    yaml_mesh = stage_mesh(hw, tuple(plan.stages[0].devices), tuple(MESH))
     base = simulate(plan, model, hw).result.iteration_time_s
     same = _with_axes(plan, mesh_prices(yaml_mesh))
     assert simulate(same, model, hw).result.iteration_time_s == base

@@ -35,6 +35,7 @@ from executor.models import _layers, make_batch
 from executor.op_graph_nodes import _nodes
 from executor.op_graph_replay import _Replay, _backward
 from executor.profile_symbolic import DTYPES, LiveBytes, _fake_module, state_storages
+from executor.structure_key import structure_key
 from specs.op_graph import GraphInput, OpGraph
 
 
@@ -197,12 +198,28 @@ def export_layer(cfg, index: int, microbatch: int, torch_dtype: torch.dtype):
 
 
 def layer_key(mod: nn.Module, x) -> tuple:
-    """What makes two layers one trace: module type, input shapes, parameter shapes, and for a
-    piece of a user's split module its generated code (two pieces of equal parameter shapes may
-    compute different things: the last block carries the final norm)."""
-    shapes = str(torch.utils._pytree.tree_map(lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else t, x))
-    code = tuple(getattr(m, "code", "") for m in mod.modules() if isinstance(m, torch.fx.GraphModule))
-    return (type(mod).__name__, shapes, tuple((n, tuple(p.shape)) for n, p in mod.named_parameters()), code)
+    """What makes two layers one trace: the module tree with its parameter/buffer shapes and, for a
+    piece of a user's split module, its generated code, all up to names (executor.structure_key:
+    two pieces of equal parameter shapes may compute different things, the last block carries the
+    final norm; two identical blocks differ only in names, ``...blocks.3...``), and the input's
+    tree, shapes and dtypes."""
+    leaf = lambda t: (tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return structure_key(mod), str(torch.utils._pytree.tree_map(leaf, x))
+
+
+def _renamed(graph: OpGraph, names: dict[str, str], key: str) -> OpGraph | None:
+    """``graph`` with its parameters renamed by ``names`` (the representative's name -> this
+    layer's), or None if it reads one ``names`` lacks. The plan names parameters
+    (planners.map.plan: NodeSharding.params) and the executor matches them to the layer it runs
+    (executor.map_exec), so a block that shares a trace gets its own names; node names are the
+    export's, equal for identical layers."""
+    if any(p.name not in names for n in graph.nodes for op in (n, *n.ops) for p in op.params):
+        return None
+
+    def node(n):
+        return n.model_copy(update={"params": tuple(p.model_copy(update={"name": names[p.name]}) for p in n.params),
+                                    "ops": tuple(node(op) for op in n.ops)})
+    return graph.model_copy(update={"layer": key, "nodes": tuple(node(n) for n in graph.nodes)})
 
 
 def _fake_like(t, dtype: torch.dtype):
@@ -216,25 +233,39 @@ def _fake_like(t, dtype: torch.dtype):
 
 
 def model_op_graphs(cfg, microbatch: int, dtype: str, progress=None) -> tuple[dict[str, OpGraph], list[str]]:
-    """Every layer's graph with trivial nodes merged (MAP §5.1), traced once per distinct layer:
-    layers of one module type with equal parameter shapes and equal input shape share a graph
-    (a GPT's blocks: one trace). Returns ({key: graph}, key per layer); keys are ``g<k>_<Module>``."""
+    """Every layer's graph with trivial nodes merged (MAP §5.1), traced once per distinct layer
+    (:func:`layer_key`: a GPT's blocks, one trace). Layers of equal parameter names share a graph;
+    an identical layer under other names (a user model's ``blocks.3``) gets a copy of the trace
+    with its own parameter names (:func:`_renamed`). Returns ({key: graph}, key per layer); keys
+    are ``g<k>_<Module>``; ``progress(k, i, name)`` is called per trace."""
     from specs.op_graph import merge_trivial
 
     torch_dtype = DTYPES[dtype]
     named, inputs, real_batch = _chain(cfg, microbatch, torch_dtype)
     graphs: dict[str, OpGraph] = {}
-    by_sig: dict[tuple, str] = {}
+    traced: dict[tuple, tuple[str, list[str]]] = {}  # layer_key -> (graph key, its parameter names)
+    by_names: dict[tuple, str] = {}                   # (layer_key, parameter names) -> graph key
     keys: list[str] = []
     for i, (name, mod) in enumerate(named):
         sig = layer_key(mod, inputs[i])
-        key = by_sig.get(sig)
+        pnames = [n for n, _ in mod.named_parameters(remove_duplicate=False)]
+        key = by_names.get((sig, tuple(pnames)))
+        if key is None and sig in traced:  # an identical layer under other names: rename its graph
+            rep_key, rep_names = traced[sig]
+            key = f"g{len(graphs)}_{type(mod).__name__}"
+            graph = _renamed(graphs[rep_key], dict(zip(rep_names, pnames)), key)
+            if graph is None:
+                key = None
+            else:
+                graphs[key] = graph
         if key is None:
-            key = by_sig[sig] = f"g{len(graphs)}_{type(mod).__name__}"
+            key = f"g{len(graphs)}_{type(mod).__name__}"
             if progress is not None:
                 progress(len(graphs), i, name)
             graph = _graph_of(name, mod, inputs[i], real_batch, torch_dtype, "default")
             graphs[key] = merge_trivial(graph).model_copy(update={"layer": key})
+            traced.setdefault(sig, (key, pnames))
+        by_names[(sig, tuple(pnames))] = key
         keys.append(key)
     return graphs, keys
 

@@ -22,11 +22,13 @@ under ``FakeTensorMode``: tensors carry shape, dtype and device but no storage, 
   still live after the pass — and MemTracker's per-module/category bookkeeping adds cost and
   depends on private module hooks that change between torch releases.
 
-Blocks of one model are identical, so layers are grouped by a signature (class, parameter and
-buffer shapes, input shape) and one representative per group is traced; the others reuse its
-numbers (GPT-3 175B: 98 layers, 3 traced). ``attention="math"`` forces unfused SDPA, the
-attention whose activations Megatron's s·b·h·(34 + 5as/h) counts; the default is what the
-executor runs (on CPU: the fused flash kernel, which keeps q, k, v, output and logsumexp only).
+Blocks of one model are identical, so layers are grouped by a signature (the module tree, its
+parameter and buffer shapes and its FX code up to names: executor.structure_key; and the input's
+shape, stride, offset and storage) and one representative per group is traced; the others reuse
+its numbers (GPT-3 175B: 98 layers, 3 traced; a user's 12-block GPT-2: 14 layers, 4 traced).
+``attention="math"`` forces unfused SDPA, the attention whose activations Megatron's
+s·b·h·(34 + 5as/h) counts; the default is what the executor runs (on CPU: the fused flash kernel,
+which keeps q, k, v, output and logsumexp only).
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from executor.models import _layers, make_batch
+from executor.structure_key import structure_key
 from specs.profile import LayerProfile, Profile, SavedTensorProfile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,8 +56,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: running statistics were counted as activations of every microbatch), 5 = the transient is
 #: tracked above FlopCounterMode (its decompositions of fused backward kernels were counted),
 #: 6 = per-tensor saved lists ``saved_tensors`` (MPress §III-D; a cached revision-5 profile has none),
-#: 7 = a layer's input laid out as the previous layer's output (a view keeps its whole storage, issue 26)
-PROFILE_REVISION = 7
+#: 7 = a layer's input laid out as the previous layer's output (a view keeps its whole storage, issue 26),
+#: 8 = identical blocks of a user's split model share one trace (executor.structure_key; the
+#: representative's saved-tensor names are reused, issue 26)
+PROFILE_REVISION = 8
 
 # ---- FLOP formulas FlopCounterMode lacks: CPU flash attention (same math as the CUDA one) ----
 _aten = torch.ops.aten
@@ -147,11 +152,11 @@ class OpCount(TorchDispatchMode):
 
 
 def signature(module: nn.Module) -> tuple:
-    """Identical layers have equal signatures: class, parameter/buffer shapes, submodule reprs."""
-    return (type(module).__name__,
-            tuple((n, tuple(p.shape)) for n, p in module.named_parameters()),
-            tuple((n, tuple(b.shape)) for n, b in module.named_buffers()),
-            tuple(repr(m) for m in module.modules()))
+    """Identical layers have equal signatures: the module tree, parameter and buffer shapes and
+    dtypes, and (a piece of a user's split model) its FX graphs, all up to names
+    (executor.structure_key: a split names parameters by their block, ``...h.3.attn...``, so a
+    key of names traced every block, issue 26)."""
+    return structure_key(module)
 
 
 def _fake_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -407,13 +412,16 @@ def profile_model(cfg, microbatch: int = 1, dtype: str = "bf16", attention: str 
         raise ValueError(f"attention: must be 'default' or 'math', got {attention!r}")
     start = time.perf_counter()
     torch_dtype = DTYPES[dtype]
-    ties = _user_ties(cfg)
+    ties: dict[int, dict] = {}
     if cfg.family == "torch_module":  # traced for this microbatch and dtype (executor.user_model)
         import copy
 
         from executor import user_model
 
+        # the ties from this split too: the split (torch.export of the whole model) costs more than
+        # all the layer traces together (GPT-2 small: ~1.4 s against ~0.2 s), so not a second one
         named = copy.deepcopy(user_model.layers(cfg, rows=microbatch, dtype=torch_dtype, meta=True))
+        ties = _user_ties(named)
     else:
         with torch.device("meta"):
             named = _layers(cfg)
@@ -438,31 +446,34 @@ def profile_model(cfg, microbatch: int = 1, dtype: str = "bf16", attention: str 
             layers.append(LayerProfile(index=i, name=name, module=type(module).__name__,
                                        representative=rep, **stats, **ties.get(i, {})))
     return Profile(model=cfg.name, family=cfg.family, microbatch=microbatch, dtype=dtype,
-                   attention=attention, total_params=sum(layer.params for layer in layers) - _tied(cfg),
+                   attention=attention, total_params=sum(layer.params for layer in layers) - _tied(cfg, ties),
                    distinct_layers=len(cache), profile_time_s=round(time.perf_counter() - start, 3),
                    layers=layers)
 
 
-def _tied(cfg) -> int:
+def _tied(cfg, ties: dict[int, dict]) -> int:
     """The LM head's h·V that a tied GPT/BERT shares with the embedding: traced on both layers
     (each layer is traced alone), counted once in the total (as ModelSpec.total_params); for a
-    user's torch_module, every parameter its layers share (executor.user_model.tied_groups)."""
+    user's torch_module, every parameter its layers share (``ties``, :func:`_user_ties`)."""
     if cfg.family == "torch_module":
-        return sum(t["tied_params"] for t in _user_ties(cfg).values())
+        return sum(t["tied_params"] for t in ties.values())
     return cfg.vocab * cfg.hidden if getattr(cfg, "tie_embeddings", False) else 0
 
 
-def _user_ties(cfg) -> dict[int, dict]:
-    """{layer: {"tied_to": earlier layer's name, "tied_params": count}} of a torch_module model:
-    a Parameter object held by several layers is counted in each layer's ``params`` (each stage
-    that holds one keeps a copy) and its later holders say so (specs.model.LayerSpec.tied_to)."""
-    if cfg.family != "torch_module":
-        return {}
-    from executor import user_model
-
-    named = user_model.layers(cfg, meta=True)
+def _user_ties(named: list[tuple[str, nn.Module]]) -> dict[int, dict]:
+    """{layer: {"tied_to": earlier layer's name, "tied_params": count}} of a torch_module model's
+    layers: a Parameter object held by several layers is counted in each layer's ``params`` (each
+    stage that holds one keeps a copy) and its later holders say so (specs.model.LayerSpec.tied_to).
+    The groups are executor.user_model.tied_groups' (same Parameter object, first holder first),
+    read from ``named`` (a deepcopy of one split keeps the sharing)."""
+    holders: dict[int, list] = {}
+    for i, (_, mod) in enumerate(named):
+        for pname, p in mod.named_parameters(remove_duplicate=False):
+            group = holders.setdefault(id(p), [])
+            if not any(j == i for j, _ in group):
+                group.append((i, pname))
     out: dict[int, dict] = {}
-    for group in user_model.tied_groups(cfg, meta=True):
+    for group in (g for g in holders.values() if len(g) > 1):
         first = group[0][0]
         for i, pname in group[1:]:
             entry = out.setdefault(i, {"tied_to": named[first][0], "tied_params": 0})

@@ -175,7 +175,7 @@ class StagePasses:
                     torch.autograd.backward(ys)  # anyway, each op on its forward's stream (window_streams)
             else:
                 self.workers.run(run, self.window._check)
-        del ys
+        ys.clear()  # the outputs' graphs go now (the workers' closures read the list)
         for p in self.params:
             self.tracker.tag(p.grad, "gradients")
         for w in range(self.streams):

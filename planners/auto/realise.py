@@ -168,7 +168,6 @@ def compacted(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSp
 def _compacted_layout(layout: Layout, plan: Plan, model: ModelSpec, hardware: HardwareSpec, capacity: int,
                       max_simulations: int, improve: bool, progress, stash: bool) -> Candidate | None:
     notes: list[str] = []
-    base_plan = plan
     must = [i for i, f in enumerate(layout.floors) if f > capacity]
     if len(must) == len(layout.stages):
         return _all_windowed(layout, model, hardware, capacity)

@@ -72,16 +72,22 @@ def _round_trip_s(rank: int, peer: int, buf: torch.Tensor, reps: int, cuda: bool
     return min(times) if rank < peer else 0.0
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str, backend: str, sizes: tuple[int, ...],
-            quick: bool) -> None:
-    die_with(os.getppid())  # a killed parent takes its ranks along
+def _join(rank: int, world: int, port: int, backend: str) -> torch.device:
+    """This rank in the process group (one CPU thread on gloo, its GPU on nccl); its device."""
     cuda = backend == "nccl"
     if cuda:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(1)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    return torch.device("cuda", rank) if cuda else torch.device("cpu")
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, backend: str, sizes: tuple[int, ...],
+            quick: bool) -> None:
+    die_with(os.getppid())  # a killed parent takes its ranks along
+    device = _join(rank, world, port, backend)
+    cuda = device.type == "cuda"
     bufs = {b: torch.zeros(b // 4, dtype=torch.float32, device=device) for b in sizes}
     mine: dict[str, list[float]] = {}
     for a, b in itertools.combinations(range(world), 2):
@@ -132,13 +138,8 @@ def measure_pairs(world: int, quick: bool = True, backend: str | None = None,
 def _axis_worker(rank: int, world: int, port: int, out_dir: str, backend: str, sizes: tuple[int, ...],
                  quick: bool, shape: tuple[int, ...], order: tuple[int, ...]) -> None:
     die_with(os.getppid())
-    cuda = backend == "nccl"
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    device = _join(rank, world, port, backend)
+    cuda = device.type == "cuda"
     bufs = {b: torch.zeros(b // 4, dtype=torch.float32, device=device) for b in sizes}
     mine: dict[str, list[float]] = {}
     for k in range(len(shape)):

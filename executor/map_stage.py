@@ -195,42 +195,10 @@ def _run_nodes(layer: ShardedLayer, env: dict, nodes: list, drop: dict) -> None:
     layer's exported graph); ``drop``: node -> values its run frees (last reader in this order,
     not read after the range)."""
     counters: dict[str | None, list[int]] = {}
-    step = getattr(layer, "_step", None)    # ShardedLayer._step: patch Q_map_exec_step
     for n in nodes:
-        if step is not None:
-            step(n, env, counters)
-        else:
-            _step_copy(layer, n, env, counters)
+        layer._step(n, env, counters)  # ShardedLayer.forward's body for one node
         for a in drop.get(n.name, ()):
             env.pop(a, None)
-
-
-def _step_copy(layer: ShardedLayer, n, env: dict, counters: dict) -> None:
-    """ShardedLayer.forward's body for one node, until map_exec has it as ``_step`` (then unused)."""
-    from torch.distributed.tensor import DTensor
-
-    from executor.map_exec import _LOCAL, _RESHAPES, _ContiguousGrad
-
-    if isinstance(n.target, torch._ops.OpOverload) and n.target._opname.startswith("_assert"):
-        return
-    group = layer.group_of.get(n.name)
-    counter = counters.setdefault(group, [0])
-    read = lambda a, group=group, counter=counter: layer._read(a, group, env, counter)  # noqa: E731
-    args = torch.fx.node.map_arg(n.args, read)
-    kwargs = torch.fx.node.map_arg(n.kwargs, read)
-    if n.target is torch.ops.aten.scaled_dot_product_attention.default:
-        out = layer._attention(args, kwargs)
-    elif n.target in _LOCAL and n.name == group:
-        out = _LOCAL[n.target](layer, group, args, kwargs)
-    else:
-        out = layer._call(n, args, kwargs)
-    if n.target in _RESHAPES and isinstance(out, DTensor) and out.requires_grad:
-        out = _ContiguousGrad.apply(out)
-    if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
-        out = layer._dt(out)
-    if group is not None and layer.last_op[group] == n.name:
-        out = layer._check(group, out)
-    env[n.name] = out
 
 
 class _NodePlan:

@@ -200,8 +200,9 @@ class Window(WindowSaved, WindowGrads, WindowHost, WindowStreams):
         L.bound = False
 
     def _acquire(self, L: _Layer) -> None:
-        """Compute needs ``L``: wait for its fetch, point its parameters into the slot. In a
-        backward the fetch is issued by the gradient-copy thread: wait for that first."""
+        """Compute needs ``L``: wait for its fetch, point its parameters into the slot (once, when
+        several workers share it). In a backward the fetch is issued by the gradient-copy thread:
+        wait for that first."""
         with self._issued:
             while L.ready is None:
                 self._issued.wait(0.5)
@@ -212,10 +213,11 @@ class Window(WindowSaved, WindowGrads, WindowHost, WindowStreams):
         self._check()
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(f.event)
-        if not L.bound:
-            for p, (o, n), shape in zip(L.params, L.spans, L.shapes):
-                bind(p, L.slot.wbuf[o:o + n].view(shape))
-            L.bound = True
+        with self._lock:  # S workers (executor.window_streams) bind once for the group
+            if not L.bound:
+                for p, (o, n), shape in zip(L.params, L.spans, L.shapes):
+                    bind(p, L.slot.wbuf[o:o + n].view(shape))
+                L.bound = True
 
     def forward_layer(self, index: int, run, recompute: bool = False):
         """Run streamed layer ``index``'s forward (``run()``) in its slot; returns its output."""

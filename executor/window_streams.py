@@ -50,7 +50,7 @@ import time
 
 import torch
 
-from executor.window_slots import _Layer, bind, bind_grad
+from executor.window_slots import _Layer, bind_grad
 
 
 class WindowStreams:
@@ -114,27 +114,9 @@ class WindowStreams:
             evs.append(ev)
         return evs
 
-    def _wait_fetched(self, L: _Layer) -> None:
-        """Wait for ``L``'s fetch and bind its parameters into the slot, once for the group."""
-        with self._issued:
-            while L.ready is None:
-                self._issued.wait(0.5)
-                self._check()
-            f = L.ready
-        while not f.done.wait(0.5):
-            self._check()
-        self._check()
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_event(f.event)
-        with self._lock:
-            if not L.bound:
-                for p, (o, n), shape in zip(L.params, L.spans, L.shapes):
-                    bind(p, L.slot.wbuf[o:o + n].view(shape))
-                L.bound = True
-
     def _forward_layer_group(self, L: _Layer, run, recompute: bool):
         w = self.worker()
-        self._wait_fetched(L)
+        self._acquire(L)
         t0 = time.perf_counter_ns()
         if recompute:
             y = run()
@@ -158,7 +140,7 @@ class WindowStreams:
         p = len(self.order) - 1 - L.pos
         if p >= self.w:  # this worker is past the layer whose release fetches L
             self._worker_done(self.pass_order[p - self.w], w)
-        self._wait_fetched(L)
+        self._acquire(L)
         with self._lock:
             ev = self.entered.get(L.index)
             first = ev is None

@@ -159,14 +159,14 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
             for a in n.all_input_nodes:
                 self.consumers[a.name] = n.name
 
-    def forward(self, x, batch: dict):
+    def bind(self, env: dict, x=None, batch: dict | None = None) -> dict:
+        """``env`` plus the exported graph's placeholders: the layer's parameters, buffers and
+        constants (read afresh: a recomputation sees the same Parameters) and, given ``batch``,
+        the layer's inputs (they arrive whole on every rank: Replicate)."""
         params = dict(self.inner.named_parameters(remove_duplicate=False))
         buffers = dict(self.inner.named_buffers(remove_duplicate=False))
-        env: dict[str, object] = {}
-        # per group: how many of its inputs from outside it its ops have read so far (a folded op's
-        # other input, the residual of ``linear -> add``, is the group's 2nd input, not its op's 1st)
-        counters: dict[str | None, list[int]] = {}
-        flat = self._flat_inputs(x, batch)
+        flat = self._flat_inputs(x, batch) if batch is not None else None
+        env = dict(env)
         for name, kind, what in self.placeholders:
             if kind == "PARAMETER":
                 env[name] = params[what]
@@ -174,8 +174,15 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
                 env[name] = self._dt(buffers[what])
             elif kind == "CONSTANT":
                 env[name] = what
-            else:  # the stage's inputs arrive whole on every rank: Replicate
+            elif flat is not None:
                 env[name] = self._dt(flat[what])
+        return env
+
+    def forward(self, x, batch: dict):
+        env = self.bind({}, x, batch)
+        # per group: how many of its inputs from outside it its ops have read so far (a folded op's
+        # other input, the residual of ``linear -> add``, is the group's 2nd input, not its op's 1st)
+        counters: dict[str | None, list[int]] = {}
         for n in self.gm.graph.nodes:
             if n.op == "placeholder":
                 continue

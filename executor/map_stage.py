@@ -158,7 +158,7 @@ class MapStage:
         for g in range(start, stop):
             layer = self.layers[plan.layer[g]]
             names, vals = state[0], state[1:]
-            env = _bind(layer, _user_env(layer, vals[0], batch) if plan.first[g] else dict(zip(names, vals)))
+            env = layer.bind({}, vals[0], batch) if plan.first[g] else layer.bind(dict(zip(names, vals)))
             _run_nodes(layer, env, plan.nodes[g], plan.drop[g])
             if plan.last[g]:
                 out = next(n for n in layer.gm.graph.nodes if n.op == "output")
@@ -167,27 +167,6 @@ class MapStage:
             else:
                 state = (plan.live[g], *(env[n] for n in plan.live[g]))
         return state
-
-
-def _user_env(layer: ShardedLayer, x, batch: dict) -> dict:
-    flat = layer._flat_inputs(x, batch)
-    return {name: layer._dt(flat[what]) for name, kind, what in layer.placeholders if kind == "USER_INPUT"}
-
-
-def _bind(layer: ShardedLayer, env: dict) -> dict:
-    """``env`` plus the layer's parameters, buffers and constants (read afresh: a recomputation
-    sees the same Parameters)."""
-    params = dict(layer.inner.named_parameters(remove_duplicate=False))
-    buffers = dict(layer.inner.named_buffers(remove_duplicate=False))
-    env = dict(env)
-    for name, kind, what in layer.placeholders:
-        if kind == "PARAMETER":
-            env[name] = params[what]
-        elif kind == "BUFFER":
-            env[name] = layer._dt(buffers[what])
-        elif kind == "CONSTANT":
-            env[name] = what
-    return env
 
 
 def _run_nodes(layer: ShardedLayer, env: dict, nodes: list, drop: dict) -> None:

@@ -466,14 +466,10 @@ def _user_ties(named: list[tuple[str, nn.Module]]) -> dict[int, dict]:
     stage that holds one keeps a copy) and its later holders say so (specs.model.LayerSpec.tied_to).
     The groups are executor.user_model.tied_groups' (same Parameter object, first holder first),
     read from ``named`` (a deepcopy of one split keeps the sharing)."""
-    holders: dict[int, list] = {}
-    for i, (_, mod) in enumerate(named):
-        for pname, p in mod.named_parameters(remove_duplicate=False):
-            group = holders.setdefault(id(p), [])
-            if not any(j == i for j, _ in group):
-                group.append((i, pname))
+    from executor.user_model import tied_groups_of  # lazy, as profile_model's user_model import
+
     out: dict[int, dict] = {}
-    for group in (g for g in holders.values() if len(g) > 1):
+    for group in tied_groups_of(named):
         first = group[0][0]
         for i, pname in group[1:]:
             entry = out.setdefault(i, {"tied_to": named[first][0], "tied_params": 0})

@@ -320,7 +320,11 @@ def own_params(cfg, seed: int = 0) -> int:
 def tied_groups(cfg, seed: int = 0, meta: bool = False) -> list[list[tuple[int, str]]]:
     """Parameters held by more than one layer (the same Parameter object, e.g. GPT-2's word
     embedding and LM head): per group, ``(layer index, parameter name in that layer)``, in order."""
-    named = layers(cfg, 2, torch.float32, seed, meta=meta)
+    return tied_groups_of(layers(cfg, 2, torch.float32, seed, meta=meta))
+
+
+def tied_groups_of(named) -> list[list[tuple[int, str]]]:
+    """:func:`tied_groups` of an already split model: ``named`` its (name, module) layers."""
     holders: dict[int, list] = {}
     for i, (_, mod) in enumerate(named):
         for pname, p in mod.named_parameters(remove_duplicate=False):

@@ -3,25 +3,29 @@ from __future__ import annotations
 
 from specs.hardware import HardwareSpec
 from specs.model import LayerKind, ModelSpec
-from specs.plan import LayerMemory, MemoryAction, Plan, ScheduleSpec, StagePlan
+from specs.plan import LayerMemory, MemoryAction, Plan, ScheduleSpec, StagePlan, position_of_stage
 from specs.training import TrainingSpec
 
 #: layers that full recompute checkpoints (Megatron recomputes whole transformer layers)
 RECOMPUTED_KINDS = frozenset({LayerKind.transformer_block, LayerKind.moe_block, LayerKind.residual_block,
                               LayerKind.generic})
+#: layers with an attention core that selective recompute (Korthikanti §5) re-runs
+SELECTIVE_KINDS = frozenset({LayerKind.transformer_block, LayerKind.moe_block})
 
 
 class PlanningError(ValueError):
     """The planner cannot make a valid plan for these inputs; the message says which knob to turn."""
 
 
-def device_groups(hardware: HardwareSpec, pp: int, dp: int, tp: int) -> list[list[int]]:
-    """Consecutive blocks of dp·tp devices, tensor-parallel ranks adjacent so TP groups stay on
-    one node's fast links when tp divides the node (Megatron's rank ordering)."""
-    per_stage = dp * tp
+def device_groups(hardware: HardwareSpec, pp: int, dp: int, tp: int, cp: int = 1) -> list[list[int]]:
+    """Consecutive blocks of dp·cp·tp devices, tensor-parallel ranks adjacent (then context-parallel)
+    so TP groups stay on one node's fast links when tp divides the node (Megatron's rank ordering
+    tp < cp < dp < pp)."""
+    per_stage = dp * cp * tp
     if pp * per_stage != hardware.num_devices:
+        cps = f" x policy.cp ({cp})" if cp > 1 else ""
         raise PlanningError(
-            f"policy.pp ({pp}) x policy.dp ({dp}) x policy.tp ({tp}) = {pp * per_stage} must equal "
+            f"policy.pp ({pp}) x policy.dp ({dp}){cps} x policy.tp ({tp}) = {pp * per_stage} must equal "
             f"the {hardware.num_devices} devices of hardware {hardware.name!r}"
         )
     return [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(pp)]
@@ -103,8 +107,13 @@ def check_chunks(model: ModelSpec, chunks: int, what: str) -> None:
 
 
 def recompute_actions(model: ModelSpec, start: int, stop: int, recompute: str) -> list[LayerMemory]:
+    """none: []; full: every block recomputed; selective: every block with an attention core
+    recomputes that core only (Korthikanti §5)."""
     if recompute == "none":
         return []
+    if recompute == "selective":
+        return [LayerMemory(layer=i, action=MemoryAction.selective)
+                for i in range(start, stop) if model.layers[i].kind in SELECTIVE_KINDS]
     return [LayerMemory(layer=i, action=MemoryAction.recompute)
             for i in range(start, stop) if model.layers[i].kind in RECOMPUTED_KINDS]
 
@@ -121,8 +130,14 @@ def assemble(
     tp: int,
     recompute: str,
     zero_stage: int,
+    *,
+    cp: int = 1,
+    sequence_parallel: bool = False,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
 ) -> Plan:
-    """Stages from per-chunk layer counts; chunk j goes to device group j mod p (interleaving)."""
+    """Stages from per-chunk layer counts; chunk j goes to device group j mod p (interleaving), or
+    the V of zbv / dualpipev (specs.plan.position_of_stage)."""
     if sum(counts) != model.num_layers or min(counts) < 1:
         raise PlanningError(
             f"layers per stage {counts} must be positive and sum to the model's {model.num_layers} layers"
@@ -137,11 +152,13 @@ def assemble(
     for j, count in enumerate(counts):
         stop = start + count
         stages.append(StagePlan(
-            layer_start=start, layer_stop=stop, devices=groups[j % len(groups)], dp=dp, tp=tp,
+            layer_start=start, layer_stop=stop, devices=groups[position_of_stage(schedule.kind, len(groups), j)],
+            dp=dp, tp=tp, cp=cp, sequence_parallel=sequence_parallel and tp > 1,
             memory=recompute_actions(model, start, stop, recompute),
         ))
         start = stop
     return Plan(
         planner=planner, model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
         training=training, schedule=schedule, zero_stage=zero_stage, stages=stages,
+        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
     )

@@ -15,8 +15,16 @@ class _Uniform(Spec):
     pp: int | None = Field(None, ge=1, description="pipeline stages; null: every device is used")
     dp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
-    recompute: Literal["none", "full"] = "none"
+    cp: int = Field(1, ge=1, description="context-parallel degree (ring attention over the sequence)")
+    recompute: Literal["none", "full", "selective"] = Field(
+        "none", description="full: every block checkpointed; selective: the attention core only (Korthikanti §5)")
+    sequence_parallel: bool = Field(False, description="Korthikanti §4.2.2 over the tp group (needs tp > 1)")
     zero_stage: int = Field(0, ge=0, le=3)
+    distributed_optimizer: bool = Field(False, description="Megatron's --use-distributed-optimizer: ZeRO-1 over "
+                                                           "data parallelism (zero_stage 1 when zero_stage is 0)")
+    overlap_grad_reduce: bool = Field(False, description="bucketed gradient reduction during the backward")
+    overlap_param_gather: bool = Field(False, description="distributed optimizer: parameter all-gather during the "
+                                                          "next forward")
 
 
 class EvenPolicy(_Uniform):

@@ -31,9 +31,9 @@ from specs.plan_stage import StagePlan, stage_for_microbatch
 from specs.training import TrainingSpec
 
 __all__ = [
-    "PLAN_SCHEMA_VERSION", "CheckpointSegment", "D2DTarget", "LayerMemory", "LayerSharding", "MemoryAction",
+    "PLAN_SCHEMA_VERSION", "SPLIT_BACKWARD", "V_SHAPED", "CheckpointSegment", "D2DTarget", "LayerMemory", "LayerSharding", "MemoryAction",
     "NodeSharding", "OffloadPolicy", "Plan", "PlanError", "ScheduleKind", "ScheduleSpec", "StagePlan",
-    "stage_for_microbatch", "validate_plan",
+    "position_of_stage", "stage_for_microbatch", "validate_plan",
 ]
 
 #: the plan.json format this memwall reads and writes
@@ -45,17 +45,52 @@ class ScheduleKind(str, Enum):
     one_f_one_b = "1f1b"
     pipedream_async = "pipedream_async"
     interleaved_1f1b = "interleaved_1f1b"
+    # zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward split
+    # into an input-gradient pass (B) and a weight-gradient pass (W) that fills the bubble.
+    # zb_h1: 1F1B's placement and memory (§3.1 ZB-H1); zbv, dualpipev: two chunks per device in a V
+    # (chunk s of 2p on position s for s < p, else 2p-1-s; ZBV of §6, DeepSeek-V3's DualPipeV)
+    zb_h1 = "zb_h1"
+    zbv = "zbv"
+    dualpipev = "dualpipev"
+
+
+#: schedules whose backward is split into B (input gradients) and W (weight gradients) passes
+SPLIT_BACKWARD = frozenset({ScheduleKind.zb_h1, ScheduleKind.zbv, ScheduleKind.dualpipev})
+#: schedules placing two chunks per device in a V (stage s and 2p-1-s on one position)
+V_SHAPED = frozenset({ScheduleKind.zbv, ScheduleKind.dualpipev})
+
+
+def position_of_stage(kind: ScheduleKind, p: int, stage: int) -> int:
+    """Pipeline position (0..p-1) of chunk ``stage`` of a plan with ``p`` positions: j mod p
+    (Megatron's interleaving), or the V of ``V_SHAPED`` schedules (s < p: s; else 2p-1-s)."""
+    if kind in V_SHAPED:
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
 
 
 class ScheduleSpec(Spec):
     kind: ScheduleKind = ScheduleKind.one_f_one_b
-    virtual_stages: int = Field(1, ge=1, le=1024, description="model chunks per device (interleaved_1f1b)")
+    virtual_stages: int = Field(1, ge=1, le=1024, description="model chunks per device (interleaved_1f1b; "
+                                                              "2 for zbv and dualpipev, set when left out)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _v_default(cls, data):
+        if isinstance(data, dict) and data.get("virtual_stages") is None \
+                and str(getattr(data.get("kind"), "value", data.get("kind"))) in ("zbv", "dualpipev"):
+            data = {**data, "virtual_stages": 2}
+        return data
 
     @model_validator(mode="after")
     def _virtual(self) -> ScheduleSpec:
-        if self.virtual_stages > 1 and self.kind is not ScheduleKind.interleaved_1f1b:
+        if self.kind in V_SHAPED:
+            if self.virtual_stages != 2:
+                raise ValueError(f"schedule.virtual_stages: {self.kind.value} places two chunks per device in a V; "
+                                 f"allowed: 2, got {self.virtual_stages}")
+        elif self.virtual_stages > 1 and self.kind is not ScheduleKind.interleaved_1f1b:
             raise ValueError(
-                f"schedule.virtual_stages: {self.virtual_stages} needs kind interleaved_1f1b, got {self.kind.value}"
+                f"schedule.virtual_stages: {self.virtual_stages} needs kind interleaved_1f1b (or 2 with zbv, "
+                f"dualpipev), got {self.kind.value}"
             )
         return self
 
@@ -68,7 +103,12 @@ class Plan(Spec):
     num_devices: int = Field(ge=1, le=MAX_DEVICES, description="devices of the hardware the plan was made for")
     training: TrainingSpec
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
-    zero_stage: int = Field(0, ge=0, le=3)
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO over each stage's data-parallel group; 1 is "
+                                                         "Megatron's distributed optimizer")
+    overlap_grad_reduce: bool = Field(False, description="data-parallel gradient reduction in buckets during the "
+                                                         "backward (Megatron-Core overlap_grad_reduce, DDP)")
+    overlap_param_gather: bool = Field(False, description="with zero_stage >= 1: the updated parameter shards "
+                                                          "all-gathered during the next forward (overlap_param_gather)")
     stages: list[StagePlan] = Field(min_length=1, max_length=MAX_DEVICES)
 
     @field_validator("schema_version")
@@ -80,6 +120,9 @@ class Plan(Spec):
 
     @model_validator(mode="after")
     def _window(self) -> Plan:
+        if self.overlap_param_gather and self.zero_stage < 1:
+            raise ValueError("overlap_param_gather: gathers the parameter shards of a distributed optimizer; needs "
+                             f"zero_stage >= 1, got {self.zero_stage}")
         for i, st in enumerate(self.stages):
             if st.offload.stash_swap_layers and self.schedule.kind is not ScheduleKind.pipedream_async:
                 raise ValueError(f"stages[{i}].offload.stash_swap_layers: only PipeDream's asynchronous schedule "
@@ -123,8 +166,9 @@ class Plan(Spec):
         return len(self.stages) // self.schedule.virtual_stages
 
     def device_group_of(self, stage: int) -> int:
-        """Pipeline position (0..p-1) of a stage; chunk j of an interleaved plan sits on j mod p."""
-        return stage % self.pipeline_depth
+        """Pipeline position (0..p-1) of a stage; chunk j of an interleaved plan sits on j mod p, of
+        a V-shaped one (zbv, dualpipev) on :func:`position_of_stage`'s V."""
+        return position_of_stage(self.schedule.kind, self.pipeline_depth, stage)
 
     def stages_on(self, device: int) -> list[int]:
         return [i for i, s in enumerate(self.stages) if device in s.devices]
@@ -251,10 +295,11 @@ def _check_devices(plan: Plan, hardware: HardwareSpec, err) -> bool:
                 err(f"stages[{i}].devices[{j}]",
                     f"device {device} is not in hardware {hardware.name!r} (0..{hardware.num_devices - 1})")
                 ok = False
-        if i >= p:  # interleaved chunk: must sit exactly on its device group (Megatron layout)
-            if stage.devices != plan.stages[i % p].devices:
-                err(f"stages[{i}].devices", f"interleaved chunk {i} must use stage {i % p}'s devices "
-                    f"{plan.stages[i % p].devices}, got {stage.devices}")
+        if i >= p:  # a later chunk: must sit exactly on its device group (Megatron layout, or the V)
+            g = plan.device_group_of(i)
+            if stage.devices != plan.stages[g].devices:
+                err(f"stages[{i}].devices", f"chunk {i} must use stage {g}'s devices "
+                    f"{plan.stages[g].devices}, got {stage.devices}")
                 ok = False
             continue
         for device in stage.devices:

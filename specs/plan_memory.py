@@ -20,6 +20,10 @@ from specs.hardware import MAX_DEVICES
 class MemoryAction(str, Enum):
     keep = "keep"
     recompute = "recompute"
+    # Korthikanti et al. 2022 §5: keep the layer's activations except its attention core's
+    # (QK^T, softmax, softmax dropout, attention over V: the 5·a·s² per sample of Table 2), which
+    # the backward recomputes from the kept Q, K, V
+    selective = "selective"
     cpu_swap = "cpu_swap"
     d2d_swap = "d2d_swap"
     nvme = "nvme"

@@ -1,7 +1,8 @@
 """One pipeline stage of the plan: a contiguous layer range, its devices and DP/TP degrees, the
 memory actions of its layers, its offload policy and (MAP) its sharding and checkpoint segments.
 
-Devices of a stage are ordered tensor-parallel fastest: replica r, TP rank t is ``devices[r*tp+t]``.
+Devices of a stage are ordered tensor-parallel fastest, then context-parallel: replica r, CP rank c,
+TP rank t is ``devices[(r*cp + c)*tp + t]`` (cp 1: ``devices[r*tp+t]``).
 ``specs.plan.Plan`` holds a list of these; :func:`stage_for_microbatch` is a stage as one
 microbatch sees it. Types and pure functions only.
 """
@@ -43,6 +44,11 @@ class StagePlan(Spec):
     devices: list[Annotated[int, Field(ge=0, lt=MAX_DEVICES)]] = Field(min_length=1, max_length=MAX_DEVICES)
     dp: int = Field(1, ge=1, le=MAX_DEVICES)
     tp: int = Field(1, ge=1, le=MAX_DEVICES)
+    cp: int = Field(1, ge=1, le=MAX_DEVICES, description="context parallelism: the sequence split over cp "
+                    "ranks, attention as a ring over them (Megatron-Core / torchtitan); devices = dp x cp x tp")
+    sequence_parallel: bool = Field(False, description="Korthikanti et al. 2022 §4.2.2: the layer-norm and dropout "
+                                    "regions split along the sequence over the tp group (all-gather / "
+                                    "reduce-scatter in place of each all-reduce); needs tp > 1")
     mesh: list[Annotated[int, Field(ge=1, le=MAX_DEVICES)]] | None = Field(
         None, min_length=1, max_length=8,
         description="MAP: the stage's logical device mesh (slowest axis first, devices row-major over it), what "
@@ -83,11 +89,15 @@ class StagePlan(Spec):
         """A non-empty layer range; dp x tp devices, each listed once."""
         if self.layer_stop <= self.layer_start:
             raise ValueError(f"layer_stop: {self.layer_stop} must exceed layer_start {self.layer_start}")
-        if self.dp * self.tp != len(self.devices):
+        if self.dp * self.cp * self.tp != len(self.devices):
+            cp = f" x cp ({self.cp})" if self.cp > 1 else ""
             raise ValueError(
-                f"devices: dp ({self.dp}) x tp ({self.tp}) = {self.dp * self.tp} must equal the "
+                f"devices: dp ({self.dp}){cp} x tp ({self.tp}) = {self.dp * self.cp * self.tp} must equal the "
                 f"number of devices ({len(self.devices)})"
             )
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel: splits the sequence over the tensor-parallel group; needs tp > 1, "
+                             "got tp 1 (set it false or raise tp)")
         if len(set(self.devices)) != len(self.devices):
             raise ValueError(f"devices: listed twice in one stage: {self.devices}")
 
@@ -132,6 +142,9 @@ class StagePlan(Spec):
             missing = list(itertools.islice((layer for layer in self.layers if layer not in listed), 8))
             raise ValueError(f"sharding: a MAP stage lists every layer of [{self.layer_start}, {self.layer_stop}); "
                              f"missing {missing}" + (f" and {gaps - len(missing)} more" if gaps > len(missing) else ""))
+        if self.sequence_parallel or self.cp > 1:
+            raise ValueError("sharding: a MAP stage picks its own split per operator; sequence_parallel and cp "
+                             "apply to Megatron-style (dp x cp x tp) stages")
         if self.dp != 1 or self.tp != len(self.devices):
             raise ValueError(f"sharding: a MAP stage's devices form one mesh (data parallelism is a batch split "
                              f"in its strategies): set dp 1 and tp {len(self.devices)}, got dp {self.dp}, tp {self.tp}")

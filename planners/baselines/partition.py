@@ -88,13 +88,22 @@ def _balanced_split_bisect(costs: list[float], parts: int) -> list[int]:
 
 def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
              schedule: ScheduleSpec, split) -> Plan:
-    pp, dp = resolve_degrees(policy.pp, policy.dp, policy.tp, hardware, model, training,
+    pp, dp = resolve_degrees(policy.pp, policy.dp, policy.tp * policy.cp, hardware, model, training,
                              schedule.virtual_stages)
-    groups = device_groups(hardware, pp, dp, policy.tp)
+    groups = device_groups(hardware, pp, dp, policy.tp, policy.cp)
     chunks = pp * schedule.virtual_stages
     check_chunks(model, chunks, f"policy.pp ({pp}) x schedule.virtual_stages ({schedule.virtual_stages})")
+    if policy.sequence_parallel and policy.tp == 1:
+        raise PlanningError("policy.sequence_parallel: splits the sequence over the tensor-parallel group; needs "
+                            "policy.tp > 1, got 1")
+    zero_stage = policy.zero_stage or (1 if policy.distributed_optimizer else 0)
+    if policy.overlap_param_gather and zero_stage < 1:
+        raise PlanningError("policy.overlap_param_gather: gathers a distributed optimizer's parameter shards; set "
+                            "policy.distributed_optimizer=true (or zero_stage >= 1)")
     return assemble(planner, model, hardware, training, schedule, split(chunks), groups,
-                    dp, policy.tp, policy.recompute, policy.zero_stage)
+                    dp, policy.tp, policy.recompute, zero_stage, cp=policy.cp,
+                    sequence_parallel=policy.sequence_parallel, overlap_grad_reduce=policy.overlap_grad_reduce,
+                    overlap_param_gather=policy.overlap_param_gather)
 
 
 def plan_even(policy: EvenPolicy, model, hardware, training, schedule) -> Plan:

@@ -42,7 +42,8 @@ SWAPS = (MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme)
 
 class ActionKind(str, Enum):
     forward = "forward"
-    backward = "backward"
+    backward = "backward"          # with a SPLIT_BACKWARD schedule: the input-gradient pass (B) only
+    backward_weight = "backward_weight"  # zero-bubble W: the weight gradients of an earlier B (same stage, mb)
     send_act = "send_act"
     recv_act = "recv_act"
     send_grad = "send_grad"

@@ -163,7 +163,7 @@ def fit_check(result: Result, limits: Limits | None = None) -> Fit:
 _ranges = figure_base.device_ranges
 TABLE_HEADER = ("device", "stage", "layers", "dp x tp", "memory", "peak GiB", "cap GiB", "use %", "OOM")
 #: the memory actions a stage's ``memory`` list can name, in the order the table lists them
-_ACTIONS = ("recompute", "cpu_swap", "d2d_swap", "nvme")
+_ACTIONS = ("recompute", "selective", "cpu_swap", "d2d_swap", "nvme")
 
 
 def table_units(result: Result, limits: Limits | None = None) -> tuple[tuple[str, float], tuple[str, float]]:
@@ -192,12 +192,14 @@ def stage_degrees(stage) -> str:
     meshes = list(dict.fromkeys("x".join(str(m) for m in ls.mesh) for ls in stage.sharding))
     if meshes:
         return "mesh " + ",".join(meshes)
+    if stage.cp > 1:  # context parallel: the table's dp x tp column reads dp x cp x tp
+        return f"{stage.dp}x{stage.cp}x{stage.tp}"
     return f"{stage.dp}x{stage.tp}"
 
 
 def memory_words(stages: list, zero_stage: int = 0) -> list[str]:
     """What one device's ``stages`` (several when interleaved) do about memory, in the table's words:
-    layers per activation action ('recompute 16', 'cpu_swap 3', 'd2d_swap 2', 'nvme 1'), STRONGHOLD's
+    layers per activation action ('recompute 16', 'selective 8', 'cpu_swap 3', 'd2d_swap 2', 'nvme 1'), STRONGHOLD's
     window ('window 4 slots'), model state on the host ('optimizer on CPU', 'optimizer swap',
     'weight swap 2', 'NVMe'), the layers in MAP's checkpointed segments ('checkpoint 4 in 2 segments', rotor's) and
     ZeRO over a stage's data-parallel replicas ('ZeRO-3'). Empty: every activation kept."""
@@ -223,6 +225,8 @@ def memory_words(stages: list, zero_stage: int = 0) -> list[str]:
         checkpointed = [g for g in stage.checkpoint if g.checkpointed]
         if checkpointed:
             others.append(f"checkpoint {sum(g.stop - g.start for g in checkpointed)} in {len(checkpointed)} segments")
+        if stage.sequence_parallel:  # Korthikanti §4.2.2: activations split along the sequence over tp
+            others.append("seq-parallel")
         if zero_stage and stage.dp > 1:
             others.append(f"ZeRO-{zero_stage}")
     return [f"{a} {n}" for a, n in counts.items() if n] + list(dict.fromkeys(others))

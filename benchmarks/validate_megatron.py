@@ -61,6 +61,12 @@ KORTHIKANTI = [
     ("530B", 128, 20480, 105, 8, 35, 280, 280, 1, 3, 49.05),
     ("1T", 160, 25600, 128, 8, 64, 512, 512, 1, 1, 94.42),
 ]
+#: Korthikanti et al. 2022 Table 5, "present work" (sequence parallelism + selective recompute),
+#: the same setups as :data:`KORTHIKANTI`: seconds per iteration. Read from Calculon's
+#: ``calculon/llm/validation.py`` (``seqsel_tab5``, which cites arXiv 2205.05198 Table 5; its
+#: ``validation/seqsel/tab5/*_seqsel.json`` differ from ``*_full.json`` only in recompute
+#: ``attn_only`` and TP communication ``rs_ag``); the full-recompute column there equals ours.
+KORTHIKANTI_SEQSEL = {"22B": 1.10, "175B": 13.75, "530B": 37.83, "1T": 71.49}
 
 
 def published_time_s(heads, hidden, layers, gpus, batch, tflops) -> float:
@@ -70,7 +76,8 @@ def published_time_s(heads, hidden, layers, gpus, batch, tflops) -> float:
     return flops / (tflops * 1e12 * gpus)
 
 
-def build(row, microbatch: int, interleave: int, bytes_per_param: int = 16):
+def build(row, microbatch: int, interleave: int, bytes_per_param: int = 16, recompute: str = "full",
+          sequence_parallel: bool = False):
     params, heads, hidden, layers, tp, pp, gpus, batch, _ = row
     model = build_model(parse_model_config({
         "family": "gpt", "name": f"gpt_{str(params).rstrip('B')}b", "num_layers": layers, "hidden": hidden, "heads": heads,
@@ -85,7 +92,8 @@ def build(row, microbatch: int, interleave: int, bytes_per_param: int = 16):
     schedule = ScheduleSpec(kind="interleaved_1f1b", virtual_stages=v) if v > 1 else ScheduleSpec(kind="1f1b")
     counts = megatron_split(model, pp * v)
     plan = assemble("benchmark", model, hardware, training, schedule, counts,
-                    device_groups(hardware, pp, dp, tp), dp, tp, "full", 0)
+                    device_groups(hardware, pp, dp, tp), dp, tp, recompute, 0,
+                    sequence_parallel=sequence_parallel)
     return model, hardware, validate_plan(plan, model, hardware)
 
 
@@ -131,6 +139,32 @@ def main() -> None:
         row = (name, heads, hidden, layers, tp, pp, gpus, batch, 0)
         rows.append((name, tp, pp, gpus, pub, build(row, mb, v, 18)))
     report("Korthikanti et al. 2022, full recompute (Megatron-LM 2022, fp32 main grads: 18 B/param)", rows, args.fast)
+    rows = []
+    for name, heads, hidden, layers, tp, pp, gpus, batch, mb, v, _ in KORTHIKANTI:
+        row = (name, heads, hidden, layers, tp, pp, gpus, batch, 0)
+        rows.append((name, tp, pp, gpus, KORTHIKANTI_SEQSEL[name], build(row, mb, v, 18, "selective", True)))
+    report("Korthikanti et al. 2022 Table 5, sequence parallel + selective recompute (present work)", rows, args.fast)
+    speedups()
+
+
+def korthikanti_rows(recompute: str, sequence_parallel: bool):
+    """(name, published full-recompute s, published SP + selective s, (model, hardware, plan)) of
+    each Korthikanti row built with ``recompute`` and ``sequence_parallel``."""
+    for name, heads, hidden, layers, tp, pp, gpus, batch, mb, v, full in KORTHIKANTI:
+        row = (name, heads, hidden, layers, tp, pp, gpus, batch, 0)
+        yield name, full, KORTHIKANTI_SEQSEL[name], build(row, mb, v, 18, recompute, sequence_parallel)
+
+
+def speedups() -> None:
+    """Throughput gain of SP + selective over full recompute, published (Table 5) and predicted
+    (analytic), in percent: full / seqsel - 1."""
+    print("speed-up of SP + selective over full recompute (analytic), %")
+    print(f"{'model':>8} {'published':>9} {'memwall':>8} {'diff':>6}")
+    full = {n: iteration_time_s(p, m, h) for n, _, _, (m, h, p) in korthikanti_rows("full", False)}
+    for name, pub_full, pub_sel, (model, hardware, plan) in korthikanti_rows("selective", True):
+        pub = 100 * (pub_full / pub_sel - 1)
+        got = 100 * (full[name] / iteration_time_s(plan, model, hardware) - 1)
+        print(f"{name:>8} {pub:>9.1f} {got:>8.1f} {got - pub:>+6.1f}")
 
 
 if __name__ == "__main__":

@@ -11,25 +11,55 @@ import math
 
 from costs.params import samples_per_replica
 from specs.model import LayerKind, LayerSpec, ModelSpec
-from specs.plan import LayerMemory, MemoryAction, Plan, ScheduleKind, StagePlan
+from specs.plan import SPLIT_BACKWARD, LayerMemory, MemoryAction, Plan, ScheduleKind, StagePlan
 
 
 SWAP_ACTIONS = frozenset({MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme})
 
 
-def layer_saved_bytes(layer: LayerSpec, samples: int, tp: int) -> int:
-    """Activations a layer keeps for backward on one TP rank: s·b·h·(10 + 24/t + 5as/(ht)) for a
-    GPT block (Korthikanti et al. 2022, eq. 2) — generally the sharded fraction divides by t."""
+def layer_saved_bytes(layer: LayerSpec, samples: int, tp: int, *, sp: bool = False, selective: bool = False) -> int:
+    """Activations a layer keeps for backward on one TP rank, Korthikanti et al. 2022 Table 2 for a
+    GPT block: s·b·h·(10 + 24/t + 5as/(ht)) (eq. 2; generally the tp-sharded fraction divides by
+    t); with sequence parallelism (``sp``) the rest splits too, sbh·(34/t + 5as/(ht)) (§4.2.2);
+    with selective recompute (``selective``) the attention core's tensors are dropped
+    (``selective_bytes_per_sample``, all tp-sharded): sbh·(10 + 24/t), and sbh·34/t with both (§5)."""
     per_sample = layer.saved_bytes_per_sample
-    sharded = per_sample * layer.tp_sharded_saved_fraction
-    return math.ceil(samples * (sharded / tp + (per_sample - sharded)))
+    sharded = per_sample * (layer.tp_sharded_saved_fraction + (layer.sp_sharded_saved_fraction if sp else 0.0))
+    sharded = min(sharded, per_sample)
+    dropped = layer.selective_bytes_per_sample if selective else 0
+    return math.ceil(samples * (max(sharded - dropped, 0.0) / tp + (per_sample - sharded)))
 
 
-def layer_input_bytes(model: ModelSpec, layer: int, samples: int) -> int:
-    """Bytes of a layer's input: the previous layer's output, or for the first layer the batch
-    tensors it keeps (``input_bytes_per_sample``: images, token ids; 0 in the closed forms, which
-    count ids in the embedding's saved bytes)."""
-    return samples * (model.layers[layer - 1].output_bytes_per_sample if layer > 0 else model.input_bytes_per_sample)
+def seq_split(stage: StagePlan) -> int:
+    """How many ways a sequence-sharded boundary is split on one rank: t under sequence
+    parallelism (Korthikanti §4.2.2: each block's input and output are s/t of the sequence), else 1."""
+    return stage.tp if stage.sequence_parallel else 1
+
+
+def layer_output_bytes(model: ModelSpec, layer: int, samples: int, split: int = 1) -> int:
+    """Bytes of ``layer``'s output on one rank: its ``output_bytes_per_sample`` x samples, divided
+    by ``split`` (:func:`seq_split`) where sequence parallelism splits it (``sp_shards_output``)."""
+    spec = model.layers[layer]
+    nbytes = math.ceil(samples * spec.output_bytes_per_sample)  # cp: samples may be a fraction (costs.params)
+    return math.ceil(nbytes / split) if split > 1 and spec.sp_shards_output else nbytes
+
+
+def layer_input_bytes(model: ModelSpec, layer: int, samples: int, split: int = 1) -> int:
+    """Bytes of a layer's input: the previous layer's output (split over the sequence under
+    sequence parallelism: ``split``, :func:`seq_split`), or for the first layer the batch tensors
+    it keeps (``input_bytes_per_sample``: images, token ids; 0 in the closed forms, which count
+    ids in the embedding's saved bytes)."""
+    if layer > 0:
+        return layer_output_bytes(model, layer - 1, samples, split)
+    return math.ceil(samples * model.input_bytes_per_sample)
+
+
+def stage_saved_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
+    """:func:`layer_saved_bytes` of ``layer`` as ``stage`` runs it: its tensor- and (with
+    ``sequence_parallel``) sequence-parallel split, less the attention core where its action is
+    ``selective`` (Korthikanti §5)."""
+    return layer_saved_bytes(model.layers[layer], samples, stage.tp, sp=stage.sequence_parallel,
+                             selective=stage.action_of(layer).action is MemoryAction.selective)
 
 
 def tensor_bytes(spec: LayerSpec, index: int, samples: int, tp: int) -> int:
@@ -41,15 +71,15 @@ def tensor_bytes(spec: LayerSpec, index: int, samples: int, tp: int) -> int:
     return -(-nbytes // tp) if t.tp_sharded else nbytes
 
 
-def _kept_own_bytes(model: ModelSpec, layer: int, samples: int, tp: int) -> int:
-    """A kept layer's saved bytes less its boundaries (its input when it saves it, its output when
-    it saves it): its interior, what :func:`layer_own_bytes` counts for it."""
-    spec = model.layers[layer]
-    own = layer_saved_bytes(spec, samples, tp)
+def _kept_own_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
+    """A kept (or selective) layer's saved bytes less its boundaries (its input when it saves it,
+    its output when it saves it): its interior, what :func:`layer_own_bytes` counts for it."""
+    spec, split = model.layers[layer], seq_split(stage)
+    own = stage_saved_bytes(model, stage, layer, samples)
     if spec.saves_input:
-        own -= layer_input_bytes(model, layer, samples)
+        own -= layer_input_bytes(model, layer, samples, split)
     if spec.saves_output:
-        own -= samples * spec.output_bytes_per_sample
+        own -= layer_output_bytes(model, layer, samples, split)
     return max(own, 0)
 
 
@@ -68,8 +98,9 @@ def is_partial(item: LayerMemory) -> bool:
 
 
 def _kept(item: LayerMemory) -> bool:
-    """Whether the layer holds its boundaries as a kept layer does: kept, or partially swapped."""
-    return item.action is MemoryAction.keep or is_partial(item)
+    """Whether the layer holds its boundaries as a kept layer does: kept, selective (it keeps all
+    but its attention core, Korthikanti §5), or partially swapped."""
+    return item.action in (MemoryAction.keep, MemoryAction.selective) or is_partial(item)
 
 
 def swapped_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
@@ -85,10 +116,10 @@ def swapped_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) 
     spec = model.layers[layer]
     item = stage.action_of(layer)
     if is_partial(item):
-        return min(moved_bytes(spec, item, samples, stage.tp), _kept_own_bytes(model, layer, samples, stage.tp))
-    nbytes = layer_saved_bytes(spec, samples, stage.tp)
+        return min(moved_bytes(spec, item, samples, stage.tp), _kept_own_bytes(model, stage, layer, samples))
+    nbytes = stage_saved_bytes(model, stage, layer, samples)
     if layer == stage.layer_start and layer > 0 and spec.saves_input:
-        nbytes -= layer_input_bytes(model, layer, samples)
+        nbytes -= layer_input_bytes(model, layer, samples, seq_split(stage))
     return max(nbytes, 0)
 
 
@@ -121,8 +152,8 @@ def layer_own_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int
     item = stage.action_of(layer)
     if not _kept(item):
         return 0
-    own = _kept_own_bytes(model, layer, samples, stage.tp)
-    if item.action is not MemoryAction.keep:
+    own = _kept_own_bytes(model, stage, layer, samples)
+    if item.action not in (MemoryAction.keep, MemoryAction.selective):
         own -= swapped_bytes(model, stage, layer, samples)
     return own
 
@@ -131,7 +162,7 @@ def boundary_held_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples:
     """Output of ``layer`` when the next layer is in the same stage: kept (once) when either side
     saves it, freed during the forward otherwise."""
     if holds_output(stage, model, layer) or holds_input(stage, model, layer + 1):
-        return samples * model.layers[layer].output_bytes_per_sample
+        return layer_output_bytes(model, layer, samples, seq_split(stage))
     return 0
 
 
@@ -151,7 +182,7 @@ def sent_output_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
     the closed forms count it at the end of its forward only (:func:`activation_peak`)."""
     if not releases_output(model, plan, stage):
         return 0
-    return samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+    return layer_output_bytes(model, stage.layer_stop - 1, samples_per_replica(plan, stage), seq_split(stage))
 
 
 def stage_activation_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
@@ -167,8 +198,9 @@ def stage_activation_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
     layers = stage.layers
     total = sum(layer_own_bytes(model, stage, l, b) for l in layers)
     total += sum(boundary_held_bytes(model, stage, l, b) for l in layers[:-1])
-    output = 0 if releases_output(model, plan, stage) else b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
-    held_input = layer_input_bytes(model, stage.layer_start, b) if keeps_input(model, stage) else 0
+    split = seq_split(stage)
+    output = 0 if releases_output(model, plan, stage) else layer_output_bytes(model, stage.layer_stop - 1, b, split)
+    held_input = layer_input_bytes(model, stage.layer_start, b, split) if keeps_input(model, stage) else 0
     return total + held_input + output
 
 
@@ -178,8 +210,10 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
     gradient and intermediate gradients; for a head under tp > 1 at least its vocabulary-parallel
     loss's, :func:`vocab_parallel_loss_bytes`), the activations a recomputed layer re-materialises, and
     the gradient flowing in from the layer above (the top layer's is the receive buffer), less what
-    the layers above have already freed."""
-    b, tp = samples_per_replica(plan, stage), stage.tp
+    the layers above have already freed. A ``selective`` layer re-makes its attention core's
+    tensors (Korthikanti §5) for its backward; with sequence parallelism the recomputed and the
+    flowing tensors are split as the stage holds them."""
+    b, tp, split = samples_per_replica(plan, stage), stage.tp, seq_split(stage)
     best = freed = 0
     for n, l in enumerate(reversed(stage.layers)):
         spec = model.layers[l]
@@ -192,10 +226,14 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
         need = math.ceil(b * (per_sample / tp + spec.workspace_bytes_per_sample - per_sample)
                          + fixed / tp + spec.workspace_fixed_bytes - fixed)
         need = max(need, vocab_parallel_loss_bytes(spec, b, tp))
-        if stage.action_of(l).action is MemoryAction.recompute:
-            need += layer_saved_bytes(spec, b, tp) - (layer_input_bytes(model, l, b) if spec.saves_input else 0)
+        action = stage.action_of(l).action
+        if action is MemoryAction.recompute:
+            need += (layer_saved_bytes(spec, b, tp, sp=stage.sequence_parallel)
+                     - (layer_input_bytes(model, l, b, split) if spec.saves_input else 0))
+        elif action is MemoryAction.selective:
+            need += math.ceil(b * spec.selective_bytes_per_sample / tp)
         if n:
-            need += b * spec.output_bytes_per_sample
+            need += layer_output_bytes(model, l, b, split)
         best = max(best, need - freed)
         freed += layer_freed_bytes(model, stage, l, b)
     return best
@@ -227,7 +265,7 @@ def layer_freed_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: i
     stage's first layer (its input is the stage's, kept until the backward ends)."""
     freed = layer_own_bytes(model, stage, layer, samples)
     if layer > 0 and holds_input(stage, model, layer) and not holds_output(stage, model, layer - 1):
-        freed += layer_input_bytes(model, layer, samples)
+        freed += layer_input_bytes(model, layer, samples, seq_split(stage))
     return freed
 
 
@@ -271,6 +309,8 @@ def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None 
     the chunks (Narayanan et al. 2021 §2.2: p=8, v=3, i=0 holds 31 = 15 + 8 + 8)."""
     from specs.schedule import compute_order  # specs.schedule imports specs.plan only
 
+    if plan.schedule.kind in SPLIT_BACKWARD:  # zero-bubble: held until W (Qi et al. 2024)
+        return split_peak(plan, position, act_bytes, transient_bytes, sent_bytes, grad_bytes)
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     held: dict[int, int] = {s: 0 for s in range(position, len(plan.stages), p)}
     now = best = grads = best_grads = 0
@@ -299,3 +339,46 @@ def in_flight_microbatches(plan: Plan, stage_index: int) -> int:
     """Microbatches of ``stage_index`` held at its position's peak (see :func:`activation_peak`):
     GPipe m, 1F1B min(p - i, m), interleaved exact per chunk (15, 8, 8 for p=8, v=3, i=0)."""
     return activation_peak(plan, plan.device_group_of(stage_index))[1][stage_index]
+
+
+def split_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = None,
+               transient_bytes: dict[int, int] | None = None, sent_bytes: dict[int, int] | None = None,
+               grad_bytes: dict[int, int] | None = None, w_bytes: dict[int, tuple[int, int]] | None = None
+               ) -> tuple[int, dict[int, int], int]:
+    """costs.activations.activation_peak's walk for a zero-bubble order (B and W passes, Qi et al.
+    2024 §2): a microbatch's activations are held from its forward's end to its W's end (the
+    weight GEMMs' inputs; simulator.stagecost.StageCost.w_held_bytes), B peaks with the backward's
+    transient on top, the stage's sent-gradient buffer counts from its first B's end on. The
+    stages of a V (zbv, dualpipev) are those on ``position`` (Plan.device_group_of). ``w_bytes[s]``
+    = (held, scratch): recomputed activations held from B's end to W's end, and W's own scratch
+    (simulator.stagecost.StageCost.w_held_bytes, w_scratch_bytes), as the simulator books them."""
+    from specs.schedule import iter_compute_order
+
+    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+    held = {s: 0 for s in range(len(plan.stages)) if plan.device_group_of(s) == position}
+    now = best = grads = best_grads = 0
+    best_held = dict(held)
+    graded: set[int] = set()
+    for pass_, s, _ in iter_compute_order(plan.schedule.kind, p, m, v, position):
+        a = act_bytes[s] if act_bytes is not None else 1
+        if pass_ == "F":
+            held[s] += 1
+            now += a
+            if sent_bytes is not None and now + grads + sent_bytes[s] > best:
+                best, best_held, best_grads = now + grads + sent_bytes[s], dict(held), grads
+            elif sent_bytes is None and now + grads > best:
+                best, best_held, best_grads = now + grads, dict(held), grads
+        elif pass_ == "B":
+            peak = now + grads + (transient_bytes[s] if transient_bytes is not None else 0)
+            if peak > best:
+                best, best_held, best_grads = peak, dict(held), grads
+            if grad_bytes is not None and s not in graded:
+                graded.add(s)
+                grads += grad_bytes[s]
+            now += w_bytes[s][0] if w_bytes is not None else 0
+        else:
+            if w_bytes is not None and now + grads + w_bytes[s][1] > best:
+                best, best_held, best_grads = now + grads + w_bytes[s][1], dict(held), grads
+            held[s] -= 1
+            now -= a + (w_bytes[s][0] if w_bytes is not None else 0)
+    return best, best_held, best_grads

@@ -6,8 +6,10 @@ estimator, the simulator and the planners, so each formula lives here once.
 """
 from __future__ import annotations
 
-from costs.activations import layer_input_bytes
-from costs.params import dp_grad_bytes, samples_per_replica, tied_copies
+import math
+
+from costs.activations import layer_input_bytes, layer_output_bytes, seq_split
+from costs.params import dp_grad_bytes, grad_reduce_ranks, samples_per_replica, tied_copies
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
 
@@ -22,10 +24,11 @@ def comm_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
 
 def received_grad_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
     """The gradient of the stage's output received from downstream (0 on the last stage: it starts
-    backward from its own loss), counted for the whole iteration."""
+    backward from its own loss), counted for the whole iteration; sequence-sharded under sequence
+    parallelism (Megatron sends s·b·h/t per rank: Korthikanti §4.2.2)."""
     if stage.layer_stop == model.num_layers:
         return 0
-    return samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+    return layer_output_bytes(model, stage.layer_stop - 1, samples_per_replica(plan, stage), seq_split(stage))
 
 
 def sent_grad_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
@@ -34,7 +37,18 @@ def sent_grad_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
     exist before the stage's first backward ends, so a peak inside that backward (GPipe's, with all
     m microbatches held) is without it."""
     b = samples_per_replica(plan, stage)
-    return layer_input_bytes(model, stage.layer_start, b) if stage.layer_start > 0 else 0
+    return layer_input_bytes(model, stage.layer_start, b, seq_split(stage)) if stage.layer_start > 0 else 0
+
+
+def boundary_send_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int]:
+    """(activation, gradient) bytes one rank of ``stage`` sends per microbatch across its
+    pipeline boundaries: its output forward, its input's gradient backward (on the first stage
+    its batch input's size, as simulator.stagecost counts it: nothing is sent); under sequence
+    parallelism each tp rank sends its s/t share (Megatron's p2p of the sequence-parallel hidden
+    states, Korthikanti §4.2.2)."""
+    b, split = samples_per_replica(plan, stage), seq_split(stage)
+    out = layer_output_bytes(model, stage.layer_stop - 1, b, split)
+    return out, layer_input_bytes(model, stage.layer_start, b, split)
 
 
 def allreduce_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
@@ -43,7 +57,9 @@ def allreduce_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
     0 without data parallelism. Allocated after the last backward, when activations are gone.
     The tied-weight gradient copy (:func:`tied_sync_buffer_bytes`) comes after it is freed: the
     larger of the two."""
-    flat = dp_grad_bytes(model, plan, stage) if stage.dp > 1 else 0
+    flat = dp_grad_bytes(model, plan, stage) if grad_reduce_ranks(stage) > 1 else 0  # dp x cp replicas
+    if plan.zero_stage == 1 and flat:  # ZeRO-1 reduce-scatters in place (executor.zero1, Megatron): its 1/d shard
+        flat = math.ceil(flat / grad_reduce_ranks(stage))
     return max(flat, tied_sync_buffer_bytes(model, plan, stage))
 
 

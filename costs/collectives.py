@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from costs.params import dp_grad_bytes, layer_params_on_device, stage_holding, tied_copies
+from costs.params import dp_grad_bytes, grad_reduce_ranks, layer_params_on_device, stage_holding, tied_copies
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
@@ -62,14 +62,66 @@ def allreduce_link(hardware: HardwareSpec, devices: list[int]) -> LinkSpec:
 
 
 def dp_allreduce_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> float:
-    """Gradient all-reduce of one stage over its dp replicas on an idle fabric (one TP rank's
-    shard each; ring over ``allreduce_link``). ZeRO stage >= 2 reduce-scatters instead: half the
-    traffic of an all-reduce (ZeRO §5)."""
-    if stage.dp == 1:
-        return 0.0
+    """Data-parallel sync of one stage's step on an idle fabric (one TP rank's shard each; ring
+    over ``allreduce_link``), exposed in full: :func:`dp_reduce_gather_s` summed. ZeRO-0: the
+    gradient all-reduce; ZeRO-1 (Megatron's distributed optimizer): reduce-scatter + all-gather,
+    the ring bytes of one all-reduce; ZeRO stage >= 2: the reduce-scatter only (ZeRO §5)."""
+    return sum(dp_reduce_gather_s(model, plan, hardware, stage))
+
+
+def dp_reduce_gather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:
+    """(gradient reduction, parameter all-gather) seconds of one stage's dp sync. A ring
+    all-reduce is a reduce-scatter then an all-gather, each (n-1)/n · bytes / bw + (n-1)·latency
+    (Thakur et al. 2005), so each is exactly half of :func:`ring_allreduce_s`. ZeRO-0:
+    (all-reduce, 0). ZeRO-1: the gradients reduce-scattered, each rank steps its 1/d shard, the
+    updated parameters all-gathered (Megatron-LM docs/source/api-guide/dist_optimizer.md): (half,
+    half). ZeRO >= 2: (half, 0), as modelled before (ZeRO §5; its gathers are not priced)."""
+    if grad_reduce_ranks(stage) == 1:  # dp x cp replicas (costs/context_parallel.py)
+        return 0.0, 0.0
     ranks = stage.devices[:: stage.tp]
-    t = ring_allreduce_s(dp_grad_bytes(model, plan, stage), stage.dp, allreduce_link(hardware, ranks))
-    return t / 2 if plan.zero_stage >= 2 else t
+    t = ring_allreduce_s(dp_grad_bytes(model, plan, stage), grad_reduce_ranks(stage), allreduce_link(hardware, ranks))
+    if plan.zero_stage == 0:
+        return t, 0.0
+    return t / 2, (t / 2 if plan.zero_stage == 1 else 0.0)
+
+
+def dp_param_gather_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec,
+                              stage: StagePlan) -> list[float]:
+    """ZeRO-1's parameter all-gather split into one bucket per layer (stage order), each half of
+    that layer's all-reduce (its own latency); zeros for any other ZeRO stage."""
+    if plan.zero_stage != 1 or grad_reduce_ranks(stage) == 1:
+        return [0.0] * len(stage.layers)
+    return dp_allreduce_buckets_s(model, plan, hardware, stage)  # ZeRO-1 buckets: reduce-scatter = all-gather
+
+
+def grad_reduce_exposed_s(bucket_s: list[float], layer_bwd_s: list[float]) -> float:
+    """Seconds of an overlapped gradient reduction (``Plan.overlap_grad_reduce``) left after the
+    last microbatch's backward: bucket j (stage order, one per layer) is issued when that
+    backward has passed layer j (last layer first) and buckets run one after the other on the
+    ring (PyTorch DDP, Li et al. VLDB'20 §3.2.3; Megatron-Core's overlap_grad_reduce). Never more
+    than the blocking sum(bucket_s): each bucket starts no later than in the blocking order."""
+    ready = end = 0.0
+    for dur, bwd in zip(reversed(bucket_s), reversed(layer_bwd_s)):
+        ready += bwd
+        end = max(end, ready) + dur
+    return max(end - sum(layer_bwd_s), 0.0)
+
+
+def param_gather_exposed_s(bucket_s: list[float], layer_fwd_s: list[float]) -> float:
+    """Seconds of ZeRO-1's parameter all-gather that the next iteration's forward does not hide
+    (``Plan.overlap_param_gather``, Megatron-Core's overlap_param_gather). Steady-state model:
+    after the step every bucket's all-gather is issued at once, queued on the ring in stage order;
+    layer j's first forward (microbatch 0) waits for bucket j, so the forwards of layers 0..j-1 of
+    that microbatch hide the gathers up to j. The stall is max_j (gathers through j − forwards
+    before j), at least 0 and at most sum(bucket_s): only the stage's first forward covers it
+    (what a later stage gains from the pipeline fill is not counted: an upper bound). Charged at
+    the iteration's end, where in steady state it shifts the next iteration by the same amount."""
+    gathered = fwd = stall = 0.0
+    for dur, f in zip(bucket_s, layer_fwd_s):
+        gathered += dur
+        stall = max(stall, gathered - fwd)
+        fwd += f
+    return stall
 
 
 def embedding_group_allreduce_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> float:
@@ -90,15 +142,16 @@ def embedding_group_allreduce_s(model: ModelSpec, plan: Plan, hardware: Hardware
 
 
 def dp_allreduce_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> list[float]:
-    """``dp_allreduce_s`` split into one bucket per layer of the stage (stage order): what a
+    """The gradient reduction of :func:`dp_reduce_gather_s` split into one bucket per layer of the
+    stage (stage order; ZeRO >= 1: each a reduce-scatter, half an all-reduce): what a
     bucketed all-reduce issues as each layer's gradients become final (PyTorch DDP, Li et al.
     VLDB'20 §3.2.3; one bucket per layer keeps the model simple), each paying its own latency."""
-    if stage.dp == 1:
+    if grad_reduce_ranks(stage) == 1:  # dp x cp replicas (costs/context_parallel.py)
         return [0.0] * len(stage.layers)
     _, g_b, _ = plan.training.bytes_per_param()
     link = allreduce_link(hardware, stage.devices[:: stage.tp])
-    half = 2 if plan.zero_stage >= 2 else 1
+    half = 2 if plan.zero_stage >= 1 else 1  # ZeRO >= 1 reduce-scatters its gradient buckets
     streamed = set(stage.streamed_layers)  # a window's: all-reduced on the host (costs.window.host_allreduce_s)
     return [0.0 if i in streamed else
-            ring_allreduce_s(g_b * layer_params_on_device(model.layers[i], stage.tp), stage.dp, link) / half
+            ring_allreduce_s(g_b * layer_params_on_device(model.layers[i], stage.tp), grad_reduce_ranks(stage), link) / half
             for i in stage.layers]

@@ -145,6 +145,23 @@ def block_gemms(s: int, h: int, a: int, g: int, f: int) -> list[GemmSpec]:
             GemmSpec(name="down", m=s, n=h, k=f, tp_split="k")]
 
 
+def core_selective(s: int, h: int, a: int, flash: bool, act: int) -> dict:
+    """LayerSpec fields of selective recompute (Korthikanti §5: checkpoint the attention core,
+    Megatron-Core's ``recompute_modules=["core_attn"]``), derived from what *this* core saves
+    (:func:`attention_saved`). The checkpoint keeps the core's inputs Q, K, V (already in the
+    list: QKᵀ's and attention·V's operands) and the core's output stays saved by the projection
+    (its input), so what is dropped is what the core saves besides those: flash attention only its
+    fp32 log-sum-exp 4as (a·s floats: selective saves almost nothing with flash, which is why
+    Megatron-Core advises against combining them); the unfused core its softmax output 2as² (no
+    dropout in LLaMA). The backward re-runs QKᵀ and attention·V, plus the unfused softmax's a·s²
+    in/out (a flash core's softmax stays on chip, as the forward prices it). One operator (one
+    scaled_dot_product_attention call)."""
+    gemms = [g for g in block_gemms(s, h, a, a, 1) if g.name in ("scores", "attn_v")]
+    dropped = LSE_BYTES * a * s if flash else 2 * a * s * s * act // 2
+    return {"selective_bytes_per_sample": dropped, "selective_gemms": gemms,
+            "selective_mem_bytes_per_sample": 0 if flash else 2 * a * s * s * act, "selective_ops": 1}
+
+
 def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
     """One LLaMA block. FLOPs per sample = its GEMMs: 4sh² + 4sh·g·d + 4s²h + 6shf (GQA's k/v
     g·d wide, SwiGLU's three h x f products; the QKᵀ and attention·V terms counted over the whole
@@ -173,6 +190,11 @@ def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
         workspace_bytes_per_sample=max(2 * s * f, 0 if cfg.flash_attention else a * s * s) * act,
         tp_sharded_param_fraction=sharded_params / params,
         tp_sharded_saved_fraction=sharded_bytes / saved_bytes,
+        # sequence parallelism splits the rest (the two norm inputs, the QKV and SwiGLU inputs:
+        # 8sh, Korthikanti §4.2.2's rule) and the block's output along the sequence
+        sp_sharded_saved_fraction=(saved_bytes - sharded_bytes) / saved_bytes, sp_shards_output=True,
+        sp_allgathers_per_pass=2,  # before q/k/v and before gate/up
+        **core_selective(s, h, a, cfg.flash_attention, act),
         tp_allreduces_per_pass=2,  # after proj and after down (Megatron §3)
         max_tp=g,  # Megatron-Core: tp must divide num_query_groups (kv heads split whole)
         gemms=gemms,
@@ -191,6 +213,7 @@ def embedding_layer(s: int, h: int, V: int, act: int) -> LayerSpec:
         saved_bytes_per_sample=s * TOKEN_ID_BYTES, output_bytes_per_sample=s * h * act,
         workspace_fixed_bytes=V * h * act, saves_input=False,
         tp_sharded_param_fraction=1.0, tp_sharded_saved_fraction=0.0, tp_allreduces_per_pass=1,
+        sp_shards_output=True,  # reduce-scattered along the sequence under SP (the ids stay whole)
         fwd_mem_bytes_per_sample=2 * s * h * act,
         saved_tensors=saved_specs([("ids_0", s * TOKEN_ID_BYTES, False)], lambda n: n),
         fwd_ops=LLAMA_EMBED_OPS[0], bwd_ops=LLAMA_EMBED_OPS[1],

@@ -22,6 +22,7 @@ from specs._base import Spec
 from costs.family_transformer import (
     attention_costs,
     attention_gemms,
+    attention_core_selective,
     attention_mem_bytes,
     block_layer,
     embedding_layer,
@@ -84,6 +85,12 @@ def moe_block_layer(name: str, cfg: MoEConfig, act: int) -> LayerSpec:
         workspace_bytes_per_sample=cfg.heads * s * s * act,  # as block_layer: score gradient
         tp_sharded_param_fraction=(sp_a + experts) / params,
         tp_sharded_saved_fraction=(ssv_a + sharded_saved) / saved,
+        # sequence parallelism: the rest is per token (layernorm, gate, dispatch, expert inputs),
+        # split along the sequence as a dense block's 10sh is (an approximation for the gating)
+        sp_sharded_saved_fraction=(saved - ssv_a - sharded_saved) / saved, sp_shards_output=True,
+        sp_allgathers_per_pass=2,  # before QKV and before the experts, as a dense block
+        # selective recompute: its attention is GPT's (5as², Korthikanti §5)
+        **attention_core_selective(s, h, cfg.heads, act),
         tp_allreduces_per_pass=2,  # attention projection and wo are row-parallel
         max_tp=cfg.heads,
         **op_counts.ops(op_counts.MOE_BLOCK),

@@ -172,6 +172,20 @@ def mlp_mem_bytes(s: int, h: int, f: int, act: int) -> int:
     return (2 * s * h + 2 * s * f + 3 * s * h) * act + s * h
 
 
+def attention_core_selective(s: int, h: int, a: int, act: int) -> dict:
+    """LayerSpec fields of selective recompute for a GPT attention core (Korthikanti et al. 2022
+    §5): it drops the softmax output 2as², the softmax-dropout mask as² and the dropout output
+    2as² (the 5as² of Table 2, all split by TP; the mask scaled with the rest, as ``block_layer``
+    counts it), and the backward re-runs QKᵀ, scale-mask-softmax, dropout and attention·V from the
+    kept Q, K, V: their two GEMMs and their element-wise traffic (as ``attention_mem_bytes``
+    counts it: softmax as² in/out, dropout as² in/out plus the 1-byte mask). One operator (the
+    executor's blocks run the core as one scaled_dot_product_attention)."""
+    gemms = [g for g in attention_gemms(s, h, a) if g.name in ("scores", "attn_v")]
+    as2 = a * s * s
+    return {"selective_bytes_per_sample": 5 * as2 * act // 2, "selective_gemms": gemms,
+            "selective_mem_bytes_per_sample": 4 * as2 * act + as2, "selective_ops": 1}
+
+
 def block_layer(name: str, s: int, h: int, a: int, f: int, act: int) -> LayerSpec:
     """One transformer block (GPT pre-LN or BERT post-LN: the same counts).
 
@@ -193,6 +207,11 @@ def block_layer(name: str, s: int, h: int, a: int, f: int, act: int) -> LayerSpe
         workspace_bytes_per_sample=a * s * s * act,
         tp_sharded_param_fraction=(sp_a + sp_m) / (p_a + p_m),
         tp_sharded_saved_fraction=sharded_fp16 / saved_fp16,
+        # sequence parallelism splits the rest, the 10sh of layernorm, dropout and GEMM inputs
+        # (Korthikanti §4.2.2, Table 2: 34/t), and the block's output along the sequence
+        sp_sharded_saved_fraction=(saved_fp16 - sharded_fp16) / saved_fp16, sp_shards_output=True,
+        sp_allgathers_per_pass=2,  # before QKV and before fc1 (Korthikanti §4.2.2, Fig. 5's g)
+        **attention_core_selective(s, h, a, act),
         tp_allreduces_per_pass=2,  # after the attention projection and after fc2 (Megatron §3)
         max_tp=a,  # heads are split whole across TP ranks
         gemms=[*attention_gemms(s, h, a),
@@ -232,6 +251,11 @@ def embedding_layer(name: str, s: int, h: int, V: int, act: int, extra_params: i
         saves_input=False,
         tp_sharded_param_fraction=V * h / params,
         tp_sharded_saved_fraction=0.0,
+        # under sequence parallelism the output is reduce-scattered along the sequence and the
+        # dropout (and BERT's layernorm) run on the shard: all but the ids split (Korthikanti §4.3:
+        # the dropout mask sbhp/t)
+        sp_sharded_saved_fraction=(s * h + extra_saved) / (id_tensors * s * TOKEN_ID_BYTES + s * h + extra_saved),
+        sp_shards_output=True,
         tp_allreduces_per_pass=1,
         # no GEMM: the row gather, the position add and dropout (+ mask) are memory-bound
         fwd_mem_bytes_per_sample=6 * s * h * act + s * h + extra_saved,
@@ -264,6 +288,11 @@ def head_layer(name: str, s: int, h: int, V: int, act: int, params: int, sharded
         workspace_bytes_per_sample=logits,
         tp_sharded_param_fraction=sharded_params / params,
         tp_sharded_saved_fraction=logits / saved,
+        # sequence parallelism splits the hidden-size inputs too (final layernorm on the shard, the
+        # decoder's input kept sharded and all-gathered again in backward: Korthikanti §4.3's
+        # 4sbh/t); the loss it outputs is not a sequence tensor
+        sp_sharded_saved_fraction=1 - logits / saved,
+        sp_allgathers_per_pass=1,  # the decoder's input, gathered along the sequence
         # the vocab-parallel loss all-reduces only s-sized max/sum vectors: negligible
         tp_allreduces_per_pass=0,
         tied_to=tied_to,

@@ -10,7 +10,8 @@ import math
 
 from costs import gemm, window
 from costs.collectives import collective_link, group_link, ring_allreduce_s
-from costs.params import layer_params_on_device, samples_per_replica, stage_params_on_device
+from costs.context_parallel import layer_cp_comm_s
+from costs.params import grad_reduce_ranks, layer_params_on_device, samples_per_replica, stage_params_on_device
 from specs.hardware import HardwareSpec
 from specs.model import LayerKind, LayerSpec, ModelSpec
 from specs.plan import MemoryAction, Plan, StagePlan
@@ -26,11 +27,14 @@ def compute_dtype(plan: Plan) -> str:
 BWD_MEM_FACTOR = 1.5
 
 
-def _mem_s(layer: LayerSpec, samples: int, tp: int, hardware: HardwareSpec) -> float:
+def _mem_s(layer: LayerSpec, samples: int, tp: int, hardware: HardwareSpec, sp: bool = False) -> float:
     """Forward seconds of a layer's memory-bound (non-GEMM) ops at HBM bandwidth. Their traffic
-    splits over TP like the activations they act on (``tp_sharded_saved_fraction``)."""
+    splits over TP like the activations they act on (``tp_sharded_saved_fraction``); with sequence
+    parallelism (``sp``) the layernorm, dropout and bias-add regions split too
+    (``sp_sharded_saved_fraction``, Korthikanti §4.2.2)."""
     per_sample = layer.fwd_mem_bytes_per_sample
-    sharded = per_sample * layer.tp_sharded_saved_fraction
+    frac = layer.tp_sharded_saved_fraction + (layer.sp_sharded_saved_fraction if sp else 0.0)
+    sharded = per_sample * min(frac, 1.0)
     return samples * (sharded / tp + per_sample - sharded) / hardware.device.hbm_bytes_per_s
 
 
@@ -72,7 +76,7 @@ def layer_fwd_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: Sta
     (:func:`tp_dtensor_ops` x ``dtensor_op_overhead_s``)."""
     spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device
     b, tp = samples_per_replica(plan, stage), stage.tp
-    return (gemm.gemms_fwd_s(dev, dtype, spec.gemms, b, tp) + _mem_s(spec, b, tp, hardware)
+    return (gemm.gemms_fwd_s(dev, dtype, spec.gemms, b, tp) + _mem_s(spec, b, tp, hardware, stage.sequence_parallel)
             + _rest_flops_s(spec, b, tp, hardware, dtype) + spec.fwd_ops * dev.op_overhead_s
             + tp_dtensor_ops(spec, tp)[0] * dev.dtensor_op_overhead_s)
 
@@ -99,7 +103,7 @@ def layer_bwd_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: Sta
     b, tp = samples_per_replica(plan, stage), stage.tp
     dgrad, wgrad = gemm.gemms_bwd_s(dev, dtype, spec.gemms, b, tp)
     accumulate = accumulate_bytes_per_param(plan) * layer_params_on_device(spec, tp) / dev.hbm_bytes_per_s
-    return (dgrad + wgrad + BWD_MEM_FACTOR * _mem_s(spec, b, tp, hardware) + accumulate
+    return (dgrad + wgrad + BWD_MEM_FACTOR * _mem_s(spec, b, tp, hardware, stage.sequence_parallel) + accumulate
             + 2 * _rest_flops_s(spec, b, tp, hardware, dtype) + spec.bwd_ops * dev.op_overhead_s
             + tp_dtensor_ops(spec, tp)[1] * dev.dtensor_op_overhead_s)
 
@@ -113,11 +117,69 @@ def layer_tp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage:
     (``--async-tensor-model-parallel-allreduce``) came later, and memwall's executor (DTensor) does
     not do it either, so the plan and the runs agree."""
     spec = model.layers[layer]
+    if stage.sequence_parallel:
+        return layer_sp_comm_s(model, plan, hardware, stage, layer)
     if stage.tp == 1 or spec.tp_allreduces_per_pass == 0:
         return 0.0
     nbytes = spec.output_bytes_per_sample * samples_per_replica(plan, stage)
     link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
     return spec.tp_allreduces_per_pass * ring_allreduce_s(nbytes, stage.tp, link)
+
+
+def ring_half_s(nbytes: float, n: int, link) -> float:
+    """Ring all-gather or reduce-scatter of a tensor of ``nbytes`` (whole, before the split) over
+    ``n`` ranks: (n-1)/n · bytes / bw + (n-1) · latency, half a ring all-reduce (an all-reduce is
+    one of each: Korthikanti §4.2.2, "same bandwidth as an all-reduce")."""
+    return ring_allreduce_s(nbytes, n, link) / 2
+
+
+def layer_sp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
+    """Sequence-parallel communication of one layer in one pass (Korthikanti §4.2.2, Fig. 5): each
+    of ``tp_allreduces_per_pass`` all-reduces becomes a reduce-scatter (g) and each column-parallel
+    region is entered by an all-gather (``sp_allgathers_per_pass``, ḡ); the backward runs the
+    conjugates (all-gather for g, reduce-scatter for ḡ), the same bytes. A GPT block: 2 + 2
+    halves, the all-reduce volume of tensor parallelism alone; the embedding only its
+    reduce-scatter. The backward's extra re-gathers are :func:`sp_regather_s`."""
+    spec = model.layers[layer]
+    halves = spec.tp_allreduces_per_pass + spec.sp_allgathers_per_pass
+    if stage.tp == 1 or halves == 0:
+        return 0.0
+    nbytes = spec.output_bytes_per_sample * samples_per_replica(plan, stage)
+    link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
+    return halves * ring_half_s(nbytes, stage.tp, link)
+
+
+def sp_regather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
+    """The backward's re-gather under sequence parallelism (Korthikanti §4.2.2): each
+    column-parallel GEMM saved its sequence-split input (s/t, what makes the 34/t of Table 2), so
+    its weight gradient first all-gathers it again: ``sp_allgathers_per_pass`` all-gathers per
+    backward. None for a fully recomputed layer: its re-run forward gathered the inputs already
+    (priced in its recompute). Exposed, as every tensor-parallel collective of this model is
+    (``layer_tp_comm_s``); Megatron-LM issues it asynchronously behind the input-gradient GEMM
+    (``LinearWithGradAccumulationAndAsyncCommunication``), as it issues the backward's
+    all-reduce / reduce-scatter behind the weight-gradient GEMM, and memwall models neither overlap."""
+    spec = model.layers[layer]
+    if not stage.sequence_parallel or stage.tp == 1 or spec.sp_allgathers_per_pass == 0 \
+            or stage.action_of(layer).action is MemoryAction.recompute:
+        return 0.0
+    nbytes = spec.output_bytes_per_sample * samples_per_replica(plan, stage)
+    link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
+    return spec.sp_allgathers_per_pass * ring_half_s(nbytes, stage.tp, link)
+
+
+def selective_recompute_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
+    """Seconds of re-running one layer's attention core before its backward under selective
+    recompute (Korthikanti §5; Table 4: 2.7 % overhead on 22B against 36 % for full recompute):
+    its ``selective_gemms`` (QKᵀ, attention·V, heads split over t) at their shapes' efficiency,
+    its element-wise traffic (softmax, dropout; split over t with the heads) at HBM bandwidth and
+    its operators' overhead; 0 unless the layer's action is ``selective``."""
+    if stage.action_of(layer).action is not MemoryAction.selective:
+        return 0.0
+    spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device
+    b, tp = samples_per_replica(plan, stage), stage.tp
+    return (gemm.gemms_fwd_s(dev, dtype, spec.selective_gemms, b, tp)
+            + b * spec.selective_mem_bytes_per_sample / tp / dev.hbm_bytes_per_s
+            + spec.selective_ops * dev.op_overhead_s)
 
 
 def layer_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan,
@@ -127,9 +189,15 @@ def layer_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, sta
     just before its backward). The simulator and the analytic estimate both sum these."""
     f = layer_fwd_s(model, plan, hardware, stage, layer)
     c = layer_tp_comm_s(model, plan, hardware, stage, layer)
-    b = layer_bwd_s(model, plan, hardware, stage, layer)
-    rc = f + c if stage.action_of(layer).action is MemoryAction.recompute else 0.0
-    return f + c, b + c, rc
+    # selective recompute re-runs the attention core inside the layer's backward (Megatron's
+    # checkpointed core attention), so it is part of the backward, not a whole-layer re-run (rc)
+    b = (layer_bwd_s(model, plan, hardware, stage, layer) + selective_recompute_s(model, plan, hardware, stage, layer)
+         + sp_regather_s(model, plan, hardware, stage, layer))
+    cp_f, cp_b = layer_cp_comm_s(model, plan, hardware, stage, layer)  # ring attention's exposed transfers
+    rc = f + c + cp_f if stage.action_of(layer).action is MemoryAction.recompute else 0.0
+    if stage.action_of(layer).action is MemoryAction.selective:
+        cp_b += cp_f  # the re-run core runs its forward ring again
+    return f + c + cp_f, b + c + cp_b, rc
 
 
 def stage_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:
@@ -149,7 +217,7 @@ def optimizer_step_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage
     is on the CPU (STRONGHOLD §3.4)."""
     params = stage_params_on_device(model, plan, stage)
     if plan.zero_stage >= 1:
-        params = math.ceil(params / stage.dp)
+        params = math.ceil(params / grad_reduce_ranks(stage))  # the dp x cp shard
     if stage.offload.window_layers is not None:
         # the device steps the resident layers; the CPU steps each streamed layer as its last
         # gradient lands, overlapped with the backward (simulator/window.py times that overlap;

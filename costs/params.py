@@ -12,9 +12,19 @@ from specs.model import LayerSpec, ModelSpec
 from specs.plan import Plan, StagePlan
 
 
-def samples_per_replica(plan: Plan, stage: StagePlan) -> int:
-    """Samples one replica of ``stage`` processes per microbatch (microbatch split over dp)."""
-    return plan.training.samples_per_microbatch // stage.dp
+def samples_per_replica(plan: Plan, stage: StagePlan) -> int | float:
+    """Samples one replica of ``stage`` processes per microbatch (microbatch split over dp), in
+    whole-sequence units per device: context parallelism gives each of its cp ranks s/cp of every
+    sequence (costs/context_parallel.py), so every sequence-proportional byte, FLOP and transfer of
+    a device is that of samples/cp sequences (a float when cp does not divide them; int otherwise)."""
+    b = plan.training.samples_per_microbatch // stage.dp
+    return b // stage.cp if b % stage.cp == 0 else b / stage.cp
+
+
+def grad_reduce_ranks(stage: StagePlan) -> int:
+    """Ranks a stage's gradient is all-reduced over: parameters are replicated over dp and cp
+    alike (Megatron-Core's data-parallel group with cp; costs/context_parallel.py), dp·cp."""
+    return stage.dp * stage.cp
 
 
 def layer_params_on_device(layer: LayerSpec, tp: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from costs.params import layer_params_on_device, stage_params_on_device
+from costs.params import grad_reduce_ranks, layer_params_on_device, stage_params_on_device
 from costs.window import window_static
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
@@ -19,12 +19,18 @@ def stage_static(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[Memory
     """(device-resident weights/grads/optimizer, host-resident bytes) of one stage on one device.
 
     ZeRO stage k shards optimizer (k>=1), gradients (k>=2), parameters (k>=3) over dp (ZeRO §5).
+    Stage 1 is Megatron's distributed optimizer: weights and (main) gradients whole, the fp32
+    master copy and Adam's m, v 1/d, i.e. 6 + 12/d B/param with fp32 grads, 8 + 8/d in fp32
+    (Megatron-LM docs/source/api-guide/dist_optimizer.md; theoretical_memory_usage.py's
+    ``6 + 12 / data_parallel_size``). It needs no buffer of its own: the reduce-scatter and the
+    all-gather run in place on the contiguous gradient / parameter buffers ("no dynamic buffers
+    are allocated", same page); the executor's 1/d shard transients are costs.buffers' part.
     STRONGHOLD window: the resident layers and ``window_layers`` slots on the device, the streamed
     layers' state on the host (costs.window.window_static; its NVMe part is not host RAM).
     """
     w_b, g_b, o_b = plan.training.bytes_per_param()
     params = stage_params_on_device(model, plan, stage)  # a tied embedding once where shared
-    z, dp = plan.zero_stage, stage.dp
+    z, dp = plan.zero_stage, grad_reduce_ranks(stage)  # ZeRO shards over dp x cp (Megatron-Core's DP-CP group)
     shard = lambda n, level: math.ceil(n / dp) if z >= level else n  # noqa: E731
     weights, grads, optim = shard(params * w_b, 3), shard(params * g_b, 2), shard(params * o_b, 1)
     host = 0
@@ -198,5 +204,5 @@ def stash_swap_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
         return 0
     total = sum(stash_layer_bytes(model, plan, stage, l) for l in sorted(set(layers)))
     if plan.zero_stage >= 3:  # ZeRO-3 shards the weights over dp (stage_static)
-        total = math.ceil(total / stage.dp)
+        total = math.ceil(total / grad_reduce_ranks(stage))
     return min(total, stage_static(model, plan, stage)[0].parameters_bytes)

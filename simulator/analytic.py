@@ -13,13 +13,14 @@ import costs.collectives
 import costs.layer_time
 import costs.params
 import costs.static
+from costs.activations import split_peak
 from costs.window import group_workspace_bytes, grouped_plan, plan_streams
 from simulator.sharded import sharded_stage
-from simulator.stagecost import host_link
+from simulator.stagecost import host_link, split_bytes, wgrad_s
 from simulator.stash_peak import PeakParts, max_stashed_versions, pipedream_peak
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import MemoryAction, Plan, ScheduleKind, stage_for_microbatch
+from specs.plan import SPLIT_BACKWARD, MemoryAction, Plan, ScheduleKind, stage_for_microbatch
 from specs.result import DeviceResult, MemoryBreakdown, Result
 
 
@@ -90,7 +91,11 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
         work[i], swap_in[i] = (max(x) for x in zip(*(costs.activations.backward_transient_bytes(model, plan, v) for v in variants)))
         work[i] = group_work.get(i, work[i])
         allreduce[i] = costs.buffers.allreduce_buffer_bytes(model, plan, stage)
-    peaks = {pos: activation_peak(plan, pos, acts, work, sent, grads) for pos in range(plan.pipeline_depth)}
+    # zero bubble: recomputed activations held from B to W, W's scratch (stagecost.StageCost)
+    w_bytes = ({i: split_bytes(model, plan, st) for i, st in enumerate(plan.stages)}
+               if plan.schedule.kind in SPLIT_BACKWARD else None)
+    peaks = {pos: activation_peak(plan, pos, acts, work, sent, grads, w_bytes=w_bytes)
+             for pos in range(plan.pipeline_depth)}
     # weight-swapped layers (MPress §II-D) put their fetched weights and a gradient on the device
     # during each backward (costs.static.weight_swap_transient_bytes): on top of the backwards'
     # moments only, the walk without the forwards' sent outputs (whose moments the backwards'
@@ -114,7 +119,7 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
                 costs.static.optimizer_swap_chunks(model, plan, stage), default=0)
             walked[i] = pipedream_peak(plan, i, acts[i], work[i], sent[i], grads[i],
                                        static.parameters_bytes - swap, swap, opt,
-                                       allreduce[i] if stage.dp > 1 else 0)  # per-update all-reduce
+                                       allreduce[i] if costs.params.grad_reduce_ranks(stage) > 1 else 0)  # per-update all-reduce
             if any(transient[plan.device_group_of(i)][:2]):
                 walked_bwd[i] = pipedream_peak(plan, i, acts[i], work[i], 0, grads[i],
                                                static.parameters_bytes - swap, swap, opt, 0)
@@ -138,7 +143,7 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
             mem, h = out.setdefault(target, (MemoryBreakdown(), 0))
             out[target] = (_add(mem, swapped_in_bytes=nbytes), h)
     for pos, (act_peak, _, grad_peak) in peaks.items():
-        stages = range(pos, len(plan.stages), plan.pipeline_depth)
+        stages = _stages_on(plan, pos)
         flat = max(allreduce[s] for s in stages)
         sent_grads = sum(grads[s] for s in stages)  # made by the backwards, kept through the step
         for device in plan.stages[pos].devices:
@@ -173,13 +178,18 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
     return out
 
 
+def _stages_on(plan: Plan, position: int) -> list[int]:
+    """The stages on pipeline ``position``: j mod p, or a V's s and 2p-1-s (Plan.device_group_of)."""
+    return [s for s in range(len(plan.stages)) if plan.device_group_of(s) == position]
+
+
 def _ws_transient(model: ModelSpec, plan: Plan, position: int) -> tuple[int, int, int]:
     """(weights, gradient, relief) of weight-swapped layers on position ``position``'s device at
     their worst moment of one backward of one of its stages (costs.static.
     weight_swap_transient_bytes: relief is the activations and workspace their backwards have
     released by then)."""
     best = (0, 0, 0)
-    for s in range(position, len(plan.stages), plan.pipeline_depth):
+    for s in _stages_on(plan, position):
         w, g, r = costs.static.weight_swap_transient_bytes(model, plan, plan.stages[s])
         if (w or g) and (best == (0, 0, 0) or w + g - r > best[0] + best[1] - best[2]):
             best = (w, g, r)
@@ -196,7 +206,8 @@ def _walks_versions(plan: Plan, stage) -> bool:
 
 def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = None,
                     transient_bytes: dict[int, int] | None = None, sent_bytes: dict[int, int] | None = None,
-                    grad_bytes: dict[int, int] | None = None) -> tuple[int, dict[int, int], int]:
+                    grad_bytes: dict[int, int] | None = None, w_bytes: dict[int, tuple[int, int]] | None = None
+                    ) -> tuple[int, dict[int, int], int]:
     """costs.activations.activation_peak, in time independent of the microbatch count m: the same
     integers, found by walking a shorter but equivalent pass order once m > 4p.
 
@@ -213,12 +224,53 @@ def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None 
     Exact either way: integers, the same comparisons in the same order; up to 4p microbatches the
     walk itself runs. tests/unit/simulator/test_scale.py checks both against the full walk."""
     p, m, kind = plan.pipeline_depth, plan.training.microbatches, plan.schedule.kind
+    if kind in SPLIT_BACKWARD:
+        return split_peak(plan, position, act_bytes, transient_bytes, sent_bytes, grad_bytes, w_bytes)
     if m > 4 * p and not (kind is ScheduleKind.interleaved_1f1b and m % p):
         if kind is ScheduleKind.gpipe:
             return _gpipe_peak(plan, position, act_bytes, transient_bytes, sent_bytes, grad_bytes)
         training = plan.training.model_copy(update={"num_microbatches": 4 * p, "microbatch_size": None})
         plan = plan.model_copy(update={"training": training})  # only its pass order is walked
     return costs.activations.activation_peak(plan, position, act_bytes, transient_bytes, sent_bytes, grad_bytes)
+
+
+
+def split_pipe_s(plan: Plan, pass_s: dict[int, tuple[float, float, float]], hop_s: dict[int, float]) -> float:
+    """Pipeline time of a zero-bubble order (zb_h1, zbv, dualpipev) with no contention: every pass
+    starts when the one before it on its position has ended and its input is there: F(s, k) after
+    F(s-1, k) + ``hop_s[s-1]``, B(s, k) after B(s+1, k) + ``hop_s[s]`` (the last stage's after its
+    own F), W(s, k) after B(s, k). ``pass_s[s]`` = (F, B, W) seconds of stage s. The closed forms
+    of Qi et al. 2024 (ZB-H1's bubble (p-1)(F+B-W) for F = B = W) are this walk's uniform case
+    (tests/unit/simulator/test_zero_bubble.py). Raises ValueError if the orders deadlock."""
+    from specs.schedule import compute_order
+
+    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+    last = len(plan.stages) - 1
+    orders = [compute_order(plan.schedule.kind, p, m, v, i) for i in range(p)]
+    nxt, clock, end = [0] * p, [0.0] * p, {}
+    left = sum(len(o) for o in orders)
+    while left:
+        moved = False
+        for i in range(p):
+            while nxt[i] < len(orders[i]):
+                kind, s, k = orders[i][nxt[i]]
+                if kind == "F":
+                    dep = ("F", s - 1, k) if s > 0 else None
+                    hop = hop_s.get(s - 1, 0.0)
+                elif kind == "B":
+                    dep, hop = (("B", s + 1, k), hop_s.get(s, 0.0)) if s < last else (("F", s, k), 0.0)
+                else:
+                    dep, hop = ("B", s, k), 0.0
+                if dep is not None and dep not in end:
+                    break
+                start = max(clock[i], end[dep] + hop if dep is not None else 0.0)
+                clock[i] = end[(kind, s, k)] = start + pass_s[s]["FBW".index(kind)]
+                nxt[i] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            raise ValueError(f"{plan.schedule.kind.value}: the pass orders deadlock (p {p}, m {m})")
+    return max(clock)
 
 
 def _gpipe_peak(plan: Plan, position: int, act_bytes, transient_bytes, sent_bytes, grad_bytes
@@ -310,18 +362,26 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
     plan = grouped_plan(plan)  # STRONGHOLD §IV-A streams: m / S group passes of S·b samples
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     work = [0.0] * p
+    kind_split = plan.schedule.kind in SPLIT_BACKWARD
+    passes: dict[int, tuple[float, float, float]] = {}  # zero bubble: (F, B, W) seconds per stage
+    hops: dict[int, float] = {}  # one boundary transfer from stage s to s + 1
     p2p = [0.0] * p
     sharded = _sharded(plan, model, hardware)
     for i, stage in enumerate(plan.stages):
         # a MAP stage: rotor's walk (its backward includes the recomputed forwards)
         fwd, bwd = ((sharded[i].run.fwd_s, sharded[i].run.bwd_s) if i in sharded
                     else costs.layer_time.stage_pass_times_s(model, plan, hardware, stage))
-        work[i % p] += fwd + bwd
+        work[plan.device_group_of(i)] += fwd + bwd
+        if kind_split:
+            w_s = wgrad_s(model, plan, hardware, stage)
+            passes[i] = (fwd, max(bwd - w_s, 0.0), w_s)
         if i + 1 < len(plan.stages):
             nxt = plan.stages[i + 1]
             nbytes = costs.params.samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
             src, dst = stage.devices[0], nxt.devices[0]
-            p2p[i % p] += 2 * costs.collectives.transfer_s(nbytes, hardware.link(src, dst)) if src != dst else 0.0
+            hop = costs.collectives.transfer_s(nbytes, hardware.link(src, dst)) if src != dst else 0.0
+            p2p[plan.device_group_of(i)] += 2 * hop
+            hops[i] = hop
     kind = plan.schedule.kind
     stepped = kind is ScheduleKind.pipedream_async
     if stepped:  # an update after every backward (a STRONGHOLD window steps once, at the end)
@@ -331,12 +391,14 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
                 ar_s = costs.collectives.dp_allreduce_s(model, plan, hardware, stage)
                 if ar_s:
                     ar_s += costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)
-                work[i % p] += ar_s + _update_s(model, plan, hardware, stage)
+                work[plan.device_group_of(i)] += ar_s + _update_s(model, plan, hardware, stage)
     slowest = max(work)
     if kind is ScheduleKind.pipedream_async:
         pipe = m * slowest
     elif kind is ScheduleKind.interleaved_1f1b:
         pipe = (m + (p - 1) / v) * slowest + sum(p2p)
+    elif kind_split:  # no closed form for unequal F, B, W: walk the orders (split_pipe_s)
+        pipe = split_pipe_s(plan, passes, hops)
     else:
         pipe = sum(work) + sum(p2p) + (m - 1) * slowest
     per_device_sync: dict[int, float] = {}
@@ -345,7 +407,7 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         # all-reduces run once per iteration, overlapped with the last backward (issue 26), and only
         # what outlasts it delays the step; it steps only the shards it stores
         sync = ((sharded[i].grad_sync_exposed_s, sharded[i].optimizer_s) if i in sharded else
-                (costs.collectives.dp_allreduce_s(model, plan, hardware, stage), costs.layer_time.optimizer_step_s(model, plan, hardware, stage)))
+                (_dp_sync_exposed_s(model, plan, hardware, stage), costs.layer_time.optimizer_step_s(model, plan, hardware, stage)))
         tied_s = costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)
         if stepped and i not in sharded and stage.offload.window_layers is None:
             sync, tied_s = (), 0.0  # all-reduced and stepped in the pipeline, after each backward
@@ -353,6 +415,23 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         for d in stage.devices:
             per_device_sync[d] = per_device_sync.get(d, 0.0) + t
     return pipe + max(per_device_sync.values())
+
+
+def _dp_sync_exposed_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> float:
+    """Seconds of a flushing schedule's dp sync not hidden by compute, as the simulator walks it
+    (simulator/optimizer.py): the gradient reduction (overlap_grad_reduce: what outlasts the last
+    backward, costs.collectives.grad_reduce_exposed_s) plus ZeRO-1's parameter all-gather
+    (overlap_param_gather: what the next first forward does not hide, param_gather_exposed_s)."""
+    red, gat = costs.collectives.dp_reduce_gather_s(model, plan, hardware, stage)
+    times = ([costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l) for l in stage.layers]
+             if plan.overlap_grad_reduce or plan.overlap_param_gather else [])
+    if red and plan.overlap_grad_reduce:
+        red = costs.collectives.grad_reduce_exposed_s(
+            costs.collectives.dp_allreduce_buckets_s(model, plan, hardware, stage), [b + rc for _, b, rc in times])
+    if gat and plan.overlap_param_gather:
+        gat = costs.collectives.param_gather_exposed_s(
+            costs.collectives.dp_param_gather_buckets_s(model, plan, hardware, stage), [f for f, _, _ in times])
+    return red + gat
 
 
 def _update_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> float:

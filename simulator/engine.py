@@ -59,7 +59,7 @@ class NoTrace:
 
 
 class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEvents):
-    def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec, overlap_dp_allreduce: bool = False,
+    def __init__(self, plan: Plan, model: ModelSpec, hardware: HardwareSpec, overlap_dp_allreduce: bool | None = None,
                  progress: Callable[[int, int], None] | None = None, trace: bool = True):
         """``trace=False``: record no Perfetto trace (:class:`NoTrace`); nothing else changes.
 
@@ -70,13 +70,14 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEv
         self.plan_id, self.streams = plan.id, plan_streams(plan)
         given, plan = plan, grouped_plan(plan)
         self.plan, self.hardware = plan, hardware
-        # Gradient all-reduce: by default after the pipeline flush, blocking the position, as
-        # Megatron-LM ran for Narayanan et al. SC'21 and as memwall's executor does. With
-        # ``overlap_dp_allreduce`` (simulator only; no plan field drives it yet) each layer's
-        # gradients go out as one bucket when the last microbatch's backward has passed that
+        # Gradient all-reduce (ZeRO-1: reduce-scatter): by default after the pipeline flush,
+        # blocking the position, as Megatron-LM ran for Narayanan et al. SC'21. With the plan's
+        # ``overlap_grad_reduce`` (or ``overlap_dp_allreduce`` given here, which overrides it) each
+        # layer's gradients go out as one bucket when the last microbatch's backward has passed that
         # layer, overlapping the rest of the backward (PyTorch DDP, Li et al. VLDB'20 §3.2.3).
-        # Either way the all-reduce occupies the dp ring's links, so it contends with p2p sends.
-        self.overlap_dp_allreduce = overlap_dp_allreduce
+        # Either way the reduction occupies the dp ring's links, so it contends with p2p sends.
+        # ZeRO-1's parameter all-gather follows the step (optimizer.py ``_param_gather``).
+        self.overlap_dp_allreduce = plan.overlap_grad_reduce if overlap_dp_allreduce is None else overlap_dp_allreduce
         self._bwd_count: dict[int, int] = {}
         self._ar_end: dict[int, int] = {}
         self.env = simpy.Environment()
@@ -87,6 +88,7 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEv
         self._context = cost_context(plan, model, hardware)
         self.costs: list[StageCost] = [cached_stage_cost(plan, model, hardware, s, stage, self._context)
                                        for s, stage in enumerate(plan.stages)]
+        self._dp_sync_setup(model, hardware)  # (reduce, gather) ns per stage (optimizer.py)
         if self.streams > 1:  # the S workers' own backward transients (costs.window.group_workspace_bytes)
             self.costs = [with_stream_workers(sc, model, given, s) for s, sc in enumerate(self.costs)]
         self._variants: dict[int, tuple] = {}  # id(stage variant) -> (variant, its StageCost)

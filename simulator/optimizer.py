@@ -76,6 +76,49 @@ class OptimizerEvents:
             w.busy += yield from self._offloaded_step(sc)
         else:
             yield from self._blocking(w, kind, sc, s)
+        if kind is _OPT and self._gather_ns[s]:
+            yield from self._param_gather(w, s)
+
+    # ---- ZeRO-1 (Megatron's distributed optimizer): reduce-scatter, 1/d step, all-gather -------
+    def _dp_sync_setup(self, model: ModelSpec, hardware: HardwareSpec) -> None:
+        """Per stage: the gradient reduction's ns (the all-reduce, or ZeRO's reduce-scatter,
+        costs.collectives.dp_reduce_gather_s), ZeRO-1's parameter all-gather ns as the position
+        waits for it after the step (``overlap_param_gather``: only what the next iteration's
+        first forward does not hide, costs.collectives.param_gather_exposed_s), and the bytes of
+        the rank's updated shard sent from a copy of its own (the gather fills the parameters in
+        place, as Megatron's does into its parameter buffer; executor.zero1)."""
+        plan = self.plan
+        self._dp_reduce_ns, self._gather_ns, self._gather_bytes = [], [], []
+        for sc, stage in zip(self.costs, plan.stages):
+            red = gat = 0.0
+            if sc.dp_allreduce_ns:  # a MAP stage's batch-split sync is its own (stagecost): none here
+                red, gat = costs.collectives.dp_reduce_gather_s(model, plan, hardware, stage)
+            if gat and plan.overlap_param_gather:
+                gat = costs.collectives.param_gather_exposed_s(
+                    costs.collectives.dp_param_gather_buckets_s(model, plan, hardware, stage),
+                    [costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l)[0] for l in stage.layers])
+            w_b, g_b, _ = plan.training.bytes_per_param()
+            self._dp_reduce_ns.append(ns(red))
+            self._gather_ns.append(ns(gat))
+            shard = -(-costs.params.dp_grad_bytes(model, plan, stage) // g_b * w_b // costs.params.grad_reduce_ranks(stage))
+            self._gather_bytes.append(shard if gat else 0)
+
+    def _param_gather(self, w, s: int):
+        """ZeRO-1's all-gather of the updated parameter shards after stage ``s``'s step: booked on
+        the dp ring's links, blocking the position; with ``overlap_param_gather`` it runs under
+        the next forward and only its exposed part (:meth:`_dp_sync_setup`) is waited here, off
+        the links (the links are idle in the next iteration's first forward in this model)."""
+        env, t0, nbytes = self.env, self.env.now, self._gather_bytes[s]
+        if self.plan.overlap_param_gather:
+            end = t0 + self._gather_ns[s]
+        else:
+            _, end = self.links.reserve(self._ar_resources(s), self._gather_ns[s], t0)
+        w.mem.add(t0, BUFFERS, nbytes)  # the copy of the rank's shard it sends
+        yield env.timeout(end - t0)
+        self.events += 1
+        w.busy += end - t0
+        w.mem.add(env.now, BUFFERS, -nbytes)
+        self.trace.slice(w.rep, "collective", f"allgather_params s{s}", t0, end - t0, "allgather_params")
 
     def _blocking(self, w, kind: ActionKind, sc: StageCost, s: int):
         """The gradient all-reduce or an in-place optimizer step, holding the compute stream."""
@@ -253,5 +296,6 @@ class OptimizerEvents:
             return rest
         if self.overlap_dp_allreduce and s in self._ar_end:
             return max(self._ar_end[s] - now, 0) + rest
-        _, end = self.links.reserve(self._ar_resources(s), sc.dp_allreduce_ns, now)
+        # ZeRO-1: the reduce-scatter here, the all-gather after the step (_param_gather)
+        _, end = self.links.reserve(self._ar_resources(s), self._dp_reduce_ns[s], now)
         return end - now + rest

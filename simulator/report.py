@@ -52,13 +52,13 @@ def iteration_ns(engine: Engine) -> int:
 
 
 def build_result(engine: Engine, model: ModelSpec) -> tuple[Result, dict]:
-    plan, p = engine.plan, engine.p
+    plan = engine.plan
     capacity = engine.hardware.device.memory_bytes
     position_of: dict[int, int] = {}
     stages_of: dict[int, list[int]] = {}
     for i, stage in enumerate(plan.stages):
         for d in stage.devices:
-            position_of[d] = i % p
+            position_of[d] = plan.device_group_of(i)
             stages_of.setdefault(d, []).append(i)
     base = [summarize(tl.events, capacity) for tl in engine.mem]
     devices, counters, names = [], {}, {}

@@ -21,13 +21,14 @@ from costs import window
 import costs.activations
 import costs.buffers
 import costs.collectives
+import costs.gemm
 import costs.layer_time
 import costs.params
 import costs.static
 from simulator.sharded import sharded_stage
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import MemoryAction, Plan
+from specs.plan import SPLIT_BACKWARD, MemoryAction, Plan
 from specs.result import MemoryBreakdown
 
 SWAPS = frozenset({MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme})
@@ -97,6 +98,17 @@ class StageCost:
                                   # (offload.stash_swap_layers, MPress §II-D; costs.static.stash_swap_bytes)
     stash_copy_ns: int = 0        # one direction of that version over the host link
     weight_swap: bool = False     # some layers' live weights are fetched per pass (offload.weight_swap_layers)
+    # zero-bubble schedules (specs.plan.SPLIT_BACKWARD, Qi et al. 2024 §2): of bwd_ns, the W pass
+    # (weight gradients: every wgrad GEMM and the gradient accumulation, :func:`wgrad_s`); the B
+    # pass is the rest (dgrad GEMMs, element-wise backward, TP all-reduces, recomputed forwards).
+    # 0 for schedules that run the backward whole.
+    split: bool = False           # the backward runs as B and W passes
+    wgrad_ns: int = 0
+    # conservative memory rule (no finer split in costs/): a microbatch's activations, and the ones a
+    # recomputed layer re-made for B, are the weight GEMMs' inputs, so they stay until its W ends;
+    # W allocates one layer's weight gradient at a time unless accumulation is fused into the GEMM
+    w_held_bytes: int = 0         # recomputed activations held from B's end to W's end
+    w_scratch_bytes: int = 0      # the W pass's largest per-layer weight gradient
 
 
 def host_link(hardware: HardwareSpec):
@@ -242,7 +254,50 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         window=stage.offload.window_layers, nvme_bytes=nvme, offload_ns=offload,
         stash_swap_bytes=stash, stash_copy_ns=ns(costs.collectives.transfer_s(stash, link)) if stash else 0,
         weight_swap=bool(ws_layers),
+        **(split_fields(model, plan, hardware, stage) if plan.schedule.kind in SPLIT_BACKWARD else {}),
     )
+
+
+def split_fields(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> dict:
+    """StageCost's zero-bubble fields (see there) of ``stage``."""
+    held, scratch = split_bytes(model, plan, stage)
+    return {"split": True, "wgrad_ns": ns(wgrad_s(model, plan, hardware, stage)), "w_held_bytes": held,
+            "w_scratch_bytes": scratch}
+
+
+def split_bytes(model: ModelSpec, plan: Plan, stage) -> tuple[int, int]:
+    """(held, scratch) bytes of a zero-bubble stage (StageCost.w_held_bytes, w_scratch_bytes): the
+    activations its recomputed layers re-make for B, held until W ends, and W's largest per-layer
+    weight gradient when accumulation is not fused into the wgrad GEMM."""
+    b, tp = costs.params.samples_per_replica(plan, stage), stage.tp
+    held = 0
+    for l in stage.layers:
+        if stage.action_of(l).action is MemoryAction.recompute:
+            spec = model.layers[l]
+            held += costs.activations.layer_saved_bytes(spec, b, tp) - (
+                costs.activations.layer_input_bytes(model, l, b) if spec.saves_input else 0)
+    scratch = 0
+    if costs.layer_time.accumulate_bytes_per_param(plan):  # unfused: a fresh gradient, then added
+        g = plan.training.bytes_per_param()[1]
+        scratch = max(costs.params.layer_params_on_device(model.layers[l], tp) * g for l in stage.layers)
+    return held, scratch
+
+
+def wgrad_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> float:
+    """Seconds of the W pass of one microbatch on one device of ``stage`` (Qi et al. 2024 §2: the
+    weight-gradient half of the backward): each layer's wgrad GEMMs at their own shapes
+    (costs.gemm.gemms_bwd_s, ``backward_shapes``' dA = dY·Bᵀ is B's, dB = Aᵀ·dY W's) and its
+    gradient accumulation (costs.layer_time.accumulate_bytes_per_param at HBM bandwidth), the
+    same terms costs.layer_time.layer_bwd_s adds, so B + W is the whole backward exactly."""
+    dev, dtype = hardware.device, costs.layer_time.compute_dtype(plan)
+    b, tp = costs.params.samples_per_replica(plan, stage), stage.tp
+    per_param = costs.layer_time.accumulate_bytes_per_param(plan)
+    total = 0.0
+    for l in stage.layers:
+        spec = model.layers[l]
+        total += costs.gemm.gemms_bwd_s(dev, dtype, spec.gemms, b, tp)[1]
+        total += per_param * costs.params.layer_params_on_device(spec, tp) / dev.hbm_bytes_per_s
+    return total
 
 
 def device_step_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> float:

@@ -1,6 +1,6 @@
 """The schedule walk, mixed into simulator.engine.Engine: one simpy process per pipeline position
 steps through its action list, one method per action kind. Here are the passes' compute events
-(forward, backward, the layer-by-layer backward of a stage that swaps or recomputes, a STRONGHOLD
+(forward, backward, a zero-bubble schedule's B and W passes (Qi et al. 2024 §2), the layer-by-layer backward of a stage that swaps or recomputes, a STRONGHOLD
 window's segments), PipeDream's update after every backward (PipeDream §3.3) and the prefetch
 policy of swapped layers (MPress §IV); sends, receives and copies are in transfers.py, the
 all-reduce and optimizer step in optimizer.py, PipeDream's weight stashing and the host swap of its
@@ -15,7 +15,7 @@ from simulator.stagecost import SWAPS, StageCost
 from specs.plan import MemoryAction
 from specs.schedule import ActionKind, position_steps
 
-_F, _B = ActionKind.forward, ActionKind.backward
+_F, _B, _W = ActionKind.forward, ActionKind.backward, ActionKind.backward_weight
 _SA, _SG, _RA, _RG = ActionKind.send_act, ActionKind.send_grad, ActionKind.recv_act, ActionKind.recv_grad
 _SO, _SI, _RC = ActionKind.swap_out, ActionKind.swap_in, ActionKind.recompute
 _AR, _OPT = ActionKind.allreduce_grads, ActionKind.optimizer_step
@@ -43,10 +43,17 @@ class ScheduleWalk:
         microbatch sees them; steps that do not wait (sends, swap copies) run inline."""
         w = Walker(pos, self.costs[pos].rep, self.mem[pos])
         costs, varying, cost = self.costs, self._varying, self._cost
+        # a V's bottom (zbv, dualpipev): stage s hands its output to stage s + 1 on this same
+        # position in process (no send: specs.schedule), so a released output goes at once
+        plan = self.plan
+        handed = {s for s in range(len(costs) - 1)
+                  if costs[s].position == pos and plan.device_group_of(s + 1) == pos and costs[s].sent_output_bytes}
         for kind, s, k, layer, peer in position_steps(self.plan, pos):
             sc = cost(s, k) if k is not None and varying[s] else costs[s]
             if kind is _F:
                 yield from self._forward(w, sc, s, k)
+                if s in handed:
+                    self._free_acts(pos, self.env.now, sc.sent_output_bytes)
                 self.passes += 1
                 if self.passes == self._report_at:
                     self._report()
@@ -57,6 +64,8 @@ class ScheduleWalk:
                     self._report()
                 if self._stash and s == 0:  # nothing to send back: the update follows at once
                     yield from self._update(w, sc, s)
+            elif kind is _W:
+                yield from self._backward_weight(w, sc, s, k)
             elif kind is _SA or kind is _SG:
                 self._send(kind is _SA, s, k, peer, sc, w.rep)
                 if kind is _SG and self._stash:  # the input gradient is on its way: update
@@ -153,6 +162,13 @@ class ScheduleWalk:
         if sc.window is not None:
             w.busy += yield from self._drive(self.windows[s].backward(k), w.rep)
             w.mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
+        elif sc.split:  # zero bubble's B (validate_plan: a simple stage)
+            dur = max(sc.bwd_ns - sc.wgrad_ns, 0)
+            yield env.timeout(dur)
+            self.events += 1
+            w.busy += dur
+            # the activations (and recomputed ones) are W's inputs: they go when W ends
+            w.mem.add(env.now, ACTS, sc.w_held_bytes - sc.workspace_bytes)
         elif sc.simple:
             yield env.timeout(sc.bwd_ns)
             self.events += 1
@@ -164,10 +180,26 @@ class ScheduleWalk:
         if s not in w.graded:  # the input gradient to send back exists from now on
             w.graded.add(s)    # (costs.buffers.sent_grad_buffer_bytes)
             w.mem.add(env.now, BUFFERS, self.costs[s].grad_buffer_bytes)
-        if self.overlap_dp_allreduce and sc.dp_allreduce_ns:
+        if self.overlap_dp_allreduce and sc.dp_allreduce_ns and not sc.split:
             self._backward_done(s, sc, t0)
         if self._stash:
             self._unstash_weights(w, sc, s, k)
+
+    def _backward_weight(self, w: Walker, sc: StageCost, s: int, k: int):
+        """Zero bubble's W pass (Qi et al. 2024 §2): the weight gradients of microbatch ``k``'s
+        earlier B, with its weight-gradient scratch; the microbatch's activations go at its end
+        (stagecost.StageCost.w_held_bytes). The stage's gradients are complete after its last W,
+        so an overlapped all-reduce starts from there."""
+        env = self.env
+        t0 = env.now
+        w.mem.add(t0, ACTS, sc.w_scratch_bytes)
+        yield env.timeout(sc.wgrad_ns)
+        self.events += 1
+        w.busy += sc.wgrad_ns
+        w.mem.add(env.now, ACTS, -(sc.w_scratch_bytes + sc.act_bytes + sc.w_held_bytes))
+        self.trace.slice(w.rep, "compute", f"W s{s} mb{k}", t0, env.now - t0, "backward")
+        if self.overlap_dp_allreduce and sc.dp_allreduce_ns:
+            self._backward_done(s, sc, t0)
 
     def _update(self, w: Walker, sc: StageCost, s: int):
         """PipeDream's update after every backward (PipeDream §3.3: no gradient accumulation), on

@@ -109,9 +109,48 @@ class LayerSpec(Spec):
         default_factory=list, max_length=4096,
         description="the saved tensors other than the input and output, in the order the forward saves them "
                     "(the symbolic profile's unique storages); empty: not known, the layer is one unit")
+    # ---- selective recompute and sequence parallelism (Korthikanti et al. 2022 §4.2.2, §5) ----
+    selective_bytes_per_sample: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES,
+        description="of saved_bytes_per_sample, what selective recompute drops: the attention core's tensors "
+                    "(QK^T, softmax, softmax dropout; 5as^2 per sample for a GPT block, Korthikanti Table 2), "
+                    "all split by tensor parallelism; 0: the layer has no attention core to recompute")
+    selective_gemms: list[GemmSpec] = Field(
+        default_factory=list, max_length=64,
+        description="the attention core's matmuls (QK^T, attention x V) the backward re-runs under selective")
+    selective_mem_bytes_per_sample: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES, description="bytes the re-run core's element-wise ops move (softmax, dropout)")
+    selective_ops: int = Field(0, ge=0, le=1 << 20, description="operators (kernels) the re-run core launches")
+    sp_sharded_saved_fraction: float = Field(
+        0.0, ge=0, le=1, description="of the saved bytes, the part sequence parallelism splits over t besides "
+                                     "tp_sharded_saved_fraction (layernorm, dropout and GEMM-input regions; "
+                                     "Korthikanti §4.2.2: 10sbh of a GPT block's 34sbh)")
+    sp_allgathers_per_pass: int = Field(
+        0, ge=0, le=1024, description="under sequence parallelism, all-gathers of the sequence-split input per "
+                                      "forward (one before each column-parallel region: 2 per GPT block, 1 for an "
+                                      "LM head); each of tp_allreduces_per_pass becomes a reduce-scatter")
+    sp_shards_output: bool = Field(
+        False, description="under sequence parallelism the layer's output (the boundary to the next layer) is split "
+                           "along the sequence over the tp group (embedding and blocks; not a head's loss)")
     # ---- MAP (issue #14) ----
     op_graph: str | None = Field(None, description="key of this layer's operator graph in ModelSpec.op_graphs "
                                                    "(MAP §4.1); identical layers share one")
+
+    @model_validator(mode="after")
+    def _selective_within(self) -> LayerSpec:
+        if self.tp_sharded_saved_fraction + self.sp_sharded_saved_fraction > 1 + 1e-9:
+            raise ValueError(f"sp_sharded_saved_fraction: {self.sp_sharded_saved_fraction} plus "
+                             f"tp_sharded_saved_fraction {self.tp_sharded_saved_fraction} exceeds 1 (layer {self.name!r})")
+        if self.selective_bytes_per_sample > self.saved_bytes_per_sample * self.tp_sharded_saved_fraction + 1:
+            raise ValueError(f"selective_bytes_per_sample: layer {self.name!r} drops {self.selective_bytes_per_sample} "
+                             f"B per sample, more than its tensor-parallel-split saved bytes "
+                             f"({self.saved_bytes_per_sample * self.tp_sharded_saved_fraction:.0f})")
+        return self
+
+    @property
+    def has_attention_core(self) -> bool:
+        """Whether selective recompute (Korthikanti §5) has anything to drop or re-run here."""
+        return self.selective_bytes_per_sample > 0 or bool(self.selective_gemms)
 
     @model_validator(mode="after")
     def _saved_tensors_within(self) -> LayerSpec:

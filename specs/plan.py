@@ -230,6 +230,7 @@ def _check_stages(plan: Plan, model: ModelSpec, hardware: HardwareSpec, layers_o
             _check_tp_cap(i, stage, model, err)
         if layers_ok:
             _check_tensors(i, stage, model, err)
+            _check_selective(i, stage, model, err)
         if stage.offload.nvme and hardware.host.nvme_bytes == 0:
             err(f"stages[{i}].offload.nvme", f"hardware {hardware.name!r} has no NVMe")
 
@@ -247,6 +248,17 @@ def _check_tensors(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
             known = f"indices 0..{have - 1}" if have else "none known: the model spec lists no saved_tensors"
             err(f"stages[{i}].memory[{j}].tensors", f"layer {item.layer} has {have} saved tensors ({known}), "
                 f"given {item.tensors}")
+
+
+def _check_selective(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
+    """Selective recompute (Korthikanti §5) re-runs an attention core: a layer without one
+    (``LayerSpec.has_attention_core``) is refused by name rather than priced as kept."""
+    for j, item in enumerate(stage.memory):
+        if item.action is MemoryAction.selective and stage.layer_start <= item.layer < stage.layer_stop \
+                and not model.layers[item.layer].has_attention_core:
+            layer = model.layers[item.layer]
+            err(f"stages[{i}].memory[{j}].action", f"selective: layer {item.layer} ({layer.name!r}, "
+                f"{layer.kind.value}) has no attention core to recompute; allowed there: keep, recompute, swaps")
 
 
 def _check_tp_cap(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
@@ -320,6 +332,31 @@ def _check_batch(plan: Plan, err) -> None:
     if plan.schedule.kind is ScheduleKind.interleaved_1f1b and m % plan.pipeline_depth:
         err("training.num_microbatches",
             f"interleaved_1f1b needs microbatches ({m}) divisible by pipeline depth ({plan.pipeline_depth})")
+    if plan.schedule.kind in SPLIT_BACKWARD:
+        _check_split_backward(plan, m, err)
+
+
+def _check_split_backward(plan: Plan, m: int, err) -> None:
+    """Zero-bubble schedules (B and W passes): DualPipeV needs m >= 2p (its steps; torch's
+    ScheduleDualPipeV refuses fewer); the simulator prices whole-stage passes, so swaps, windows,
+    weight swap, multi-stream groups and MAP stages are refused by name (not modelled with B/W)."""
+    kind, p = plan.schedule.kind.value, plan.pipeline_depth
+    if plan.schedule.kind is ScheduleKind.dualpipev and m < 2 * p:
+        err("training.num_microbatches", f"dualpipev needs at least 2 x pipeline depth ({2 * p}) microbatches, "
+            f"got {m}")
+    for i, st in enumerate(plan.stages):
+        swapped = [item.layer for item in st.memory if item.action.value in ("cpu_swap", "d2d_swap", "nvme")]
+        if swapped:
+            err(f"stages[{i}].memory", f"{kind} splits the backward into B and W passes; activation swaps "
+                f"(layers {swapped[:4]}) are not modelled with it: use recompute or schedule 1f1b")
+        for name in ("window_layers", "weight_swap_layers", "stash_swap_layers"):
+            if getattr(st.offload, name):
+                err(f"stages[{i}].offload.{name}", f"not modelled with {kind}'s B/W passes; drop it or use 1f1b")
+        if st.offload.streams != 1:
+            err(f"stages[{i}].offload.streams", f"not modelled with {kind}'s B/W passes; use 1")
+        if st.sharding:
+            err(f"stages[{i}].sharding", f"a MAP stage's rotor walk has no B/W split; {kind} is not modelled "
+                "with it")
 
 
 def _check_streams(plan: Plan, err) -> None:

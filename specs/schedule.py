@@ -22,6 +22,15 @@ Ordering rules (why the lists cannot deadlock):
   before the backward that needs it (MPress §IV: overlap the copy with the preceding pass), but
   never before its own swap_out. ``recompute`` entries sit right before their backward in reverse
   layer order: the backward re-runs those layers' forwards from their checkpointed inputs.
+- Zero-bubble schedules (``specs.plan.SPLIT_BACKWARD``: zb_h1, zbv, dualpipev; Qi et al. 2024):
+  ``backward`` is the input-gradient pass B (it has the recv_grad before it and the send_grad
+  after it, as a whole backward has), ``backward_weight`` the weight-gradient pass W of the same
+  (stage, microbatch), later in the list, with no communication. The orders are torch's
+  (ScheduleInterleavedZeroBubble with one stage per rank, ScheduleZBVZeroBubble, ScheduleDualPipeV;
+  tests/unit/simulator/test_zero_bubble.py compares them). In the V (zbv, dualpipev) chunks p-1
+  and p both sit on position p-1: that hand-off is in process, with no send/recv; every other
+  edge keeps the rules above, and no recv waits on a send later in its own list (the walk tests
+  the lists for many (p, m) on a unit-time walk).
 - ``allreduce_grads`` and ``optimizer_step`` close the iteration, one per stage on the position,
   after the position's last backward (the flush; PipeDream async charges them once per iteration
   too, see :func:`build_schedule`).
@@ -67,8 +76,8 @@ class Action(Spec):
 
 
 def compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int) -> list[tuple[str, int, int]]:
-    """Order of passes on position ``i`` of ``p``: [("F"|"B", stage, microbatch), ...] (a list of
-    2·m·v passes; :func:`iter_compute_order` yields the same without holding them)."""
+    """Order of passes on position ``i`` of ``p``: [("F"|"B"|"W", stage, microbatch), ...] (a list of
+    2·m·v passes, 3·m·v with a split backward, "W" only then; :func:`iter_compute_order` yields the same without holding them)."""
     return list(iter_compute_order(kind, p, m, v, i))
 
 
@@ -83,6 +92,9 @@ def iter_compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int) -> It
         return
     if kind is ScheduleKind.interleaved_1f1b:
         yield from _interleaved(p, m, v, i)
+        return
+    if kind in _SPLIT_ORDERS:
+        yield from _SPLIT_ORDERS[kind](p, m, i)
         return
     # 1F1B (PipeDream-Flush / DAPPLE) and PipeDream async share the order: p - i - 1 warm-up
     # forwards, then one forward + one backward, then the cool-down backwards (PipeDream-2BW §3),
@@ -115,11 +127,133 @@ def _interleaved(p: int, m: int, v: int, i: int) -> Iterator[tuple[str, int, int
         yield bwd(u)
 
 
+def _zb_h1(p: int, m: int, i: int) -> Iterator[tuple[str, int, int]]:
+    """ZB-H1 (Qi et al. 2024 §2.1): 1F1B's p - i - 1 warm-up forwards and F/B pairs, the backward
+    split into B (input gradients) and W (weight gradients); position i runs its first i W passes
+    late (W of microbatch j - i after the B of j), and they fill the cool-down bubble. Every position
+    then holds at most p microbatches until their W (1F1B's peak on position 0). The order of
+    torch.distributed.pipelining's ScheduleInterleavedZeroBubble with one stage per rank."""
+    warm = min(p - i - 1, m)
+    for k in range(warm):
+        yield ("F", i, k)
+    w = 0
+    for j in range(m):
+        if j < m - warm:
+            yield ("F", i, warm + j)
+        yield ("B", i, j)
+        if j >= i:
+            yield ("W", i, w)
+            w += 1
+    for k in range(w, m):
+        yield ("W", i, k)
+
+
+def _zbv(p: int, m: int, i: int) -> Iterator[tuple[str, int, int]]:
+    """ZB-V (Qi et al. 2024 §6): chunks i and 2p-1-i of the V on position i; 2(p-i)-1 forwards of
+    chunk 0, i (F1, F0) pairs, p-i (F1 B1 W1); then F0 B0 W0 F1 B1 W1 until all forwards are done;
+    i (B0 B1) and p-i (B0 W0) pairs, the remaining W1 then W0. Generated for max(2p-1, m)
+    microbatches and the passes of microbatches >= m dropped (torch's ScheduleZBVZeroBubble)."""
+    n = max(2 * p - 1, m)
+    c0, c1 = i, 2 * p - 1 - i
+    out: list[tuple[str, int, int]] = []
+    f0 = f1 = b0 = b1 = 0
+    for _ in range(2 * (p - i) - 1):
+        out.append(("F", c0, f0))
+        f0 += 1
+    for _ in range(i):
+        out += [("F", c1, f1), ("F", c0, f0)]
+        f1, f0 = f1 + 1, f0 + 1
+    for _ in range(p - i):
+        out += [("F", c1, f1), ("B", c1, b1), ("W", c1, b1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < n:
+        if f0 < n:
+            out.append(("F", c0, f0))
+            f0 += 1
+        out += [("B", c0, b0), ("W", c0, b0), ("F", c1, f1), ("B", c1, b1), ("W", c1, b1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(i):
+        out += [("B", c0, b0), ("B", c1, b1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(p - i):
+        out += [("B", c0, b0), ("W", c0, w0)]
+        b0, w0 = b0 + 1, w0 + 1
+    out += [("W", c1, k) for k in range(w1, b1)]
+    out += [("W", c0, k) for k in range(w0, b0)]
+    return iter([step for step in out if step[2] < m])
+
+
+def _dualpipev(p: int, m: int, i: int) -> Iterator[tuple[str, int, int]]:
+    """DualPipeV (DeepSeek-V3 §3.2.1's DualPipe cut in half along the V; torch's
+    ScheduleDualPipeV, from deepseek-ai/DualPipe): 8 steps on position i, chunks i (0) and 2p-1-i
+    (1). A full backward is B then W at once; DualPipe's overlapped F&B pair (one chunk's forward
+    with the other's backward, their communication hidden) is F, then B, W here, one after the
+    other on the compute stream. Deferred W passes (of split B passes) run oldest first."""
+    c0, c1 = i, 2 * p - 1 - i
+    nxt = {("F", c0): 0, ("F", c1): 0, ("B", c0): 0, ("B", c1): 0}
+    queue: list[tuple[int, int]] = []  # (stage, microbatch) of B passes whose W waits
+
+    def f(c):
+        k = nxt[("F", c)]
+        nxt[("F", c)] = k + 1
+        yield ("F", c, k)
+
+    def b(c, full: bool):
+        k = nxt[("B", c)]
+        nxt[("B", c)] = k + 1
+        yield ("B", c, k)
+        if full:
+            yield ("W", c, k)
+        else:
+            queue.append((c, k))
+
+    def w():
+        if queue:
+            c, k = queue.pop(0)
+            yield ("W", c, k)
+
+    for _ in range(2 * (p - i - 1)):                 # 1: F0
+        yield from f(c0)
+    for _ in range(i + 1):                           # 2: F0 F1
+        yield from f(c0)
+        yield from f(c1)
+    for _ in range(p - i - 1):                       # 3: B1 W F1 (zero bubble)
+        yield from b(c1, False)
+        yield from w()
+        yield from f(c1)
+    for _ in range(m - 2 * p + i + 1):               # 4: F0 B1 | F1 B0 (overlapped pairs)
+        yield from f(c0)
+        yield from b(c1, True)
+        yield from f(c1)
+        yield from b(c0, True)
+    for _ in range(p - i - 1):                       # 5: B1 | F1 B0
+        yield from b(c1, True)
+        yield from f(c1)
+        yield from b(c0, True)
+    split = False
+    for j in range(i + 1):                           # 6: B1 B0, the second half split
+        if j == (i + 1) // 2 and i % 2 == 1:
+            split = True
+        yield from b(c1, not split)
+        if j == (i + 1) // 2 and i % 2 == 0:
+            split = True
+        yield from b(c0, not split)
+    for _ in range(p - i - 1):                       # 7: W B0
+        yield from w()
+        yield from b(c0, not split)
+    for _ in range(i + 1):                           # 8: W
+        yield from w()
+
+
+_SPLIT_ORDERS = {ScheduleKind.zb_h1: _zb_h1, ScheduleKind.zbv: _zbv, ScheduleKind.dualpipev: _dualpipev}
+
+
 #: one step of a position's list in compact form, what :func:`position_steps` yields:
 #: (kind, stage, microbatch, layer, peer_stage), None where an Action leaves the field unset
 Step = tuple
 
-_F, _B = ActionKind.forward, ActionKind.backward
+_F, _B, _W = ActionKind.forward, ActionKind.backward, ActionKind.backward_weight
 _SA, _SG, _RA, _RG = ActionKind.send_act, ActionKind.send_grad, ActionKind.recv_act, ActionKind.recv_grad
 _SO, _SI, _RC = ActionKind.swap_out, ActionKind.swap_in, ActionKind.recompute
 _AR, _OPT = ActionKind.allreduce_grads, ActionKind.optimizer_step
@@ -155,6 +289,9 @@ def position_steps(plan: Plan, i: int) -> Iterator[Step]:
     microbatch count): what :func:`build_schedule` turns into Actions, and what the simulator walks."""
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     last = len(plan.stages) - 1
+    # V-shaped schedules: chunks p-1 and p share position p-1, which hands the activation (and the
+    # gradient back) to itself in process, so no send/recv pair there (torch's stage-to-rank map)
+    local = {s for s in range(last) if plan.device_group_of(s) == plan.device_group_of(s + 1)}
     layer_actions = _LayerActions(plan)
     prev: list[Step] | None = None  # one group per pass (its recvs, itself, its sends), held one pass
     prev_pass = None                # back: a backward may prefetch its swap-ins into it
@@ -162,13 +299,15 @@ def position_steps(plan: Plan, i: int) -> Iterator[Step]:
         kind, s, k = pass_
         swapped, swapped_rev, recomputed = layer_actions(s, k)
         group: list[Step] = []
-        if kind == "F":
-            if s > 0:
+        if kind == "W":  # zero bubble: the weight gradients of an earlier B; no communication
+            group.append((_W, s, k, None, None))
+        elif kind == "F":
+            if s > 0 and s - 1 not in local:
                 group.append((_RA, s, k, None, s - 1))
             group.append((_F, s, k, None, None))
             for l in swapped:
                 group.append((_SO, s, k, l, None))
-            if s < last:
+            if s < last and s not in local:
                 group.append((_SA, s, k, None, s + 1))
         else:
             swaps = [(_SI, s, k, l, None) for l in swapped_rev]
@@ -176,19 +315,21 @@ def position_steps(plan: Plan, i: int) -> Iterator[Step]:
                 prev[:0] = swaps  # prefetch one pass ahead
             else:
                 group += swaps
-            if s < last:
+            if s < last and s not in local:
                 group.append((_RG, s, k, None, s + 1))
             for l in recomputed:
                 group.append((_RC, s, k, l, None))
             group.append((_B, s, k, None, None))
-            if s > 0:
+            if s > 0 and s - 1 not in local:
                 group.append((_SG, s, k, None, s - 1))
         if prev is not None:
             yield from prev
         prev, prev_pass = group, pass_
     if prev is not None:
         yield from prev
-    for s in range(i, len(plan.stages), p):
+    for s in range(len(plan.stages)):
+        if plan.device_group_of(s) != i:
+            continue
         yield (_AR, s, None, None, None)
         yield (_OPT, s, None, None, None)
 

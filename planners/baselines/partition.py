@@ -6,6 +6,7 @@ import itertools
 from planners.layout import (
     PlanningError, assemble, check_chunks, device_groups, megatron_split, resolve_degrees,
 )
+from costs.context_parallel import sequence_split_error
 from planners.policy import BalancedPolicy, EvenPolicy, ManualPolicy
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -96,6 +97,8 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
     if policy.sequence_parallel and policy.tp == 1:
         raise PlanningError("policy.sequence_parallel: splits the sequence over the tensor-parallel group; needs "
                             "policy.tp > 1, got 1")
+    if (err := sequence_split_error(model, policy.cp)) is not None:
+        raise PlanningError(f"policy.{err}")
     zero_stage = policy.zero_stage or (1 if policy.distributed_optimizer else 0)
     if policy.overlap_param_gather and zero_stage < 1:
         raise PlanningError("policy.overlap_param_gather: gathers a distributed optimizer's parameter shards; set "

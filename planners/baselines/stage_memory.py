@@ -45,6 +45,8 @@ class StageMemory:
 
     def in_flight(self, i: int, p: int) -> int:
         m = self._m
+        if self._kind is ScheduleKind.zb_h1:  # Qi et al. 2024 §2.1: every position holds min(p, m) until W
+            return min(p, m)
         return m if self._kind is ScheduleKind.gpipe else min(p - i, m)
 
     def _act_peak(self, n: int, act: int, transient: int, grad: int, flat: int) -> int:
@@ -100,7 +102,9 @@ class StageMemory:
             out = lay.samples * out_bytes[stop - 1]
             grad = costs.activations.layer_input_bytes(self.model, start, lay.samples) if start > 0 else 0
             buffer = out if stop < L else 0  # the received gradient; the sent one is in _act_peak
-            flat = max(g_b * n if dp > 1 else 0, self._tied_sync(start, stop))  # costs.buffers.allreduce_buffer_bytes
+            # costs.buffers.allreduce_buffer_bytes (ZeRO-1 reduce-scatters in place: the 1/d shard)
+            flat = max((math.ceil(g_b * n / dp) if self.proto.zero_stage == 1 else g_b * n) if dp > 1 else 0,
+                       self._tied_sync(start, stop))
             if stash:
                 return static + buffer + self._stash_peak(after + 1, act(start, stop), transient(start, stop), grad,
                                                           flat, weight_per_param(n), flat if dp > 1 else 0)

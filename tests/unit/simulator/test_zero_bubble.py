@@ -1,0 +1,318 @@
+"""Zero-bubble schedules (Qi et al. 2024; DeepSeek-V3's DualPipeV): their pass orders against
+torch's, the Action lists walked without deadlock, the closed forms of their in-flight activations
+and bubbles, and the simulator's B/W pricing on a uniform model.
+
+Oracles: torch.distributed.pipelining's own generators (ScheduleInterleavedZeroBubble with one
+stage per rank is ZB-H1, ScheduleZBVZeroBubble, ScheduleDualPipeV), called on a stand-in ``self``
+that carries only the counts they read (their constructors need process groups and real stages);
+the papers' closed forms; an independent unit-time walk of the Action lists written here."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from simulator import simulate
+from simulator.analytic import estimate, split_peak, split_pipe_s
+from simulator.stagecost import stage_costs
+from specs import (
+    DeviceSpec, HardwareSpec, HostSpec, LayerKind, LayerSpec, LinkKind, LinkSpec, ModelSpec,
+    NodeTopology, Plan, ScheduleSpec, StagePlan, TrainingSpec,
+)
+from specs.model import GemmSpec
+from specs.plan import LayerMemory, MemoryAction, PlanError, ScheduleKind, position_of_stage, validate_plan
+from specs.schedule import ActionKind, build_schedule, compute_order, pairs
+
+GIB = 1 << 30
+SPLIT = ("zb_h1", "zbv", "dualpipev")
+
+
+def chunks_of(kind: str) -> int:
+    return 2 if kind in ("zbv", "dualpipev") else 1
+
+
+def make_plan(kind: str, p: int, m: int, layers_per_stage: int = 1, dp: int = 1, memory=None) -> Plan:
+    n = p * chunks_of(kind)
+    stages = []
+    for j in range(n):
+        pos = position_of_stage(ScheduleKind(kind), p, j)
+        stages.append(StagePlan(layer_start=j * layers_per_stage, layer_stop=(j + 1) * layers_per_stage,
+                                devices=list(range(pos * dp, pos * dp + dp)), dp=dp,
+                                memory=(memory or {}).get(j, [])))
+    return Plan(planner="test", model="toy", hardware="toyhw", num_devices=p * dp,
+                training=TrainingSpec(global_batch=m * dp, num_microbatches=m), schedule=ScheduleSpec(kind=kind),
+                stages=stages)
+
+
+# ---- the orders against torch's generators ---------------------------------------------------------
+def torch_order(kind: str, p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    ts = pytest.importorskip("torch.distributed.pipelining.schedules")
+    cls = {"zb_h1": ts.ScheduleInterleavedZeroBubble, "zbv": ts.ScheduleZBVZeroBubble,
+           "dualpipev": ts.ScheduleDualPipeV}[kind]
+    rounds = max(1, m // p)
+    me = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p, _num_stages=2 * p,
+                         n_local_stages=1, microbatches_per_round=m // rounds)
+    C = ts._ComputationType
+    short = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W"}
+    out = []
+    for a in cls._calculate_single_rank_operations(me, rank):
+        if a is None:  # a step where torch's rank idles
+            continue
+        for x in (a.sub_actions if a.computation_type == C.OVERLAP_F_B else (a,)):
+            if x.computation_type == C.FULL_BACKWARD:  # a whole backward: B, then W at once
+                out += [("B", x.stage_index, x.microbatch_index), ("W", x.stage_index, x.microbatch_index)]
+            else:
+                out.append((short[x.computation_type], x.stage_index, x.microbatch_index))
+    return out
+
+
+def torch_cases():
+    for p in (1, 2, 3, 4, 5, 8):
+        for m in sorted({1, 2, p, 2 * p - 1, 2 * p, 2 * p + 1, 3 * p, 4 * p + 2}):
+            for kind in SPLIT:
+                if kind == "dualpipev" and m < 2 * p:
+                    continue
+                if kind == "zb_h1" and m % max(1, m // p):  # torch refuses these m
+                    continue
+                yield kind, p, m
+
+
+@pytest.mark.parametrize("kind,p,m", list(torch_cases()))
+def test_order_is_torchs(kind, p, m):
+    for rank in range(p):
+        assert compute_order(ScheduleKind(kind), p, m, chunks_of(kind), rank) == torch_order(kind, p, m, rank)
+
+
+# ---- the Action lists, walked ----------------------------------------------------------------------
+def unit_walk(plan: Plan, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> tuple[list[float], list[float]]:
+    """Walk every position's Action list at once with free communication: a recv waits for its
+    matching send (sends never wait); F, B, W take ``f``, ``b``, ``w`` (a whole backward b + w).
+    Returns (finish, busy) per position; raises on a deadlock."""
+    lists = build_schedule(plan)
+    p = len(lists)
+    split = plan.schedule.kind.value in SPLIT
+    dur = {ActionKind.forward: f, ActionKind.backward: b if split else b + w, ActionKind.backward_weight: w}
+    at, clock, busy, sent = [0] * p, [0.0] * p, [0.0] * p, {}
+    while any(at[i] < len(lists[i]) for i in range(p)):
+        moved = False
+        for i in range(p):
+            while at[i] < len(lists[i]):
+                a = lists[i][at[i]]
+                if a.kind in (ActionKind.recv_act, ActionKind.recv_grad):
+                    if pairs(a) not in sent:
+                        break
+                    clock[i] = max(clock[i], sent[pairs(a)])
+                elif a.kind in (ActionKind.send_act, ActionKind.send_grad):
+                    sent[pairs(a)] = clock[i]
+                elif a.kind in dur:
+                    clock[i] += dur[a.kind]
+                    busy[i] += dur[a.kind]
+                at[i] += 1
+                moved = True
+        if not moved:
+            raise AssertionError(f"deadlock: positions stuck at {at}")
+    return clock, busy
+
+
+def walk_cases():
+    for p in (1, 2, 3, 4, 6):
+        for m in sorted({1, 2, p, 2 * p, 2 * p + 3, 4 * p}):
+            for kind in SPLIT:
+                if not (kind == "dualpipev" and m < 2 * p):
+                    yield kind, p, m
+
+
+@pytest.mark.parametrize("kind,p,m", list(walk_cases()))
+def test_lists_complete_and_deadlock_free(kind, p, m):
+    plan = make_plan(kind, p, m)
+    lists = build_schedule(plan)
+    seen: dict[tuple[str, int, int], tuple[int, int]] = {}  # pass -> (position, index in its list)
+    sends, recvs = [], []
+    for i, actions in lists.items():
+        for j, a in enumerate(actions):
+            code = {ActionKind.forward: "F", ActionKind.backward: "B", ActionKind.backward_weight: "W"}.get(a.kind)
+            if code:
+                assert plan.device_group_of(a.stage) == i
+                assert (code, a.stage, a.microbatch) not in seen
+                seen[(code, a.stage, a.microbatch)] = (i, j)
+            elif a.kind in (ActionKind.send_act, ActionKind.send_grad):
+                sends.append(pairs(a))
+                assert plan.device_group_of(a.peer_stage) != i  # the V's bottom hands over in process
+            elif a.kind in (ActionKind.recv_act, ActionKind.recv_grad):
+                recvs.append(pairs(a))
+    assert sorted(sends) == sorted(recvs)
+    for s in range(2 * p if chunks_of(kind) == 2 else p):
+        for k in range(m):  # every pass once; on its position F before B before W
+            f, b, w = seen[("F", s, k)], seen[("B", s, k)], seen[("W", s, k)]
+            assert f[0] == b[0] == w[0] and f[1] < b[1] < w[1]
+    unit_walk(plan)  # raises on a deadlock
+
+
+def test_dualpipev_needs_2p_microbatches():
+    from tests.conftest import make_hardware, make_model
+
+    plan = make_plan("dualpipev", 4, 7)
+    with pytest.raises(PlanError, match="dualpipev needs at least 2 x pipeline depth"):
+        validate_plan(plan, make_model(8), make_hardware(4))
+
+
+def test_swaps_refused_by_name():
+    from tests.conftest import make_hardware, make_model
+
+    plan = make_plan("zb_h1", 4, 8, memory={1: [LayerMemory(layer=1, action=MemoryAction.cpu_swap)]})
+    with pytest.raises(PlanError, match=r"stages\[1\]\.memory.*zb_h1 splits the backward"):
+        validate_plan(plan, make_model(4), make_hardware(4))
+
+
+# ---- closed forms: activations in flight, bubbles --------------------------------------------------
+@pytest.mark.parametrize("p,m", [(2, 2), (3, 9), (4, 8), (4, 3), (5, 25), (8, 16)])
+def test_in_flight_closed_forms(p, m):
+    """ZB-H1 holds min(p, m) microbatches on every position until their W, 1F1B's peak on position
+    0 (Qi et al. §2.1: the same in-flight count on all stages); ZB-V 2p chunk-microbatches (half
+    a stage each: 1F1B's p) on every position (§6, balanced); DualPipeV 2p + 1 (its steps 1-2 hold
+    2p, step 4's forward runs before the paired backward frees one)."""
+    for i in range(p):
+        assert sum(split_peak(make_plan("zb_h1", p, m), i)[1].values()) == min(p, m)
+        if m >= 2 * p - 1:
+            assert sum(split_peak(make_plan("zbv", p, m), i)[1].values()) == 2 * p
+        if m >= 2 * p:
+            assert sum(split_peak(make_plan("dualpipev", p, m), i)[1].values()) == 2 * p + 1
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 9), (4, 8), (4, 16), (6, 12)])
+@pytest.mark.parametrize("f,b,w", [(1, 1, 1), (1, 1.25, 0.75), (2, 1, 1), (1, 2, 1)])
+def test_bubble_closed_forms(p, m, f, b, w):
+    """Iteration = m(F+B+W) + bubble: 1F1B (p-1)(F+B+W); ZB-H1 (p-1)(F+B-W) (Qi et al. §2.1,
+    there for F = B = W; holds here whenever W <= B); ZB-V and DualPipeV with per-chunk F = B = W
+    only the last position's start-up, (p-1)F, for m >= 2p. Checked on the unit-time walk of the
+    Action lists and on simulator.analytic.split_pipe_s, which walks the orders."""
+    def bubble(kind, f=f, b=b, w=w):
+        plan = make_plan(kind, p, m)
+        finish, _ = unit_walk(plan, f, b, w)
+        work = m * (f + b + w) * chunks_of(kind)
+        if kind in SPLIT:
+            passes = {s: (f, b, w) for s in range(len(plan.stages))}
+            assert split_pipe_s(plan, passes, {}) == pytest.approx(max(finish), rel=1e-12)
+        return max(finish) - work
+
+    assert bubble("1f1b") == pytest.approx((p - 1) * (f + b + w))
+    assert bubble("zb_h1") == pytest.approx((p - 1) * (f + b - w))
+    if (f, b, w) == (1, 1, 1):
+        assert bubble("zbv") == pytest.approx(p - 1)
+        assert bubble("dualpipev") == pytest.approx(p - 1)
+
+
+# ---- the simulator on a uniform model --------------------------------------------------------------
+def gemm_model(layers: int, d: int = 1024, tokens: int = 512) -> ModelSpec:
+    """Square GEMMs (forward, dgrad and wgrad the same shape: T_F = T_B = T_W up to the element-wise
+    terms), mixed precision, no per-operator overhead."""
+    g = GemmSpec(m=tokens, n=d, k=d)
+    return ModelSpec(name="toy", family="custom", layers=[
+        LayerSpec(name=f"l{i}", kind=LayerKind.transformer_block, params=d * d,
+                  fwd_flops_per_sample=2.0 * tokens * d * d, gemms=[g], saved_bytes_per_sample=tokens * d * 2,
+                  output_bytes_per_sample=tokens * d * 2) for i in range(layers)])
+
+
+def fast_hardware(devices: int) -> HardwareSpec:
+    link = LinkSpec(kind=LinkKind.nvswitch, bw_gbps=1e12, latency_s=0.0)
+    return HardwareSpec(
+        name="toyhw", devices_per_node=devices,
+        device=DeviceSpec(model="toy", memory_bytes=80 * GIB, peak_tflops={"fp32": 100, "fp16": 100},
+                          compute_efficiency=1.0, hbm_gbps=1e6),
+        host=HostSpec(memory_bytes=512 * GIB, pcie_gbps=1e12, pcie_latency_s=0.0),
+        intra_node=NodeTopology(all_to_all=link, fallback=link))
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (2, 6)])
+def test_simulated_bubble_and_memory(p, m):
+    """Same stages, same model: ZB-H1's iteration is 1F1B's less 2(p-1)W (the two closed forms'
+    difference, W from the stage's priced wgrad GEMMs), with B + W = the whole backward; its
+    position 0 peaks at 1F1B's activations when W's scratch fits in B's workspace."""
+    mdl, hw = gemm_model(p), fast_hardware(p)
+    one = make_plan("1f1b", p, m)
+    zb = make_plan("zb_h1", p, m)
+    validate_plan(zb, mdl, hw)
+    sc_one, sc_zb = stage_costs(one, mdl, hw), stage_costs(zb, mdl, hw)
+    for a, z in zip(sc_one, sc_zb):
+        assert a.bwd_ns == z.bwd_ns and 0 < z.wgrad_ns <= z.bwd_ns - z.wgrad_ns and a.wgrad_ns == 0
+    w_ns = sc_zb[0].wgrad_ns
+    t_one = simulate(one, mdl, hw, trace=False).result
+    t_zb = simulate(zb, mdl, hw, trace=False).result
+    # tolerance: the transfers' integer nanoseconds, one per boundary crossing of the critical path
+    hops_ns = 4 * (m + p) * p
+    assert (t_one.iteration_time_s - t_zb.iteration_time_s) * 1e9 == pytest.approx(2 * (p - 1) * w_ns, abs=hops_ns)
+    assert t_zb.iteration_time_s == pytest.approx(estimate(zb, mdl, hw).iteration_time_s, abs=hops_ns * 1e-9)
+    acts = lambda r, d: r.devices[d].breakdown.activations_bytes  # noqa: E731
+    if sc_zb[0].w_scratch_bytes <= sc_zb[0].workspace_bytes:
+        assert acts(t_zb, 0) == acts(t_one, 0)
+    assert acts(t_zb, p - 1) > acts(t_one, p - 1)  # position p-1 holds p, not 1
+
+
+def test_simulated_zbv_beats_zb_h1_and_1f1b():
+    p, m = 4, 8
+    mdl, hw = gemm_model(2 * p), fast_hardware(p)
+    times = {}
+    for kind in ("1f1b", "zb_h1", "zbv", "dualpipev"):
+        plan = make_plan(kind, p, m, layers_per_stage=2 // chunks_of(kind))
+        validate_plan(plan, mdl, hw)
+        times[kind] = simulate(plan, mdl, hw, trace=False).result.iteration_time_s
+    assert times["zbv"] < times["zb_h1"] < times["1f1b"]
+    assert times["dualpipev"] < times["zb_h1"]
+
+
+def test_recompute_runs_inside_b():
+    """Full recompute with B/W: the recomputed forward is in B (before it), W is unchanged, and the
+    recomputed activations stay until W (StageCost.w_held_bytes)."""
+    p, m = 2, 4
+    mdl, hw = gemm_model(2 * p), fast_hardware(p)
+    rc = {s: [LayerMemory(layer=l, action=MemoryAction.recompute) for l in (2 * s, 2 * s + 1)] for s in range(p)}
+    plain, recomputed = make_plan("zb_h1", p, m, 2), make_plan("zb_h1", p, m, 2, memory=rc)
+    a, r = stage_costs(plain, mdl, hw)[0], stage_costs(recomputed, mdl, hw)[0]
+    assert r.wgrad_ns == a.wgrad_ns and r.bwd_ns > a.bwd_ns and r.w_held_bytes > 0 == a.w_held_bytes
+    simulate(recomputed, mdl, hw, trace=False)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("p,m", [(3, 6), (4, 5)])
+def test_analytic_peak_is_the_walks(precision, recompute, p, m):
+    """The analytic estimate's walk (simulator.analytic.split_peak: activations held to W, the
+    recomputed ones from B's end to W's end, W's weight-gradient scratch when accumulation is not
+    fused, fp32 here) gives the simulator's per-device peaks, byte for byte."""
+    mdl, hw = gemm_model(2 * p), fast_hardware(p)
+    memory = {s: [LayerMemory(layer=2 * s, action=MemoryAction.recompute)] for s in range(p)} if recompute else None
+    body = make_plan("zb_h1", p, m, 2, memory=memory).model_dump()
+    body["training"]["precision"] = precision
+    plan = Plan.model_validate(body)
+    sc = stage_costs(plan, mdl, hw)[0]
+    assert (sc.w_held_bytes > 0) == recompute and (sc.w_scratch_bytes > 0) == (precision == "fp32")
+    simulated = simulate(plan, mdl, hw, trace=False).result
+    assert [d.peak_bytes for d in simulated.devices] == [d.peak_bytes for d in estimate(plan, mdl, hw).devices]
+
+
+@pytest.mark.parametrize("kind", ["zbv", "dualpipev"])
+def test_v_peaks_per_device(kind):
+    """The V: each device's simulated peak is the analytic walk's for its own two chunks."""
+    p, m = 4, 8
+    mdl, hw = gemm_model(2 * p), fast_hardware(p)
+    plan = make_plan(kind, p, m)
+    simulated = simulate(plan, mdl, hw, trace=False).result
+    assert [d.peak_bytes for d in simulated.devices] == [d.peak_bytes for d in estimate(plan, mdl, hw).devices]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("kind,p,m", [("zbv", 4, 8), ("zbv", 3, 5), ("dualpipev", 4, 8), ("dualpipev", 2, 5)])
+def test_v_peaks_per_position(kind, p, m, recompute):
+    """The V, per pipeline position (the engine's own timelines): the simulated peak is the analytic
+    walk's for the position's two chunks (s and 2p-1-s), incl. the in-process hand-off at the
+    bottom, recomputed activations held to W, and the sent-gradient buffers."""
+    from simulator.engine import Engine
+    from simulator.memory import summarize
+
+    mdl, hw = gemm_model(2 * p), fast_hardware(p)
+    memory = {s: [LayerMemory(layer=s, action=MemoryAction.recompute)] for s in range(2 * p)} if recompute else None
+    plan = make_plan(kind, p, m, memory=memory)
+    engine = Engine(plan, mdl, hw, trace=False)
+    engine.run()
+    simulated = [summarize(engine.mem[i].events, hw.device.memory_bytes).peak_bytes for i in range(p)]
+    assert simulated == [d.peak_bytes for d in estimate(plan, mdl, hw).devices]  # device i is position i

@@ -157,7 +157,8 @@ def _op_graphs_for_policy(cfg: RunConfig, model: ModelSpec) -> ModelSpec:
 
 #: what executor.op_graph measures per node: a cached graph set of another revision is traced again
 #: (2: backward scratch measured below FlopCounterMode's decompositions, e.g. silu_backward)
-OP_GRAPH_REVISION = 2
+#: (3: one backward stretch per node across its autograd functions: cross-entropy's nll -> log-softmax gradient)
+OP_GRAPH_REVISION = 3
 
 
 def with_op_graphs(cfg: RunConfig, model: ModelSpec) -> ModelSpec:

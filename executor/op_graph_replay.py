@@ -91,6 +91,11 @@ def _backward(replay: _Replay, tracker: LiveBytes, outs: list, param_ids: set) -
             r["made"] |= set(tracker.live) - cur["keys"]
 
     def switch(node, counter):
+        if node == cur["node"]:
+            # the same node's next autograd function (cross_entropy: NllLossBackward, then
+            # LogSoftmaxBackward): one stretch, so the gradient one hands the other (live while
+            # the next runs) counts in the node's rise
+            return
         close(counter)
         cur.update(node=node, flops=counter.get_total_flops(), keys=set(tracker.live), start=tracker.current)
         tracker.reset_peak()

@@ -294,13 +294,21 @@ def _add_transients(sums: _Sums, node: OpNode, st: Strategy, ins: list[ShardingS
     o_share = _share(st.output_spec, out_shape, ms)
     big = max(range(len(node.inputs)), key=lambda i: math.prod(node.input_shapes[i]), default=None)
     other_share = _share(ins[big], node.input_shapes[big], ms) if big is not None else o_share
-    sums.saved += node.fwd_in_output * o_share + max(node.fwd_in_other, 0) * other_share
+    # a group of MAP §5.1 (a core op with element-wise ops and views folded in): the tensors
+    # flowing inside it (the core's output that a folded GeLU saves, the gradients the folded ops
+    # hand back to the core) are laid out as the group's output, not as its largest input --
+    # costs.map_views.through_folded prices the same saved bytes at that share for the ILP
+    core = node.ops[0] if node.ops else node
+    inner_saved = max(node.fwd_in_other - max(core.fwd_in_other, 0), 0)
+    sums.saved += (node.fwd_in_output * o_share + max(core.fwd_in_other, 0) * other_share
+                   + inner_saved * o_share)
     # forward scratch scales with the node's work on this device: the share of its largest
     # tensor (a loss's scratch is its logits' softmax, not its scalar output's size)
     big_in = math.prod(node.input_shapes[big]) if big is not None else 0
     tmp_share = o_share if math.prod(out_shape) >= big_in else other_share
     sums.o_f = max(sums.o_f, node.fwd_tmp * tmp_share)
-    sums.o_b = max(sums.o_b, (node.bwd_tmp + node.bwd_out) * other_share)
+    inner_grads = sum(op.bwd_tmp + op.bwd_out for op in node.ops[1:])
+    sums.o_b = max(sums.o_b, (core.bwd_tmp + core.bwd_out) * other_share + inner_grads * o_share)
 
 
 def _add_params(sums: _Sums, node: OpNode, st: Strategy, mesh: Mesh, skip_params: frozenset[str],

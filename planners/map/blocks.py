@@ -65,6 +65,9 @@ from planners.map.problem import IlpProblem, IlpSolution, Reduced, evaluate, min
 
 MAX_STATES = 1 << 14    # boundary states per block: a frontier and a DP step cost about their square
 THETA_FRACTIONS = (1 / 1024, 1 / 64, 1 / 16, 1 / 4, 1.0)   # step 4's thresholds, lb + frac * (ub - lb)
+#: pairs of rows one step of a factor join forms at once (_join): ~100 bytes a pair (keys, choices,
+#: time, bytes, indices) bound a join's scratch to tens of MiB whatever the cross product's size
+JOIN_CHUNK_PAIRS = 1 << 18
 
 
 def _pareto(group: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -103,9 +106,17 @@ class _Table:
         self.choice = np.zeros((len(t), 0), dtype=np.int64) if choice is None else choice
 
 
-def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: int) -> _Table:
+def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: int,
+          chunk_pairs: int | None = None) -> _Table:
     """Every pair of rows that agree on the shared nodes, summed; then the points that cannot fit
-    (bytes + the least bytes of the nodes not yet placed > cap) and the dominated ones are dropped."""
+    (bytes + the least bytes of the nodes not yet placed > cap) and the dominated ones are dropped.
+
+    Streamed: the pairs are formed ``chunk_pairs`` at a time (default JOIN_CHUNK_PAIRS), each chunk
+    cut to its fitting Pareto points before the next is formed, so the memory is bounded by one
+    chunk plus the points kept, never the whole cross product (issue 26: a 2x2x2 mesh's join of two
+    large factors allocated > 1 GiB at once). Exact: a point dominated within its chunk is
+    dominated in the union, and the Pareto set of the union is that of the chunks' Pareto sets."""
+    chunk = JOIN_CHUNK_PAIRS if chunk_pairs is None else max(int(chunk_pairs), 1)
     shared = [v for v in a.scope if v in b.scope]
     flat = lambda tab: (np.ravel_multi_index(tab.key[:, [tab.scope.index(v) for v in shared]].T, [size[v] for v in shared])
                         if shared else np.zeros(len(tab.t), dtype=np.int64))
@@ -113,17 +124,40 @@ def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: i
     order_b = np.argsort(gb, kind="stable")
     start = np.searchsorted(gb[order_b], ga, side="left")
     count = np.searchsorted(gb[order_b], ga, side="right") - start
-    ai = np.repeat(np.arange(len(ga)), count)
-    offset = np.arange(len(ai)) - np.repeat(np.cumsum(count) - count, count)
-    bi = order_b[np.repeat(start, count) + offset]
+    ends = np.cumsum(count)                 # pairs of rows 0..i of a: ends[i]
+    total = int(ends[-1]) if len(ends) else 0
     extra = [j for j, v in enumerate(b.scope) if v not in a.scope]
-    key = np.column_stack([a.key[ai], b.key[bi][:, extra]])
-    t, m = a.t[ai] + b.t[bi], a.m[ai] + b.m[bi]
+    scope = a.scope + [b.scope[j] for j in extra]
     placed = a.placed | b.placed
-    ok = np.nonzero(m + (total_min - sum(min_of[v] for v in placed)) <= cap)[0]
-    out = _Table(a.scope + [b.scope[j] for j in extra], key[ok], t[ok], m[ok], a.elim + b.elim,
-                 np.column_stack([a.choice[ai], b.choice[bi]])[ok], placed)
-    return _prune(out, size)
+    room = cap - (total_min - sum(min_of[v] for v in placed))   # the most bytes a point may hold
+    parts: list[_Table] = []
+    kept = 0
+    for p0 in range(0, total, chunk):
+        pair = np.arange(p0, min(p0 + chunk, total), dtype=np.int64)
+        ai = np.searchsorted(ends, pair, side="right")          # the row of a each pair belongs to
+        bi = order_b[start[ai] + pair - (ends[ai] - count[ai])]
+        m = a.m[ai] + b.m[bi]
+        ok = np.nonzero(m <= room)[0]
+        ai, bi = ai[ok], bi[ok]
+        part = _Table(scope, np.column_stack([a.key[ai], b.key[bi][:, extra]]), a.t[ai] + b.t[bi], m[ok],
+                      a.elim + b.elim, np.column_stack([a.choice[ai], b.choice[bi]]), placed)
+        parts.append(_prune(part, size))
+        kept += len(parts[-1].t)
+        if len(parts) > 1 and kept > chunk:                     # the kept points stay bounded too
+            parts = [_prune(_concat(parts), size)]
+            kept = len(parts[0].t)
+    if not parts:
+        width = a.choice.shape[1] + b.choice.shape[1]
+        return _Table(scope, np.zeros((0, len(scope)), dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64),
+                      a.elim + b.elim, np.zeros((0, width), dtype=np.int64), placed)
+    return parts[0] if len(parts) == 1 else _prune(_concat(parts), size)
+
+
+def _concat(parts: list[_Table]) -> _Table:
+    """Tables of one scope, rows stacked in order (the first duplicate stays first)."""
+    p = parts[0]
+    return _Table(p.scope, np.concatenate([x.key for x in parts]), np.concatenate([x.t for x in parts]),
+                  np.concatenate([x.m for x in parts]), p.elim, np.concatenate([x.choice for x in parts]), p.placed)
 
 
 def _prune(tab: _Table, size: dict) -> _Table:

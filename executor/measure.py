@@ -34,10 +34,21 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
                 if target.device not in used:
                     out.append(f"stages[{i}].memory[{j}].targets[{t}].device: device {target.device} runs no stage "
                                f"(d2d targets must be among the plan's stage devices {sorted(used)})")
-    if plan.zero_stage:
-        out.append(f"zero_stage: {plan.zero_stage} (ZeRO sharding is not implemented; use 0)")
+    from executor.context_parallel import unsupported as cp_unsupported  # cp > 1: ring attention
+
+    out += cp_unsupported(plan)
+    from executor.zero1 import unsupported as zero1_unsupported  # ZeRO-1 and the overlapped dp sync
+
+    out += zero1_unsupported(plan)
+    from executor.megatron_tp import unsupported as sp_unsupported  # sequence parallelism
+    from executor.selective import unsupported as selective_unsupported
+
+    out += sp_unsupported(plan, _config(model_cfg) if model_cfg is not None else None) + selective_unsupported(plan)
     if plan.schedule.kind.value == "pipedream_async":
         out += _pipedream_unsupported(plan, model_cfg)
+    from executor.split_backward import unsupported as split_unsupported  # zero-bubble B/W passes
+
+    out += split_unsupported(plan, _config(model_cfg) if model_cfg is not None else None)
     for i, st in enumerate(plan.stages):
         out += _offload_unsupported(plan, i, model_cfg)
         out += _weight_swap_unsupported(plan, i, model_cfg)

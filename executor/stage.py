@@ -11,7 +11,7 @@ import math
 import torch
 
 from executor import user_model
-from executor.megatron_tp import tensor_parallel
+from executor.megatron_tp import boundary_split, tensor_parallel
 from executor.models import build_layers
 from executor.optim_swap import OptimizerSwap
 from executor.stage_comm import SendReaper, StageComm
@@ -21,7 +21,7 @@ from executor.swap import Swapper
 from executor.timeline import NO_STAMPS, Stamps
 from executor.window import Window
 from executor.topology import coords, replica_rows, routes
-from specs.plan import Plan, ScheduleKind
+from specs.plan import SPLIT_BACKWARD, V_SHAPED, Plan, ScheduleKind
 from specs.training import Optimizer
 
 LR = {Optimizer.adam: 1e-3, Optimizer.sgd: 1e-2}
@@ -68,16 +68,26 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
             from executor.map_stage import MapStage
 
             self.map = MapStage(plan, cfg, index, self.layers, rank_of, groups, torch_device.type, dtype)
-        self.vocab_parallel = st.tp > 1 and not st.sharding and tensor_parallel(self.layers, self.tp_group,
-                                                                                 torch_device.type)
-        self.tied = tied_embedding_weight(self, groups)
+        # sequence-parallel neighbours pass s/t shards across the boundary (executor.stage_comm.post_recv)
+        self.split_in = index > 0 and boundary_split(plan, index - 1, index)
+        self.split_out = not self.last and boundary_split(plan, index, index + 1)
+        self.vocab_parallel = st.tp > 1 and not st.sharding and tensor_parallel(
+            self.layers, self.tp_group, torch_device.type, sequence_parallel=st.sequence_parallel,
+            split_in=self.split_in, split_out=self.split_out)
+        # a V placement (zbv, dualpipev) puts the first and last chunk on one rank: one shared embedding/head
+        borrowed = None
+        if plan.schedule.kind in V_SHAPED:
+            from executor.split_backward import share_tied_embedding
+
+            borrowed = share_tied_embedding(self, groups)
+        self.tied = tied_embedding_weight(self, groups) if borrowed is None else None
         # distinct parameters: a tied LM head shares the embedding's weight (one grad, one step).
         # With a STRONGHOLD window only the resident layers' (executor.window has the others)
         # A weight-swapped layer's (MPress §II-D) are homed on the host too (executor.weight_swap)
         streamed = set(st.streamed_layers)
         homed = streamed | set(st.offload.weight_swap_layers)
         self.params = list({id(p): p for i, _, mod in self.layers if i not in homed
-                            for p in mod.parameters()}.values())
+                            for p in mod.parameters() if id(p) not in (borrowed or ())}.values())
         if streamed:
             self._check_streamable(streamed)
         for p in self.params:  # gradients live for the whole run (a Megatron-style grad buffer)
@@ -100,7 +110,16 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         self.opt_swap = (OptimizerSwap([t for t in self.layers if t[0] not in homed], make_optimizer, tracker,
                                        torch_device)
                          if st.offload.optimizer_swap else None)
-        self.optimizer = make_optimizer(self.params) if self.opt_swap is None and self.params else None
+        # Megatron's distributed optimizer (ZeRO-1) / bucketed overlapped dp reduction (executor.zero1):
+        # flat parameter and gradient buffers per bucket; with ZeRO-1 the optimizer steps this rank's shards
+        self.zero1 = None
+        if self.dp_group is not None and self.params and (plan.zero_stage == 1 or plan.overlap_grad_reduce):
+            from executor.zero1 import Zero1
+
+            self.zero1 = Zero1(self, plan.zero_stage == 1, plan.overlap_grad_reduce, plan.overlap_param_gather)
+        sharded_opt = self.zero1 is not None and self.zero1.shard
+        self.optimizer = (make_optimizer(self.zero1.masters) if sharded_opt else
+                          make_optimizer(self.params) if self.opt_swap is None and self.params else None)
         # STRONGHOLD §III-C: streamed layers pass through w device slots; host state, CPU steps.
         # §IV-A: S workers share the window, one group pass per S microbatches (executor.window_streams)
         self.streams = st.offload.streams if streamed else 1
@@ -163,6 +182,12 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
             if self.swapper is not None:
                 ws.swapper = self.swapper
                 self.swapper.param_pack = lambda t, prev=self.swapper.param_pack: ws.pack_or(t, prev)
+        # zero-bubble schedules: backward actions are B, backward_weight actions W (executor.split_backward)
+        self.split = None
+        if plan.schedule.kind in SPLIT_BACKWARD:
+            from executor.split_backward import SplitBackward
+
+            self.split = SplitBackward(self)
 
     def set_stamps(self, rec, event=None) -> None:
         """Host traffic of this iteration (a window's and a weight swap's fetches, gradient copies
@@ -181,6 +206,8 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
             self.window.finish()
         if self.weight_swap is not None:
             self.weight_swap.finish()
+        if self.zero1 is not None:  # overlap_param_gather: the last step's all-gathers
+            self.zero1.finish()
 
     def _check_streamable(self, streamed: set[int]) -> None:
         """A streamed parameter must belong to its layer alone: its home is one layer's slot and

@@ -1,8 +1,8 @@
 """A stage's gradients and optimizer step: zeroing, the data-parallel all-reduce of the stage's
 gradients (one bucket), Megatron's embedding-group all-reduce of a tied input/output embedding
 split over two stages (Narayanan et al. 2021), and the optimizer step (resident parameters on
-the device, a STRONGHOLD window's streamed layers on the CPU, MPress's optimizer swap, or
-ZeRO-Offload's CPU step, executor.zero_offload; a weight-swapped layer's CPU steps,
+the device, a STRONGHOLD window's streamed layers on the CPU, MPress's optimizer swap,
+ZeRO-Offload's CPU step, executor.zero_offload, or Megatron's distributed optimizer, executor.zero1; a weight-swapped layer's CPU steps,
 executor.weight_swap, run as its gradients land).
 
 StageGrads is a mixin of executor.stage.StageRuntime: it reads the runtime's parameters, groups,
@@ -60,6 +60,8 @@ class StageGrads:
     def zero_grad(self) -> None:
         if self.zero_offload is not None:
             self.zero_offload.zero_grad()
+        if self.zero1 is not None:  # executor.zero1: its buckets' last-microbatch counters
+            self.zero1.zero_grad()
         for p in self.params:
             p.grad.zero_()
         if self.window is not None:
@@ -81,6 +83,9 @@ class StageGrads:
         if self.ties is not None:
             with self.tracker.phase("buffers"):
                 self.ties.sync()
+        if self.zero1 is not None:  # ZeRO-1's reduce-scatter / overlapped buckets (executor.zero1)
+            self.zero1.reduce()
+            return
         self.allreduce_dp([p.grad for p in self.params])
 
     def allreduce_dp(self, grads: list) -> None:
@@ -112,7 +117,13 @@ class StageGrads:
         local = getattr(g, "_local_tensor", g)
         with self.tracker.phase("buffers"):
             full = g.full_tensor() if hasattr(g, "full_tensor") else local.clone()
-            if self.replica or self.tp_rank:
+            if self.zero1 is not None and self.zero1.shard:
+                # ZeRO-1: each replica holds the dp sum of its shard only (the same elements on both
+                # stages, executor.zero1), so every replica contributes that shard, zeros elsewhere
+                lo, hi = self.zero1.tied_shard(param)
+                flat = full.view(-1)
+                flat[:lo], flat[hi:] = 0, 0
+            elif self.replica or self.tp_rank:
                 full.zero_()
             dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
             if self.map is not None:  # a MAP layout: this rank's shard of it (a local split, no communication)
@@ -142,8 +153,15 @@ class StageGrads:
             return
         if self.optimizer is None:  # every layer streamed: nothing on the device to step
             return
+        if self.zero1 is not None and self.zero1.shard:  # ZeRO-1: the shards' step, then the all-gather
+            self.zero1.step(self.optimizer, self.tracker)
+            self._tag_optimizer_state()
+            return
         with self.tracker.phase("optimizer"):
             self.optimizer.step()
+        self._tag_optimizer_state()
+
+    def _tag_optimizer_state(self) -> None:
         for state in self.optimizer.state.values():
             for v in state.values():
                 if isinstance(v, torch.Tensor):

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from executor import user_model
 from executor.boundary import run_backward
 from executor.megatron_tp import loss_context
+from executor.selective import SelectiveCore
 from specs.plan import MemoryAction, stage_for_microbatch
 
 SWAPS = (MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme)  # executor.swap
@@ -85,6 +86,9 @@ class StagePasses:
                     else (lambda y=y, mod=mod: mod(y, mb)), recompute)
             elif action is MemoryAction.recompute:
                 y = checkpoint(mod, y, mb, use_reentrant=False)
+            elif action is MemoryAction.selective:  # Korthikanti §5: the attention core recomputed
+                with SelectiveCore():
+                    y = mod(y, mb)
             elif action in SWAPS:  # saved tensors leave the device at the layer's end (executor.swap)
                 with self.swapper.layer(k, i, y if y is not None else mb) as output:  # a first layer reads mb
                     y = output(mod(y, mb))

@@ -49,7 +49,7 @@ import time
 
 #: kind of the event that closes an iteration (after the rank drained its sends)
 END = "end"
-_COMPUTE = {"forward": ("F", "forward"), "backward": ("B", "backward")}
+_COMPUTE = {"forward": ("F", "forward"), "backward": ("B", "backward"), "backward_weight": ("W", "backward")}
 #: host-traffic event kind -> (stream, name format, category), the simulator's names: a window's
 #: fetch carries no microbatch (simulator/window.py: "fetch L<l>"), a weight swap's does; a CPU
 #: rank's weight-swap copies are memcpys on the compute thread, "(memcpy)" as simulator/weightswap.py

@@ -38,6 +38,25 @@ def coords(stage: StagePlan, device: int) -> tuple[int, int]:
     return divmod(i, stage.tp)
 
 
+def mesh_coords(stage: StagePlan, device: int) -> tuple[int, int, int]:
+    """(replica, cp_rank, tp_rank) of ``device`` within ``stage``: devices are ordered tp fastest,
+    then cp, then dp (``devices[(replica*cp + cp_rank)*tp + tp_rank]``, specs/plan_stage.py). At
+    cp 1 the first and last are :func:`coords`."""
+    rc, t = divmod(stage.devices.index(device), stage.tp)
+    r, c = divmod(rc, stage.cp)
+    return r, c, t
+
+
+def cp_group_devices(stage: StagePlan) -> list[list[int]]:
+    """The devices of every context-parallel ring of ``stage``, one per (replica, tp_rank), in
+    cp-rank order: ``[devices[(r*cp + c)*tp + t] for c < cp]``; empty at cp 1. (The gradient
+    all-reduce spans dp x cp ranks of one tp_rank: ``devices[t::tp]``.)"""
+    if stage.cp == 1:
+        return []
+    cp, tp = stage.cp, stage.tp
+    return [[stage.devices[(r * cp + c) * tp + t] for c in range(cp)] for r in range(stage.dp) for t in range(tp)]
+
+
 def replica_rows(plan: Plan, stage: StagePlan, replica: int) -> tuple[int, int]:
     """Rows of the pipeline microbatch that ``replica`` of ``stage`` processes."""
     per = plan.training.samples_per_microbatch // stage.dp

@@ -19,6 +19,7 @@ from executor import d2d
 from executor.liveness import Heartbeat, NoHeartbeat, die_with
 from executor.memtrack import LiveTensorTracker, NullTracker, tag_static
 from executor.models import make_batch, output_shapes
+from executor.split_backward import LocalLinks
 from executor.stage import StageRuntime
 from executor.timeline import NoRecorder, Recorder, conversion_events
 from executor.topology import process_groups, rank_of_device
@@ -219,6 +220,8 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
             for s, st in stages.items() if st.map is not None}
     if maps:  # MAP stages: where DTensor's propagation differed from the plan (executor.map_exec)
         report["map"] = maps
+    if any(st.split is not None for st in stages.values()):  # zero-bubble W passes run (executor.split_backward)
+        report["w_passes"] = sum(st.split.w_passes for st in stages.values() if st.split is not None)
     windows = {s: st.window.events for s, st in stages.items() if st.window is not None and st.window.events is not None}
     if windows:
         report["window_events"] = windows
@@ -302,8 +305,10 @@ def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opt
         recvs = _recv_positions(actions)
     posted: dict[int, list] = {}  # action index -> handles of its posted receive
     channels: dict[tuple, list] = {}  # (kind, stage, peer) -> its receives in order
+    links = LocalLinks(stages)  # a V placement's two chunks on this rank hand over in memory
     for j, r in recvs:
-        channels.setdefault((r.kind, r.stage, r.peer_stage), []).append((j, r))
+        if not links.local(r):
+            channels.setdefault((r.kind, r.stage, r.peer_stage), []).append((j, r))
     nxt = {key: 0 for key in channels}  # next receive of each channel to post
     busy: dict[tuple, int] = {}  # channel -> index of its outstanding receive
     for i, a in enumerate(actions):
@@ -319,19 +324,29 @@ def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opt
         st, k = stages[a.stage], a.microbatch
         kind = a.kind
         t_start = rec.now()
-        if kind is ActionKind.recv_act:
+        if kind in (ActionKind.recv_act, ActionKind.recv_grad, ActionKind.send_act, ActionKind.send_grad) \
+                and links.local(a):
+            pass  # handed over in memory after the producing pass (LocalLinks)
+        elif kind is ActionKind.recv_act:
             acts[(a.stage, k)] = st.wait_recv(posted.pop(i))
         elif kind is ActionKind.forward:
-            st.forward(k, acts.pop((a.stage, k), None), batch)
+            st.forward(k, links.take("act", a.stage, k, acts), batch)
+            links.after_forward(st, k)
         elif kind is ActionKind.send_act:
             st.send("act", k, st.outputs[k], rec.sent(a))
         elif kind is ActionKind.recv_grad:
             grads[(a.stage, k)] = st.wait_recv(posted.pop(i))
+        elif kind is ActionKind.backward_weight:  # zero-bubble W (executor.split_backward)
+            st.split.weight_pass(k)
+        elif kind is ActionKind.backward and st.split is not None:  # zero-bubble B: input gradients only
+            st.split.input_pass(k, links.take("grad", a.stage, k, grads))
+            links.after_backward(st, k)
         elif kind is ActionKind.backward:
             if not faulted:
                 _fault(opts, rank, iteration)
                 faulted = True
-            st.backward(k, grads.pop((a.stage, k), None))
+            st.backward(k, links.take("grad", a.stage, k, grads))
+            links.after_backward(st, k)
             if st.first and st.pipedream is not None:  # nothing to send back: PipeDream's update now
                 st.pipedream.update()
         elif kind is ActionKind.send_grad:
@@ -340,6 +355,8 @@ def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opt
                 st.pipedream.update()
         elif kind is ActionKind.allreduce_grads:
             st.wait_sends()  # every send has been consumed by now (its reply came back): free them
+            if st.split is not None:
+                st.split.check_done()
             t_start = rec.now()  # the drain above is waiting, not all-reduce
             st.allreduce_grads()
             st.allreduce_embedding_grads()  # tied input/output embedding: first + last stage

@@ -14,6 +14,7 @@ frozen value computing it again gives).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -267,10 +268,20 @@ def split_fields(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) ->
 
 def split_bytes(model: ModelSpec, plan: Plan, stage) -> tuple[int, int]:
     """(held, scratch) bytes of a zero-bubble stage (StageCost.w_held_bytes, w_scratch_bytes): the
-    activations its recomputed layers re-make for B, held until W ends, and W's largest per-layer
-    weight gradient when accumulation is not fused into the wgrad GEMM."""
+    activations its recomputed layers re-make for B, held until W ends; the output gradient of every
+    weight GEMM, which B computes and W consumes (dB = Aᵀ·dY: torch.distributed.pipelining's
+    stage_backward_input keeps them for stage_backward_weight, as executor/split_backward.py does;
+    measured on gpt_tiny: 9h of a block's 11h per token — the norms' h each are not in the spec's
+    GEMMs and are left out); and W's largest per-layer weight gradient when accumulation is not
+    fused into the wgrad GEMM."""
     b, tp = costs.params.samples_per_replica(plan, stage), stage.tp
+    dt = costs.gemm.elem_bytes(costs.layer_time.compute_dtype(plan))
     held = 0
+    for l in stage.layers:
+        for g in model.layers[l].gemms:
+            if g.batch == 1:  # a weight's GEMM (per-head attention products have no weight)
+                n = -(-g.n // tp) if g.tp_split == "n" else g.n
+                held += math.ceil(b * g.m * n * dt)
     for l in stage.layers:
         if stage.action_of(l).action is MemoryAction.recompute:
             spec = model.layers[l]

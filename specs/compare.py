@@ -58,6 +58,7 @@ def pct(predicted: float, measured: float) -> float:
 _PATTERNS = (
     (re.compile(r"^F s(\d+) (?:mb\d+|g\d+ \(mb \d+-\d+\))$"), "forward"),
     (re.compile(r"^B s(\d+) (?:mb\d+|g\d+ \(mb \d+-\d+\))$"), "backward"),
+    (re.compile(r"^W s(\d+) mb\d+$"), "backward_weight"),  # zero-bubble weight-gradient pass
     (re.compile(r"^act s(\d+)->s\d+ mb\d+$"), "send_act"),
     (re.compile(r"^grad s(\d+)->s\d+ mb\d+$"), "send_grad"),
     (re.compile(r"^wait (?:act|grad) s\d+->s(\d+) mb\d+$"), "recv_wait"),

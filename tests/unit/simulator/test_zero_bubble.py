@@ -268,7 +268,8 @@ def test_recompute_runs_inside_b():
     rc = {s: [LayerMemory(layer=l, action=MemoryAction.recompute) for l in (2 * s, 2 * s + 1)] for s in range(p)}
     plain, recomputed = make_plan("zb_h1", p, m, 2), make_plan("zb_h1", p, m, 2, memory=rc)
     a, r = stage_costs(plain, mdl, hw)[0], stage_costs(recomputed, mdl, hw)[0]
-    assert r.wgrad_ns == a.wgrad_ns and r.bwd_ns > a.bwd_ns and r.w_held_bytes > 0 == a.w_held_bytes
+    # the weight GEMMs' output gradients wait for W in both; the recomputed activations only with recompute
+    assert r.wgrad_ns == a.wgrad_ns and r.bwd_ns > a.bwd_ns and r.w_held_bytes > a.w_held_bytes > 0
     simulate(recomputed, mdl, hw, trace=False)
 
 
@@ -285,7 +286,7 @@ def test_analytic_peak_is_the_walks(precision, recompute, p, m):
     body["training"]["precision"] = precision
     plan = Plan.model_validate(body)
     sc = stage_costs(plan, mdl, hw)[0]
-    assert (sc.w_held_bytes > 0) == recompute and (sc.w_scratch_bytes > 0) == (precision == "fp32")
+    assert sc.w_held_bytes > 0 and (sc.w_scratch_bytes > 0) == (precision == "fp32")
     simulated = simulate(plan, mdl, hw, trace=False).result
     assert [d.peak_bytes for d in simulated.devices] == [d.peak_bytes for d in estimate(plan, mdl, hw).devices]
 

@@ -1,0 +1,215 @@
+"""Zero-bubble backward: a stage's backward split into B (input gradients) and W (weight gradients).
+
+Qi et al. 2024 ("Zero Bubble Pipeline Parallelism", §2): the backward of a stage is two passes.
+B computes the gradient of the stage's input only, so it can be sent upstream at once; W computes
+the weight gradients later, in what would otherwise be a pipeline bubble. The mechanism is
+torch.distributed.pipelining's (``_backward.stage_backward_input`` / ``stage_backward_weight``):
+
+- B: ``autograd.grad`` of the stage's output (its loss on the last stage) w.r.t. the stage's
+  input with ``retain_graph``. Before it runs, the graph is split at the *intermediates*: the
+  autograd nodes where a path from a weight meets the input's path (``get_param_groups``). A
+  pre-hook on each stores the gradient flowing into it, which is all W needs.
+- W: ``autograd.grad`` from those intermediates (their stored gradients as grad_outputs) to the
+  weights' accumulators, without retain_graph (the graph goes now), summed into ``.grad`` (the
+  stage's persistent gradient buffer, executor.stage).
+
+Memory (what the simulator books): the activations W reads (the weight GEMMs' inputs) stay
+until W; the graph above the intermediates is dropped at B's end (the output is detached).
+
+The first stage has no input to differentiate: its B differentiates its first layer's weights
+(the embedding's; torch instead runs stage 0's whole backward in W, ``backward_weight_one_chunk``),
+so B is the input-gradient chain there too and W the other weights' gradients.
+
+Recomputed layers (``torch.utils.checkpoint``, non-reentrant) work: B's unpack re-runs the
+layer's forward; its recomputed tensors are held by the checkpoint frame until W unpacks them
+(a retained graph may unpack a saved tensor again). Other memory actions and runtimes that hook
+the backward (swaps, windows, weight swap, PipeDream, MAP stages, multi-stream workers, a user's
+pytree boundaries) are refused by name (:func:`unsupported`).
+
+:class:`LocalLinks`: in a V placement (zbv, dualpipev) chunks p-1 and p sit on one rank, so the
+activation and gradient between them are handed over in memory, not sent.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import _engine_run_backward
+from torch.distributed.pipelining._backward import (
+    _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups, stage_backward_weight,
+)
+
+from executor.megatron_tp import loss_context
+from specs.plan import SPLIT_BACKWARD, MemoryAction, Plan
+
+__all__ = ["LocalLinks", "SplitBackward", "share_tied_embedding", "unsupported"]
+
+#: memory actions a split backward runs (keep; recompute re-runs the forward inside B)
+_RUNS = (MemoryAction.keep, MemoryAction.recompute)
+
+
+def unsupported(plan: Plan, model_cfg=None) -> list[str]:
+    """Why this executor cannot run ``plan``'s split backward (empty: it can, or the schedule does
+    not split). Each reason names the field and what is allowed."""
+    if plan.schedule.kind not in SPLIT_BACKWARD:
+        return []
+    out = []
+    kind = plan.schedule.kind.value
+    if getattr(model_cfg, "family", None) == "torch_module":
+        out.append(f"model.family: torch_module with schedule {kind} (a user model's pytree boundaries are not "
+                   "split into B and W; use schedule 1f1b)")
+    if plan.overlap_grad_reduce:
+        out.append(f"overlap_grad_reduce: schedule {kind} sums W's weight gradients into .grad outside autograd's "
+                   "accumulation hooks that start the buckets' reductions; set it false (reduced after the flush)")
+    for i, st in enumerate(plan.stages):
+        bad = sorted({item.action.value for item in st.memory if item.action not in _RUNS})
+        if bad:
+            out.append(f"stages[{i}].memory: schedule {kind} splits the backward into B and W; the executor runs "
+                       f"layers kept or recomputed there, got {bad}")
+        if st.streamed_layers or st.offload.weight_swap_layers or st.offload.optimizer_swap:
+            out.append(f"stages[{i}].offload: schedule {kind} (split backward) runs without STRONGHOLD windows, "
+                       "weight swaps or optimizer swaps in the executor")
+        if st.sharding:
+            out.append(f"stages[{i}].sharding: schedule {kind} (split backward) runs Megatron-style stages; "
+                       "MAP stages are not split")
+    return out
+
+
+class SplitBackward:
+    """B and W passes of one executor.stage.StageRuntime (``st``). ``w_passes`` counts the W
+    passes run (the tests check every B got its W)."""
+
+    def __init__(self, st):
+        if st.bounds is not None or st.workers is not None or st.pipedream is not None:
+            raise ValueError(f"schedule {st.plan.schedule.kind.value}: a split backward needs a plain tensor "
+                             "boundary (not a user model's pytree), one worker and a flushed schedule")
+        self.st = st
+        # every weight the stage's modules use (a V's shared embedding too: the last stage's head
+        # adds its gradient to the first stage's buffer, executor.split_backward.share_tied_embedding)
+        self.weights = list({id(p): p for _, _, mod in st.layers for p in mod.parameters() if p.requires_grad}.values())
+        first_index = st.layers[0][0] if st.first else None
+        self.first_layer = [p for i, _, mod in st.layers if i == first_index for p in mod.parameters()]
+        self.pending: dict[int, list] = {}  # microbatch -> W's parameter groups (intermediates, their gradients)
+        self.w_passes = 0
+
+    def input_pass(self, k: int, grad: torch.Tensor | None) -> None:
+        """B of microbatch ``k``: the input gradient into ``st.grad_to_send``; the weight gradients
+        left for :meth:`weight_pass`. ``grad``: the received output gradient (None on the last stage)."""
+        st = self.st
+        y = st.outputs.pop(k)
+        x = st.inputs.pop(k)
+        root = torch.ones_like(y) if st.last else grad  # the last stage's output is its (scaled) loss
+        # what B differentiates: the stage input; on the first stage (no input) its first layer's
+        # weights (the embedding: B runs the whole input-gradient chain down to them, W the other
+        # weights', as on any stage; torch instead runs stage 0's whole backward in W)
+        sources = [x] if x is not None else [p for p in self.first_layer if p.requires_grad]
+        skip = {id(p) for p in sources}
+        weights = [_get_grad_fn_or_grad_acc(p) for p in self.weights if id(p) not in skip]
+        if not sources:  # a first layer without weights: nothing to split, B is the whole backward
+            with loss_context(st.vocab_parallel):
+                _engine_run_backward((y,), (root,), False, False, (), True, True)
+            self.pending[k], st.grad_to_send = [], None
+            return
+        outs = [_get_grad_fn_or_grad_acc(y)]
+        groups = get_param_groups([_get_grad_fn_or_grad_acc(t) for t in sources], weights,
+                                  construct_reverse_graph(outs))
+        handles = []
+        for group in groups:
+            group["intermediates"] = list(group["intermediates"])
+            group["grads"] = [None] * len(group["intermediates"])
+            for i, node in enumerate(group["intermediates"]):
+                def keep(grad_inputs, group=group, i=i):
+                    group["grads"][i] = grad_inputs
+                handles.append(node.register_prehook(keep))
+        try:
+            with loss_context(st.vocab_parallel):
+                # the engine directly: a sent output is released (executor.boundary.release), a shape
+                # check on it would fail; inputs=(x,) without accumulation is autograd.grad
+                got = _engine_run_backward((y,), (root,), True, False, tuple(sources), True, False)
+        finally:
+            for h in handles:
+                h.remove()
+        if y._base is None:
+            y.detach_()  # the graph above the intermediates goes (torch: stage_backward_input)
+        self.pending[k] = groups
+        if x is not None:
+            st.grad_to_send = got[0]
+        else:  # the first layer's weight gradients are complete: into the stage's buffers
+            for p, g in zip(sources, got):
+                if g is not None:
+                    p.grad.add_(g)
+            st.grad_to_send = None
+
+    def weight_pass(self, k: int) -> None:
+        """W of microbatch ``k``: its weight gradients summed into the stage's ``.grad`` buffers."""
+        st = self.st
+        groups = self.pending.pop(k)
+        for group in groups:  # an intermediate B did not reach carries no gradient
+            group["grads"] = [g if g is not None else () for g in group["grads"]]
+        with loss_context(st.vocab_parallel):
+            stage_backward_weight(iter(self.weights), groups)
+        for p in self.weights:  # accumulation may have replaced a grad tensor: keep it filed
+            st.tracker.tag(p.grad, "gradients")
+        self.w_passes += 1
+
+    def check_done(self) -> None:
+        """Every B met its W before the gradients are reduced."""
+        if self.pending:
+            raise RuntimeError(f"stage {self.st.index}: B without W for microbatches {sorted(self.pending)} "
+                               "before allreduce_grads (the schedule must run every W first)")
+
+
+class LocalLinks:
+    """Boundary hand-over between two stages on this rank (V placement: chunks p-1 and p share
+    position p-1; specs.schedule lists no send/recv there, as torch's stage-to-rank map has none).
+    After stage s's forward its output goes to stage s + 1 as a detached view (the consumer's input
+    leaf; the producer's output released as after a real send); after stage s's backward (B) its
+    input gradient goes to stage s - 1 as is. Explicit local send/recv actions are no-ops."""
+
+    def __init__(self, stages: dict):
+        self.stages = stages
+        self.box: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def local(self, a) -> bool:
+        """Is ``a`` (a send/recv Action) between two stages both on this rank?"""
+        return a.peer_stage is not None and a.peer_stage in self.stages and a.stage in self.stages
+
+    def after_forward(self, st, k: int) -> None:
+        if st.index + 1 in self.stages:
+            y = st.outputs[k]
+            self.box[("act", st.index + 1, k)] = y.detach()
+            st.release_output("act", k, y)
+
+    def after_backward(self, st, k: int) -> None:
+        if st.index - 1 in self.stages:
+            self.box[("grad", st.index - 1, k)] = st.grad_to_send
+
+    def take(self, kind: str, stage: int, k: int, received: dict):
+        """The value a pass of ``stage`` on microbatch ``k`` consumes: received, or handed over here."""
+        found = received.pop((stage, k), None)
+        return found if found is not None else self.box.pop((kind, stage, k), None)
+
+
+
+def share_tied_embedding(st, groups: dict) -> set[int] | None:
+    """A V placement (zbv, dualpipev) puts the first and last chunk on one rank: their tied
+    embedding and output head become one Parameter (DeepSeek-V3 §3.2.1: DualPipe keeps the
+    embedding and the output head on one rank, which "enables physical sharing of parameters and
+    gradients"), one copy of weight, gradient and optimizer state. The first stage owns it (its
+    gradient buffer, data-parallel all-reduce and step); the last stage's head uses it, and both
+    stages' backward passes accumulate into its ``.grad``. ``groups`` (the rank's dict) carries it
+    from the first stage's runtime to the last's (built in stage order). Returns None when this
+    stage's tie (if any) is not split over two stages of this rank, else the ids of the parameters
+    the stage uses but does not own."""
+    plan = st.plan
+    last = len(plan.stages) - 1
+    if not getattr(st.cfg, "tie_embeddings", False) or not (st.first or st.last) or last == 0:
+        return None
+    if st.device not in plan.stages[0].devices or st.device not in plan.stages[last].devices:
+        return None
+    mods = {i: mod for i, _, mod in st.layers}
+    if st.first:
+        groups["v_tied_embedding"] = mods[0].wte.weight
+        return set()
+    shared = groups["v_tied_embedding"]
+    # as the in-stage tie after TP (executor.stage_grads.tied_embedding_weight): same vocabulary rows per rank
+    mods[plan.stages[last].layer_stop - 1].decoder.weight = shared
+    return {id(shared)}

@@ -202,12 +202,14 @@ class AutoPolicy(Spec):
         list(SINGLE_POLICIES), description="single-technique policies planned beside the joint search")
     microbatch_sizes: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(
         None, max_length=8, description="samples per microbatch tried; null: the training's, half and double")
-    schedules: list[Literal["1f1b", "gpipe", "pipedream_async"]] | None = Field(
-        None, description="pipeline schedules tried; null: 1f1b and gpipe (and the training's own)")
+    schedules: list[Literal["1f1b", "gpipe", "pipedream_async", "zb_h1", "zbv"]] | None = Field(
+        None, description="pipeline schedules tried in the layout table; null: 1f1b and gpipe (and the training's "
+                          "own); zb_h1 and zbv (v = 2) are also tried on the fastest plans (planners/auto/knobs.py)")
     allow_async: bool | None = Field(None, description="also PipeDream-async (it changes the optimisation); "
                                                        "null: only when schedule=pipedream_async")
     zero_stages: list[Annotated[int, Field(ge=0, le=3)]] = Field(
-        [0], min_length=1, description="ZeRO stages tried (the executor runs 0 only)")
+        [0, 1], min_length=1, description="ZeRO stages tried; 1 is Megatron's distributed optimizer, with "
+                                          "overlap_grad_reduce where dp > 1 (Megatron-Core's default)")
     max_layouts: int = Field(12, ge=1, le=1000, description="layouts compacted and simulated, best bound first")
     max_simulations: int = Field(120, ge=1, le=10_000, description="emulator runs per layout's compaction")
     improve_layouts: int = Field(6, ge=0, le=1000, description="layouts whose compaction gets MPress's improve "

@@ -35,6 +35,10 @@ def techniques(plan: Plan) -> list[str]:
             found.add("dp")
         if stage.tp > 1:
             found.add("tp")
+        if stage.sequence_parallel:
+            found.add("sequence_parallel")
+        if stage.cp > 1:
+            found.add("cp")
         for item in stage.memory:
             if item.action is not MemoryAction.keep:
                 found.add(item.action.value)
@@ -50,14 +54,53 @@ def techniques(plan: Plan) -> list[str]:
             found.add("weight_swap")
         if stage.offload.optimizer_on_cpu and not stage.offload.window_layers:  # ZeRO-Offload
             found.add("optimizer_on_cpu")
-    order = ["pipeline", "dp", "tp", "zero1", "zero2", "zero3", "recompute", "cpu_swap", "d2d_swap", "nvme",
+    if plan.overlap_grad_reduce:
+        found.add("overlap_grad_reduce")
+    if plan.overlap_param_gather:
+        found.add("overlap_param_gather")
+    if plan.schedule.kind.value in ("zb_h1", "zbv", "dualpipev") and plan.pipeline_depth > 1:
+        found.add(plan.schedule.kind.value)
+    order = ["pipeline", "zb_h1", "zbv", "dualpipev", "dp", "cp", "tp", "sequence_parallel", "zero1", "zero2",
+             "zero3", "overlap_grad_reduce", "overlap_param_gather", "recompute", "selective", "cpu_swap", "d2d_swap",
+             "nvme",
              "window", "optimizer_swap", "optimizer_on_cpu", "stash_swap", "weight_swap", "map_sharding",
              "rotor_checkpointing"]
     return [t for t in order if t in found]
 
 
 #: techniques that are not memory actions: a plan "combines" when it has ≥ 2 of the others or mixes
-LAYOUT_ONLY = {"pipeline", "dp", "tp"}
+LAYOUT_ONLY = {"pipeline", "dp", "tp", "cp", "zb_h1", "zbv", "dualpipev", "overlap_grad_reduce", "overlap_param_gather"}
+
+
+def knobs(plan: Plan, model=None) -> dict:
+    """The Megatron-Core / torchtitan knobs of ``plan`` (issue 27), as a run sets them: schedule,
+    sequence parallelism, recompute (none; full or selective when every block takes it, given
+    ``model``; else per-layer), ZeRO stage and the overlaps, context parallelism."""
+    from planners.layout import RECOMPUTED_KINDS, SELECTIVE_KINDS
+
+    by = {a: {m.layer for st in plan.stages for m in st.memory if m.action is a}
+          for a in (MemoryAction.recompute, MemoryAction.selective)}
+    rec, sel = by[MemoryAction.recompute], by[MemoryAction.selective]
+    if not rec and not sel:
+        recompute = "none"
+    elif model is not None and not sel and rec >= {i for i, x in enumerate(model.layers) if x.kind in RECOMPUTED_KINDS}:
+        recompute = "full"
+    elif model is not None and not rec and sel >= {i for i, x in enumerate(model.layers) if x.kind in SELECTIVE_KINDS}:
+        recompute = "selective"
+    else:
+        recompute = f"per-layer ({len(rec)} full, {len(sel)} selective)"
+    return {"schedule": plan.schedule.kind.value, "virtual_stages": plan.schedule.virtual_stages,
+            "sequence_parallel": any(st.sequence_parallel for st in plan.stages), "recompute": recompute,
+            "zero_stage": plan.zero_stage, "overlap_grad_reduce": plan.overlap_grad_reduce,
+            "overlap_param_gather": plan.overlap_param_gather, "cp": max(st.cp for st in plan.stages)}
+
+
+def knobs_text(plan: Plan, model=None) -> str:
+    k = knobs(plan, model)
+    return (f"schedule {k['schedule']}" + (f" v={k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+            + f", sequence_parallel {'on' if k['sequence_parallel'] else 'off'}, recompute {k['recompute']}"
+            + f", zero_stage {k['zero_stage']}, overlap_grad_reduce {'on' if k['overlap_grad_reduce'] else 'off'}"
+            + (", overlap_param_gather on" if k["overlap_param_gather"] else "") + f", cp {k['cp']}")
 
 
 @dataclass

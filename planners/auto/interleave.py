@@ -59,7 +59,10 @@ def interleaved(cands: list[Candidate], model: ModelSpec, hardware: HardwareSpec
                 break
             for recompute in actions:
                 try:
-                    plan = plan_balanced(BalancedPolicy(pp=p, dp=dp, tp=tp, recompute=recompute), model, plan_hw,
+                    zero = lay.variant.zero_stage
+                    knobs = BalancedPolicy(pp=p, dp=dp, tp=tp, recompute=recompute, zero_stage=zero,
+                                           overlap_grad_reduce=bool(zero) and dp > 1)
+                    plan = plan_balanced(knobs, model, plan_hw,
                                          training, ScheduleSpec(kind="interleaved_1f1b", virtual_stages=v))
                     got = simulated_candidate(f"interleaved 1F1B, v={v}" + (", every layer recomputed"
                                                                    if recompute == "full" else ""),

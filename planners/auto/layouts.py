@@ -72,7 +72,12 @@ class Layout:
     def plan(self, recompute: str = "none") -> Plan:
         """The layout as a plan: no memory action (``none``), or every layer recomputed (``full``)."""
         table = self.tables[0] if recompute == "none" else self.tables[1]
-        return table.to_plan(list(self.stages), "auto")
+        plan = table.to_plan(list(self.stages), "auto")
+        if self.variant.zero_stage >= 1 and any(st.dp > 1 for st in plan.stages):
+            # the distributed optimizer with its gradient reduce-scatter overlapped with the backward,
+            # as Megatron-Core configures it (DistributedDataParallelConfig.overlap_grad_reduce)
+            plan = plan.model_copy(update={"overlap_grad_reduce": True})
+        return plan
 
     def text(self) -> str:
         parts = []
@@ -94,6 +99,8 @@ def variants(policy, training: TrainingSpec, schedule: ScheduleSpec) -> tuple[li
                             f"training.global_batch={gb}; give sizes that divide it")
     async_ok = policy.allow_async if policy.allow_async is not None else schedule.kind.value == "pipedream_async"
     kinds = list(policy.schedules or ["1f1b", "gpipe"])
+    if "zbv" in kinds:  # two chunks per device: the table prices one chunk per device (knobs.py tries it)
+        kinds.remove("zbv")
     if schedule.virtual_stages == 1 and schedule.kind.value not in kinds:
         kinds.append(schedule.kind.value)
     if async_ok and "pipedream_async" not in kinds:
@@ -104,12 +111,14 @@ def variants(policy, training: TrainingSpec, schedule: ScheduleSpec) -> tuple[li
     left_out.append("interleaved 1F1B: not in the layout table (it prices non-interleaved pipelines); tried after "
                     "the search on the fastest uniform layouts (v = 2, 3, 4, balanced chunks, no action or full "
                     "recompute: per-layer actions and windows take no interleaved plan)")
-    if any(z > 0 for z in policy.zero_stages):
-        left_out.append("ZeRO > 0 is searched, but the executor refuses zero_stage > 0 (executor/measure.py): "
-                        "such a plan simulates, it does not run")
-    else:
-        left_out.append("ZeRO: not searched (the executor runs zero_stage=0 only); policy.zero_stages=[0,1,2,3] "
-                        "adds it for simulation")
+    if any(z > 1 for z in policy.zero_stages):
+        left_out.append("ZeRO > 1 is searched for simulation (the executor runs zero_stage 0 and the distributed "
+                        "optimizer, 1)")
+    if 1 not in policy.zero_stages:
+        left_out.append("distributed optimizer (ZeRO-1): not searched; policy.zero_stages=[0,1] (the default) adds it")
+    left_out.append("sequence parallelism, selective recompute, ZeRO-1, zb_h1 / zbv and (seq_len >= 16384) context "
+                    "parallelism on the fastest plans: tried one knob at a time, each kept when the simulator says "
+                    "it is faster or fits where the plan did not (planners/auto/knobs.py)")
     left_out.append("D2D swap from stages with dp·tp > 1: the executor sends every replica's stripes, the simulator "
                     "counts one share (planners/mpress/compact.py); such stages recompute or swap to the host")
     left_out.append("MAP's per-operator sharding beside dp × tp stages: tried on the fastest plan at the configured "
@@ -243,6 +252,8 @@ def search_layouts(policy, model: ModelSpec, hardware: HardwareSpec, training: T
             pruned[f"{v.text()}: {exc}"] += 1
             continue
         for stages in stage_lists:
+            if v.zero_stage and all(st.degrees[0] == 1 for st in stages):
+                continue  # no data parallelism to shard over: the zero_stage 0 layout, priced there
             key = (tuple(stages), v)
             if key in seen:
                 continue

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from planners.auto.candidate import Candidate, LAYOUT_ONLY, techniques
+from planners.auto.candidate import Candidate, LAYOUT_ONLY, knobs, knobs_text, techniques
 from planners.auto.search import AutoOutcome
 from specs.units import size_text  # bytes in the unit their magnitude calls for (shared by the planners)
 from specs.plan import Plan
@@ -31,7 +31,8 @@ def stage_rows(plan: Plan, cand: Candidate, capacity: int) -> list[dict]:
         else:
             binds = "compute" if peak <= capacity else "memory: over the capacity"
         rows.append({"stage": s, "layers": [st.layer_start, st.layer_stop], "devices": list(st.devices),
-                     "dp": st.dp, "tp": st.tp, "actions": dict(sorted(acts.items())),
+                     "dp": st.dp, "tp": st.tp, "cp": st.cp, "sequence_parallel": st.sequence_parallel,
+                     "actions": dict(sorted(acts.items())),
                      "window_layers": st.offload.window_layers, "streams": st.offload.streams,
                      "optimizer_swap": st.offload.optimizer_swap,
                      "weight_swap": list(st.offload.weight_swap_layers),
@@ -54,7 +55,7 @@ def report(outcome: AutoOutcome) -> dict:
     return {
         "capacity_bytes": cap,
         "fits": outcome.fits,
-        "winner": {**w.row(), "combines": combined(w.plan), "notes": w.notes,
+        "winner": {**w.row(), "combines": combined(w.plan), "notes": w.notes, "knobs": knobs(w.plan, outcome.model),
                    "stages": stage_rows(w.plan, w, cap),
                    "speedup_over_best_single": (best.candidate.time_s / w.time_s) if best is not None else None,
                    "best_single": best.name if best is not None else None},
@@ -83,6 +84,7 @@ def summary_lines(outcome: AutoOutcome) -> list[str]:
                      f"{size_text(c.peak):>11}  {', '.join(techniques(c.plan)) or '-'}")
     lines.append(f"  {'auto':<12} {'yes' if w.fits else 'NO':<5} {w.time_s:>9.3f} s {w.result.samples_per_s:>10.3f} "
                  f"{size_text(w.peak):>11}  {', '.join(techniques(w.plan)) or '-'}  <- {w.source}: {w.how}")
+    lines.append(f"  knobs: {knobs_text(w.plan, outcome.model)}")
     best = outcome.best_single
     if best is not None and w.fits:
         lines.append(f"  auto vs the best single policy ({best.name}): {best.candidate.time_s / w.time_s:.3f}x")
@@ -91,7 +93,8 @@ def summary_lines(outcome: AutoOutcome) -> list[str]:
     for row in stage_rows(w.plan, w, cap):
         acts = ", ".join(f"{n} {k}" for k, n in row["actions"].items()) or "no action"
         lines.append(f"  stage {row['stage']}: layers {row['layers'][0]}-{row['layers'][1]} on {len(row['devices'])} "
-                     f"device(s) dp{row['dp']} tp{row['tp']}, {acts}"
+                     f"device(s) dp{row['dp']}" + (f" cp{row['cp']}" if row["cp"] > 1 else "")
+                     + f" tp{row['tp']}" + (" sp" if row["sequence_parallel"] else "") + f", {acts}"
                      + (f", window {row['window_layers']}, streams {row['streams']}" if row["window_layers"] else "")
                      + (f", weights+grads+optimizer to host L{','.join(map(str, row['weight_swap']))}"
                         if row.get("weight_swap") else "")

@@ -22,6 +22,9 @@ not enumerated; the search decomposes as the papers' own solvers do:
    (policy.max_layouts // 2).
 4. **interleaved 1F1B** (planners/auto/interleave.py): the fastest fitting uniform layouts again
    with v = 2, 3, 4 chunks per device group (Megatron-LM's schedule), no action or full recompute.
+   Then today's Megatron knobs (planners/auto/knobs.py, issue 27): sequence parallelism, selective
+   recompute, the distributed optimizer, zb_h1 / zbv and (long sequences) context parallelism, one
+   at a time on the fastest plans, each kept when the simulator says it helps.
 5. **branch and bound**: the loop stops once a layout's lower bound reaches the fastest fitting
    simulated plan so far (exact for the closed-form bound; a heuristic against the simulator,
    which adds contention the bound omits), or after ``policy.max_layouts`` layouts.
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 
 from planners.auto.candidate import Candidate, pareto
 from planners.auto.interleave import interleaved
+from planners.auto.knobs import with_knobs
 from planners.auto.layouts import needs_dp_tp_window, search_layouts
 from planners.auto.map_mix import map_base, map_mixed
 from planners.auto.realise import compacted, realise
@@ -152,6 +156,29 @@ def _improve(policy, cands: list[Candidate], best: float, model: ModelSpec, hard
     return out
 
 
+def _twin(layout) -> tuple:
+    v = layout.variant
+    return layout.stages, v.training.samples_per_microbatch, v.schedule.kind.value
+
+
+def _zero_twins_pruned(layouts: list, capacity: int, pruned: Counter) -> list:
+    """The layouts without the ZeRO > 0 ones that need compaction while their ZeRO-0 twin (same
+    stages, microbatch, schedule) is kept too, or that fit as they are where the twin does: the
+    distributed optimizer enters the compaction loop only where it changes what fits (a layout that
+    fits as is only with the optimizer state sharded), so it does not halve policy.max_layouts; on
+    the fastest plans the knobs pass (knobs.py) tries it wherever the simulator says it helps."""
+    zero0 = {_twin(lay): lay for lay in layouts if not lay.variant.zero_stage}
+    out = []
+    for lay in layouts:
+        twin = zero0.get(_twin(lay)) if lay.variant.zero_stage else None
+        if twin is not None and (max(lay.peaks_none) > capacity or max(twin.peaks_none) <= capacity):
+            pruned["ZeRO-1 twin of a kept ZeRO-0 layout (compacted as ZeRO-0; the knobs pass tries ZeRO-1 on the "
+                   "fastest plans)"] += 1
+            continue
+        out.append(lay)
+    return out
+
+
 def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, schedule: ScheduleSpec,
                 profile=None, progress=None, phase=None) -> AutoOutcome:
     """The fastest plan that fits (module doc). ``progress(done, total)``: layouts realised;
@@ -176,6 +203,7 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     # layouts that fit as they are in closed form first, one simulation each (a fast fitting plan
     # early tightens the bound for the compaction loop below: map_gpt2_alpha's fastest plan ranks
     # 14th by bound and fits as is)
+    layouts = _zero_twins_pruned(layouts, capacity, pruned)
     as_is = [lay for lay in layouts if max(lay.peaks_none) <= capacity][:4 * policy.max_layouts]
     for layout in as_is:
         try:
@@ -232,6 +260,11 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     inter = interleaved(cands, model, hardware, plan_hw, capacity, schedule)
     cands += inter
     say(f"interleaved 1F1B on the fastest uniform layouts: {len(inter)} simulated", time.perf_counter() - start)
+    start = time.perf_counter()
+    tuned = with_knobs(cands, layouts, model, hardware, plan_hw, capacity, training)
+    cands += tuned
+    say(f"Megatron knobs (sp, selective, ZeRO-1, zb_h1/zbv, cp) on the fastest plans: {len(tuned)} simulated",
+        time.perf_counter() - start)
     # MAP's strategies come from operator graphs traced at the configured microbatch
     # (specs/plan.py refuses a sharded stage at another): the fastest own plan at that size, or
     # when none fits its lowest-peak one (sharding a stage may make it fit: issue 26, map_mix.py)

@@ -13,7 +13,7 @@ from specs.model import LayerKind
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
 NAMES = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
-BARE = {"gpt": "gpt3_2b6", "bert": "bert_0b64", "moe": "moe_2b4", "wresnet": "wresnet_1b"}
+BARE = {"gpt": "gpt3_2b6", "bert": "bert_0b64", "moe": "moe_2b4", "wresnet": "wresnet_1b", "llama": "llama3_8b"}
 SIZED = [n for n in NAMES if n not in BARE]
 
 # Relative tolerance of the published parameter count (tied embedding counted once) vs the name.

@@ -45,7 +45,9 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from executor.megatron_tp import sequence_parallel_norms
 from executor.models import _layers, make_batch
+from executor.selective import SelectiveCore
 from executor.structure_key import structure_key
 from specs.profile import LayerProfile, Profile, SavedTensorProfile
 
@@ -299,6 +301,8 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
 
     saved_attn: dict[StorageWeakRef, int] = {}  # saved inside an ``attn`` submodule (TP-sharded there)
     in_attn = [False]
+    saved_sp: dict[StorageWeakRef, int] = {}  # saved by the norms sequence parallelism splits (s/t there)
+    norms = set(sequence_parallel_norms(module))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = StorageWeakRef(t.untyped_storage())
@@ -307,6 +311,8 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
             saved[key] = t.untyped_storage().nbytes()
             if in_attn[0] and (x is None or key != StorageWeakRef(x.untyped_storage())):
                 saved_attn[key] = saved[key]  # not its (replicated) input
+            if norms and any(p.split(".")[0] in norms for p in origins._stack):
+                saved_sp[key] = saved[key]
         return t
 
     attn = getattr(module, "attn", None)
@@ -335,6 +341,7 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
         outs = _tensors(out)
         out_keys = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs}
         out_bytes = sum(out_keys.values())
+        live_fwd = tracker.current  # saved tensors and output: compared with selective's below
         diff = [t for t in outs if t.requires_grad]
         with tracker:
             grad = [torch.ones_like(t) for t in diff]
@@ -348,6 +355,14 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
         temp_bwd = tracker.peak - before
     for h in hooks:
         h.remove()
+    # selective recompute (Korthikanti §5) as executor.selective runs it: the same forward with the
+    # attention core (the SDPA call) checkpointed; what it frees is the live bytes it leaves less
+    # (flash: the log-sum-exp; math attention: the scores, softmax and its mask too)
+    sel = LiveBytes()
+    with (sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()), SelectiveCore(), sel:
+        out_sel = module(x, batch)
+    selective_bytes = max(live_fwd - sel.current, 0)
+    del out_sel
     in_keys = {StorageWeakRef(t.untyped_storage()) for t in _tensors(x if x is not None else batch)}
     stats = {
         "params": sum(p.numel() for p in module.parameters()),
@@ -369,6 +384,8 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
                                                    for t in _tensors(batch)),
         "saves_output": any(key in saved for key in out_keys),
         "saved_tensors": _interior_saved(saved, first_at, {*out_keys, *in_keys}, origins, batch, fwd_ops.ops),
+        "selective_bytes": selective_bytes,
+        "sp_sharded_bytes": sum(saved_sp.values()),
         "fwd_ops": fwd_ops.ops,
         # the in-place add of each weight gradient into its .grad buffer is among them (see above)
         "bwd_ops": bwd_ops.ops,

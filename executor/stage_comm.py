@@ -88,6 +88,8 @@ class StageComm:
         the blocked recv was the largest single item of an iteration, ~25 %)."""
         table = self.in_routes if kind == "act" else self.grad_in_routes
         tag = message_tag(kind, peer, k, self.m)
+        if getattr(self, "split_in" if kind == "act" else "split_out", False):  # s/t of the sequence (dim 0 of tail)
+            tail = (tail[0] // self.stage.tp, *tail[1:])
         posted = []
         with self.tracker.phase("buffers"):
             for r in table:

@@ -30,8 +30,10 @@ SCENARIOS = ("pp", "dp2", "dp4", "tp2", "tp4")
 #: what the symbolic profiler measures; part of the cache key, so a cached profile of an older
 #: profiler is traced again (4: .grad buffers pre-allocated, saves_input / saves_output,
 #: temp_fixed_bytes, no views or in-place outputs counted as memory, the executor's TP fractions;
-#: 6: per-layer ``saved_tensors``, the interior saved storages MPress §III-D decides on one by one)
-PROFILE_FORMAT = 6
+#: 6: per-layer ``saved_tensors``, the interior saved storages MPress §III-D decides on one by one;
+#: 7: ``selective_bytes`` and ``sp_sharded_bytes``, what the executor's selective recompute and
+#: sequence parallelism free, measured instead of taken from the closed forms)
+PROFILE_FORMAT = 7
 
 
 class SavedTensorProfile(Spec):
@@ -77,6 +79,12 @@ class LayerProfile(Spec):
         default_factory=list, max_length=4096,
         description="saved storages other than the inputs and outputs, in first-save order: with the saved input "
                     "and output they sum to saved_bytes")
+    selective_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="what selective recompute (Korthikanti §5, "
+                                 "executor.selective) frees: live bytes after the forward less those after the same "
+                                 "forward with its attention core (the SDPA call) checkpointed")
+    sp_sharded_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="of saved_bytes, what the executor's sequence "
+                                  "parallelism splits over t: the storages the block's norms save (their inputs, the "
+                                  "residual stream, and statistics; executor.megatron_tp.sequence_parallel_norms)")
 
 
 class CaptureStat(Spec):
@@ -131,7 +139,9 @@ def apply_profile(model: ModelSpec, profile: Profile) -> ModelSpec:
     """``model`` with params, FLOPs, saved/output/workspace bytes taken from a symbolic profile
     (per sample: the profile's microbatch totals divided by its microbatch, rounded up).
 
-    Tensor-parallel fractions and limits stay as the closed forms give them. Raises ValueError
+    Tensor-parallel limits stay as the closed forms give them; the saved-activation fractions that
+    tensor and sequence parallelism split and what selective recompute drops are the executor's,
+    measured (:func:`_measured_split`). Raises ValueError
     when the layers do not line up by name or the profile's dtype differs from the model's."""
     if len(profile.layers) != model.num_layers:
         raise ValueError(f"profile of {profile.model!r} has {len(profile.layers)} layers, model "
@@ -157,8 +167,32 @@ def apply_profile(model: ModelSpec, profile: Profile) -> ModelSpec:
             **({} if prof.tp_param_fraction is None else {"tp_sharded_param_fraction": prof.tp_param_fraction,
                                                          "tp_sharded_saved_fraction": prof.tp_saved_fraction})
         }))
+        layers[-1] = layers[-1].model_copy(update=_measured_split(layers[-1], prof, profile))
     inputs = profile.per_sample(profile.layers[0].input_bytes) if profile.layers else 0
     return model.model_copy(update={"layers": layers, "input_bytes_per_sample": inputs})
+
+
+def _measured_split(spec, prof: LayerProfile, profile: Profile) -> dict:
+    """The closed forms' tp_sharded_saved_fraction, selective_bytes_per_sample and
+    sp_sharded_saved_fraction are Megatron's (Korthikanti Table 2: 24 of 34 sbh split by t, math
+    attention's 5as² dropped by selective, SP splitting 10sbh, the gathered GEMM inputs too); a
+    profile has what the executor's modules do. TP splits the saved tensors born in its sharded
+    scopes (``SavedTensorProfile.tp_sharded``; a LLaMA block's: 0.70, not 0.78), where the layer is
+    tensor-parallel as the closed forms have it (tp_param_fraction None; an MoE block's come from
+    the profile already); selective frees what only the checkpointed core keeps (flash attention on
+    CPU: the log-sum-exp); SP splits what the norms save. Kept within the spec's bounds (selective
+    within the tensor-parallel part of saved bytes; fractions summing to at most 1). A layer the
+    closed forms give no attention core keeps none (validate_plan refuses selective there)."""
+    saved = spec.saved_bytes_per_sample
+    tp_frac = spec.tp_sharded_saved_fraction
+    out = {}
+    if prof.tp_param_fraction is None and tp_frac > 0 and prof.saved_bytes:
+        tp_frac = min(sum(t.size_bytes for t in prof.saved_tensors if t.tp_sharded) / prof.saved_bytes, 1.0)
+        out["tp_sharded_saved_fraction"] = tp_frac
+    selective = min(profile.per_sample(prof.selective_bytes), math.floor(saved * tp_frac)) \
+        if spec.has_attention_core else 0
+    sp_frac = min(prof.sp_sharded_bytes / prof.saved_bytes, 1.0 - tp_frac) if prof.saved_bytes else 0.0
+    return {**out, "selective_bytes_per_sample": selective, "sp_sharded_saved_fraction": max(sp_frac, 0.0)}
 
 
 def model_from_profile(profile: Profile) -> ModelSpec:

@@ -56,12 +56,15 @@ class Step:
 class Conversion:
     """The cheapest way from ``path[0]`` to ``path[-1]``: ``steps[k]`` turns ``path[k]`` into
     ``path[k+1]``. ``cost_s``: alpha-beta seconds, summed. ``peak_bytes``: the largest local tensor
-    one device holds at any spec on the path (an all-gather grows it)."""
+    one device holds at any spec on the path (an all-gather grows it). ``work_bytes``: the most bytes
+    one step allocates at once (step_work_bytes): its output and an all-gather's second buffer --
+    what a conversion adds to the live set while it runs, its input being live already (issue 26)."""
 
     path: tuple[ShardingSpec, ...]
     steps: tuple[Step, ...]
     cost_s: float
     peak_bytes: int
+    work_bytes: int = 0
 
 
 # ---- validity ------------------------------------------------------------------------------------
@@ -158,6 +161,19 @@ def step_cost_s(step: Step, after: ShardingSpec, shape: tuple[int, ...], dtype_b
     return 0.0
 
 
+def step_work_bytes(step: Step, before: ShardingSpec, after: ShardingSpec, shape: tuple[int, ...],
+                    dtype_bytes: int, mesh_shape: tuple[int, ...]) -> int:
+    """Bytes one device allocates while ``step`` runs (its input is live already): its output, and
+    for an all-gather a second gathered-size buffer. torch's functional all_gather_tensor (DTensor's
+    Shard -> Replicate goes through it) fills a dim-0 buffer (all_gather_into_tensor), wraps it for
+    autograd and, off dim 0, cats its chunks into the output; measured with executor.memtrack
+    (issue 26, hf_gpt2 on 4 CPU ranks, a (64, 256) fp32 gather on dim 1): staging + wrap, then
+    staging + cat output, 2 x 64 KiB live at once each time. ``before`` is unused (kept for steps
+    whose scratch depends on the input)."""
+    a = local_bytes(after, shape, dtype_bytes, mesh_shape)
+    return 2 * a if step.op == "all_gather" else a
+
+
 def path_cost_s(path: tuple[ShardingSpec, ...], shape: tuple[int, ...], dtype_bytes: int, mesh: Mesh) -> float:
     """Price a path of specs, each one step from the last (e.g. a ``heuristic_path``)."""
     total = 0.0
@@ -199,7 +215,9 @@ def _convert(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], dtype
             continue
         if here == dst:
             peak = max(local_bytes(s, shape, dtype_bytes, mesh_shape) for s in path)
-            return Conversion(path=path, steps=steps, cost_s=cost, peak_bytes=peak)
+            work = max((step_work_bytes(st, a, b, shape, dtype_bytes, mesh_shape)
+                        for st, a, b in zip(steps, path, path[1:])), default=0)
+            return Conversion(path=path, steps=steps, cost_s=cost, peak_bytes=peak, work_bytes=work)
         done.add(here)
         for nxt, step in one_step(here, shape, mesh_shape):
             if nxt not in done:

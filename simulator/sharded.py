@@ -291,7 +291,8 @@ def _replicate_output(costs_: list[LayerCost], graph: OpGraph, mesh: Mesh) -> No
     if src != rep:
         fwd, back = convert(src, rep, out_shape, out_db, mesh), convert(rep, src, out_shape, out_db, mesh)
         costs_[-1] = replace(last, u_fcomm=last.u_fcomm + fwd.cost_s, u_bcomm=last.u_bcomm + back.cost_s,
-                             o_fcomm=max(last.o_fcomm, fwd.peak_bytes), o_bcomm=max(last.o_bcomm, back.peak_bytes),
+                             o_fcomm=max(last.o_fcomm, fwd.peak_bytes, fwd.work_bytes),
+                             o_bcomm=max(last.o_bcomm, back.peak_bytes, back.work_bytes),
                              output_spec=str(rep))
 
 

@@ -217,7 +217,10 @@ class _Sums:
         fwd = convert(src, dst, shape, dtype_bytes, mesh)
         back = convert(dst, src, shape, dtype_bytes, mesh)
         self.u_fc, self.u_bc = self.u_fc + fwd.cost_s, self.u_bc + back.cost_s
-        self.o_fc, self.o_bc = max(self.o_fc, fwd.peak_bytes), max(self.o_bc, back.peak_bytes)
+        # the bytes live while each runs: an all-gather off dim 0 holds its staging buffer and the cat
+        # output at once (costs.map_layout.step_work_bytes; issue 26: a recomputed block's backward)
+        self.o_fc = max(self.o_fc, fwd.peak_bytes, fwd.work_bytes)
+        self.o_bc = max(self.o_bc, back.peak_bytes, back.work_bytes)
 
 
 def layer_cost(graph: OpGraph, sharding: LayerSharding, mesh: Mesh, hardware: HardwareSpec, dtype: str,

@@ -52,6 +52,13 @@ benchmark's bytes are multiples of 512 KiB and the bounds keep at most ~200 labe
 states are the product of the boundary nodes' strategy counts: more than MAX_STATES is refused (cut
 the chain where few nodes link two blocks). Deterministic: stable sorts, ties to the first label in
 construction order.
+
+Bounded (issue 26: a 2x2x2 mesh's three-node factor reached 11.3 M Pareto rows, GiBs): a factor keeps
+at most MAX_TABLE_ROWS rows. Over it, its bytes are rounded UP to a coarser grid (_coarsen; status
+"rounded", IlpSolution.rounding_bytes the summed round-ups: the choice fits in true bytes and is no
+slower than the exact optimum under budget - rounding_bytes). A block whose elimination would build a
+factor with more keys than MAX_TABLE_ROWS (_widths) is solved by the Lagrangian relaxation instead
+(_lagrangian; status "lagrangian", exact optimum in [bound_s, time_s]).
 """
 from __future__ import annotations
 
@@ -68,6 +75,10 @@ THETA_FRACTIONS = (1 / 1024, 1 / 64, 1 / 16, 1 / 4, 1.0)   # step 4's thresholds
 #: pairs of rows one step of a factor join forms at once (_join): ~100 bytes a pair (keys, choices,
 #: time, bytes, indices) bound a join's scratch to tens of MiB whatever the cross product's size
 JOIN_CHUNK_PAIRS = 1 << 18
+#: rows a factor of a block's variable elimination keeps (_coarsen): ~150 bytes a row (keys, choices,
+#: time, bytes) bound a factor to ~100 MiB; past it the rows' bytes are rounded up to a coarser grid and
+#: the error is reported (IlpSolution.rounding_bytes). None: exact, unbounded.
+MAX_TABLE_ROWS: int | None = 1 << 19
 
 
 def _pareto(group: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -100,14 +111,41 @@ class _Table:
     point's positions of the nodes already eliminated (``elim``); ``placed`` the nodes whose bytes
     ``m`` includes."""
 
-    def __init__(self, scope, key, t, m, elim=(), choice=None, placed=frozenset()):
+    def __init__(self, scope, key, t, m, elim=(), choice=None, placed=frozenset(), err=0):
         self.scope, self.key, self.t, self.m = list(scope), key, t, m
         self.elim, self.placed = list(elim), frozenset(placed)
         self.choice = np.zeros((len(t), 0), dtype=np.int64) if choice is None else choice
+        self.err = int(err)     # bytes: every row's m exceeds its true bytes by at most this (_coarsen)
+
+
+class _TooLarge(Exception):
+    """A factor holds more keys than MAX_TABLE_ROWS: the Pareto DP cannot be bounded by rounding."""
+
+
+def _coarsen(tab: _Table, size: dict, limit: int | None, grid: int) -> _Table:
+    """``tab`` with at most ``limit`` rows (or one per key, if there are more keys): while it is over,
+    each row's bytes are rounded UP to a multiple of g (g = 2 grid, 4 grid, ...) and per key the fastest
+    point per bucket kept (issue 26: a 2x2x2 mesh's three-node factor held 11.3 M Pareto rows). Rounding
+    up keeps every kept point's true bytes <= its m, so a choice the DP fits is within the budget in true
+    bytes; ``err`` grows by the most any row is rounded up (< g), so a row's m is at most its true
+    bytes + err (joins add their inputs' err): the DP's answer is no slower
+    than the exact optimum under budget - (the chain's summed err)."""
+    if limit is None or len(tab.t) <= limit:
+        return tab
+    keys = len(np.unique(np.ravel_multi_index(tab.key.T, [size[v] for v in tab.scope]))) if tab.scope else 1
+    if keys > limit:            # no grid brings it under limit: solve_blocks falls back to _lagrangian
+        raise _TooLarge(f"a factor over {[size[v] for v in tab.scope]} strategies has {keys} keys (> {limit})")
+    g = max(int(grid), 1)
+    while len(tab.t) > limit:     # at one bucket per key (g above every m) it is `keys` rows
+        g *= 2
+        m = -(-tab.m // g) * g
+        up = int((m - tab.m).max(initial=0))     # the most any row is rounded up by
+        tab = _prune(_Table(tab.scope, tab.key, tab.t, m, tab.elim, tab.choice, tab.placed, tab.err + up), size)
+    return tab
 
 
 def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: int,
-          chunk_pairs: int | None = None) -> _Table:
+          chunk_pairs: int | None = None, limit: int | None = None, grid: int = 1) -> _Table:
     """Every pair of rows that agree on the shared nodes, summed; then the points that cannot fit
     (bytes + the least bytes of the nodes not yet placed > cap) and the dominated ones are dropped.
 
@@ -115,7 +153,8 @@ def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: i
     cut to its fitting Pareto points before the next is formed, so the memory is bounded by one
     chunk plus the points kept, never the whole cross product (issue 26: a 2x2x2 mesh's join of two
     large factors allocated > 1 GiB at once). Exact: a point dominated within its chunk is
-    dominated in the union, and the Pareto set of the union is that of the chunks' Pareto sets."""
+    dominated in the union, and the Pareto set of the union is that of the chunks' Pareto sets.
+    ``limit`` (rows) and ``grid`` (bytes): the kept points are bounded by _coarsen (None: exact)."""
     chunk = JOIN_CHUNK_PAIRS if chunk_pairs is None else max(int(chunk_pairs), 1)
     shared = [v for v in a.scope if v in b.scope]
     flat = lambda tab: (np.ravel_multi_index(tab.key[:, [tab.scope.index(v) for v in shared]].T, [size[v] for v in shared])
@@ -132,6 +171,7 @@ def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: i
     room = cap - (total_min - sum(min_of[v] for v in placed))   # the most bytes a point may hold
     parts: list[_Table] = []
     kept = 0
+    err = a.err + b.err
     for p0 in range(0, total, chunk):
         pair = np.arange(p0, min(p0 + chunk, total), dtype=np.int64)
         ai = np.searchsorted(ends, pair, side="right")          # the row of a each pair belongs to
@@ -140,39 +180,43 @@ def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: i
         ok = np.nonzero(m <= room)[0]
         ai, bi = ai[ok], bi[ok]
         part = _Table(scope, np.column_stack([a.key[ai], b.key[bi][:, extra]]), a.t[ai] + b.t[bi], m[ok],
-                      a.elim + b.elim, np.column_stack([a.choice[ai], b.choice[bi]]), placed)
+                      a.elim + b.elim, np.column_stack([a.choice[ai], b.choice[bi]]), placed, err)
         parts.append(_prune(part, size))
         kept += len(parts[-1].t)
         if len(parts) > 1 and kept > chunk:                     # the kept points stay bounded too
-            parts = [_prune(_concat(parts), size)]
+            parts = [_coarsen(_prune(_concat(parts), size), size, limit, grid)]
             kept = len(parts[0].t)
     if not parts:
         width = a.choice.shape[1] + b.choice.shape[1]
         return _Table(scope, np.zeros((0, len(scope)), dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64),
-                      a.elim + b.elim, np.zeros((0, width), dtype=np.int64), placed)
-    return parts[0] if len(parts) == 1 else _prune(_concat(parts), size)
+                      a.elim + b.elim, np.zeros((0, width), dtype=np.int64), placed, err)
+    return _coarsen(parts[0] if len(parts) == 1 else _prune(_concat(parts), size), size, limit, grid)
 
 
 def _concat(parts: list[_Table]) -> _Table:
     """Tables of one scope, rows stacked in order (the first duplicate stays first)."""
     p = parts[0]
     return _Table(p.scope, np.concatenate([x.key for x in parts]), np.concatenate([x.t for x in parts]),
-                  np.concatenate([x.m for x in parts]), p.elim, np.concatenate([x.choice for x in parts]), p.placed)
+                  np.concatenate([x.m for x in parts]), p.elim, np.concatenate([x.choice for x in parts]), p.placed,
+                  max(x.err for x in parts))
 
 
 def _prune(tab: _Table, size: dict) -> _Table:
     group = (np.ravel_multi_index(tab.key.T, [size[v] for v in tab.scope]) if tab.scope
              else np.zeros(len(tab.t), dtype=np.int64))
     sel = _pareto(group, tab.t, tab.m)
-    return _Table(tab.scope, tab.key[sel], tab.t[sel], tab.m[sel], tab.elim, tab.choice[sel], tab.placed)
+    return _Table(tab.scope, tab.key[sel], tab.t[sel], tab.m[sel], tab.elim, tab.choice[sel], tab.placed, tab.err)
 
 
-def _frontier(red: Reduced, nbr, local: list[int], sigma: list[int], tau: list[int], cap: int):
+def _frontier(red: Reduced, nbr, local: list[int], sigma: list[int], tau: list[int], cap: int,
+              limit: int | None = None, grid: int = 1):
     """Pareto sets of one block keyed by (sigma state, tau state), both flattened (row-major over the
     boundary nodes' strategy counts), by variable elimination over Pareto-set factors (greedy order:
     the node whose factors join into the smallest table first). Returns (sigma_idx, tau_idx, time_s,
     bytes, choice) where choice[i, j] is the position (in red.keep) of ``local[j]``. ``cap``: the
-    most bytes the block's nodes may take (budget minus the least the other blocks take)."""
+    most bytes the block's nodes may take (budget minus the least the other blocks take). ``limit``:
+    the most rows a factor keeps (_coarsen; None: exact), ``grid`` the bytes the nodes' are multiples of.
+    Also returns err: every point's bytes exceed its true bytes by at most err (0 when exact)."""
     size = {n: len(red.cost[n]) for n in sigma + local}
     min_of = {n: int(red.mem[n].min()) for n in local}
     total_min = sum(min_of.values())
@@ -185,7 +229,7 @@ def _frontier(red: Reduced, nbr, local: list[int], sigma: list[int], tau: list[i
             if u in inside and (u in sigma or local.index(u) < local.index(n)):
                 key = np.array(np.unravel_index(np.arange(r.size), r.shape)).T
                 tables.append(_Table([u, n], key, r.ravel().copy(), np.zeros(r.size, dtype=np.int64)))
-    join = lambda a, b: _join(a, b, size, cap, min_of, total_min)
+    join = lambda a, b: _join(a, b, size, cap, min_of, total_min, limit=limit, grid=grid)
     todo = [n for n in local if n not in tau]
     while todo:
         def width(v):
@@ -201,7 +245,7 @@ def _frontier(red: Reduced, nbr, local: list[int], sigma: list[int], tau: list[i
         j = acc.scope.index(v)                         # v leaves the key for the choice
         rest = [i for i in range(len(acc.scope)) if i != j]
         tables.append(_prune(_Table([acc.scope[i] for i in rest], acc.key[:, rest], acc.t, acc.m, acc.elim + [v],
-                                    np.column_stack([acc.choice, acc.key[:, j]]), acc.placed), size))
+                                    np.column_stack([acc.choice, acc.key[:, j]]), acc.placed, acc.err), size))
     acc = _Table([], np.zeros((1, 0), dtype=np.int64), np.zeros(1), np.zeros(1, dtype=np.int64))
     for tab in tables:
         acc = join(acc, tab)
@@ -209,7 +253,28 @@ def _frontier(red: Reduced, nbr, local: list[int], sigma: list[int], tau: list[i
                          if nodes else np.zeros(len(acc.t), dtype=np.int64))
     choice = np.column_stack([acc.choice, acc.key])
     names = acc.elim + acc.scope
-    return col(sigma), col(tau), acc.t, acc.m, choice[:, [names.index(n) for n in local]]
+    return (col(sigma), col(tau), acc.t, acc.m, choice[:, [names.index(n) for n in local]]), acc.err
+
+
+def _widths(red: Reduced, nbr, local: list[int], sigma: list[int], tau: list[int]) -> int:
+    """The most keys (product of scope sizes) a factor of _frontier's elimination holds, same greedy
+    order, from the scopes alone (no tables built)."""
+    size = {n: len(red.cost[n]) for n in sigma + local}
+    inside = set(local) | set(sigma)
+    scopes = [{n} for n in local] + [{u, n} for n in local for u in nbr.get(n, {})
+                                     if u in inside and (u in sigma or local.index(u) < local.index(n))]
+    widest = 1
+    todo = [n for n in local if n not in tau]
+    while todo:
+        def width(v):
+            scope = {u for sc in scopes if v in sc for u in sc}
+            return int(np.prod([size[u] for u in scope], dtype=np.int64)), local.index(v)
+        v = min(todo, key=width)
+        todo.remove(v)
+        widest = max(widest, width(v)[0])
+        merged = {u for sc in scopes if v in sc for u in sc} - {v}
+        scopes = [sc for sc in scopes if v not in sc] + [merged]
+    return max(widest, int(np.prod([size[u] for u in sigma + tau], dtype=np.int64)))
 
 
 def _scalar(fronts, nstate: list[int], lam: float):
@@ -335,20 +400,23 @@ def _signature(red: Reduced, nbr, local, sigma, tau) -> bytes:
 #: budgets; a block's frontier at a smaller cap is the larger cap's filtered to bytes <= cap (a
 #: point Pareto-optimal among all combinations stays so among those under the cap, and one optimal
 #: under the cap cannot be dominated by a combination that uses fewer bytes), so it is computed once.
-_FRONTIERS: dict[bytes, tuple[int, tuple]] = {}
+_FRONTIERS: dict[bytes, tuple[int, tuple, int]] = {}
 _FRONTIERS_MAX = 64
 
 
-def _cached_frontier(sig: bytes, red, nbr, blk, sigma, tau, cap: int):
+def _cached_frontier(sig: bytes, red, nbr, blk, sigma, tau, cap: int, limit: int | None = None, grid: int = 1):
+    """(frontier, err) of one block; a rounded frontier (err > 0) filtered to a smaller cap keeps its
+    bound: its bytes still over-estimate the true ones by at most err."""
+    sig = sig + repr((limit, grid)).encode()
     hit = _FRONTIERS.get(sig)
     if hit is not None and hit[0] >= cap:
         keep = np.nonzero(hit[1][3] <= cap)[0]
-        return tuple(a[keep] for a in hit[1])
-    front = _frontier(red, nbr, blk, sigma, tau, cap)
+        return tuple(a[keep] for a in hit[1]), hit[2]
+    front, err = _frontier(red, nbr, blk, sigma, tau, cap, limit, grid)
     if len(_FRONTIERS) >= _FRONTIERS_MAX:
         _FRONTIERS.pop(next(iter(_FRONTIERS)))
-    _FRONTIERS[sig] = (cap, front)
-    return front
+    _FRONTIERS[sig] = (cap, front, err)
+    return front, err
 
 
 _FAST: list = []        # the last fastest choice (nodes, edges, choice or None): see _fastest
@@ -398,14 +466,22 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
         return fast
     total_min = sum(bmin)
     cache: dict[bytes, tuple] = {}
-    fronts = []
+    fronts, errs = [], []
+    grid = max(q // 16, 1) if q > 0 else 1
     for b, blk in enumerate(blocks):
         sigma = taus[b - 1] if b else []
         cap = rhs - (total_min - bmin[b])
         sig = _signature(red, nbr, blk, sigma, taus[b])
+        if sig not in cache and MAX_TABLE_ROWS is not None and _widths(red, nbr, blk, sigma, taus[b]) > MAX_TABLE_ROWS:
+            return _lagrangian(problem, blocks, taus, min_choice)     # a factor would hold more keys than rows
         if sig not in cache:
-            cache[sig] = _cached_frontier(sig, red, nbr, blk, sigma, taus[b], cap)
-        fronts.append(cache[sig])
+            try:
+                cache[sig] = _cached_frontier(sig, red, nbr, blk, sigma, taus[b], cap, MAX_TABLE_ROWS, grid)
+            except _TooLarge:
+                return _lagrangian(problem, blocks, taus, min_choice)
+        fronts.append(cache[sig][0])
+        errs.append(cache[sig][1])
+    rounding = sum(errs)        # bytes the factor tables' rounding may have given away (0: exact)
     if q > 0:   # round each frontier point's bytes up (see IlpProblem.memory_quantum_bytes)
         rounded: dict[int, tuple] = {}     # one rounded frontier per distinct one (identity kept)
         for f in fronts:
@@ -415,6 +491,9 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
         if any(len(f[2]) == 0 for f in fronts) or sum(int(f[3].min()) for f in fronts) > rhs:
             # rounding up made a (barely) feasible budget infeasible: solve it exactly
             return solve_blocks(dataclasses.replace(problem, memory_quantum_bytes=0))
+    if any(len(f[2]) == 0 for f in fronts) or sum(int(f[3].min()) for f in fronts) > rhs:
+        # only the factors' rounding (rounding > 0) loses every fitting point: the least-memory choice fits
+        return IlpSolution(min_choice, t_min, min_mem, "rounded", min_mem, None, rounding)
     lam, h_lam, h_0, lb, ub = _lagrange(fronts, nstate, rhs)
     tol = 1e-9 * (abs(ub) + lam * rhs + 1e-12)      # far above float noise, far below any real difference
     # Fewer labels survive a lower threshold; a run whose best label is <= its threshold kept every
@@ -434,7 +513,103 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
         raise AssertionError("block DP lost every label although a solution fits")
     choice = _walk_back(problem, red, blocks, fronts, back, at)
     tt, mm = evaluate(problem, choice)
+    if rounding:     # optimal for its rounded bytes: no slower than the exact optimum under budget - rounding
+        return IlpSolution(choice, tt, mm, "rounded", min_mem, None, rounding)
     return IlpSolution(choice, tt, mm, "optimal", min_mem, tt)
+
+
+def _lagrangian(problem: IlpProblem, blocks, taus, min_choice) -> IlpSolution:
+    """Fallback when a factor outgrows MAX_TABLE_ROWS (issue 26: a 2x2x2 mesh's three-node factors
+    hold ~1 M keys): the Lagrangian relaxation of eq. (1)'s budget row, min time + lam * bytes, solved
+    exactly for each lam by planners.map.fastest (dense min-sum, no Pareto sets). lam follows the
+    breakpoint iteration (the lam at which the last minimiser over the budget and the last one under it
+    tie) until no minimiser beats that tie. Returns the fastest minimiser that fits (true bytes <= the
+    budget), status "lagrangian", with bound_s the dual bound max_lam (min(time + lam bytes) - lam B):
+    the exact optimum lies in [bound_s, time_s] (a duality gap remains where the optimum is not a
+    minimiser for any lam). None of it needs a table with bytes: memory stays that of fastest's tables."""
+    exact = _reduced(problem)
+    nbr = _neighbours(exact)
+    base_cost = exact.cost
+    budget = problem.budget_bytes
+
+    def solve(lam: float):
+        red = copy.copy(exact)
+        red.cost = {n: c + lam * exact.mem[n] for n, c in base_cost.items()} if isinstance(base_cost, dict) else \
+            [c + lam * m for c, m in zip(base_cost, exact.mem)]
+        nb = _neighbours(red)
+        pos = fastest_choice(red, nb, blocks, taus, lambda blk, sigma, tau: _signature(red, nb, blk, sigma, tau))
+        if pos is None:
+            return None
+        full = list(range(len(problem.nodes)))
+        for n in red.fixed:
+            full[n] = int(red.keep[n][0])
+        for n, p in zip((n for blk in blocks for n in blk), pos):
+            full[n] = int(red.keep[n][p])
+        t, m = evaluate(problem, tuple(full))
+        return tuple(full), t, m
+
+    t_min, min_mem = evaluate(problem, min_choice)
+    best = (min_choice, t_min, min_mem)                      # fits (checked by the caller)
+    lo = solve(0.0)
+    if lo is None:
+        return IlpSolution(min_choice, t_min, min_mem, "lagrangian", min_mem, None)
+    hi = (min_choice, t_min, min_mem)
+    bound = lo[1]                                            # lam = 0: the fastest time
+    if lo[2] <= budget:
+        return IlpSolution(lo[0], lo[1], lo[2], "optimal", min_mem, lo[1])
+    for _ in range(60):
+        if lo[2] <= hi[2]:
+            break
+        lam = (hi[1] - lo[1]) / (lo[2] - hi[2])
+        got = solve(lam)
+        if got is None:
+            break
+        val = got[1] + lam * got[2]
+        bound = max(bound, val - lam * budget)
+        if val >= lo[1] + lam * lo[2] - 1e-12 * (abs(lo[1]) + lam * lo[2]):
+            break                                            # nothing beats the tie: lam is the dual optimum
+        if got[2] <= budget:
+            hi = got
+            if got[1] < best[1]:
+                best = got
+        else:
+            lo = got
+    choice = _improve(problem, exact, nbr, best[0], budget)
+    t, m = evaluate(problem, choice)
+    if t > best[1] or m > budget:            # cannot happen (each move is no slower and fits): keep best
+        choice, t, m = best
+    return IlpSolution(choice, t, m, "lagrangian", min_mem, min(bound, t))
+
+
+def _improve(problem: IlpProblem, red: Reduced, nbr, choice: tuple[int, ...], budget: int,
+             passes: int = 20) -> tuple[int, ...]:
+    """Local search after _lagrangian: one node at a time moves to its fastest strategy given its
+    neighbours' (its cost plus its edges' entries) whose bytes still fit, while any move gains.
+    Every move is no slower and fits, so the result keeps both properties; the dual bound stays."""
+    free = [n for n in range(len(problem.nodes)) if n not in red.fixed]
+    pos = {n: int(np.nonzero(np.asarray(red.keep[n]) == choice[n])[0][0]) for n in free}
+    used = sum(int(red.mem[n][pos[n]]) for n in free) + sum(int(red.mem[n][0]) for n in red.fixed)
+    for _ in range(passes):
+        moved = False
+        for v in free:
+            row = red.cost[v].astype(float).copy()
+            for u, r in nbr.get(v, {}).items():      # r: rows u, columns v
+                if u in pos:
+                    row = row + np.asarray(r)[pos[u]]
+            cur = pos[v]
+            fits = used - int(red.mem[v][cur]) + red.mem[v] <= budget
+            gain = row[cur] - np.where(fits, row, np.inf)
+            best = int(np.argmax(gain))
+            if gain[best] > 1e-12 * max(abs(row[cur]), 1e-30):
+                used += int(red.mem[v][best]) - int(red.mem[v][cur])
+                pos[v] = best
+                moved = True
+        if not moved:
+            break
+    out = list(choice)
+    for n in free:
+        out[n] = int(red.keep[n][pos[n]])
+    return tuple(out)
 
 
 def _walk_back(problem: IlpProblem, red: Reduced, blocks, fronts, back, at: int) -> tuple[int, ...]:

@@ -82,7 +82,9 @@ class IlpProblem:
 class IlpSolution:
     """``choice[n]``: the strategy index of node n. ``status``: "optimal"; "time_limit" (the best
     feasible found when HiGHS stopped, not proven optimal); "infeasible" (then ``choice`` is the
-    fastest-per-node among each node's smallest strategies, whose memory is ``min_memory_bytes``)."""
+    fastest-per-node among each node's smallest strategies, whose memory is ``min_memory_bytes``);
+    "rounded" (block DP whose factors outgrew blocks.MAX_TABLE_ROWS: the choice fits the budget in true
+    bytes and is no slower than the exact optimum under budget - ``rounding_bytes``)."""
 
     choice: tuple[int, ...]
     time_s: float
@@ -90,6 +92,7 @@ class IlpSolution:
     status: str
     min_memory_bytes: int
     bound_s: float | None = None      # proven lower bound on the optimal time (== time_s when optimal)
+    rounding_bytes: int = 0           # "rounded": the bytes the block DP's rounding may have given away
 
 
 def evaluate(problem: IlpProblem, choice: tuple[int, ...]) -> tuple[float, int]:

@@ -33,7 +33,7 @@ import math
 
 from costs import gemm
 from costs.collectives import group_link, transfer_s
-from costs.params import grad_reduce_ranks, samples_per_replica  # noqa: F401 - grad_reduce_ranks re-exported
+from costs.params import samples_per_replica
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import LayerKind, LayerSpec, ModelSpec
 from specs.plan import Plan, StagePlan

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.validate_megatron_memory import SEQ, TABLE3, VARIANTS, fig7_rows, memwall_first_stage
+from benchmarks.validate_megatron_memory import SEQ, TABLE3, fig7_rows, memwall_first_stage
 from costs.activations import layer_saved_bytes, stage_activation_bytes
 from costs.families import build_model, parse_model_config
 from planners import make_plan, parse_policy
@@ -51,7 +51,7 @@ def test_llama_selective_drops_what_its_core_saves(flash):
     SP + selective is the whole saved list over t less the dropped core."""
     cfg = parse_model_config({**conf("model", "llama3_8b"), "flash_attention": flash})
     block = build_model(cfg, 2).layers[1]
-    s, h, a = cfg.seq_len, cfg.hidden, cfg.heads
+    s, a = cfg.seq_len, cfg.heads
     names = [t.name for t in block.saved_tensors]
     assert ("attn.logsumexp" in names) is flash and ("attn.softmax_output" in names) is not flash
     assert block.selective_bytes_per_sample == (4 * a * s if flash else 2 * a * s * s)

@@ -96,6 +96,25 @@ def test_b_then_w_equals_one_backward(recompute, where):
         torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * float(b.abs().max()))
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_direct_w_equals_engine_w(recompute, where, monkeypatch):
+    """W's direct weight gradients (executor.split_backward._direct_weight_grads: a linear's
+    dW = dY^T X and bias sum, a norm's own backward) are the engine's numbers exactly, and every
+    parameter group of gpt_tiny's stages takes that path (the per-group engine walk is gone)."""
+    import executor.split_backward as sbm
+
+    direct = sbm._direct_weight_grads
+    taken = []
+    monkeypatch.setattr(sbm, "_direct_weight_grads", lambda group: taken.append(direct(group)) or taken[-1])
+    dx, g = _one_stage(True, recompute, where)
+    assert taken and all(taken), f"{taken.count(False)} of {len(taken)} groups left to the engine"
+    monkeypatch.setattr(sbm, "_direct_weight_grads", lambda group: False)  # torch's stage_backward_weight
+    dx_ref, g_ref = _one_stage(True, recompute, where)
+    for a, b in zip(dx + g, dx_ref + g_ref):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 # ---- 2 gloo ranks vs the single-process reference --------------------------------------------
 def _plan(schedule: str, recompute: bool = False):
     policy = {"kind": "even", "pp": 2} | ({"recompute": "full"} if recompute else {})

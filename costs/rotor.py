@@ -84,10 +84,21 @@ def simulate_peak(chain: Chain, sequence: tuple[tuple[str, int], ...]) -> int:
     return max((peak for _, peak in walk(chain, sequence)), default=chain.fixed_bytes + chain.w_input)
 
 
-def walk(chain: Chain, sequence: tuple[tuple[str, int], ...]) -> list[tuple[int, int]]:
+def walk(chain: Chain, sequence: tuple[tuple[str, int], ...],
+         held: tuple[tuple[int, int, int], ...] = ()) -> list[tuple[int, int]]:
     """Per op of ``sequence``: (live bytes after it, peak bytes during it), both including the fixed
-    bytes and the chain's input (Table 1). Raises ValueError when an op's inputs are not live."""
+    bytes and the chain's input (Table 1). Raises ValueError when an op's inputs are not live.
+
+    ``held``: (reader, owner, bytes) per parameter gradient that outlives its own backward: a tied
+    copy read by stage ``reader`` of a parameter stored by an earlier stage ``owner`` (a GPT head
+    tied to the word embedding). Autograd keeps the reader's gradient (brought to the owner's
+    layout) in the owner's input buffer from B^reader until B^owner adds its own (issue 26,
+    measured with executor.memtrack): live after B^reader, through B^owner's peak, freed after it.
+    Not part of Table 1 (the DP does not see it; the simulator adds it, the planner re-plans on
+    the simulated peak)."""
     live: dict[tuple[str, int], int] = {}
+    opened = {r: (o, b) for r, o, b in held}
+    closing = {o: r for r, o, _ in held}
     base = chain.fixed_bytes + chain.w_input
     out = []
 
@@ -118,6 +129,10 @@ def walk(chain: Chain, sequence: tuple[tuple[str, int], ...]) -> list[tuple[int,
             del live[("delta", l)], live[("abar", l)]
             live.pop(("a", l - 1), None)
             live[("delta", l - 1)] = chain.delta_in(l)
+            if l in opened:
+                live[("held", l)] = opened[l][1]
+            if l in closing:
+                live.pop(("held", closing[l]), None)
         else:
             raise ValueError(f"unknown op {op!r}")
         after = base + sum(live.values())

@@ -128,10 +128,14 @@ class ShardedLayer(ShardedLayout, ShardedOps, nn.Module):
             for name, pl in self.param_place[g.name].items():
                 first_use.setdefault(name, pl)
         self.param_fqn = {s.arg.name: s.target for s in sig.input_specs if s.kind.name == "PARAMETER"}
-        for fqn, p in list(module.named_parameters(remove_duplicate=False)):
+        named = list(module.named_parameters(remove_duplicate=False))
+        names_of: dict[int, list[str]] = {}   # a tied weight has several names; the plan uses export's
+        for fqn, p in named:
+            names_of.setdefault(id(p), []).append(fqn)
+        for fqn, p in named:
             owner, leaf = module.get_submodule(fqn.rpartition(".")[0]) if "." in fqn else module, fqn.rpartition(".")[2]
             if id(p) not in shared:
-                pl = first_use.get(fqn, (_replicate(),) * ndim)
+                pl = next((first_use[n] for n in names_of[id(p)] if n in first_use), (_replicate(),) * ndim)
                 dt = distribute_tensor(p.detach(), mesh, list(pl), src_data_rank=None)  # same weights on all ranks
                 shared[id(p)] = shared[id(dt)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             setattr(owner, leaf, shared[id(p)])

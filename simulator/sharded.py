@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from costs.map_layout import convert
+from costs.map_layout import convert, local_bytes
 from costs.rotor import Chain, Segment, sequence_of, walk
 import costs.activations
 from simulator.sharded_layer import LayerCost, act_dtype_bytes, layer_cost, stage_mesh
@@ -66,9 +66,11 @@ class StagePass:
     peak_bytes: int
 
 
-def stage_pass(chain: Chain, segments: tuple[Segment, ...]) -> StagePass:
+def stage_pass(chain: Chain, segments: tuple[Segment, ...], held: tuple[tuple[int, int, int], ...] = ()) -> StagePass:
+    """``held``: tied copies' gradients kept from the reader's backward to the owner's
+    (:func:`tied_grad_holds`, stage indices; costs.rotor.walk)."""
     seq = sequence_of(segments, len(chain))
-    steps = walk(chain, seq)
+    steps = walk(chain, seq, held)
     # the forward pass ends with the first forward of the last layer: when that layer is itself
     # checkpointed, its recomputation (F_all^{L-1} right before B^{L-1}) already belongs to the
     # backward (torch.utils.checkpoint re-runs it there), so "up to the first B" would count it
@@ -215,6 +217,39 @@ def _tied_layouts(model: ModelSpec, shardings: dict[int, LayerSharding], layer: 
     mine = graph.params()
     return {name: home[2] for name in skip if home is not None and tuple(mine[name].shape) == home[1]}
 
+
+def tied_grad_holds(model: ModelSpec, layers: range, mesh: Mesh,
+                    shardings: dict[int, LayerSharding]) -> tuple[tuple[int, int, int], ...]:
+    """(reader, owner, bytes) per tied copy read in this stage from an owner in it (:func:`tied_skip`;
+    stage indices), for costs.rotor.walk's ``held``: the copy's gradient is made in the reader's
+    backward in the layout the reader's strategy reads the weight in, taken back to the owner's
+    stored layout along convert(reader, owner) -- every step allocates its output (DTensor's
+    Replicate -> Shard is a cloned chunk, not a view) -- and that owner-layout gradient waits in
+    autograd's input buffer of the one parameter until the owner's backward adds its own (issue 26;
+    executor.memtrack on hf_gpt2, 4 CPU ranks, head RR, embedding RS0: the 16 KiB shard is freed by
+    layer 0's aten.add, the head's 64 KiB right after its own backward). Bytes: the owner layout's
+    local bytes; the reader's where the owner's layout is unknown (another shape)."""
+    out = []
+    for l in layers:
+        graph = _op_graph(model, l)
+        skip = tied_skip(model, layers, l, graph)
+        if not skip:
+            continue
+        owner_layouts = _tied_layouts(model, shardings, l, graph, skip)
+        by_name = {n.node: n for n in shardings[l].nodes}
+        params = graph.params()
+        for name in sorted(skip):
+            read = next((by_name[node.name].params[name] for node in graph.nodes
+                         if node.name in by_name and name in by_name[node.name].params), None)
+            if read is None:
+                continue
+            p = params[name]
+            spec = ShardingSpec.parse(owner_layouts.get(name, read))
+            out.append((l - layers.start, model.tied_owner(l) - layers.start,
+                        local_bytes(spec, tuple(p.shape), p.dtype_bytes, mesh.shape)))
+    return tuple(out)
+
+
 def stage_chain(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, layers: range, mesh: Mesh,
                 shardings: dict[int, LayerSharding]) -> tuple[tuple[LayerCost, ...], Chain]:
     """The stage ``layers`` (strategies ``shardings``, by layer) on ``mesh`` as rotor's chain, one
@@ -323,13 +358,15 @@ def sharded_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, stage: S
     elems = sum(c.param_elems for c in costs_)
     static = MemoryBreakdown(parameters_bytes=elems * w_b, gradients_bytes=elems * g_b, optimizer_bytes=elems * o_b)
     segments = to_segments(stage.checkpoint, stage.layer_start)
+    holds = tied_grad_holds(model, range(stage.layer_start, stage.layer_stop), mesh,
+                            {s.layer: s for s in stage.sharding})
     out_bytes = b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
     sent = costs.activations.sent_output_bytes(model, plan, stage)
     held = out_bytes if stage.layer_stop < model.num_layers and not sent else 0
     sync = tuple(c.grad_sync_s for c in costs_)
     return ShardedStage(
         layers=tuple(stage.layers), mesh=mesh, costs=costs_, chain=chain, segments=segments,
-        run=stage_pass(chain, segments), param_elems=elems, static=static, input_bytes=chain.w_input,
+        run=stage_pass(chain, segments, holds), param_elems=elems, static=static, input_bytes=chain.w_input,
         output_bytes=out_bytes, held_output_bytes=held, sent_output_bytes=sent,
         optimizer_s=elems * (2 * w_b + g_b + 2 * o_b) / hardware.device.hbm_bytes_per_s,
         grad_sync_s=sum(sync), grad_sync_exposed_s=grad_sync_exposed_s(chain, segments, sync))

@@ -58,7 +58,7 @@ at most MAX_TABLE_ROWS rows. Over it, its bytes are rounded UP to a coarser grid
 "rounded", IlpSolution.rounding_bytes the summed round-ups: the choice fits in true bytes and is no
 slower than the exact optimum under budget - rounding_bytes). A block whose elimination would build a
 factor with more keys than MAX_TABLE_ROWS (_widths) is solved by the Lagrangian relaxation instead
-(_lagrangian; status "lagrangian", exact optimum in [bound_s, time_s]).
+(planners.map.blocks_bound; status "lagrangian", exact optimum in [bound_s, time_s]).
 """
 from __future__ import annotations
 
@@ -432,6 +432,14 @@ def _reduced(problem: IlpProblem) -> Reduced:
     return red
 
 
+def _lagrangian(problem: IlpProblem, blocks, taus, min_choice) -> IlpSolution:
+    """The bounded-table fallback (planners.map.blocks_bound; imported here, as it imports this
+    module's reductions)."""
+    from planners.map.blocks_bound import lagrangian
+
+    return lagrangian(problem, blocks, taus, min_choice)
+
+
 def solve_blocks(problem: IlpProblem) -> IlpSolution:
     """Eq. (1) on ``problem.blocks`` (see the module doc). Same contract as map_ilp.solve: the choice
     per node in original strategy indices, its time (s) and bytes recomputed from the input; status
@@ -516,100 +524,6 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
     if rounding:     # optimal for its rounded bytes: no slower than the exact optimum under budget - rounding
         return IlpSolution(choice, tt, mm, "rounded", min_mem, None, rounding)
     return IlpSolution(choice, tt, mm, "optimal", min_mem, tt)
-
-
-def _lagrangian(problem: IlpProblem, blocks, taus, min_choice) -> IlpSolution:
-    """Fallback when a factor outgrows MAX_TABLE_ROWS (issue 26: a 2x2x2 mesh's three-node factors
-    hold ~1 M keys): the Lagrangian relaxation of eq. (1)'s budget row, min time + lam * bytes, solved
-    exactly for each lam by planners.map.fastest (dense min-sum, no Pareto sets). lam follows the
-    breakpoint iteration (the lam at which the last minimiser over the budget and the last one under it
-    tie) until no minimiser beats that tie. Returns the fastest minimiser that fits (true bytes <= the
-    budget), status "lagrangian", with bound_s the dual bound max_lam (min(time + lam bytes) - lam B):
-    the exact optimum lies in [bound_s, time_s] (a duality gap remains where the optimum is not a
-    minimiser for any lam). None of it needs a table with bytes: memory stays that of fastest's tables."""
-    exact = _reduced(problem)
-    nbr = _neighbours(exact)
-    base_cost = exact.cost
-    budget = problem.budget_bytes
-
-    def solve(lam: float):
-        red = copy.copy(exact)
-        red.cost = {n: c + lam * exact.mem[n] for n, c in base_cost.items()} if isinstance(base_cost, dict) else \
-            [c + lam * m for c, m in zip(base_cost, exact.mem)]
-        nb = _neighbours(red)
-        pos = fastest_choice(red, nb, blocks, taus, lambda blk, sigma, tau: _signature(red, nb, blk, sigma, tau))
-        if pos is None:
-            return None
-        full = list(range(len(problem.nodes)))
-        for n in red.fixed:
-            full[n] = int(red.keep[n][0])
-        for n, p in zip((n for blk in blocks for n in blk), pos):
-            full[n] = int(red.keep[n][p])
-        t, m = evaluate(problem, tuple(full))
-        return tuple(full), t, m
-
-    t_min, min_mem = evaluate(problem, min_choice)
-    best = (min_choice, t_min, min_mem)                      # fits (checked by the caller)
-    lo = solve(0.0)
-    if lo is None:
-        return IlpSolution(min_choice, t_min, min_mem, "lagrangian", min_mem, None)
-    hi = (min_choice, t_min, min_mem)
-    bound = lo[1]                                            # lam = 0: the fastest time
-    if lo[2] <= budget:
-        return IlpSolution(lo[0], lo[1], lo[2], "optimal", min_mem, lo[1])
-    for _ in range(60):
-        if lo[2] <= hi[2]:
-            break
-        lam = (hi[1] - lo[1]) / (lo[2] - hi[2])
-        got = solve(lam)
-        if got is None:
-            break
-        val = got[1] + lam * got[2]
-        bound = max(bound, val - lam * budget)
-        if val >= lo[1] + lam * lo[2] - 1e-12 * (abs(lo[1]) + lam * lo[2]):
-            break                                            # nothing beats the tie: lam is the dual optimum
-        if got[2] <= budget:
-            hi = got
-            if got[1] < best[1]:
-                best = got
-        else:
-            lo = got
-    choice = _improve(problem, exact, nbr, best[0], budget)
-    t, m = evaluate(problem, choice)
-    if t > best[1] or m > budget:            # cannot happen (each move is no slower and fits): keep best
-        choice, t, m = best
-    return IlpSolution(choice, t, m, "lagrangian", min_mem, min(bound, t))
-
-
-def _improve(problem: IlpProblem, red: Reduced, nbr, choice: tuple[int, ...], budget: int,
-             passes: int = 20) -> tuple[int, ...]:
-    """Local search after _lagrangian: one node at a time moves to its fastest strategy given its
-    neighbours' (its cost plus its edges' entries) whose bytes still fit, while any move gains.
-    Every move is no slower and fits, so the result keeps both properties; the dual bound stays."""
-    free = [n for n in range(len(problem.nodes)) if n not in red.fixed]
-    pos = {n: int(np.nonzero(np.asarray(red.keep[n]) == choice[n])[0][0]) for n in free}
-    used = sum(int(red.mem[n][pos[n]]) for n in free) + sum(int(red.mem[n][0]) for n in red.fixed)
-    for _ in range(passes):
-        moved = False
-        for v in free:
-            row = red.cost[v].astype(float).copy()
-            for u, r in nbr.get(v, {}).items():      # r: rows u, columns v
-                if u in pos:
-                    row = row + np.asarray(r)[pos[u]]
-            cur = pos[v]
-            fits = used - int(red.mem[v][cur]) + red.mem[v] <= budget
-            gain = row[cur] - np.where(fits, row, np.inf)
-            best = int(np.argmax(gain))
-            if gain[best] > 1e-12 * max(abs(row[cur]), 1e-30):
-                used += int(red.mem[v][best]) - int(red.mem[v][cur])
-                pos[v] = best
-                moved = True
-        if not moved:
-            break
-    out = list(choice)
-    for n in free:
-        out[n] = int(red.keep[n][pos[n]])
-    return tuple(out)
 
 
 def _walk_back(problem: IlpProblem, red: Reduced, blocks, fronts, back, at: int) -> tuple[int, ...]:

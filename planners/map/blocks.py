@@ -67,6 +67,8 @@ import dataclasses
 
 import numpy as np
 
+from planners.map.block_graph import _neighbours, _reduced, _signature
+from planners.map.blocks_bound import lagrangian
 from planners.map.fastest import fastest_choice
 from planners.map.problem import IlpProblem, IlpSolution, Reduced, evaluate, min_memory_choice
 
@@ -75,10 +77,15 @@ THETA_FRACTIONS = (1 / 1024, 1 / 64, 1 / 16, 1 / 4, 1.0)   # step 4's thresholds
 #: pairs of rows one step of a factor join forms at once (_join): ~100 bytes a pair (keys, choices,
 #: time, bytes, indices) bound a join's scratch to tens of MiB whatever the cross product's size
 JOIN_CHUNK_PAIRS = 1 << 18
-#: rows a factor of a block's variable elimination keeps (_coarsen): ~150 bytes a row (keys, choices,
-#: time, bytes) bound a factor to ~100 MiB; past it the rows' bytes are rounded up to a coarser grid and
-#: the error is reported (IlpSolution.rounding_bytes). None: exact, unbounded.
-MAX_TABLE_ROWS: int | None = 1 << 19
+#: rows a factor of a block's variable elimination keeps (_coarsen): past it the rows' bytes are
+#: rounded up to a coarser grid and the error is reported (IlpSolution.rounding_bytes). None (the
+#: default): exact. Measured: at 2^19 the README's gpt3_2b6 / 20 GiB plan came out 26 % slower (2.794
+#: vs 2.208 s) than the exact DP's, and no faster to solve, so rounding stays opt-in.
+MAX_TABLE_ROWS: int | None = None
+#: keys (boundary strategy combinations) a factor may hold before the block DP gives way to the
+#: Lagrangian fallback (blocks_bound): a 2x2x2 mesh's three-node factors hold ~1.1 M keys, whose
+#: Pareto tables grew past 9 GiB; below it the exact DP runs.
+MAX_TABLE_KEYS = 1 << 19
 
 
 def _pareto(group: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -94,15 +101,6 @@ def _pareto(group: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
     val = (int(g.max()) - g) * (t.size + 1) + rank[order]
     before = np.minimum.accumulate(np.concatenate(([np.iinfo(np.int64).max], val[:-1])))
     return order[val < before]
-
-
-def _neighbours(red: Reduced) -> dict[int, dict[int, np.ndarray]]:
-    """nbr[v][u]: the edge matrix with rows indexed by u's strategy, columns by v's."""
-    nbr: dict[int, dict[int, np.ndarray]] = {}
-    for (u, v), r in red.edges.items():
-        nbr.setdefault(v, {})[u] = r
-        nbr.setdefault(u, {})[v] = r.T
-    return nbr
 
 
 class _Table:
@@ -135,13 +133,27 @@ def _coarsen(tab: _Table, size: dict, limit: int | None, grid: int) -> _Table:
     keys = len(np.unique(np.ravel_multi_index(tab.key.T, [size[v] for v in tab.scope]))) if tab.scope else 1
     if keys > limit:            # no grid brings it under limit: solve_blocks falls back to _lagrangian
         raise _TooLarge(f"a factor over {[size[v] for v in tab.scope]} strategies has {keys} keys (> {limit})")
-    g = max(int(grid), 1)
-    while len(tab.t) > limit:     # at one bucket per key (g above every m) it is `keys` rows
-        g *= 2
+    base = max(int(grid), 1)
+
+    def rounded(k: int) -> _Table:
+        g = base << k
         m = -(-tab.m // g) * g
         up = int((m - tab.m).max(initial=0))     # the most any row is rounded up by
-        tab = _prune(_Table(tab.scope, tab.key, tab.t, m, tab.elim, tab.choice, tab.placed, tab.err + up), size)
-    return tab
+        return _prune(_Table(tab.scope, tab.key, tab.t, m, tab.elim, tab.choice, tab.placed, tab.err + up), size)
+
+    # the smallest g = base·2^k that brings the rows under limit, by bisection on k (rows do not grow
+    # with g): a doubling loop from g = 2·base needed ~30 prunes of > 2^19 rows when bytes are GiBs
+    # (a 20 GiB budget on gpt3_2b6 took minutes). At g above every m each key has one bucket: <= keys rows
+    lo, hi = 1, max(int(tab.m.max(initial=0)) // base, 1).bit_length() + 1
+    best = rounded(hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        trial = rounded(mid)
+        if len(trial.t) <= limit:
+            hi, best = mid, trial
+        else:
+            lo = mid + 1
+    return best
 
 
 def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: int,
@@ -384,18 +396,6 @@ def _chain(fronts, rhs: int, bmin: list[int], bounds, theta: float):
     return float(t[at]), at, back
 
 
-def _signature(red: Reduced, nbr, local, sigma, tau) -> bytes:
-    """Everything the block's frontier depends on, in block-local positions."""
-    pos = {n: i for i, n in enumerate(sigma)} | {n: len(sigma) + i for i, n in enumerate(local)}
-    parts = [repr((len(sigma), len(local), [pos[n] for n in tau], [len(red.cost[n]) for n in sigma])).encode()]
-    for n in local:
-        parts += [red.cost[n].tobytes(), red.mem[n].tobytes()]
-        for u in sorted(nbr.get(n, {}), key=lambda x: pos.get(x, -1)):
-            if u in pos and pos[u] < pos[n]:
-                parts += [repr((pos[u], pos[n])).encode(), nbr[n][u].tobytes()]
-    return b"|".join(parts)
-
-
 #: frontiers across calls: signature -> (cap, frontier). MAP §5.3 solves one graph at up to 11
 #: budgets; a block's frontier at a smaller cap is the larger cap's filtered to bytes <= cap (a
 #: point Pareto-optimal among all combinations stays so among those under the cap, and one optimal
@@ -420,23 +420,10 @@ def _cached_frontier(sig: bytes, red, nbr, blk, sigma, tau, cap: int, limit: int
 
 
 _FAST: list = []        # the last fastest choice (nodes, edges, choice or None): see _fastest
-_REDUCED: list = []     # the last reduction: §5.3 poses one graph at up to 11 budgets (Reduced ignores them)
-
-
-def _reduced(problem: IlpProblem) -> Reduced:
-    if _REDUCED and _REDUCED[0] is problem.nodes and _REDUCED[1] is problem.edges:
-        return _REDUCED[2]
-    red = Reduced(problem)
-    tuples = isinstance(problem.nodes, tuple) and isinstance(problem.edges, tuple)    # immutable: reusable
-    _REDUCED[:] = [problem.nodes, problem.edges, red] if tuples else []
-    return red
 
 
 def _lagrangian(problem: IlpProblem, blocks, taus, min_choice) -> IlpSolution:
-    """The bounded-table fallback (planners.map.blocks_bound; imported here, as it imports this
-    module's reductions)."""
-    from planners.map.blocks_bound import lagrangian
-
+    """The bounded-table fallback (planners.map.blocks_bound)."""
     return lagrangian(problem, blocks, taus, min_choice)
 
 
@@ -480,7 +467,8 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
         sigma = taus[b - 1] if b else []
         cap = rhs - (total_min - bmin[b])
         sig = _signature(red, nbr, blk, sigma, taus[b])
-        if sig not in cache and MAX_TABLE_ROWS is not None and _widths(red, nbr, blk, sigma, taus[b]) > MAX_TABLE_ROWS:
+        keys_cap = MAX_TABLE_KEYS if MAX_TABLE_ROWS is None else min(MAX_TABLE_KEYS, MAX_TABLE_ROWS)
+        if sig not in cache and _widths(red, nbr, blk, sigma, taus[b]) > keys_cap:
             return _lagrangian(problem, blocks, taus, min_choice)     # a factor would hold more keys than rows
         if sig not in cache:
             try:

@@ -10,7 +10,7 @@ import copy
 
 import numpy as np
 
-from planners.map.blocks import _neighbours, _reduced, _signature
+from planners.map.block_graph import _neighbours, _reduced, _signature
 from planners.map.fastest import fastest_choice
 from planners.map.problem import IlpProblem, IlpSolution, Reduced, evaluate
 

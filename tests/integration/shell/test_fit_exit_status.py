@@ -20,7 +20,7 @@ GIB = 1 << 30
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "run", *args, f"hydra.run.dir={tmp_path / 'out'}",
                            f"profile_cache={tmp_path / 'cache'}"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=600, check=False)
 
 
 def summary_line(stdout: str) -> str:

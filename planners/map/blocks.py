@@ -79,13 +79,11 @@ THETA_FRACTIONS = (1 / 1024, 1 / 64, 1 / 16, 1 / 4, 1.0)   # step 4's thresholds
 JOIN_CHUNK_PAIRS = 1 << 18
 #: rows a factor of a block's variable elimination keeps (_coarsen): past it the rows' bytes are
 #: rounded up to a coarser grid and the error is reported (IlpSolution.rounding_bytes). None (the
-#: default): exact. Measured: at 2^19 the README's gpt3_2b6 / 20 GiB plan came out 26 % slower (2.794
-#: vs 2.208 s) than the exact DP's, and no faster to solve, so rounding stays opt-in.
+#: default): exact. A factor with more keys (boundary strategy combinations) than it gives way to the
+#: Lagrangian fallback (blocks_bound). Measured: at 2^19 the README's gpt3_2b6 / 20 GiB plan came out
+#: 26 % slower (2.794 vs 2.208 s) than the exact DP's, so the bound stays opt-in (the 2x2x2 tight
+#: budget, 1.1 M keys, needs it: 8 s with it, unbounded memory without).
 MAX_TABLE_ROWS: int | None = None
-#: keys (boundary strategy combinations) a factor may hold before the block DP gives way to the
-#: Lagrangian fallback (blocks_bound): a 2x2x2 mesh's three-node factors hold ~1.1 M keys, whose
-#: Pareto tables grew past 9 GiB; below it the exact DP runs.
-MAX_TABLE_KEYS = 1 << 19
 
 
 def _pareto(group: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -467,8 +465,7 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
         sigma = taus[b - 1] if b else []
         cap = rhs - (total_min - bmin[b])
         sig = _signature(red, nbr, blk, sigma, taus[b])
-        keys_cap = MAX_TABLE_KEYS if MAX_TABLE_ROWS is None else min(MAX_TABLE_KEYS, MAX_TABLE_ROWS)
-        if sig not in cache and _widths(red, nbr, blk, sigma, taus[b]) > keys_cap:
+        if sig not in cache and MAX_TABLE_ROWS is not None and _widths(red, nbr, blk, sigma, taus[b]) > MAX_TABLE_ROWS:
             return _lagrangian(problem, blocks, taus, min_choice)     # a factor would hold more keys than rows
         if sig not in cache:
             try:

@@ -4,23 +4,20 @@ to the embedding's, where the two are added (executor.memtrack on hf_gpt2: 64 Ki
 0's aten.add). costs.rotor.walk holds it (``held``); simulator.sharded.tied_grad_holds sizes it."""
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 import yaml
 
-from costs.families import build_model, parse_model_config
 from costs.map_strategies import strategies
 from costs.rotor import Chain, Segment, sequence_of, walk
-from executor.op_graph import model_op_graphs
 from simulator.sharded import sharded_stage, stage_pass, tied_grad_holds
 from simulator.sharded_layer import stage_mesh
 from specs.hardware import HardwareSpec
 from specs.plan import LayerSharding, NodeSharding, Plan, ScheduleSpec, StagePlan, validate_plan
 from specs.training import TrainingSpec
+from tests.unit.simulator.test_simulator_map import MB, gpt
 
 CONF = Path(__file__).resolve().parents[3] / "conf"
-MB = 4
 
 
 def _chain(n: int = 4) -> Chain:
@@ -42,14 +39,8 @@ def test_walk_holds_from_reader_backward_through_owner_backward():
     assert held[-1][0] == plain[-1][0]
 
 
-@lru_cache(maxsize=None)
 def _gpt(blocks: int = 2):
-    raw = yaml.safe_load((CONF / "model" / "gpt_tiny.yaml").read_text())
-    cfg = parse_model_config({**raw, "num_layers": blocks})
-    graphs, keys = model_op_graphs(cfg, MB, "fp32")
-    model = build_model(cfg, 4)
-    return model.model_copy(update={"op_graphs": graphs, "op_graph_microbatch": MB, "layers": [
-        l.model_copy(update={"op_graph": k}) for l, k in zip(model.layers, keys)]})
+    return gpt(blocks)  # gpt_tiny with its fp32 op graphs at MB (test_simulator_map's, cached there)
 
 
 def _plan(model, hardware, pick) -> Plan:

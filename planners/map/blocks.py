@@ -129,7 +129,7 @@ def _coarsen(tab: _Table, size: dict, limit: int | None, grid: int) -> _Table:
     if limit is None or len(tab.t) <= limit:
         return tab
     keys = len(np.unique(np.ravel_multi_index(tab.key.T, [size[v] for v in tab.scope]))) if tab.scope else 1
-    if keys > limit:            # no grid brings it under limit: solve_blocks falls back to _lagrangian
+    if keys > limit:            # no grid brings it under limit: solve_blocks falls back to blocks_bound.lagrangian
         raise _TooLarge(f"a factor over {[size[v] for v in tab.scope]} strategies has {keys} keys (> {limit})")
     base = max(int(grid), 1)
 
@@ -420,11 +420,6 @@ def _cached_frontier(sig: bytes, red, nbr, blk, sigma, tau, cap: int, limit: int
 _FAST: list = []        # the last fastest choice (nodes, edges, choice or None): see _fastest
 
 
-def _lagrangian(problem: IlpProblem, blocks, taus, min_choice) -> IlpSolution:
-    """The bounded-table fallback (planners.map.blocks_bound)."""
-    return lagrangian(problem, blocks, taus, min_choice)
-
-
 def solve_blocks(problem: IlpProblem) -> IlpSolution:
     """Eq. (1) on ``problem.blocks`` (see the module doc). Same contract as map_ilp.solve: the choice
     per node in original strategy indices, its time (s) and bytes recomputed from the input; status
@@ -466,12 +461,12 @@ def solve_blocks(problem: IlpProblem) -> IlpSolution:
         cap = rhs - (total_min - bmin[b])
         sig = _signature(red, nbr, blk, sigma, taus[b])
         if sig not in cache and MAX_TABLE_ROWS is not None and _widths(red, nbr, blk, sigma, taus[b]) > MAX_TABLE_ROWS:
-            return _lagrangian(problem, blocks, taus, min_choice)     # a factor would hold more keys than rows
+            return lagrangian(problem, blocks, taus, min_choice)     # a factor would hold more keys than rows
         if sig not in cache:
             try:
                 cache[sig] = _cached_frontier(sig, red, nbr, blk, sigma, taus[b], cap, MAX_TABLE_ROWS, grid)
             except _TooLarge:
-                return _lagrangian(problem, blocks, taus, min_choice)
+                return lagrangian(problem, blocks, taus, min_choice)
         fronts.append(cache[sig][0])
         errs.append(cache[sig][1])
     rounding = sum(errs)        # bytes the factor tables' rounding may have given away (0: exact)

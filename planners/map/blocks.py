@@ -180,7 +180,7 @@ def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: i
     placed = a.placed | b.placed
     room = cap - (total_min - sum(min_of[v] for v in placed))   # the most bytes a point may hold
     parts: list[_Table] = []
-    kept = 0
+    kept = settled = 0      # rows in parts; rows of the last consolidated table
     err = a.err + b.err
     for p0 in range(0, total, chunk):
         pair = np.arange(p0, min(p0 + chunk, total), dtype=np.int64)
@@ -193,9 +193,13 @@ def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: i
                       a.elim + b.elim, np.column_stack([a.choice[ai], b.choice[bi]]), placed, err)
         parts.append(_prune(part, size))
         kept += len(parts[-1].t)
-        if len(parts) > 1 and kept > chunk:                     # the kept points stay bounded too
+        # the kept points stay bounded too: consolidated (one Pareto set) once they pass a chunk and
+        # twice the last consolidated set, so a frontier of F rows costs O(F log F) prunes in all; at
+        # every chunk (the first cut) a 20 GiB gpt3_2b6 block re-sorted its whole growing set per
+        # chunk, quadratic: > 10 min on CI, 70 % of it in _prune
+        if len(parts) > 1 and kept > max(chunk, 2 * settled):
             parts = [_coarsen(_prune(_concat(parts), size), size, limit, grid)]
-            kept = len(parts[0].t)
+            kept = settled = len(parts[0].t)
     if not parts:
         width = a.choice.shape[1] + b.choice.shape[1]
         return _Table(scope, np.zeros((0, len(scope)), dtype=np.int64), np.zeros(0), np.zeros(0, dtype=np.int64),

@@ -64,6 +64,9 @@ def test_map_over_the_users_budget_reads_over_it_everywhere_and_exits_3(tmp_path
 
 @pytest.mark.slow
 def test_map_within_the_users_budget_exits_0(tmp_path):
-    proc = run_cli(tmp_path, "+hardware=map_8xa100", "+model=gpt3_2b6", "policy=map", "policy.memory_budget_gib=20")
+    # the 2-D mesh named (what this test checks is the exit status, not the solve): the detected
+    # 2x2x2 mesh's exact block DP takes ~3 min on this 2-core host and ran past 600 s on CI's
+    proc = run_cli(tmp_path, "+hardware=map_8xa100", "+model=gpt3_2b6", "policy=map", "policy.memory_budget_gib=20",
+                   "policy.mesh=[4,2]")
     assert proc.returncode == 0, proc.stderr
     assert summary_line(proc.stdout).endswith("| fits the 20.00 GiB budget")

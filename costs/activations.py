@@ -346,12 +346,13 @@ def split_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = Non
                grad_bytes: dict[int, int] | None = None, w_bytes: dict[int, tuple[int, int]] | None = None
                ) -> tuple[int, dict[int, int], int]:
     """costs.activations.activation_peak's walk for a zero-bubble order (B and W passes, Qi et al.
-    2024 §2): a microbatch's activations are held from its forward's end to its W's end (the
-    weight GEMMs' inputs; simulator.stagecost.StageCost.w_held_bytes), B peaks with the backward's
+    2024 §2): a microbatch's activations are held from its forward's end to its W's end (B's
+    retained graph keeps them for W's groups; simulator.stagecost.split_bytes), B peaks with the backward's
     transient on top, the stage's sent-gradient buffer counts from its first B's end on. The
     stages of a V (zbv, dualpipev) are those on ``position`` (Plan.device_group_of). ``w_bytes[s]``
-    = (held, scratch): recomputed activations held from B's end to W's end, and W's own scratch
-    (simulator.stagecost.StageCost.w_held_bytes, w_scratch_bytes), as the simulator books them."""
+    = (held, scratch): what B's end adds until W's end (the weight ops' stored output gradients,
+    less a head's logits B frees), and W's own scratch (one weight's gradient, a recomputed layer
+    re-made) (simulator.stagecost.split_bytes, measured on the executor), as the simulator books them."""
     from specs.schedule import iter_compute_order
 
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages

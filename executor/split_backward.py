@@ -17,18 +17,20 @@ torch.distributed.pipelining's (``_backward.stage_backward_input`` / ``stage_bac
   W ~1.4x slower on gpt_tiny, seq 512); other groups go through ``autograd.grad`` from the
   intermediate to the weights' accumulators (torch's ``stage_backward_weight``).
 
-Memory (what the simulator books): the activations W reads (the weight GEMMs' inputs) stay
-until W; the graph above the intermediates is dropped at B's end (the output is detached).
+Memory (what the simulator books, simulator.stagecost.split_bytes; measured): everything the
+forward saved below the top intermediate stays until W (the intermediates' graph edges reach it),
+with each intermediate's stored output gradient; the graph above them (a loss's logits) is dropped
+at B's end (the output is detached); W frees group by group, one weight gradient at a time.
 
 The first stage has no input to differentiate: its B differentiates its first layer's weights
 (the embedding's; torch instead runs stage 0's whole backward in W, ``backward_weight_one_chunk``),
 so B is the input-gradient chain there too and W the other weights' gradients.
 
 Recomputed layers (``torch.utils.checkpoint``, non-reentrant) work: B's unpack re-runs the
-layer's forward; its recomputed tensors are held by the checkpoint frame until W unpacks them
-(a retained graph may unpack a saved tensor again). Other memory actions and runtimes that hook
-the backward (swaps, windows, weight swap, PipeDream, MAP stages, multi-stream workers, a user's
-pytree boundaries) are refused by name (:func:`unsupported`).
+layer's forward, its recomputed tensors going as B unpacks them or at B's end (its graph task);
+W's unpacks re-run it once more, one layer at a time (``GraphExecGroup``). Other memory actions
+and runtimes that hook the backward (swaps, windows, weight swap, PipeDream, MAP stages,
+multi-stream workers, a user's pytree boundaries) are refused by name (:func:`unsupported`).
 
 :class:`LocalLinks`: in a V placement (zbv, dualpipev) chunks p-1 and p sit on one rank, so the
 activation and gradient between them are handed over in memory, not sent.
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import torch
 from torch.autograd.graph import _engine_run_backward
+from torch.utils.checkpoint import GraphExecGroup
 from torch.distributed.pipelining._backward import (
     _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups, stage_backward_weight,
 )
@@ -148,14 +151,20 @@ class SplitBackward:
         groups = self.pending.pop(k)
         with loss_context(st.vocab_parallel):
             # linears' and norms' weight gradients directly (as the engine would), from the output
-            # down, as the engine frees: a node done goes once no group above it holds it
-            with torch.no_grad():
+            # down, as the engine frees: a node done goes once no group above it holds it. One
+            # GraphExecGroup: a recomputed layer's saved tensors, unpacked here outside a graph task,
+            # are re-made once for W (each unpack would otherwise re-run the layer's forward under
+            # a fresh id, every copy kept until the layer's nodes go: 4.5 layers' activations
+            # measured on gpt_tiny); the engine's groups below share it (its id)
+            once = GraphExecGroup()
+            with torch.no_grad(), once:
                 rest = [group for group in reversed(groups) if not _direct_weight_grads(group)][::-1]
             del groups
             for group in rest:  # an intermediate B did not reach carries no gradient
                 group["grads"] = [g if g is not None else () for g in group["grads"]]
             if rest:  # other groups: the engine from their intermediates (torch's stage_backward_weight)
-                stage_backward_weight(iter(self.weights), rest)
+                with once:
+                    stage_backward_weight(iter(self.weights), rest)
         for p in self.weights:  # accumulation may have replaced a grad tensor: keep it filed
             st.tracker.tag(p.grad, "gradients")
         self.w_passes += 1

@@ -24,7 +24,7 @@ from executor.stage import StageRuntime
 from executor.timeline import NoRecorder, Recorder, conversion_events
 from executor.topology import process_groups, rank_of_device
 from costs.families import parse_model_config
-from specs.plan import Plan
+from specs.plan import SPLIT_BACKWARD, V_SHAPED, Plan, ScheduleKind, ScheduleSpec
 from specs.schedule import ActionKind, position_schedule
 
 
@@ -148,12 +148,19 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     # it, so there a receive is posted at its point of use. opts["early_recv"] = False: never (A/B).
     recvs = _recv_positions(actions)
     early_recv = not cuda and opts.get("early_recv", True)
+    alternate = _alternate(plan, position, opts.get("alternate"))
+    splits = {s: st.split for s, st in stages.items()}
 
     iter_times, losses, timelines = [], [], []
     unresolved: list[Recorder] = []  # CUDA: recorders with event pairs still to resolve
     record = opts.get("timeline", True)
     total = opts["iterations"]
     for it in range(total):
+        if alternate:  # benchmarks: iteration it under schedule alternate[it % n] (:func:`_alternate`)
+            split, actions = alternate[it % len(alternate)]
+            recvs = _recv_positions(actions)
+            for s, st in stages.items():
+                st.split = splits[s] if split else None
         batch = make_batch(cfg, plan.training.global_batch, it, seed, dtype)
         for st in stages.values():
             st.zero_grad()
@@ -198,6 +205,8 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
         losses.append(sum(st.loss_sum for st in stages.values() if st.last and st.tp_rank == 0))
         if progress is not None:
             progress(it + 1)
+    for s, st in stages.items():
+        st.split = splits[s]
     for st in stages.values():  # CPU steps and copies still running (STRONGHOLD eq. 3) end first
         st.finish_host()
     if cuda and unresolved:
@@ -264,6 +273,23 @@ def group_actions(plan: Plan, position: int) -> list:
         update={"num_microbatches": plan.training.microbatches // s})})
     return [a.model_copy(update={"microbatch": a.microbatch * s}) if a.microbatch is not None else a
             for a in position_schedule(groups, position)]
+
+
+def _alternate(plan: Plan, position: int, kinds: list[str] | None) -> list[tuple[bool, list]]:
+    """opts["alternate"] (benchmarks/zero_bubble_bubble.py): schedule kinds run in turn on this
+    plan's ranks and stages, iteration i under kinds[i % n], so schedules compare a second apart
+    on the same processes, not minutes apart (a shared host drifts more than the bubble). Per kind:
+    (does it split the backward into B and W, this position's action list). The plan's own kind
+    must split if any listed kind does (its stages hold the B/W state); V placements are refused."""
+    out = []
+    for kind in map(ScheduleKind, kinds or []):
+        own = plan.schedule.kind
+        if kind in V_SHAPED or own in V_SHAPED or (kind in SPLIT_BACKWARD and own not in SPLIT_BACKWARD):
+            raise ValueError(f"alternate: {kind.value} cannot run on a plan built for {own.value}; allowed: "
+                             "one-chunk-per-rank kinds, split ones only on a split plan (zb_h1)")
+        as_kind = plan.model_copy(update={"schedule": ScheduleSpec(kind=kind)})
+        out.append((kind in SPLIT_BACKWARD, group_actions(as_kind, position)))
+    return out
 
 
 def _timing_event():

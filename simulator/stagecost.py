@@ -28,7 +28,7 @@ import costs.params
 import costs.static
 from simulator.sharded import sharded_stage
 from specs.hardware import HardwareSpec
-from specs.model import ModelSpec
+from specs.model import LayerKind, ModelSpec
 from specs.plan import SPLIT_BACKWARD, MemoryAction, Plan
 from specs.result import MemoryBreakdown
 
@@ -105,11 +105,11 @@ class StageCost:
     # 0 for schedules that run the backward whole.
     split: bool = False           # the backward runs as B and W passes
     wgrad_ns: int = 0
-    # conservative memory rule (no finer split in costs/): a microbatch's activations, and the ones a
-    # recomputed layer re-made for B, are the weight GEMMs' inputs, so they stay until its W ends;
-    # W allocates one layer's weight gradient at a time unless accumulation is fused into the GEMM
-    w_held_bytes: int = 0         # recomputed activations held from B's end to W's end
-    w_scratch_bytes: int = 0      # the W pass's largest per-layer weight gradient
+    # memory as executor.split_backward holds it (measured; :func:`split_bytes`): a microbatch's
+    # activations (act_bytes) stay until its W ends, but for what B frees (a head's loss logits)
+    w_held_bytes: int = 0         # B's end to W's end: the weight ops' stored output gradients, less
+                                  # what B frees (may be negative)
+    w_scratch_bytes: int = 0      # W's transient: a recomputed layer re-made + one weight's gradient
 
 
 def host_link(hardware: HardwareSpec):
@@ -267,31 +267,121 @@ def split_fields(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) ->
 
 
 def split_bytes(model: ModelSpec, plan: Plan, stage) -> tuple[int, int]:
-    """(held, scratch) bytes of a zero-bubble stage (StageCost.w_held_bytes, w_scratch_bytes): the
-    activations its recomputed layers re-make for B, held until W ends; the output gradient of every
-    weight GEMM, which B computes and W consumes (dB = Aᵀ·dY: torch.distributed.pipelining's
-    stage_backward_input keeps them for stage_backward_weight, as executor/split_backward.py does;
-    measured on gpt_tiny: 9h of a block's 11h per token — the norms' h each are not in the spec's
-    GEMMs and are left out); and W's largest per-layer weight gradient when accumulation is not
-    fused into the wgrad GEMM."""
+    """(held, scratch) bytes of a zero-bubble stage (StageCost.w_held_bytes, w_scratch_bytes), as
+    executor/split_backward.py runs B and W (torch.distributed.pipelining's stage_backward_input /
+    stage_backward_weight). Measured on gpt_tiny, llama_tiny and bert_tiny (float32, the
+    executor's live-tensor tracker, one microbatch of one stage):
+
+    - B runs the engine with ``retain_graph``, so every tensor the forward saved below the stage's
+      topmost weight op stays until W: the weight ops are W's "intermediates", and their graph
+      edges reach everything saved beneath them (the weight GEMMs' inputs, and the GeLU / SiLU
+      inputs, attention's q, k, v, the norms' inputs alike), which W frees group by group. Only
+      what is saved above the topmost weight op goes at B's end (:func:`freed_at_b_bytes`: the
+      loss's logits on a head).
+    - B stores the gradient flowing into each weight op for W (:func:`w_grad_inputs_bytes`).
+    - W computes one weight's gradient at a time (``dW = dYᵀ·X``, then added to ``.grad``), and
+      re-runs a recomputed layer's forward once for it (B's recomputed tensors go with B's graph
+      task), one layer at a time: :func:`w_scratch_bytes`.
+
+    ``held`` is what B's end adds to the microbatch's activations (which stay booked until W):
+    the stored output gradients less what B frees; W's end frees it with the activations."""
+    held = sum(w_grad_inputs_bytes(model, plan, stage, l) for l in stage.layers)
+    return held - freed_at_b_bytes(model, plan, stage), w_scratch_bytes(model, plan, stage)
+
+
+def _weight_gemms(spec):
+    """A layer's GEMMs with a weight (per-head attention products, ``batch`` > 1, have none)."""
+    return [g for g in spec.gemms if g.batch == 1]
+
+
+#: operators whose saved outputs mark a normalisation module in a profiled layer's saved tensors
+#: (``SavedTensorSpec.name`` is "module:op" there): LayerNorm's mean and rstd, RMSNorm's rsqrt
+NORM_OPS = frozenset({"aten.native_layer_norm", "aten.rsqrt", "aten.rms_norm", "aten._fused_rms_norm"})
+
+
+def norm_modules(spec) -> int:
+    """How many normalisation modules (with weights: torch's LayerNorm / RMSNorm) a layer runs, as
+    its profiled saved tensors name them (executor.profile_symbolic: "ln1:aten.native_layer_norm");
+    0 for closed-form specs, whose saved tensors are named by role (their norms' output gradients
+    are then left out: 2 s·h of a GPT block's 11 s·h)."""
+    return len({t.name.split(":", 1)[0] for t in spec.saved_tensors
+                if ":" in t.name and t.name.split(":", 1)[1] in NORM_OPS})
+
+
+def w_grad_inputs_bytes(model: ModelSpec, plan: Plan, stage, layer: int) -> int:
+    """The output gradients B stores for W in ``layer`` (one microbatch, one device): those of its
+    weight ops, the autograd nodes where a weight meets the input's path (torch's
+    ``get_param_groups`` "intermediates"; executor.split_backward keeps their gradients with a
+    pre-hook). Each weight GEMM's dY, b·m·n (n split over t when the GEMM is column-parallel),
+    which W's dW = dYᵀ·X reads (Qi et al. 2024 §2); each normalisation module's (:func:`norm_modules`),
+    b·s·h (split over t under sequence parallelism). The first stage's first layer has none: its
+    weights are B's own sources (executor.split_backward). Measured on gpt_tiny: 11 s·h per block
+    (q, k, v, projection, fc2 1 each, fc1 4, the two layernorms 1 each)."""
+    if layer == 0:
+        return 0
     b, tp = costs.params.samples_per_replica(plan, stage), stage.tp
     dt = costs.gemm.elem_bytes(costs.layer_time.compute_dtype(plan))
-    held = 0
+    spec = model.layers[layer]
+    total = 0
+    for g in _weight_gemms(spec):
+        n = -(-g.n // tp) if g.tp_split == "n" else g.n
+        total += math.ceil(b * g.m * n * dt)
+    norms = norm_modules(spec)
+    if norms and model.seq_len and model.hidden:
+        per_norm = b * model.seq_len * model.hidden * dt
+        total += norms * math.ceil(per_norm / costs.activations.seq_split(stage))
+    return total
+
+
+def freed_at_b_bytes(model: ModelSpec, plan: Plan, stage) -> int:
+    """What B's end frees of a microbatch's activations: the tensors saved above the stage's
+    topmost weight op, which no W group's graph reaches (split_backward detaches the output). On
+    the stage holding the model's head, kept, its loss's logits: the head's tensor-parallel-split
+    saved bytes (costs.activations.vocab_parallel_loss_bytes' convention,
+    ``tp_sharded_saved_fraction``). A recomputed head books only its input; B re-makes its logits
+    and frees them within its own pass."""
+    last = model.num_layers - 1
+    if stage.layer_stop - 1 != last or model.layers[last].kind is not LayerKind.head:
+        return 0
+    if stage.action_of(last).action is not MemoryAction.keep:
+        return 0
+    spec, b = model.layers[last], costs.params.samples_per_replica(plan, stage)
+    return math.ceil(b * spec.saved_bytes_per_sample * spec.tp_sharded_saved_fraction / stage.tp)
+
+
+def w_scratch_bytes(model: ModelSpec, plan: Plan, stage) -> int:
+    """W's largest transient over one microbatch's held tensors, walking the layers from the top
+    (executor.split_backward.weight_pass): a recomputed layer's re-made activations (its saved
+    bytes less the checkpointed input, which stays), live until its weight groups are done, plus
+    one weight's fresh gradient before it is added to ``.grad`` (one weight at a time; none when
+    accumulation is fused into the wgrad GEMM, costs.layer_time.accumulate_bytes_per_param). A
+    weight GEMM's weight is k·n (split over t when the GEMM is): a spec's fused GEMM (LLaMA's
+    gate_up) is one weight, an upper bound where the modules keep two Linears (llama_tiny's zbv
+    compare +3 %); a layer without weight GEMMs in its spec counts its parameters whole. The first
+    stage's first layer is B's (split_backward differentiates its weights there, for want of a
+    stage input)."""
+    fresh = bool(costs.layer_time.accumulate_bytes_per_param(plan))
+    g_bytes, tp = plan.training.bytes_per_param()[1], stage.tp
+    b = costs.params.samples_per_replica(plan, stage)
+    best = 0
     for l in stage.layers:
-        for g in model.layers[l].gemms:
-            if g.batch == 1:  # a weight's GEMM (per-head attention products have no weight)
-                n = -(-g.n // tp) if g.tp_split == "n" else g.n
-                held += math.ceil(b * g.m * n * dt)
-    for l in stage.layers:
+        if l == 0:
+            continue
+        spec = model.layers[l]
+        need = 0
+        if fresh:
+            gemms = _weight_gemms(spec)
+            if gemms:
+                largest = max(-(-g.k * g.n // tp) if g.tp_split in ("n", "k") else g.k * g.n for g in gemms)
+            else:
+                largest = costs.params.layer_params_on_device(spec, tp)
+            need = largest * g_bytes
         if stage.action_of(l).action is MemoryAction.recompute:
-            spec = model.layers[l]
-            held += costs.activations.layer_saved_bytes(spec, b, tp) - (
-                costs.activations.layer_input_bytes(model, l, b) if spec.saves_input else 0)
-    scratch = 0
-    if costs.layer_time.accumulate_bytes_per_param(plan):  # unfused: a fresh gradient, then added
-        g = plan.training.bytes_per_param()[1]
-        scratch = max(costs.params.layer_params_on_device(model.layers[l], tp) * g for l in stage.layers)
-    return held, scratch
+            need += costs.activations.layer_saved_bytes(spec, b, tp, sp=stage.sequence_parallel) - (
+                costs.activations.layer_input_bytes(model, l, b, costs.activations.seq_split(stage))
+                if spec.saves_input else 0)
+        best = max(best, need)
+    return best
 
 
 def wgrad_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> float:

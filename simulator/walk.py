@@ -167,7 +167,8 @@ class ScheduleWalk:
             yield env.timeout(dur)
             self.events += 1
             w.busy += dur
-            # the activations (and recomputed ones) are W's inputs: they go when W ends
+            # the activations stay for W (its groups' graphs reach them); B adds the weight ops'
+            # output gradients it stores for W and frees what lies above the top one (a loss's logits)
             w.mem.add(env.now, ACTS, sc.w_held_bytes - sc.workspace_bytes)
         elif sc.simple:
             yield env.timeout(sc.bwd_ns)
@@ -187,8 +188,9 @@ class ScheduleWalk:
 
     def _backward_weight(self, w: Walker, sc: StageCost, s: int, k: int):
         """Zero bubble's W pass (Qi et al. 2024 §2): the weight gradients of microbatch ``k``'s
-        earlier B, with its weight-gradient scratch; the microbatch's activations go at its end
-        (stagecost.StageCost.w_held_bytes). The stage's gradients are complete after its last W,
+        earlier B, with its scratch (one weight's gradient, a recomputed layer re-made); the
+        microbatch's activations and B's stored gradients go at its end
+        (stagecost.StageCost.w_held_bytes, stagecost.split_bytes). The stage's gradients are complete after its last W,
         so an overlapped all-reduce starts from there."""
         env = self.env
         t0 = env.now

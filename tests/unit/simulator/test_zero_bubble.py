@@ -8,6 +8,7 @@ that carries only the counts they read (their constructors need process groups a
 the papers' closed forms; an independent unit-time walk of the Action lists written here."""
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -203,6 +204,12 @@ def test_bubble_closed_forms(p, m, f, b, w):
 
 
 # ---- the simulator on a uniform model --------------------------------------------------------------
+# What one microbatch of a stage holds (simulator.stagecost.split_bytes, measured on the executor in
+# test_split_bytes_are_the_executors): its activations from F's end to W's end (act_bytes: B's
+# retained graph keeps every saved tensor below the topmost weight op), plus from B's end to W's end
+# each weight GEMM's output gradient b·m·n (here one GEMM of tokens x d per layer, the first
+# stage's first layer excepted: its weights are B's), less a head's logits freed at B (none here);
+# W adds one weight's gradient (d·d, fp32 only) and a recomputed layer's activations less its input.
 def gemm_model(layers: int, d: int = 1024, tokens: int = 512) -> ModelSpec:
     """Square GEMMs (forward, dgrad and wgrad the same shape: T_F = T_B = T_W up to the element-wise
     terms), mixed precision, no per-operator overhead."""
@@ -261,15 +268,21 @@ def test_simulated_zbv_beats_zb_h1_and_1f1b():
 
 
 def test_recompute_runs_inside_b():
-    """Full recompute with B/W: the recomputed forward is in B (before it), W is unchanged, and the
-    recomputed activations stay until W (StageCost.w_held_bytes)."""
+    """Full recompute with B/W: the recomputed forward is in B (before it), W's GEMMs are unchanged,
+    the weight GEMMs' output gradients wait for W alike, and W re-makes one recomputed layer at a
+    time (its scratch, StageCost.w_scratch_bytes; B's recomputed tensors go with B:
+    executor.split_backward, measured in test_split_bytes_are_the_executors)."""
     p, m = 2, 4
     mdl, hw = gemm_model(2 * p), fast_hardware(p)
     rc = {s: [LayerMemory(layer=l, action=MemoryAction.recompute) for l in (2 * s, 2 * s + 1)] for s in range(p)}
     plain, recomputed = make_plan("zb_h1", p, m, 2), make_plan("zb_h1", p, m, 2, memory=rc)
     a, r = stage_costs(plain, mdl, hw)[0], stage_costs(recomputed, mdl, hw)[0]
-    # the weight GEMMs' output gradients wait for W in both; the recomputed activations only with recompute
-    assert r.wgrad_ns == a.wgrad_ns and r.bwd_ns > a.bwd_ns and r.w_held_bytes > a.w_held_bytes > 0
+    assert r.wgrad_ns == a.wgrad_ns and r.bwd_ns > a.bwd_ns and r.w_held_bytes == a.w_held_bytes > 0
+    # fp16 here: accumulation fused into the wgrad GEMM (no fresh weight gradient); layer 1's
+    # re-made activations are its saved bytes less its checkpointed input (layer 0 is B's own)
+    spec = mdl.layers[1]
+    remade = spec.saved_bytes_per_sample - mdl.layers[0].output_bytes_per_sample
+    assert a.w_scratch_bytes == 0 and r.w_scratch_bytes == 4 * remade
     simulate(recomputed, mdl, hw, trace=False)
 
 
@@ -278,8 +291,9 @@ def test_recompute_runs_inside_b():
 @pytest.mark.parametrize("p,m", [(3, 6), (4, 5)])
 def test_analytic_peak_is_the_walks(precision, recompute, p, m):
     """The analytic estimate's walk (simulator.analytic.split_peak: activations held to W, the
-    recomputed ones from B's end to W's end, W's weight-gradient scratch when accumulation is not
-    fused, fp32 here) gives the simulator's per-device peaks, byte for byte."""
+    weight GEMMs' output gradients from B's end to W's end, W's scratch: one weight's gradient when
+    accumulation is not fused, fp32 here, plus a recomputed layer re-made) gives the simulator's
+    per-device peaks, byte for byte."""
     mdl, hw = gemm_model(2 * p), fast_hardware(p)
     memory = {s: [LayerMemory(layer=2 * s, action=MemoryAction.recompute)] for s in range(p)} if recompute else None
     body = make_plan("zb_h1", p, m, 2, memory=memory).model_dump()
@@ -306,7 +320,8 @@ def test_v_peaks_per_device(kind):
 def test_v_peaks_per_position(kind, p, m, recompute):
     """The V, per pipeline position (the engine's own timelines): the simulated peak is the analytic
     walk's for the position's two chunks (s and 2p-1-s), incl. the in-process hand-off at the
-    bottom, recomputed activations held to W, and the sent-gradient buffers."""
+    bottom, the output gradients held from B to W, W's re-made recomputed layer, and the
+    sent-gradient buffers."""
     from simulator.engine import Engine
     from simulator.memory import summarize
 
@@ -317,3 +332,136 @@ def test_v_peaks_per_position(kind, p, m, recompute):
     engine.run()
     simulated = [summarize(engine.mem[i].events, hw.device.memory_bytes).peak_bytes for i in range(p)]
     assert simulated == [d.peak_bytes for d in estimate(plan, mdl, hw).devices]  # device i is position i
+
+
+# ---- B and W's memory as the executor holds it (executor.split_backward) ----------------------------
+# What a microbatch holds from its B to its W (simulator.stagecost.split_bytes), derived from the
+# executor's own run: B runs the engine with retain_graph, so everything the forward saved below the
+# stage's topmost weight op stays (the weight ops' graph edges reach it) and each weight op's output
+# gradient is stored for W: per GPT block 11 s·h (q, k, v, projection, fc2 one each, fc1 4, the two
+# layernorms one each); only what lies above the topmost weight op goes at B (a head's loss logits).
+# W adds one weight's fresh gradient (fp32: not fused) and, for a recomputed layer, re-makes it once.
+# The oracle is the executor's live-tensor tracker on a real float32 run of one stage, not the formula.
+
+
+@functools.lru_cache(maxsize=None)
+def _profiled(name: str):
+    """gpt_tiny / llama_tiny / bert_tiny with their symbolic profile's costs (the spec a compare run
+    plans with, model_costs=auto), at 2 samples per microbatch in float32."""
+    from costs.families import build_model, parse_model_config
+    from executor.profile_symbolic import profile_model
+    from specs.profile import apply_profile
+    from tests.conftest import conf
+
+    cfg = parse_model_config(conf("model", name))
+    return cfg, apply_profile(build_model(cfg, 4), profile_model(cfg, microbatch=2, dtype="fp32"))
+
+
+def _slice_plan(model: ModelSpec, owned: range, recompute: bool) -> tuple[Plan, int]:
+    """A zb_h1 plan whose stage ``owned`` is the measured one (float32, 2 samples per microbatch)."""
+    n = model.num_layers
+    cuts = sorted({0, owned.start, owned.stop, n})
+    stages = [StagePlan(layer_start=a, layer_stop=b, devices=[i],
+                        memory=[LayerMemory(layer=l, action=MemoryAction.recompute) for l in range(a, b)]
+                        if recompute and a == owned.start else [])
+              for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+    p = len(stages)
+    plan = Plan(planner="test", model=model.name, hardware="toyhw", num_devices=p,
+                training=TrainingSpec(global_batch=2 * p, microbatch_size=2, precision="fp32"),
+                schedule=ScheduleSpec(kind="zb_h1"), stages=stages)
+    return plan, cuts.index(owned.start)
+
+
+def _executor_split_bytes(cfg, owned: range, recompute: bool) -> dict:
+    """One microbatch of 2 samples through the executor's SplitBackward on layers ``owned``, float32,
+    counted by executor.memtrack.LiveTensorTracker (the compare's measured memory): what B's end
+    adds over the tensors live when B starts, with the bytes of the received gradient, the output
+    B releases and the input gradient it sends; and W's peak over what B left."""
+    import types
+
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from executor.memtrack import LiveTensorTracker
+    from executor.models import build_layers, make_batch, output_shapes
+    from executor.split_backward import SplitBackward
+
+    n = len(output_shapes(cfg))
+    first, last = owned.start == 0, owned.stop == n
+    layers = build_layers(cfg, owned, "cpu", 0, torch.float32)
+    params = list({id(q): q for _, _, mod in layers for q in mod.parameters()}.values())
+    tracker = LiveTensorTracker()
+    for q in params:
+        q.grad = torch.zeros_like(q)
+        tracker.tag(q, "parameters")
+        tracker.tag(q.grad, "gradients")
+    st = types.SimpleNamespace(outputs={}, inputs={}, first=first, last=last, params=params, layers=layers,
+                               vocab_parallel=False, release_outputs=False, tracker=tracker, bounds=None,
+                               workers=None, pipedream=None, index=1, plan=None)
+    sb = SplitBackward(st)
+    batch = make_batch(cfg, 2, 0, 0, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with tracker:
+        shape = output_shapes(cfg)[owned.start - 1] if not first else None
+        x = None if first else torch.randn((2, *shape), generator=gen).requires_grad_(True)
+        y = x
+        for _, _, mod in layers:
+            y = checkpoint(mod, y, batch, use_reentrant=False) if recompute else mod(y, batch)
+        grad = None if last else torch.randn(y.shape, generator=gen)
+        out = {"received": 0 if grad is None else grad.untyped_storage().nbytes(),
+               "output": y.untyped_storage().nbytes()}
+        st.outputs[0], st.inputs[0] = y, x
+        del x, y
+        before = tracker.total_bytes
+        sb.input_pass(0, grad)
+        del grad
+        sent = st.grad_to_send
+        out["sent"] = 0 if sent is None else sent.untyped_storage().nbytes()
+        out["b_adds"] = tracker.total_bytes - before
+        tracker.reset_peak()
+        after_b = tracker.total_bytes
+        sb.weight_pass(0)
+        out["w_excess"] = tracker.peak_bytes - after_b
+    return out
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "bert_tiny"])
+def test_split_bytes_are_the_executors(name, where, recompute):
+    """StageCost.w_held_bytes is exactly what the executor's B adds for W: its stored output
+    gradients (the top one is the received gradient, already live; the sent input gradient is the
+    stage's grad buffer, costs.buffers) less what it frees (the released output; on the head, the
+    loss's logits). A revert to "the activations wait whole, nothing stored" (held 0 with no
+    recompute), to "recomputed activations held from B to W", or to a layer's whole weight
+    gradient as W's scratch fails here. W's scratch bounds its measured peak (equal where the
+    spec's largest weight GEMM is one Linear: a fused gate_up or q/k/v GEMM is an upper bound)."""
+    cfg, model = _profiled(name)
+    n = model.num_layers
+    owned = {"first": range(0, 2), "middle": range(1, 3), "last": range(n - 2, n)}[where]
+    plan, s = _slice_plan(model, owned, recompute)
+    sc = stage_costs(plan, model, fast_hardware(len(plan.stages)))[s]
+    got = _executor_split_bytes(cfg, owned, recompute)
+    assert sc.w_held_bytes == got["b_adds"] + got["received"] - got["sent"] + got["output"], got
+    assert sc.w_held_bytes > 0
+    assert got["w_excess"] <= sc.w_scratch_bytes, got
+    if name != "llama_tiny":  # its spec fuses gate and up (two Linears here) into one GEMM
+        assert got["w_excess"] == sc.w_scratch_bytes or recompute, got
+
+
+def test_head_frees_its_logits_at_b_and_w_scratch_is_one_weight():
+    """The head stage's B frees the loss's logits (2 samples x s·V·4, the head's tp-split saved
+    bytes), and W's scratch in fp32 is one weight's gradient (the largest weight GEMM's k·n), not
+    the layer's parameters: a revert to the activations all held until W (logits included) or to
+    a layer-sized scratch fails here."""
+    from simulator.stagecost import freed_at_b_bytes, w_scratch_bytes
+
+    _, model = _profiled("gpt_tiny")
+    plan, s = _slice_plan(model, range(model.num_layers - 2, model.num_layers), False)
+    stage = plan.stages[s]
+    head = model.layers[-1]
+    logits = 2 * head.saved_bytes_per_sample * head.tp_sharded_saved_fraction
+    assert freed_at_b_bytes(model, plan, stage) == pytest.approx(logits, abs=1) and logits > 0
+    # fp32: W's largest weight gradient is a GEMM's k·n (fc2's 4h·h = the head's V·h here), not a block's params
+    gemm = max(g.k * g.n for l in stage.layers for g in model.layers[l].gemms if g.batch == 1)
+    assert w_scratch_bytes(model, plan, stage) == 4 * gemm < 4 * model.layers[stage.layer_start].params

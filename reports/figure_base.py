@@ -64,6 +64,29 @@ def new_figure(width_in: float, height_in: float):
     return fig
 
 
+#: the rcParams at their defaults, under which ``Figure.savefig(path, format="png")`` of a figure from
+#: :func:`new_figure` is one draw of its Agg canvas + ``matplotlib.image.imsave`` (write_png)
+_PLAIN_SAVEFIG = {"savefig.dpi": "figure", "savefig.bbox": None, "savefig.facecolor": "auto",
+                  "savefig.edgecolor": "auto", "savefig.transparent": False}
+
+
+def write_png(fig, path) -> None:
+    """Write ``fig`` as PNG: the bytes ``fig.savefig(path, format="png")`` writes, drawn once.
+    savefig first draws a figure that has a layout engine with drawing disabled (to run the
+    constrained layout), then draws it again for real; ``canvas.draw()`` runs the layout and draws
+    in one pass, and ``image.imsave`` is what savefig's Agg PNG writer calls on that buffer (a
+    tenth of a second less for llama3_70b's two figures). A canvas other than Agg or a
+    matplotlibrc that changes savefig's defaults goes through savefig itself."""
+    import matplotlib as mpl
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if type(fig.canvas) is not FigureCanvasAgg or any(mpl.rcParams[k] != v for k, v in _PLAIN_SAVEFIG.items()):
+        fig.savefig(path, format="png")
+        return
+    fig.canvas.draw()  # savefig marks the canvas as saving: that only matters to animated artists (none here)
+    mpl.image.imsave(path, fig.canvas.buffer_rgba(), format="png", origin="upper", dpi=fig.dpi)
+
+
 def device_ranges(devices: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5"."""
     parts, start = [], devices[0]

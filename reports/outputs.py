@@ -34,7 +34,7 @@ def write_json(path: Path, obj: BaseModel | dict) -> Path:
 
 def save_figure(path: Path, fig) -> Path:
     """Save a matplotlib Figure as PNG atomically (temp file + rename)."""
-    return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    return atomic_write(path, lambda tmp: figure_base.write_png(fig, tmp))
 
 
 def write_figures(outdir: Path, result: Result, trace: dict | None = None) -> list[Path]:

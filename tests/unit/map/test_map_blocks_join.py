@@ -71,7 +71,8 @@ def test_join_memory_is_bounded_by_the_chunk_not_the_cross_product(monkeypatch):
     tracemalloc.stop()
     assert 0 < len(out.t) < pairs
     # a chunk's scratch, ~100 bytes a pair (see JOIN_CHUNK_PAIRS), for the chunk and for the points
-    # kept before they are merged (at most a chunk's worth), plus the result and the inputs' copies
-    bound = 2 * 128 * blocks.JOIN_CHUNK_PAIRS + 64 * (len(out.t) + len(a.t) + len(b.t))
+    # kept before they are merged (a chunk's worth, or up to twice the last merged set: _join merges
+    # geometrically), plus the result and the inputs' copies
+    bound = 2 * 128 * blocks.JOIN_CHUNK_PAIRS + 64 * (3 * len(out.t) + len(a.t) + len(b.t))
     assert bound < cross_bytes / 2, "the case must be one where the cross product would not fit the bound"
     assert peak < bound, (peak, bound, cross_bytes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from costs.context_parallel import ring_workspace_bytes
 from costs.params import samples_per_replica
 from specs.model import LayerKind, LayerSpec, ModelSpec
 from specs.plan import SPLIT_BACKWARD, LayerMemory, MemoryAction, Plan, ScheduleKind, StagePlan
@@ -234,6 +235,7 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
             need += math.ceil(b * spec.selective_bytes_per_sample / tp)
         if n:
             need += layer_output_bytes(model, l, b, split)
+        need += ring_workspace_bytes(spec, b, tp, stage.cp)  # cp > 1: the ring's K/V send-receive buffers
         best = max(best, need - freed)
         freed += layer_freed_bytes(model, stage, l, b)
     return best

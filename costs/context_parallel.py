@@ -21,6 +21,9 @@ What each of the cp ranks of a stage holds and does, per microbatch:
   has. The backward rotates K and V again plus their gradient accumulators dK and dV: 4 blocks per
   step. Transfers overlap the block computes (:func:`ring_attention_s`): one step takes
   max(block compute, block transfer), the first block computes with nothing yet to wait for.
+- **Ring buffers** (:func:`ring_workspace_bytes`): the send/receive blocks TransformerEngine's
+  ``AttnFuncWithCPAndKVP2P`` allocates, cp K+V blocks in the forward, 4 (K, V, dK, dV, twice) in
+  the backward, counted in the layer's backward workspace.
 - **Parameters are replicated over cp**: gradients are all-reduced over the dp·cp ranks of one
   tensor-parallel coordinate (Megatron-Core's ``data_parallel_group_with_cp``);
   ``costs.params.grad_reduce_ranks`` is that group's size.
@@ -124,16 +127,46 @@ def ring_bytes_per_microbatch(model: ModelSpec, plan: Plan, stage: StagePlan) ->
                for i in stage.layers if model.layers[i].kind in RING_KINDS)
 
 
+#: K+V-sized buffers the ring holds beyond the layer's own saved K and V, TransformerEngine's
+#: ``AttnFuncWithCPAndKVP2P`` (transformer_engine/pytorch/attention/dot_product_attention/
+#: context_parallel.py; Megatron-Core's ring, ``cp_comm_type=p2p``). Backward: two buffers of shape
+#: (2, *kv.shape), ``p2p_comm_buffers = [empty((2, *kv.shape)), empty((2, *kv.shape))]``, each a K, V
+#: block and its dK, dV accumulator, one sent while the other is received (4 K+V blocks).
+BWD_RING_KV_BUFFERS = 4
+
+
+def fwd_ring_kv_buffers(cp: int) -> int:
+    """K+V-sized buffers the forward ring holds at its end: TE's ``p2p_comm_buffers`` list of cp
+    entries (entry 0 ``torch.cat((k, v))``, a copy; entries 1..cp-1 ``torch.empty_like`` receive
+    buffers), none released before the forward returns; the last one is then kept as the saved kv
+    (the layer's saved ``attn.k``/``attn.v`` bytes, already counted) and the projections' k, v are
+    freed. So cp K+V blocks above the saved bytes while the forward runs; 0 at cp 1."""
+    return cp if cp > 1 else 0
+
+
+def ring_workspace_bytes(layer: LayerSpec, samples: int | float, tp: int, cp: int) -> int:
+    """Transient bytes the ring adds to one rank while it runs ``layer``'s attention (0 at cp 1, for
+    layers without a ring): ``max(forward, backward)`` K+V buffers (:func:`fwd_ring_kv_buffers`,
+    :data:`BWD_RING_KV_BUFFERS`) of one block, the K and V of ``samples`` (per cp rank, s/cp tokens
+    each) on this tensor-parallel rank's kv heads: closed form max(cp, 4)·2·g·d·(s/cp)·b·act/tp.
+    The simulator books it in the backward workspace (costs.activations.backward_workspace_bytes):
+    in the steady state a rank holds more finished microbatches during a backward than during a
+    forward (1F1B: p-1 plus the running one, then p), so booking the forward's buffers there too is
+    an upper bound, exact where the backward's dominate (cp <= 4)."""
+    if cp <= 1 or layer.kind not in RING_KINDS:
+        return 0
+    buffers = max(fwd_ring_kv_buffers(cp), BWD_RING_KV_BUFFERS)
+    return math.ceil(samples * kv_bytes_per_sample(layer) / tp * buffers)
+
+
 def ring_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
-    """Transient bytes of the ring on one rank at its largest: the backward's blocks in flight, the
-    one being used and the one arriving (K, V, dK, dV each: 2 x :func:`ring_step_bytes`), for the
-    stage's largest ring layer; 0 at cp 1. Not yet added to the backward workspace
-    (costs.activations.backward_workspace_bytes): under 1 % of a long-sequence stage's activations."""
+    """Transient bytes of the ring on one rank at its largest: :func:`ring_workspace_bytes` of the
+    stage's largest ring layer; 0 at cp 1 (llama3_8b, cp 2, tp 4, one sample: 16 MiB at seq 8192,
+    256 MiB at 131k). costs.activations.backward_workspace_bytes adds each layer's own."""
     if stage.cp <= 1:
         return 0
     b = samples_per_replica(plan, stage)
-    return max((2 * ring_step_bytes(model.layers[i], b, stage.tp, backward=True)
-                for i in stage.layers if model.layers[i].kind in RING_KINDS), default=0)
+    return max((ring_workspace_bytes(model.layers[i], b, stage.tp, stage.cp) for i in stage.layers), default=0)
 
 
 def sequence_split_error(model: ModelSpec, cp: int) -> str | None:

@@ -1,7 +1,9 @@
 """Context parallelism (costs/context_parallel.py): a cp rank holds 1/cp of every sequence-
 proportional byte, the ring sends (cp-1)·(2+4)·g·d·(s/cp)·b·act/tp bytes per block and microbatch,
 overlap never beats the compute alone nor loses to compute + transfers, cp 1 is what it was, the
-gradient all-reduce spans dp x cp, and a cp plan of llama3_8b simulates below its cp-1 peers."""
+gradient all-reduce spans dp x cp, a cp plan of llama3_8b simulates below its cp-1 peers, and the
+ring's send/receive buffers (max(cp, 4) K+V blocks a ring layer, TransformerEngine's
+AttnFuncWithCPAndKVP2P) sit in the backward workspace."""
 from __future__ import annotations
 
 import copy
@@ -184,3 +186,40 @@ def test_simulator_and_analytic_agree_on_the_ring(bw_gbps):
     st = plan.stages[0]
     ring_s = plan.training.microbatches * sum(sum(cpc.layer_cp_comm_s(model, plan, hw, st, l)) for l in st.layers)
     assert (ring_s > 0) == (bw_gbps is not None)
+
+
+# ---- the ring's send/receive buffers -------------------------------------------------------------
+
+@pytest.mark.parametrize("cp, tp, micro, seq, want_mib", [(2, 4, 1, 8192, 16), (2, 4, 1, 131072, 256),
+                                                          (4, 2, 2, 8192, 32), (8, 1, 1, 8192, 32)])
+def test_ring_buffers_closed_form(cp, tp, micro, seq, want_mib):
+    """TransformerEngine's AttnFuncWithCPAndKVP2P: the backward holds two (2, *kv.shape) buffers
+    (K, V, dK, dV, sent and received: 4 K+V blocks), the forward its list of cp K+V blocks; a K+V
+    block is 2·g·d·(s/cp)·b·act/tp bytes (llama3_8b: g 8 kv heads, d 128, fp16), so
+    max(cp, 4)·2·g·d·(s/cp)·b·act/tp per ring layer (docs/megatron.md: 16 MiB at seq 8192 and
+    256 MiB at 131k for cp 2 x tp 4, one sample). Embedding and head: none."""
+    model, plan = llama(seq), plan_of(cp=cp, tp=tp, micro=micro, seq=seq)
+    st = plan.stages[0]
+    b = costs.params.samples_per_replica(plan, st)
+    g, d, act = 8, 4096 // 32, 2
+    want = max(cp, 4) * 2 * g * d * (seq // cp) * micro * act // tp
+    assert want == want_mib * 2 ** 20
+    assert cpc.ring_buffer_bytes(model, plan, st) == want
+    for spec in model.layers:
+        got = cpc.ring_workspace_bytes(spec, b, tp, cp)
+        assert got == (want if spec.kind.value == "transformer_block" else 0), spec.name
+        assert cpc.ring_workspace_bytes(spec, b, tp, 1) == 0
+
+
+def test_ring_buffers_in_the_backward_workspace(monkeypatch):
+    """A headless stage (pp 2, stage 0: embedding and blocks) whose backward peaks inside a block:
+    the ring raises its workspace by exactly one layer's buffers (the layers run one at a time),
+    and the cp-1 twin's workspace has none."""
+    model = llama(32768)
+    plan = plan_of(cp=2, tp=2, pp=2, micro=1, seq=32768)
+    st = plan.stages[0]
+    assert model.layers[st.layer_stop - 1].kind.value == "transformer_block"
+    with_ring = costs.activations.backward_workspace_bytes(model, plan, st)
+    monkeypatch.setattr(costs.activations, "ring_workspace_bytes", lambda *a: 0)
+    without = costs.activations.backward_workspace_bytes(model, plan, st)
+    assert with_ring - without == cpc.ring_buffer_bytes(model, plan, st) == 4 * 2 * 8 * 128 * 16384 * 2 // 2

@@ -137,11 +137,11 @@ def block_gemms(s: int, h: int, a: int, g: int, f: int) -> list[GemmSpec]:
     gate/up column-parallel (fused: 2f wide), down row-parallel."""
     d = h // a
     return [GemmSpec(name="q", m=s, n=h, k=h, tp_split="n"),
-            GemmSpec(name="kv", m=s, n=2 * g * d, k=h, tp_split="n"),
+            GemmSpec(name="kv", m=s, n=2 * g * d, k=h, tp_split="n", weights=2),  # k, v: two Linears
             GemmSpec(name="scores", m=s, n=s, k=d, batch=a, tp_split="batch"),
             GemmSpec(name="attn_v", m=s, n=d, k=s, batch=a, tp_split="batch"),
             GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
-            GemmSpec(name="gate_up", m=s, n=2 * f, k=h, tp_split="n"),
+            GemmSpec(name="gate_up", m=s, n=2 * f, k=h, tp_split="n", weights=2),  # gate, up: two Linears
             GemmSpec(name="down", m=s, n=h, k=f, tp_split="k")]
 
 
@@ -197,6 +197,7 @@ def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
         **core_selective(s, h, a, cfg.flash_attention, act),
         tp_allreduces_per_pass=2,  # after proj and after down (Megatron §3)
         max_tp=g,  # Megatron-Core: tp must divide num_query_groups (kv heads split whole)
+        norm_modules=2,  # the attention and MLP RMSNorms
         gemms=gemms,
         fwd_mem_bytes_per_sample=mem,
         saved_tensors=saved_specs(saved, lambda n: n, skip=1),  # the norm input is the block's input
@@ -226,7 +227,7 @@ def build_llama(cfg: LlamaConfig, act: int) -> ModelSpec:
     s, h, V = cfg.seq_len, cfg.hidden, cfg.vocab
     head = head_layer("head", s, h, V, act, params=h + h * V, sharded_params=h * V, flops=2.0 * s * h * V,
                       saved_inputs=[("norm_input", s * h * act), ("decoder_input", s * h * act)],
-                      tied_to="embed" if cfg.tie_embeddings else None)
+                      tied_to="embed" if cfg.tie_embeddings else None, norms=1)  # the final RMSNorm
     head = head.model_copy(update=_ops(LLAMA_HEAD_OPS, norms=1, casts=1, act=act))  # the logits cast to fp32
     blocks = [block_layer(f"block_{i:02d}", cfg, act) for i in range(cfg.num_layers)]
     return ModelSpec(name=cfg.name, family=cfg.family, layers=[embedding_layer(s, h, V, act), *blocks, head],

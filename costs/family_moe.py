@@ -93,6 +93,7 @@ def moe_block_layer(name: str, cfg: MoEConfig, act: int) -> LayerSpec:
         **attention_core_selective(s, h, cfg.heads, act),
         tp_allreduces_per_pass=2,  # attention projection and wo are row-parallel
         max_tp=cfg.heads,
+        norm_modules=2,  # post-LN: after attention and after the experts
         **op_counts.ops(op_counts.MOE_BLOCK),
         gemms=[*attention_gemms(s, h, cfg.heads), *moe_gemms(cfg)],
         # attention's elementwise ops; layernorm, gate softmax (E per token), ReLU over the
@@ -132,9 +133,9 @@ def build_moe(cfg: MoEConfig, act: int) -> ModelSpec:
         else block_layer(f"block_{i:02d}", s, h, cfg.heads, f, act)
         for i in range(cfg.num_layers)
     ]
-    embed = embedding_layer("embed", s, h, V, act, extra_params=2 * h, extra_saved=s * h * act)
+    embed = embedding_layer("embed", s, h, V, act, extra_params=2 * h, extra_saved=s * h * act, norms=1)
     head = head_layer("head", s, h, V, act, params=h * V + V, sharded_params=h * V + V,
-                      flops=2.0 * s * h * V, saved_inputs=s * h * act)
+                      flops=2.0 * s * h * V, saved_inputs=s * h * act, norms=0)  # no final layernorm
     embed = embed.model_copy(update=op_counts.ops(op_counts.EMBED["moe"]))
     head = head.model_copy(update=op_counts.head_ops(op_counts.HEAD["moe"], act))
     return ModelSpec(name=cfg.name, family=cfg.family, layers=[embed, *blocks, head],

@@ -152,7 +152,7 @@ def attention_gemms(s: int, h: int, a: int) -> list[GemmSpec]:
     scores QKᵀ and attention·V one product per head (heads split over TP), projection row-parallel."""
     d = h // a
     return [
-        GemmSpec(name="qkv", m=s, n=3 * h, k=h, tp_split="n"),
+        GemmSpec(name="qkv", m=s, n=3 * h, k=h, tp_split="n", weights=3),  # q, k, v: three Linears
         GemmSpec(name="scores", m=s, n=s, k=d, batch=a, tp_split="batch"),
         GemmSpec(name="attn_v", m=s, n=d, k=s, batch=a, tp_split="batch"),
         GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
@@ -214,6 +214,7 @@ def block_layer(name: str, s: int, h: int, a: int, f: int, act: int) -> LayerSpe
         **attention_core_selective(s, h, a, act),
         tp_allreduces_per_pass=2,  # after the attention projection and after fc2 (Megatron §3)
         max_tp=a,  # heads are split whole across TP ranks
+        norm_modules=2,  # ln1, ln2 (before attention and MLP pre-LN, after them post-LN)
         gemms=[*attention_gemms(s, h, a),
                GemmSpec(name="fc1", m=s, n=f, k=h, tp_split="n"),
                GemmSpec(name="fc2", m=s, n=h, k=f, tp_split="k")],
@@ -225,12 +226,12 @@ def block_layer(name: str, s: int, h: int, a: int, f: int, act: int) -> LayerSpe
 
 
 def embedding_layer(name: str, s: int, h: int, V: int, act: int, extra_params: int = 0,
-                    extra_saved: int = 0, id_tensors: int = 1) -> LayerSpec:
+                    extra_saved: int = 0, id_tensors: int = 1, norms: int = 0) -> LayerSpec:
     """Token embedding V·h + learned positions s·h (+ ``extra_params`` such as BERT's token types
     and layernorm). Megatron's vocab-parallel embedding splits V·h over TP and all-reduces its
     output once per pass (Shoeybi et al. 2019 §3). Saved: the int64 ids and the dropout mask s·h
     (Korthikanti et al. 2022 §4.3 counts the embedding dropout mask), plus ``extra_saved``.
-    FLOPs: the position add, s·h (lookups do no arithmetic)."""
+    FLOPs: the position add, s·h (lookups do no arithmetic). ``norms``: its layernorms (BERT's, 1)."""
     params = V * h + s * h + extra_params
     # it saves no input (the ids are the batch, counted here): all its saved tensors are its own
     ids = [(f"ids_{i}", s * TOKEN_ID_BYTES, False) for i in range(id_tensors)]
@@ -249,6 +250,7 @@ def embedding_layer(name: str, s: int, h: int, V: int, act: int, extra_params: i
         # (blocks have none: Megatron's wgrad GEMMs accumulate straight into main_grad)
         workspace_fixed_bytes=V * h * act,
         saves_input=False,
+        norm_modules=norms,
         tp_sharded_param_fraction=V * h / params,
         tp_sharded_saved_fraction=0.0,
         # under sequence parallelism the output is reduce-scattered along the sequence and the
@@ -264,12 +266,13 @@ def embedding_layer(name: str, s: int, h: int, V: int, act: int, extra_params: i
 
 def head_layer(name: str, s: int, h: int, V: int, act: int, params: int, sharded_params: int,
                flops: float, saved_inputs: list[tuple[str, int]] | int, tied_to: str | None = None,
-               gemms: list[GemmSpec] | None = None) -> LayerSpec:
+               gemms: list[GemmSpec] | None = None, *, norms: int) -> LayerSpec:
     """An LM head ending in the loss: ``saved_inputs`` (role, bytes) of hidden-size tensors, in
     forward order and the layer's input first (or their total: no ``saved_tensors``), plus the fp32
     logits s·V·4 that cross-entropy keeps (Korthikanti et al. 2022 §4.3); the logits are split
     over TP by Megatron's vocab-parallel cross-entropy. Workspace: the fp32 gradient of the
-    logits, s·V·4, allocated in the backward of the loss (estimate; Megatron computes it in place)."""
+    logits, s·V·4, allocated in the backward of the loss (estimate; Megatron computes it in place).
+    ``norms``: its normalisation modules (a final layernorm or RMSNorm: 1; Alpa's MoE head: 0)."""
     logits = s * V * LOGIT_BYTES
     if isinstance(saved_inputs, int):  # a total alone (family_moe): the tensors are not known
         saved, tensors = saved_inputs + logits, []
@@ -286,6 +289,7 @@ def head_layer(name: str, s: int, h: int, V: int, act: int, params: int, sharded
         saved_bytes_per_sample=saved,
         output_bytes_per_sample=LOSS_BYTES,
         workspace_bytes_per_sample=logits,
+        norm_modules=norms,
         tp_sharded_param_fraction=sharded_params / params,
         tp_sharded_saved_fraction=logits / saved,
         # sequence parallelism splits the hidden-size inputs too (final layernorm on the shard, the
@@ -326,7 +330,7 @@ def build_gpt(cfg: GPTConfig, act: int) -> ModelSpec:
         params=2 * h + h * V, sharded_params=h * V,
         flops=2.0 * s * h * V,  # logits GEMM (Narayanan et al. 2021 §5.1: the V/16lh term, 2shV)
         saved_inputs=[("ln_input", s * h * act), ("decoder_input", s * h * act)],  # Korthikanti §4.3
-        tied_to="embed" if cfg.tie_embeddings else None,
+        tied_to="embed" if cfg.tie_embeddings else None, norms=1,  # the final layernorm
     )
     head = head.model_copy(update=op_counts.head_ops(op_counts.HEAD["gpt"], act))
     embed = embedding_layer("embed", s, h, V, act).model_copy(update=op_counts.ops(op_counts.EMBED["gpt"]))
@@ -349,6 +353,7 @@ def build_bert(cfg: BertConfig, act: int) -> ModelSpec:
         "embed", s, h, V, act, extra_params=2 * h + 2 * h,
         extra_saved=s * h * act,  # embedding-layernorm input
         id_tensors=2,  # token ids and token-type ids
+        norms=1,  # the embedding layernorm
     )
     head = head_layer(
         "head", s, h, V, act,
@@ -358,6 +363,7 @@ def build_bert(cfg: BertConfig, act: int) -> ModelSpec:
                       ("decoder_input", s * h * act)],
         tied_to="embed" if cfg.tie_embeddings else None,
         gemms=[GemmSpec(name="dense", m=s, n=h, k=h), GemmSpec(name="decoder", m=s, n=V, k=h, tp_split="n")],
+        norms=1,  # the MLM head's layernorm
     )
     embed = embed.model_copy(update=op_counts.ops(op_counts.EMBED["bert"]))
     head = head.model_copy(update=op_counts.head_ops(op_counts.HEAD["bert"], act))

@@ -300,10 +300,14 @@ NORM_OPS = frozenset({"aten.native_layer_norm", "aten.rsqrt", "aten.rms_norm", "
 
 
 def norm_modules(spec) -> int:
-    """How many normalisation modules (with weights: torch's LayerNorm / RMSNorm) a layer runs, as
-    its profiled saved tensors name them (executor.profile_symbolic: "ln1:aten.native_layer_norm");
-    0 for closed-form specs, whose saved tensors are named by role (their norms' output gradients
-    are then left out: 2 s·h of a GPT block's 11 s·h)."""
+    """How many normalisation modules (with weights: torch's LayerNorm / RMSNorm) a layer runs: the
+    spec's own count (``LayerSpec.norm_modules``, which the closed-form families fill: 2 per GPT,
+    BERT, LLaMA or MoE block, 1 for a head with a final norm); where that is 0 (a torch_module
+    layer built from its profile alone, a hand-written spec), as its profiled saved tensors name
+    them (executor.profile_symbolic: "ln1:aten.native_layer_norm"; the two agree on gpt_tiny,
+    llama_tiny and bert_tiny). A layer with neither has none."""
+    if spec.norm_modules:
+        return spec.norm_modules
     return len({t.name.split(":", 1)[0] for t in spec.saved_tensors
                 if ":" in t.name and t.name.split(":", 1)[1] in NORM_OPS})
 
@@ -355,11 +359,11 @@ def w_scratch_bytes(model: ModelSpec, plan: Plan, stage) -> int:
     bytes less the checkpointed input, which stays), live until its weight groups are done, plus
     one weight's fresh gradient before it is added to ``.grad`` (one weight at a time; none when
     accumulation is fused into the wgrad GEMM, costs.layer_time.accumulate_bytes_per_param). A
-    weight GEMM's weight is k·n (split over t when the GEMM is): a spec's fused GEMM (LLaMA's
-    gate_up) is one weight, an upper bound where the modules keep two Linears (llama_tiny's zbv
-    compare +3 %); a layer without weight GEMMs in its spec counts its parameters whole. The first
-    stage's first layer is B's (split_backward differentiates its weights there, for want of a
-    stage input)."""
+    weight GEMM's weight is k·n (split over t when the GEMM is), over ``GemmSpec.weights`` where
+    the GEMM fuses several Linears (GPT's qkv 3, LLaMA's kv and gate_up 2: W differentiates each
+    module's weight on its own); a layer without weight GEMMs in its spec counts its parameters
+    whole. The first stage's first layer is B's (split_backward differentiates its weights there,
+    for want of a stage input)."""
     fresh = bool(costs.layer_time.accumulate_bytes_per_param(plan))
     g_bytes, tp = plan.training.bytes_per_param()[1], stage.tp
     b = costs.params.samples_per_replica(plan, stage)
@@ -372,7 +376,8 @@ def w_scratch_bytes(model: ModelSpec, plan: Plan, stage) -> int:
         if fresh:
             gemms = _weight_gemms(spec)
             if gemms:
-                largest = max(-(-g.k * g.n // tp) if g.tp_split in ("n", "k") else g.k * g.n for g in gemms)
+                largest = max(-(-g.k * (g.n // g.weights) // tp) if g.tp_split in ("n", "k")
+                              else g.k * (g.n // g.weights) for g in gemms)
             else:
                 largest = costs.params.layer_params_on_device(spec, tp)
             need = largest * g_bytes
@@ -425,10 +430,12 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
     prices the copy's gradient as split over the stage's devices)."""
     sh = sharded_stage(plan, model, hardware, stage)
     chain = sh.chain
+    # per layer: its chain stages [a, b) (one, or its node groups' under MAP Algorithm 2)
     layers = tuple(LayerCost(
-        layer=l, action=MemoryAction.keep, targets=(), saved_bytes=chain.w_abar[i],
-        recompute_ns=ns(chain.t_fwd(i)), bwd_ns=ns(chain.t_bwd(i)), fwd_ns=ns(chain.t_fwd(i)))
-        for i, l in enumerate(sh.layers))
+        layer=l, action=MemoryAction.keep, targets=(), saved_bytes=sum(chain.w_abar[a:b]),
+        recompute_ns=ns(sum(chain.t_fwd(g) for g in range(a, b))),
+        bwd_ns=ns(sum(chain.t_bwd(g) for g in range(a, b))), fwd_ns=ns(sum(chain.t_fwd(g) for g in range(a, b))))
+        for l, (a, b) in zip(sh.layers, sh.layer_spans()))
     tied_s = costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],

@@ -40,6 +40,19 @@ class GemmSpec(Spec):
     k: int = Field(ge=1, le=1 << 40)
     batch: int = Field(1, ge=1, le=1 << 40, description="independent products per sample (heads)")
     tp_split: Literal["n", "k", "batch", "none"] = "none"
+    weights: int = Field(
+        1, ge=1, le=1 << 16,
+        description="weight matrices the k x n operand concatenates along n (a fused GEMM: GPT's qkv 3, "
+                    "LLaMA's gate_up 2), each its own Linear in the executor's modules: the weight gradient "
+                    "the zero-bubble W pass allocates at a time is k·n/weights (1 for a product without a "
+                    "weight, batch > 1)")
+
+    @model_validator(mode="after")
+    def _weights_divide_n(self) -> GemmSpec:
+        if self.n % self.weights:
+            raise ValueError(f"weights: {self.weights} does not divide n {self.n} (GEMM {self.name!r}): a fused "
+                             f"GEMM concatenates equal-width weights")
+        return self
 
     @property
     def flops_per_sample(self) -> float:
@@ -90,6 +103,13 @@ class LayerSpec(Spec):
         0, ge=0, le=1024, description="all-reduces of the output per forward (and per backward) under TP"
     )
     max_tp: int | None = Field(None, ge=1, le=1 << 16, description="largest tensor-parallel degree (e.g. heads)")
+    norm_modules: int = Field(
+        0, ge=0, le=1024,
+        description="normalisation modules with weights (LayerNorm, RMSNorm) the layer's forward runs: a "
+                    "pre-LN GPT, post-LN BERT or LLaMA block 2, a head with a final norm 1; their output "
+                    "gradients (s·h each) are what a zero-bubble B stores for W besides the weight GEMMs' "
+                    "(simulator.stagecost.norm_modules); 0: none, or not known (a profiled layer's saved "
+                    "tensors then name them)")
     # ---- time-model inputs (issue #11) ----
     gemms: list[GemmSpec] = Field(
         default_factory=list, max_length=4096,

@@ -80,6 +80,9 @@ class MapStage:
                 traces[key] = _export(cfg, i, mb, dtype)
             self.layers[i] = ShardedLayer(i, mod, st.sharding_of(i), self.mesh, traces[key], shared, self.stats,
                                           price_mesh=price_mesh)
+        if st.node_groups is not None:   # the plan's checkpoint tree is over node groups (MAP Algorithm 2)
+            self.set_node_checkpoint([(g.layer, tuple(g.nodes)) for g in st.node_groups], st.checkpoint or [
+                CheckpointSegment(start=0, stop=len(st.node_groups), checkpointed=False)])
         # a user model's tied weights (user_model.TiedGrads): tied layers all in this stage share
         # one (DTensor) Parameter on the stage's mesh, whose gradient is already the sum: nothing
         # to sync (every rank of the tie's group is in this stage). Ties across MAP stages are
@@ -132,8 +135,8 @@ class MapStage:
         """Run the stage as rotor's chain over node groups (planners.map.linearise): ``stages``
         per chain stage (layer, the planned op-graph node names of that group, in graph order),
         tiling each layer of the stage; ``segments`` (costs.rotor.Segment) over chain-stage
-        indices. The plan format names layers only (specs.plan.CheckpointSegment), so nothing
-        sets this from a plan yet (planners.map.linearise.INTRA_BLOCK_CUTS is off)."""
+        indices (or the plan's CheckpointSegments over StagePlan.node_groups, set from the plan
+        when it carries node_groups)."""
         self.node_plan = _NodePlan(self.layers, stages, tuple(segments))
 
     def _chain(self, segments, state: tuple, batch: dict) -> tuple:

@@ -224,7 +224,8 @@ def memory_words(stages: list, zero_stage: int = 0) -> list[str]:
             others.append("NVMe")
         checkpointed = [g for g in stage.checkpoint if g.checkpointed]
         if checkpointed:
-            others.append(f"checkpoint {sum(g.stop - g.start for g in checkpointed)} in {len(checkpointed)} segments")
+            unit = " node groups" if stage.node_groups else ""
+            others.append(f"checkpoint {sum(g.stop - g.start for g in checkpointed)}{unit} in {len(checkpointed)} segments")
         if stage.sequence_parallel:  # Korthikanti §4.2.2: activations split along the sequence over tp
             others.append("seq-parallel")
         if zero_stage and stage.dp > 1:

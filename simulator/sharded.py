@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from costs.map_layout import convert, local_bytes
 from costs.rotor import Chain, Segment, sequence_of, walk
 import costs.activations
+from simulator.sharded_groups import LinearChain, Parts, group_costs, group_holds, plan_parts
 from simulator.sharded_layer import LayerCost, act_dtype_bytes, layer_cost, stage_mesh
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -112,9 +114,10 @@ def grad_sync_exposed_s(chain: Chain, segments: tuple[Segment, ...], sync_s: tup
 class ShardedStage:
     """A MAP stage priced for one microbatch on one device (all devices of the mesh alike, SPMD).
 
-    ``costs``: per layer (stage order) its chain stage, the last one with the conversion of its
-    output to replicated added; ``chain``: rotor's chain (fixed bytes = the stored parameter
-    elements x (weights + gradients + optimizer) bytes each, input = the stage's input); ``run``:
+    ``costs``: per layer (stage order; per node group when ``groups``, see :meth:`layer_spans`) its
+    chain stage, the last one with the conversion of its output to replicated added; ``chain``:
+    rotor's chain (fixed bytes = the stored parameter elements x (weights + gradients + optimizer)
+    bytes each, input = the stage's input); ``run``:
     rotor's walk of the plan's checkpoint tree; ``static``: the fixed bytes by category;
     ``input_bytes``: the stage input held from forward to backward (full: it arrives replicated);
     ``output_bytes``: the replicated output the stage sends (the loss on the last stage); of it,
@@ -142,6 +145,17 @@ class ShardedStage:
     optimizer_s: float
     grad_sync_s: float = 0.0
     grad_sync_exposed_s: float = 0.0
+    groups: tuple[tuple[int, int, int], ...] | None = None   # chain over node groups: (layer, start, stop) each
+
+    def layer_spans(self) -> tuple[tuple[int, int], ...]:
+        """Per layer (stage order) its chain stages [a, b): (i, i + 1) on a per-layer chain; its node
+        groups' on a chain over node groups (StagePlan.node_groups, MAP Algorithm 2)."""
+        if self.groups is None:
+            return tuple((i, i + 1) for i in range(len(self.layers)))
+        at: dict[int, list[int]] = {}
+        for g, (l, _, _) in enumerate(self.groups):
+            at.setdefault(l, []).append(g)
+        return tuple((at[l][0], at[l][-1] + 1) for l in self.layers)
 
     @property
     def act_bytes(self) -> int:
@@ -290,6 +304,53 @@ def stage_chain(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec
     return tuple(costs_), chain_of(costs_, fixed, input_bytes, input_bytes if layers.start > 0 else 0)
 
 
+def group_chain(model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec, layers: range, mesh: Mesh,
+                shardings: dict[int, LayerSharding], parts_of: Callable[[int, OpGraph], Parts],
+                refine: Callable | None = None) -> LinearChain:
+    """:func:`stage_chain` with node groups as chain stages (MAP §5.2.2-§5.2.4, Algorithm 2;
+    simulator.sharded_groups): layer ``l``'s node ranges ``parts_of(l, graph)``, each priced by
+    sharded_groups.group_costs; ``refine(parts, costs, the layer's input bytes, price)`` -> (parts,
+    costs) lets the planner (planners.map.linearise) drop cuts after pricing them. One range per
+    layer gives stage_chain's chain exactly. The planner's chain and the simulator's come from here."""
+    w_b, g_b, o_b = training.bytes_per_param()
+    bpp = float(w_b + g_b + o_b)
+    acc = accumulate_bytes_per_param(training)
+    costs_: list[LayerCost] = []
+    groups: list[tuple[int, int, int]] = []
+    prev: dict[str, str] = {}
+    graph = None
+    seen: dict[tuple, tuple] = {}
+    into = costs.activations.layer_input_bytes(model, layers.start, training.samples_per_microbatch)
+    for l in layers:
+        graph = _op_graph(model, l)
+        skip = tied_skip(model, layers, l, graph)
+        ins = {"x": prev["x"]} if "x" in prev and any(gi.name == "x" for gi in graph.inputs) else {}
+        tied = _tied_layouts(model, shardings, l, graph, skip)
+        parts = tuple(parts_of(l, graph))
+        key = (model.layers[l].op_graph, _sharding_key(shardings[l]), tuple(ins.items()), skip,
+               tuple(sorted(tied.items())), parts, into)
+        hit = seen.get(key)
+        if hit is None:
+            def price(p, graph=graph, l=l, ins=ins, skip=skip, tied=tied) -> list[LayerCost]:
+                try:
+                    return group_costs(graph, p, shardings[l], mesh, hardware, training.precision.value, bpp, ins,
+                                       skip, tied, acc)
+                except ValueError as exc:
+                    raise ValueError(f"layer {l} ({model.layers[l].name}): {exc}") from None
+            cs = price(parts)
+            hit = seen[key] = (parts, cs) if refine is None else refine(parts, cs, into, price)
+        parts, cs = hit
+        into = cs[-1].w_a
+        costs_.extend(cs)
+        groups.extend((l, a, b) for a, b in parts)
+        prev = {"x": cs[-1].output_spec}
+    _replicate_output(costs_, graph, mesh)
+    fixed = sum(c.param_elems for c in costs_) * (w_b + g_b + o_b)
+    input_bytes = costs.activations.layer_input_bytes(model, layers.start, training.samples_per_microbatch)
+    chain = chain_of(costs_, fixed, input_bytes, input_bytes if layers.start > 0 else 0)
+    return LinearChain(chain, tuple(groups), tuple(costs_))
+
+
 def accumulate_bytes_per_param(training: TrainingSpec) -> int:
     """HBM bytes per parameter element that adding one microbatch's gradient into the accumulated
     one moves: costs.layer_time.accumulate_bytes_per_param's rule (which reads a plan's training
@@ -352,14 +413,22 @@ def sharded_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, stage: S
                          f"{plan.training.samples_per_microbatch}: trace them again for this batch")
     mesh = plan_mesh(hardware, stage)
     w_b, g_b, o_b = plan.training.bytes_per_param()
-    costs_, chain = stage_chain(model, hardware, plan.training, range(stage.layer_start, stage.layer_stop), mesh,
-                                {s.layer: s for s in stage.sharding})
+    layers = range(stage.layer_start, stage.layer_stop)
+    if stage.node_groups is None:
+        costs_, chain = stage_chain(model, hardware, plan.training, layers, mesh, {s.layer: s for s in stage.sharding})
+    else:   # the checkpoint tree over node groups (MAP Algorithm 2): the chain the planner's rotor solved
+        parts = plan_parts(model, stage.node_groups, layers)
+        lin = group_chain(model, hardware, plan.training, layers, mesh, {s.layer: s for s in stage.sharding},
+                          lambda l, _: parts[l])
+        costs_, chain = lin.costs, lin.chain
     b = plan.training.samples_per_microbatch
     elems = sum(c.param_elems for c in costs_)
     static = MemoryBreakdown(parameters_bytes=elems * w_b, gradients_bytes=elems * g_b, optimizer_bytes=elems * o_b)
-    segments = to_segments(stage.checkpoint, stage.layer_start)
-    holds = tied_grad_holds(model, range(stage.layer_start, stage.layer_stop), mesh,
-                            {s.layer: s for s in stage.sharding})
+    segments = to_segments(stage.checkpoint, stage.layer_start if stage.node_groups is None else 0)
+    holds = tied_grad_holds(model, layers, mesh, {s.layer: s for s in stage.sharding})
+    if stage.node_groups is not None:
+        holds = group_holds(model, layers, lin, holds, {l: tied_skip(model, layers, l, _op_graph(model, l))
+                                                        for l in layers})
     out_bytes = b * model.layers[stage.layer_stop - 1].output_bytes_per_sample
     sent = costs.activations.sent_output_bytes(model, plan, stage)
     held = out_bytes if stage.layer_stop < model.num_layers and not sent else 0
@@ -369,4 +438,5 @@ def sharded_stage(plan: Plan, model: ModelSpec, hardware: HardwareSpec, stage: S
         run=stage_pass(chain, segments, holds), param_elems=elems, static=static, input_bytes=chain.w_input,
         output_bytes=out_bytes, held_output_bytes=held, sent_output_bytes=sent,
         optimizer_s=elems * (2 * w_b + g_b + 2 * o_b) / hardware.device.hbm_bytes_per_s,
-        grad_sync_s=sum(sync), grad_sync_exposed_s=grad_sync_exposed_s(chain, segments, sync))
+        grad_sync_s=sum(sync), grad_sync_exposed_s=grad_sync_exposed_s(chain, segments, sync),
+        groups=None if stage.node_groups is None else lin.groups)

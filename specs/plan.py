@@ -26,13 +26,13 @@ from specs._base import Spec
 from specs.hardware import MAX_DEVICES, HardwareSpec
 from specs.model import ModelSpec
 from specs.plan_memory import D2DTarget, LayerMemory, MemoryAction, OffloadPolicy
-from specs.plan_sharding import CheckpointSegment, LayerSharding, NodeSharding, check_stage_sharding
+from specs.plan_sharding import CheckpointSegment, LayerSharding, NodeGroup, NodeSharding, check_stage_sharding
 from specs.plan_stage import StagePlan, stage_for_microbatch
 from specs.training import TrainingSpec
 
 __all__ = [
     "PLAN_SCHEMA_VERSION", "SPLIT_BACKWARD", "V_SHAPED", "CheckpointSegment", "D2DTarget", "LayerMemory", "LayerSharding", "MemoryAction",
-    "NodeSharding", "OffloadPolicy", "Plan", "PlanError", "ScheduleKind", "ScheduleSpec", "StagePlan",
+    "NodeGroup", "NodeSharding", "OffloadPolicy", "Plan", "PlanError", "ScheduleKind", "ScheduleSpec", "StagePlan",
     "position_of_stage", "stage_for_microbatch", "validate_plan",
 ]
 

@@ -68,9 +68,9 @@ class LayerSharding(Spec):
 
 
 class CheckpointSegment(Spec):
-    """Layers [start, stop) run under ``torch.utils.checkpoint`` when ``checkpointed`` (only the
-    segment's input is kept; the forward is re-run in backward); ``children`` then tile
-    [start, stop) and say how the recomputation is itself split (nested checkpoints). Rotor's
+    """Layers [start, stop) (on a stage with ``StagePlan.node_groups``: node groups [start, stop) of
+    that list) run under ``torch.utils.checkpoint`` when ``checkpointed`` (only the segment's input
+    is kept; the forward is re-run in backward); ``children`` then tile [start, stop) and say how the recomputation is itself split (nested checkpoints). Rotor's
     solution (MAP §5.2, costs.rotor.Segment) in plan form."""
 
     start: int = Field(ge=0, lt=MAX_COUNT)
@@ -88,6 +88,34 @@ class CheckpointSegment(Spec):
                                  "checkpointed segment's recomputation is split")
             check_tiling(self.children, self.start, self.stop, f"segment [{self.start}, {self.stop}).children")
         return self
+
+
+class NodeGroup(Spec):
+    """One stage of a MAP stage's checkpoint chain over node groups (MAP §5.2.2-§5.2.4, Algorithm 2;
+    planners.map.linearise): a run of one layer's op-graph nodes, in graph order. A stage's groups
+    (``StagePlan.node_groups``) list its layers in order, each layer's groups tiling its op graph,
+    so a checkpoint segment over group indices may start and end inside a layer."""
+
+    layer: int = Field(ge=0, lt=MAX_COUNT)
+    nodes: list[str] = Field(min_length=1, description="op graph node names (group heads), in graph order")
+
+
+def check_node_groups(groups: list[NodeGroup], start: int, stop: int, where: str = "node_groups") -> None:
+    """``groups`` list every layer of [start, stop) in order (one or more groups each), no node twice
+    in a layer."""
+    want, seen = start, set()
+    for g, grp in enumerate(groups):
+        if grp.layer == want:
+            want, seen = want + 1, set()
+        elif grp.layer != want - 1 or g == 0:
+            raise ValueError(f"{where}[{g}]: layer {grp.layer} out of order; the groups list the stage's layers "
+                             f"[{start}, {stop}) in order, expected layer {want}"
+                             + ("" if g == 0 else f" or {want - 1}"))
+        if seen & set(grp.nodes) or len(set(grp.nodes)) != len(grp.nodes):
+            raise ValueError(f"{where}[{g}]: a node of layer {grp.layer} is listed twice: {grp.nodes}")
+        seen |= set(grp.nodes)
+    if want != stop:
+        raise ValueError(f"{where}: the groups end at layer {want - 1}; the stage's layers are [{start}, {stop})")
 
 
 def check_tiling(segments: list[CheckpointSegment], start: int, stop: int, where: str) -> None:
@@ -127,6 +155,16 @@ def check_stage_sharding(i: int, stage, model: ModelSpec, microbatch: int, zero_
         err(f"stages[{i}].sharding", f"the op graphs were traced at microbatch {model.op_graph_microbatch}, the plan "
             f"uses {mb}; plan again (policy=map) for this batch")
         return
+    if stage.node_groups is not None:   # each layer's groups are its op graph's nodes, in graph order
+        for l in stage.layers:
+            key = model.layers[l].op_graph
+            if key is None or key not in model.op_graphs:
+                continue   # the sharding check below names it
+            mine = [n for grp in stage.node_groups if grp.layer == l for n in grp.nodes]
+            order = [n.name for n in model.op_graphs[key].nodes]
+            if mine != order:
+                err(f"stages[{i}].node_groups[layer {l}]", f"the groups' nodes must be the op graph's in graph "
+                    f"order {order}, got {mine}")
     for s in stage.sharding:
         where = f"stages[{i}].sharding[layer {s.layer}]"
         key = model.layers[s.layer].op_graph
@@ -158,4 +196,5 @@ def check_stage_sharding(i: int, stage, model: ModelSpec, microbatch: int, zero_
                         "(one letter group per dim; a split dim must divide by its axes' sizes)")
 
 
-__all__ = ["CheckpointSegment", "LayerSharding", "NodeSharding", "check_stage_sharding", "check_tiling", "mixed_meshes"]
+__all__ = ["CheckpointSegment", "LayerSharding", "NodeGroup", "NodeSharding", "check_node_groups", "check_stage_sharding",
+           "check_tiling", "mixed_meshes"]

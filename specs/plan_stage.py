@@ -12,12 +12,12 @@ import itertools
 import math
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from specs._base import MAX_COUNT, Spec, finite_in
 from specs.hardware import MAX_DEVICES
 from specs.plan_memory import LayerMemory, MemoryAction, OffloadPolicy
-from specs.plan_sharding import CheckpointSegment, LayerSharding, check_tiling, mixed_meshes
+from specs.plan_sharding import CheckpointSegment, LayerSharding, NodeGroup, check_node_groups, check_tiling, mixed_meshes
 
 
 class MeshAxisPrice(Spec):
@@ -63,7 +63,20 @@ class StagePlan(Spec):
     offload: OffloadPolicy = Field(default_factory=OffloadPolicy)
     sharding: list[LayerSharding] = Field(default_factory=list, description="MAP: every layer's strategies, or none")
     checkpoint: list[CheckpointSegment] = Field(
-        default_factory=list, description="MAP: rotor's segments tiling the stage's layers; empty: memory decides")
+        default_factory=list, description="MAP: rotor's segments tiling the stage's layers (node_groups set: "
+        "tiling [0, len(node_groups)), indices into node_groups); empty: memory decides")
+    node_groups: list[NodeGroup] | None = Field(
+        None, min_length=1, description="MAP §5.2.2-§5.2.4 (Algorithm 2): rotor's chain over node groups, each a run "
+        "of one layer's op-graph nodes, when the checkpoint tree cuts inside layers; null (omitted in JSON): the "
+        "checkpoint tree is over layers")
+
+    @model_serializer(mode="wrap")
+    def _omit_null_groups(self, handler):
+        """A plan over layers dumps as before node_groups existed (the key is left out, not null)."""
+        out = handler(self)
+        if self.node_groups is None and isinstance(out, dict):
+            out.pop("node_groups", None)
+        return out
 
     @model_validator(mode="after")
     def _shape(self) -> StagePlan:
@@ -78,6 +91,8 @@ class StagePlan(Spec):
                                      f"[{self.layer_start}, {self.layer_stop})")
         if self.sharding:
             self._check_sharded()
+        elif self.node_groups is not None:
+            raise ValueError("node_groups: a node-group checkpoint chain applies to a MAP-sharded stage (sharding)")
         elif self.mesh is not None or self.mesh_axes is not None:
             raise ValueError("mesh: only a MAP-sharded stage (sharding) has a logical mesh")
         elif self.checkpoint:
@@ -169,7 +184,10 @@ class StagePlan(Spec):
                                  "state on its devices (sharded by its strategies); drop the offload")
         if self.memory:
             raise ValueError("memory: a MAP-sharded stage recomputes by checkpoint segments (rotor); use checkpoint")
-        if self.checkpoint:
+        if self.node_groups is not None:
+            check_node_groups(self.node_groups, self.layer_start, self.layer_stop)
+            check_tiling(self.checkpoint, 0, len(self.node_groups), "checkpoint (over node_groups)")
+        elif self.checkpoint:
             check_tiling(self.checkpoint, self.layer_start, self.layer_stop, "checkpoint")
 
     def sharding_of(self, layer: int) -> LayerSharding | None:

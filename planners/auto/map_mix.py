@@ -49,13 +49,15 @@ def _sharded_stage(plan: Plan, s: int, model: ModelSpec, hardware: HardwareSpec,
     sm.build()
     choice = StageChoice(stage=s, layers=(st.layer_start, st.layer_stop), devices=order, mesh=shape,
                          nodes=len(sm.nodes), strategies=sum(len(x) for x in sm._unary))
-    shard, segs = solve_stage(sm, budget, MapPolicy(memory_budget_gib=budget / GIB), choice, None, [])
+    groups: list = []     # filled when rotor's chain over node groups wins (MAP Algorithm 2), as in map_search
+    shard, segs = solve_stage(sm, budget, MapPolicy(memory_budget_gib=budget / GIB), choice, None, [], None, groups)
     if choice.min_budget_bytes:
         raise PlanningError(f"stage {s}: MAP needs {choice.min_budget_bytes / GIB:.2f} GiB per device")
-    # what the stage is, as map_search writes it: its mesh (StagePlan.mesh where specs carries it)
+    # what the stage is, as map_search writes it: its mesh (StagePlan.mesh where specs carries it), and
+    # its checkpoint tree's node groups when that tree cuts inside layers (the segments index them)
     mesh_field = {"mesh": list(shape)} if "mesh" in StagePlan.model_fields else {}
     return StagePlan(layer_start=st.layer_start, layer_stop=st.layer_stop, devices=list(order), dp=1,
-                     tp=len(order), sharding=shard, checkpoint=segs, **mesh_field)
+                     tp=len(order), sharding=shard, checkpoint=segs, node_groups=groups or None, **mesh_field)
 
 
 def _with_stage(plan: Plan, s: int, stage: StagePlan) -> Plan:

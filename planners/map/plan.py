@@ -399,7 +399,8 @@ def _search(policy, model, hardware, training, schedule, ranges, meshes, budget:
             done = (rnd * len(models) + ch.stage) * per_stage
             total = (policy.refine + 1) * len(models) * per_stage
             step = (lambda k, n, done=done, total=total: progress(done + k, total)) if progress is not None else None
-            shard, segs = solve_stage(sm, target, policy, ch, step, notes, clock.spent)
+            groups: list = []     # filled when rotor's chain over node groups wins (MAP Algorithm 2)
+            shard, segs = solve_stage(sm, target, policy, ch, step, notes, clock.spent, groups)
             # what the stage is: its mesh; dp 1 x tp n is only the device count specs.plan_stage asks of a
             # MAP stage. The mesh travels with the per-axis prices the planner used (a measured
             # cluster's, policy.cluster, or the YAML links'), so the simulator prices the collectives
@@ -407,7 +408,7 @@ def _search(policy, model, hardware, training, schedule, ranges, meshes, budget:
             # the paths priced on them (executor.map_stage)
             stages.append(StagePlan(layer_start=sm.layers.start, layer_stop=sm.layers.stop, devices=list(sm.devices),
                                     dp=1, tp=len(sm.devices), sharding=shard, checkpoint=segs, mesh=list(sm.shape),
-                                    mesh_axes=mesh_prices(mesh)))
+                                    mesh_axes=mesh_prices(mesh), node_groups=groups or None))
         plan = Plan(planner="map", model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
                     training=training,
                     schedule=schedule, stages=stages)
@@ -470,7 +471,7 @@ def summary_lines(outcome: MapOutcome) -> list[str]:
         lines.append(f"map stage {c.stage} (layers {c.layers[0]}..{c.layers[1] - 1}, devices {list(c.devices)}, mesh "
                      f"{list(c.mesh)}): {c.nodes} operators, {c.strategies} strategies; solved in {c.solve_s:.2f} s{at}; "
                      f"per microbatch {c.ilp_time_s * 1e3:.2f} ms + recompute {max(c.recompute_s, 0.0) * 1e3:.2f} ms; "
-                     f"checkpointed {', '.join(ck) if ck else 'none'}")
+                     f"checkpointed {'node groups ' if st.node_groups and ck else ''}{', '.join(ck) if ck else 'none'}")
         per = list(c.strategies_per_node.values())
         axes = ", ".join(f"{a['size']} @ {a['beta_bytes_per_s'] / 1e9:.3g} GB/s {a['alpha_s'] * 1e6:.3g} us"
                          for a in c.axes)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import time
 
+from planners.map import linearise
 from planners.map.rotor import integrate, min_feasible_budget
 from planners.map.rotor import solve as solve_rotor
-from specs.plan import CheckpointSegment, LayerSharding
+from specs.plan import CheckpointSegment, LayerSharding, NodeGroup
 from specs.units import size_text
 
 GIB = 1 << 30
@@ -52,11 +53,18 @@ def segments(segs, start: int) -> list[CheckpointSegment]:
 
 
 def solve_stage(sm, budget_bytes: int, policy, choice, progress=None, notes: list[str] | None = None,
-                spent: dict | None = None) -> tuple[list[LayerSharding], list[CheckpointSegment]]:
+                spent: dict | None = None, groups_out: list[NodeGroup] | None = None,
+                ) -> tuple[list[LayerSharding], list[CheckpointSegment]]:
     """§5.3 at ``budget_bytes`` for ``sm`` (planners.map.plan's _StageModel), recorded in ``choice``
     (its StageChoice); when nothing fits, the minimum-memory choice and its minimum budget.
     ``notes`` gains what a reader of map.json should know; ``spent`` (PHASES[2], PHASES[3] ->
-    seconds) the ILP's and rotor's wall time."""
+    seconds) the ILP's and rotor's wall time.
+
+    ``groups_out`` given (and planners.map.linearise.INTRA_BLOCK_CUTS): rotor also checkpoints
+    each ILP solution's chain over node groups (§5.2.2-§5.2.4, Algorithm 2) and keeps the faster;
+    when that chain wins, ``groups_out`` is filled with its groups (StagePlan.node_groups) and the
+    segments index them (from 0). Otherwise ``groups_out`` stays empty and everything is as
+    without it (the per-layer chain, segments over layers)."""
     t0 = time.perf_counter()
     spent = {} if spent is None else spent
     choice.min_budget_bytes = 0
@@ -71,9 +79,23 @@ def solve_stage(sm, budget_bytes: int, policy, choice, progress=None, notes: lis
         choice.ilp_time_s = sol.time_s
         return sm.shardings(sol.choice), []
     sm.quantum_of = budget_bytes
-    res = integrate(sm.problem, sm.chain, budget_bytes, alpha=policy.alpha, n=policy.budgets,
+    intra = groups_out is not None and linearise.INTRA_BLOCK_CUTS
+    builder = (lambda sol: _both_chains(sm, sol)) if intra else sm.chain
+    res = integrate(sm.problem, builder, budget_bytes, alpha=policy.alpha, n=policy.budgets,
                     memory_slots=policy.memory_slots, ilp_time_limit_s=policy.ilp_time_limit_s, progress=progress,
                     below=budgets_below(policy))
+    if intra and res.alternative == 1 and nesting(res.rotor.segments) > MAX_NESTING:
+        # the node-group tree won but nests deeper than a plan holds (MAX_NESTING; a chain over n
+        # groups nests at most n deep, one level per layer near its minimum budget): solve again,
+        # each ILP solution's group chain offered only where its tree at B is shallow enough
+        dropped: list[int] = []
+        res = integrate(sm.problem, lambda sol: _both_chains(sm, sol, (budget_bytes, policy.memory_slots, dropped)),
+                        budget_bytes, alpha=policy.alpha, n=policy.budgets, memory_slots=policy.memory_slots,
+                        ilp_time_limit_s=policy.ilp_time_limit_s, below=budgets_below(policy))   # progress: reported once
+        if notes is not None:
+            notes.append(f"stage {choice.stage}: rotor's checkpoints over node groups nest deeper than {MAX_NESTING} "
+                         f"levels within {size_text(budget_bytes)} for {len(dropped)} strategy choice(s); those "
+                         "are checkpointed per layer")
     choice.solve_s += time.perf_counter() - t0
     spent[PHASES[2]] = spent.get(PHASES[2], 0.0) + res.ilp_s
     spent[PHASES[3]] = spent.get(PHASES[3], 0.0) + res.rotor_s
@@ -86,6 +108,9 @@ def solve_stage(sm, budget_bytes: int, policy, choice, progress=None, notes: lis
                          f"(planners.map.rotor.MAX_EXACT_CELLS): checkpoints only every {res.rotor.every} layers "
                          f"(against the exact table on smaller models, benchmarks/map_scale.py --spacing: at most "
                          f"{SPACING_LOSS} slower)")
+        if intra and res.alternative == 1:    # the chain over node groups won: the plan carries its groups
+            shard = sm.shardings(res.ilp.choice)
+            return shard, _group_segments(sm, _linear(sm, shard), res.rotor, choice, notes, groups_out)
         return sm.shardings(res.ilp.choice), segments(res.rotor.segments, sm.layers.start)
     # §5.3's budgets all failed (its ILP counts every activation, so near the minimum no inflated
     # budget leaves rotor room): the least-memory strategies, checkpointed by rotor within B if it can
@@ -101,15 +126,77 @@ def solve_stage(sm, budget_bytes: int, policy, choice, progress=None, notes: lis
                              "note": "least-memory strategies"})
         spent[PHASES[3]] += time.perf_counter() - t1
         return shard, segments(rot.segments, sm.layers.start)
+    lin = _linear(sm, shard) if intra else None
+    if lin is not None and len(lin.chain) <= len(chain):
+        lin = None                      # no layer has an inner cut: the per-layer chain alone
+    if lin is not None:                 # the same strategies over node groups, within B and shallow enough
+        rot = solve_rotor(lin.chain, budget_bytes, policy.memory_slots, find_min=False)
+        if rot.feasible and not _too_deep(rot):
+            choice.recompute_s = rot.recompute_s
+            choice.tried.append({"k": None, "ilp_budget_bytes": None, "total_s": choice.ilp_time_s + rot.recompute_s,
+                                 "note": "least-memory strategies over node groups"})
+            spent[PHASES[3]] += time.perf_counter() - t1
+            return shard, _group_segments(sm, lin, rot, choice, notes, groups_out)
     need = min_feasible_budget(chain, policy.memory_slots, lower_bytes=budget_bytes)
     choice.min_budget_bytes = need
     rot, at = shallow(chain, need, policy.memory_slots)
+    if lin is not None:                 # MAX_NESTING over the group chain the same way (shallow); lower wins
+        need_g = min_feasible_budget(lin.chain, policy.memory_slots, lower_bytes=budget_bytes)
+        rot_g, at_g = shallow(lin.chain, need_g, policy.memory_slots)
+        if rot_g.feasible and at_g < at and not _too_deep(rot_g):
+            # need_g == B: the groups fit B only with a tree too deep to hold; the holdable one needs at_g
+            choice.min_budget_bytes = need_g if need_g > budget_bytes else at_g
+            if at_g != need_g and notes is not None:
+                notes.append(f"stage {choice.stage}: the minimum-memory checkpointing over node groups nests deeper "
+                             f"than {MAX_NESTING} levels; the plan checkpoints within {size_text(at_g)} instead of "
+                             f"{size_text(need_g)}")
+            choice.recompute_s = rot_g.recompute_s
+            spent[PHASES[3]] += time.perf_counter() - t1
+            return shard, _group_segments(sm, lin, rot_g, choice, notes, groups_out)
     if at != need and notes is not None:
         notes.append(f"stage {choice.stage}: the minimum-memory checkpointing nests deeper than {MAX_NESTING} "
                      f"levels; the plan checkpoints within {size_text(at)} instead of {size_text(need)}")
     choice.recompute_s = rot.recompute_s if rot.feasible else 0.0
     spent[PHASES[3]] += time.perf_counter() - t1
     return shard, segments(rot.segments, sm.layers.start) if rot.feasible else []
+
+
+def _group_segments(sm, lin, rot, choice, notes, groups_out) -> list[CheckpointSegment]:
+    """Rotor's tree over node groups as the plan holds it: ``groups_out`` filled with the groups
+    (StagePlan.node_groups), the segments indexing them from 0."""
+    groups_out[:] = lin.node_groups(sm.model)
+    if notes is not None:
+        inside = sum(1 for g in range(1, len(lin.groups)) if lin.groups[g][0] == lin.groups[g - 1][0])
+        notes.append(f"stage {choice.stage}: rotor's checkpoints over node groups (MAP Algorithm 2: "
+                     f"{len(lin.groups)} groups, {inside} cuts inside layers) beat the per-layer chain; "
+                     "the plan's checkpoint segments index its node_groups")
+    return segments(rot.segments, 0)
+
+
+def _linear(sm, shardings: list[LayerSharding]):
+    return linearise.linear_chain(sm.model, sm.hardware, sm.training, sm.layers, sm.mesh, {sh.layer: sh for sh in shardings})
+
+
+def _both_chains(sm, sol, screen: tuple[int, int, list[int]] | None = None):
+    """integrate's chain_builder with Algorithm 2: (the per-layer chain, the chain over node groups)
+    of one ILP solution; the per-layer chain alone when no layer has an inner cut. ``screen``
+    (budget bytes, memory slots, dropped): also alone when rotor's tree over the groups at that
+    budget (the solve integrate repeats) nests deeper than MAX_NESTING; ``dropped`` gains its length."""
+    shard = sm.shardings(sol.choice)
+    per_layer = sm.chain_of_shardings(shard)
+    lin = _linear(sm, shard).chain
+    if len(lin) <= len(per_layer):
+        return per_layer
+    if screen is not None and len(lin) > MAX_NESTING:   # n stages nest at most n deep: only long chains are checked
+        budget_bytes, slots, dropped = screen
+        if _too_deep(solve_rotor(lin, budget_bytes, slots, find_min=False)):
+            dropped.append(len(lin))
+            return per_layer
+    return per_layer, lin
+
+
+def _too_deep(rot) -> bool:
+    return rot.feasible and nesting(rot.segments) > MAX_NESTING
 
 
 def budgets_below(policy) -> int:

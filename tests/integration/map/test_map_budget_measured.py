@@ -37,8 +37,9 @@ HW = LOCAL_CPU
 MODEL_DICT = conf("model", "gpt_tiny") | {"seq_len": 256}
 CFG = parse_model_config(MODEL_DICT)
 TRAINING = TrainingSpec(global_batch=16, microbatch_size=8, precision="fp32")
-#: fractions of the unconstrained plan's simulated peak: 0.45 checkpoints blocks 0-3 (rotor);
-#: 0.35 nests the checkpoints deeper and shards some operators differently (the smallest
+#: fractions of the unconstrained plan's simulated peak: both checkpoint over node groups (MAP
+#: Algorithm 2: segments cut inside blocks, StagePlan.node_groups), 0.35 deeper and sharding some
+#: operators differently (the smallest
 #: feasible budget is ~0.17 of it: test_map_plan.test_below_the_minimum_says_so_with_the_minimum)
 FRACTIONS = (0.45, 0.35)
 #: The executor's memory comparison (mode=compare, specs.compare: error_pct = (simulated -

@@ -48,8 +48,9 @@ def tiny8():
 
 
 #: the 4 x 2 fold of map_8xa100's mesh (a tight budget on the 2 x 2 x 2 one makes the block DP's
-#: Pareto tables of gpt_tiny too large for a unit test); the budget is 0.6 x the unconstrained
-#: plan's simulated peak, so that the plan shards (an unconstrained gpt_tiny replicates everything)
+#: Pareto tables of gpt_tiny too large for a unit test); the budget is 0.5 x the unconstrained
+#: plan's simulated peak, so that the plan shards (an unconstrained gpt_tiny replicates everything; at
+#: 0.6 a replicated plan checkpointed inside its blocks, MAP Algorithm 2, fits)
 MESH = [4, 2]
 
 
@@ -57,7 +58,7 @@ MESH = [4, 2]
 def tight_gib(tiny8) -> float:
     model, hw, tr = tiny8
     free = map_search(MapPolicy(mesh=MESH), model, hw, tr, ScheduleSpec())
-    return max(free.peak_bytes) * 0.6 / GIB
+    return max(free.peak_bytes) * 0.5 / GIB
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,7 @@ def group_costs(graph: OpGraph, groups: Parts, sharding: LayerSharding, mesh: Me
     out: list[LayerCost] = []
     for start, stop in groups:
         t0 = (sums.u_f, sums.u_b, sums.u_fc, sums.u_bc, sums.saved, sum(sums.params.values()), sums.grad_sync)
+        c0 = len(sums.convs)
         sums.o_f = sums.o_b = sums.o_fc = sums.o_bc = 0.0     # transients: the group's own largest
         for node in graph.nodes[start:stop]:
             st = find_strategy(node, by_name[node.name], mesh, act_bytes, bytes_per_param)
@@ -69,7 +70,7 @@ def group_costs(graph: OpGraph, groups: Parts, sharding: LayerSharding, mesh: Me
         w_abar = max(w_a, math.ceil(saved) + w_a)
         out.append(LayerCost(sums.u_f - t0[0], u_b, sums.u_fc - t0[2], sums.u_bc - t0[3], w_a, w_abar,
                              math.ceil(sums.o_f), math.ceil(sums.o_b), math.ceil(sums.o_fc), math.ceil(sums.o_bc),
-                             elems, str(spec), sums.grad_sync - t0[6]))
+                             elems, str(spec), sums.grad_sync - t0[6], tuple(sums.convs[c0:])))
     return out
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from costs.map_layout import convert
+from costs.rotor import Chain, Segment, sequence_of
 from costs.map_engine import param_sync_s
 from costs.map_strategies import Strategy, strategies
 from costs import gemm
@@ -189,6 +190,11 @@ class LayerCost:
     #: the parameter-gradient all-reduces of the stored parameters (seconds, once per iteration:
     #: not in u_bcomm; simulator.sharded overlaps them with the last microbatch's backward)
     grad_sync_s: float = 0.0
+    #: the layout conversions inside the layer (Algorithm 1) in graph order, (what, src, dst,
+    #: forward s, backward s) each, ``what`` "<node> in<k>" / "<node> <param>" as executor.map_layout
+    #: names the executed ones; their seconds are part of u_fcomm / u_bcomm (:func:`conversion_slices`
+    #: lays them out in a pass for the trace; issue 26)
+    conversions: tuple[tuple[str, str, str, float, float], ...] = ()
 
 
 
@@ -211,12 +217,16 @@ class _Sums:
     o_fc: float = 0.0
     o_bc: float = 0.0
     grad_sync: float = 0.0
+    convs: list[tuple[str, str, str, float, float]] = field(default_factory=list)
 
-    def redistribute(self, src: ShardingSpec, dst: ShardingSpec, shape: tuple, dtype_bytes: int, mesh: Mesh) -> None:
-        """A layout conversion (Algorithm 1): src -> dst in forward, the gradient back in backward."""
+    def redistribute(self, src: ShardingSpec, dst: ShardingSpec, shape: tuple, dtype_bytes: int, mesh: Mesh,
+                     what: str = "") -> None:
+        """A layout conversion (Algorithm 1): src -> dst in forward, the gradient back in backward;
+        ``what`` names it ("<node> in<k>" / "<node> <param>", :attr:`LayerCost.conversions`)."""
         fwd = convert(src, dst, shape, dtype_bytes, mesh)
         back = convert(dst, src, shape, dtype_bytes, mesh)
         self.u_fc, self.u_bc = self.u_fc + fwd.cost_s, self.u_bc + back.cost_s
+        self.convs.append((what, str(src), str(dst), fwd.cost_s, back.cost_s))
         # the bytes live while each runs: an all-gather off dim 0 holds its staging buffer and the cat
         # output at once (costs.map_layout.step_work_bytes; issue 26: a recomputed block's backward)
         self.o_fc = max(self.o_fc, fwd.peak_bytes, fwd.work_bytes)
@@ -284,7 +294,7 @@ def _add_inputs(sums: _Sums, node: OpNode, ins: list[ShardingSpec], mesh: Mesh) 
     for k, (src_name, shape, db) in enumerate(zip(node.inputs, node.input_shapes, node.input_dtype_bytes)):
         src = sums.layout.get(src_name, ShardingSpec.replicated(len(shape)))
         if src != ins[k] and src.ndim == ins[k].ndim:
-            sums.redistribute(src, ins[k], tuple(shape), db, mesh)
+            sums.redistribute(src, ins[k], tuple(shape), db, mesh, f"{node.name} in{k}")
         # saved parts of this input: the layer input itself (unconverted) is a^{l-1}, not ours
         part = node.fwd_in_inputs[k] if k < len(node.fwd_in_inputs) else 0
         if not (src_name == "x" and src == ins[k]):
@@ -325,7 +335,7 @@ def _add_params(sums: _Sums, node: OpNode, st: Strategy, mesh: Mesh, skip_params
     for p, spec in zip(node.params, st.param_specs):
         home = sums.stored.setdefault(p.name, spec)
         if home != spec and home.ndim == spec.ndim:
-            sums.redistribute(home, spec, tuple(p.shape), p.dtype_bytes, mesh)
+            sums.redistribute(home, spec, tuple(p.shape), p.dtype_bytes, mesh, f"{node.name} {p.name}")
         if p.name not in skip_params and p.name not in sums.params:
             sums.params[p.name] = spec.local_numel(tuple(p.shape), ms)
             sums.grad_sync += param_sync_s(spec, p.shape, used, mesh, dtype_bytes)
@@ -344,4 +354,41 @@ def _layer_of(sums: _Sums, graph: OpGraph, ms: tuple[int, ...]) -> LayerCost:
     w_abar = max(w_a, math.ceil(sums.saved - out_saved) + w_a)
     return LayerCost(sums.u_f, sums.u_b, sums.u_fc, sums.u_bc, w_a, w_abar, math.ceil(sums.o_f), math.ceil(sums.o_b),
                      math.ceil(sums.o_fc), math.ceil(sums.o_bc), sum(sums.params.values()), str(out_spec),
-                     sums.grad_sync)
+                     sums.grad_sync, tuple(sums.convs))
+
+
+#: one conversion slice of a pass: (offset from the pass's start ns, duration ns, trace name)
+ConvSlice = tuple[int, int, str]
+
+
+def conversion_slices(chain: Chain, segments: tuple[Segment, ...], costs: tuple[LayerCost, ...],
+                      layer_of: tuple[int, ...]) -> tuple[tuple[ConvSlice, ...], tuple[ConvSlice, ...]]:
+    """The layout conversions (:attr:`LayerCost.conversions`) of one microbatch's forward and
+    backward pass through a MAP stage, as trace slices (issue 26: compare's ``conversion`` row gets
+    a simulated side). Rotor's sequence of the checkpoint tree is walked as simulator.sharded's
+    stage_pass walks it (the forward ends with the last layer's first forward): every forward of a
+    chain stage (a recomputation in the backward too) runs its forward conversions, every B its
+    gradients' (DTensor's redistribute backward), each within that op's t_fwd / t_bwd, at its start,
+    one after another. ``layer_of``: the model layer of each chain stage (names: ``convert L<l>
+    <what> <src>-><dst>``, ``convert grad L<l> <what> <dst>-><src>``, as
+    executor.timeline.conversion_name). Slices only: the pass times are unchanged (the conversions'
+    seconds are inside them). Returns (forward slices, backward slices), offsets from each pass's
+    start in integer nanoseconds."""
+    seq = sequence_of(segments, len(chain))
+    last = len(chain) - 1
+    first_b = next(i for i, (op, l) in enumerate(seq) if op != "B" and l == last) + 1
+    passes: tuple[list[ConvSlice], list[ConvSlice]] = ([], [])
+    now = 0.0
+    for i, (op, l) in enumerate(seq):
+        if i == first_b:
+            now = 0.0
+        out = passes[0] if i < first_b else passes[1]
+        at = now
+        for what, src, dst, fwd_s, bwd_s in costs[l].conversions:
+            dur = bwd_s if op == "B" else fwd_s
+            name = (f"convert grad L{layer_of[l]} {what} {dst}->{src}" if op == "B"
+                    else f"convert L{layer_of[l]} {what} {src}->{dst}")
+            out.append((int(round(at * 1e9)), int(round(dur * 1e9)), name))
+            at += dur
+        now += chain.t_bwd(l) if op == "B" else chain.t_fwd(l)
+    return tuple(passes[0]), tuple(passes[1])

@@ -27,6 +27,7 @@ import costs.layer_time
 import costs.params
 import costs.static
 from simulator.sharded import sharded_stage
+from simulator.sharded_layer import conversion_slices
 from specs.hardware import HardwareSpec
 from specs.model import LayerKind, ModelSpec
 from specs.plan import SPLIT_BACKWARD, MemoryAction, Plan
@@ -110,6 +111,10 @@ class StageCost:
     w_held_bytes: int = 0         # B's end to W's end: the weight ops' stored output gradients, less
                                   # what B frees (may be negative)
     w_scratch_bytes: int = 0      # W's transient: a recomputed layer re-made + one weight's gradient
+    # a MAP stage's layout conversions (issue 26), slices only, inside fwd_ns / bwd_ns:
+    # (offset from the pass's start ns, ns, name) each (simulator.sharded_layer.conversion_slices)
+    conv_fwd: tuple[tuple[int, int, str], ...] = ()
+    conv_bwd: tuple[tuple[int, int, str], ...] = ()
 
 
 def host_link(hardware: HardwareSpec):
@@ -437,6 +442,8 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
         bwd_ns=ns(sum(chain.t_bwd(g) for g in range(a, b))), fwd_ns=ns(sum(chain.t_fwd(g) for g in range(a, b))))
         for l, (a, b) in zip(sh.layers, sh.layer_spans()))
     tied_s = costs.collectives.embedding_group_allreduce_s(model, plan, hardware, stage)
+    layer_of = sh.layers if sh.groups is None else tuple(l for l, _, _ in sh.groups)
+    conv_fwd, conv_bwd = conversion_slices(chain, sh.segments, sh.costs, layer_of)
     return StageCost(
         index=s, position=plan.device_group_of(s), rep=stage.devices[0],
         fwd_ns=ns(sh.run.fwd_s), bwd_ns=ns(sh.run.bwd_s), layers=layers, simple=True,
@@ -450,5 +457,5 @@ def sharded_stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: 
         static=sh.static, host_bytes=0, buffer_bytes=costs.buffers.received_grad_buffer_bytes(model, plan, stage),
         grad_buffer_bytes=costs.buffers.sent_grad_buffer_bytes(model, plan, stage),
         allreduce_ns=ns(tied_s + sh.grad_sync_exposed_s), dp_allreduce_ns=0, ar_buckets_ns=(),
-        optimizer_ns=ns(sh.optimizer_s), opt_chunks=(), opt_chunk_ns=(),
+        optimizer_ns=ns(sh.optimizer_s), opt_chunks=(), opt_chunk_ns=(), conv_fwd=conv_fwd, conv_bwd=conv_bwd,
     )

@@ -130,6 +130,7 @@ class ScheduleWalk:
             yield env.timeout(dur)
             self.events += 1
             w.busy += dur
+            self._conversions(w, sc.conv_fwd, env.now - dur)
         self.trace.slice(w.rep, "compute", f"F s{s} mb{k}", t0, env.now - t0, "forward")
         w.mem.add(env.now, ACTS, sc.fwd_alloc_bytes)  # activations exist once the pass ends
 
@@ -174,6 +175,7 @@ class ScheduleWalk:
             yield env.timeout(sc.bwd_ns)
             self.events += 1
             w.busy += sc.bwd_ns
+            self._conversions(w, sc.conv_bwd, t0)
             w.mem.add(env.now, ACTS, -(sc.workspace_bytes + sc.act_bytes))
         else:
             w.busy += yield from self._layered_backward(w.pos, sc, k, w)
@@ -185,6 +187,13 @@ class ScheduleWalk:
             self._backward_done(s, sc, t0)
         if self._stash:
             self._unstash_weights(w, sc, s, k)
+
+    def _conversions(self, w: Walker, slices: tuple, t0: int) -> None:
+        """A MAP stage's layout conversions in the pass that began at ``t0`` (issue 26;
+        StageCost.conv_fwd / conv_bwd): slices on the collective stream, as executor/timeline.py
+        puts the executed ones, inside the pass (its time already counts them)."""
+        for off, dur, name in slices:
+            self.trace.slice(w.rep, "collective", name, t0 + off, dur, "conversion")
 
     def _backward_weight(self, w: Walker, sc: StageCost, s: int, k: int):
         """Zero bubble's W pass (Qi et al. 2024 §2): the weight gradients of microbatch ``k``'s

@@ -76,9 +76,9 @@ _HOST_PATTERNS = (
     (re.compile(r"^cpu step L(\d+)(?: mb\d+)?$"), "cpu_step", "cpu"),
 )
 #: a MAP layout conversion (issue 26 item 4), forward or its gradient's, named by its layer as
-#: executor/timeline.py's conversion_name names it; its stage from the plan. The simulator books a
-#: layer's conversions inside its passes (simulator/sharded_layer.py: u_fcomm / u_bcomm), not as
-#: slices of their own: where it names none, the row's simulated side is '-'
+#: executor/timeline.py's conversion_name names it; its stage from the plan. The simulator books each
+#: conversion as a slice of its own on the collective stream inside the pass that runs it
+#: (simulator/sharded_layer.conversion_slices), its seconds still counted in u_fcomm / u_bcomm
 _HOST_PATTERNS += ((re.compile(r"^convert(?: grad)? L(\d+) .+$"), "conversion", "collective"),)
 ACTIONS = tuple(a for _, a in _PATTERNS) + tuple(a for _, a, _ in _HOST_PATTERNS)
 

@@ -96,6 +96,23 @@ def solve_stage(sm, budget_bytes: int, policy, choice, progress=None, notes: lis
             notes.append(f"stage {choice.stage}: rotor's checkpoints over node groups nest deeper than {MAX_NESTING} "
                          f"levels within {size_text(budget_bytes)} for {len(dropped)} strategy choice(s); those "
                          "are checkpointed per layer")
+    grouped = intra and res.alternative == 1
+    if res.rotor is not None and not grouped and _too_deep(res.rotor):
+        # the per-layer tree nests deeper than a plan holds (a stage of more than MAX_NESTING layers
+        # near its minimum budget recomputes layer by layer, one level each): solve again, each ILP
+        # solution's per-layer chain offered only where its tree at B is shallow enough; none is:
+        # the fallback below (its trees bounded the same way, shallow())
+        dropped = []
+        screen = (budget_bytes, policy.memory_slots, dropped)
+        res = integrate(sm.problem, lambda sol: _shallow_chains(sm, sol, screen, intra), budget_bytes,
+                        alpha=policy.alpha, n=policy.budgets, memory_slots=policy.memory_slots,
+                        ilp_time_limit_s=policy.ilp_time_limit_s, below=budgets_below(policy))
+        # the per-layer chain, when kept, is the first alternative and has one stage per layer
+        grouped = intra and res.chain is not None and len(res.chain) > len(sm.layers)
+        if notes is not None:
+            notes.append(f"stage {choice.stage}: rotor's per-layer checkpoints nest deeper than {MAX_NESTING} "
+                         f"levels within {size_text(budget_bytes)} for {len(dropped)} strategy choice(s); those "
+                         "are not planned")
     choice.solve_s += time.perf_counter() - t0
     spent[PHASES[2]] = spent.get(PHASES[2], 0.0) + res.ilp_s
     spent[PHASES[3]] = spent.get(PHASES[3], 0.0) + res.rotor_s
@@ -108,7 +125,7 @@ def solve_stage(sm, budget_bytes: int, policy, choice, progress=None, notes: lis
                          f"(planners.map.rotor.MAX_EXACT_CELLS): checkpoints only every {res.rotor.every} layers "
                          f"(against the exact table on smaller models, benchmarks/map_scale.py --spacing: at most "
                          f"{SPACING_LOSS} slower)")
-        if intra and res.alternative == 1:    # the chain over node groups won: the plan carries its groups
+        if grouped:    # the chain over node groups won: the plan carries its groups
             shard = sm.shardings(res.ilp.choice)
             return shard, _group_segments(sm, _linear(sm, shard), res.rotor, choice, notes, groups_out)
         return sm.shardings(res.ilp.choice), segments(res.rotor.segments, sm.layers.start)
@@ -120,7 +137,7 @@ def solve_stage(sm, budget_bytes: int, policy, choice, progress=None, notes: lis
     chain = sm.chain_of_shardings(shard)
     choice.ilp_time_s = sum(chain.t_fwd(l) + chain.t_bwd(l) for l in range(len(chain)))
     rot = solve_rotor(chain, budget_bytes, policy.memory_slots, find_min=False)
-    if rot.feasible:
+    if rot.feasible and not _too_deep(rot):
         choice.recompute_s = rot.recompute_s
         choice.tried.append({"k": None, "ilp_budget_bytes": None, "total_s": choice.ilp_time_s + rot.recompute_s,
                              "note": "least-memory strategies"})
@@ -138,8 +155,9 @@ def solve_stage(sm, budget_bytes: int, policy, choice, progress=None, notes: lis
             spent[PHASES[3]] += time.perf_counter() - t1
             return shard, _group_segments(sm, lin, rot, choice, notes, groups_out)
     need = min_feasible_budget(chain, policy.memory_slots, lower_bytes=budget_bytes)
-    choice.min_budget_bytes = need
     rot, at = shallow(chain, need, policy.memory_slots)
+    # need == B: it fits B only with a tree too deep to hold; the holdable one needs ``at``
+    choice.min_budget_bytes = need if need > budget_bytes else at
     if lin is not None:                 # MAX_NESTING over the group chain the same way (shallow); lower wins
         need_g = min_feasible_budget(lin.chain, policy.memory_slots, lower_bytes=budget_bytes)
         rot_g, at_g = shallow(lin.chain, need_g, policy.memory_slots)
@@ -193,6 +211,21 @@ def _both_chains(sm, sol, screen: tuple[int, int, list[int]] | None = None):
             dropped.append(len(lin))
             return per_layer
     return per_layer, lin
+
+
+def _shallow_chains(sm, sol, screen: tuple[int, int, list[int]], intra: bool) -> tuple:
+    """integrate's chain_builder bounded by MAX_NESTING: the per-layer chain of ``sol`` (and, with
+    ``intra``, its chain over node groups, screened by :func:`_both_chains`), less the per-layer
+    chain where rotor's tree at the budget nests deeper than MAX_NESTING (``dropped`` gains its
+    length); nothing left: the solution is not planned."""
+    built = _both_chains(sm, sol, screen) if intra else sm.chain(sol)
+    chains = built if isinstance(built, tuple) else (built,)
+    budget_bytes, slots, dropped = screen
+    per_layer = chains[0]
+    if len(per_layer) > MAX_NESTING and _too_deep(solve_rotor(per_layer, budget_bytes, slots, find_min=False)):
+        dropped.append(len(per_layer))
+        return chains[1:]
+    return chains
 
 
 def _too_deep(rot) -> bool:

@@ -28,7 +28,12 @@ so B is the input-gradient chain there too and W the other weights' gradients.
 
 Recomputed layers (``torch.utils.checkpoint``, non-reentrant) work: B's unpack re-runs the
 layer's forward, its recomputed tensors going as B unpacks them or at B's end (its graph task);
-W's unpacks re-run it once more, one layer at a time (``GraphExecGroup``). Other memory actions
+W's unpacks re-run it once more, one layer at a time (``GraphExecGroup``). Selective layers
+(executor.selective: only the attention core checkpointed) re-run the core in B only: W's weight
+gradients read the projections' saved inputs, outside it. With ``overlap_grad_reduce`` each
+gradient B or W sums by hand is reported to executor.zero1 (``Zero1.grad_ready``) as its
+post-accumulate hook would be, so a bucket's reduction starts after its last microbatch's W
+(a V's shared embedding/head, summed by two stages, at the flush). Other memory actions
 and runtimes that hook the backward (swaps, windows, weight swap, PipeDream, MAP stages,
 multi-stream workers, a user's pytree boundaries) are refused by name (:func:`unsupported`).
 
@@ -45,12 +50,13 @@ from torch.distributed.pipelining._backward import (
 )
 
 from executor.megatron_tp import loss_context
-from specs.plan import SPLIT_BACKWARD, MemoryAction, Plan
+from specs.plan import SPLIT_BACKWARD, V_SHAPED, MemoryAction, Plan
 
 __all__ = ["LocalLinks", "SplitBackward", "share_tied_embedding", "unsupported"]
 
-#: memory actions a split backward runs (keep; recompute re-runs the forward inside B)
-_RUNS = (MemoryAction.keep, MemoryAction.recompute)
+#: memory actions a split backward runs (keep; recompute re-runs the forward inside B; selective
+#: re-runs the attention core inside B, executor.selective)
+_RUNS = (MemoryAction.keep, MemoryAction.recompute, MemoryAction.selective)
 
 
 def unsupported(plan: Plan, model_cfg=None) -> list[str]:
@@ -63,9 +69,6 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
     if getattr(model_cfg, "family", None) == "torch_module":
         out.append(f"model.family: torch_module with schedule {kind} (a user model's pytree boundaries are not "
                    "split into B and W; use schedule 1f1b)")
-    if plan.overlap_grad_reduce:
-        out.append(f"overlap_grad_reduce: schedule {kind} sums W's weight gradients into .grad outside autograd's "
-                   "accumulation hooks that start the buckets' reductions; set it false (reduced after the flush)")
     for i, st in enumerate(plan.stages):
         bad = sorted({item.action.value for item in st.memory if item.action not in _RUNS})
         if bad:
@@ -96,6 +99,24 @@ class SplitBackward:
         self.first_layer = [p for i, _, mod in st.layers if i == first_index for p in mod.parameters()]
         self.pending: dict[int, list] = {}  # microbatch -> W's parameter groups (intermediates, their gradients)
         self.w_passes = 0
+        # overlap_grad_reduce (executor.zero1): B's first-layer sums and W's sum weight gradients by
+        # hand, outside the AccumulateGrad whose post-accumulate hook counts a parameter's
+        # microbatches and launches its bucket's reduction on the last; each hand sum tells the bucket
+        # the same. A V's shared embedding/head (two stages sum into it, share_tied_embedding) is left
+        # to the blocking launch at allreduce_grads: neither stage knows it holds the last sum
+        zero1 = getattr(st, "zero1", None)
+        self.ready = zero1.grad_ready if zero1 is not None and zero1.overlap_grad else None
+        self.shared = set()
+        if self.ready is not None and st.first and st.plan.schedule.kind in V_SHAPED and _v_tie(st):
+            self.shared = {id(mod.wte.weight) for i, _, mod in st.layers if i == first_index}
+
+    def _ready(self, params) -> None:
+        """Tell executor.zero1's buckets that ``params`` got this microbatch's gradient (as the
+        post-accumulate hook would); nothing without overlap_grad_reduce."""
+        if self.ready is not None:
+            for p in params:
+                if id(p) not in self.shared:
+                    self.ready(p)
 
     def input_pass(self, k: int, grad: torch.Tensor | None) -> None:
         """B of microbatch ``k``: the input gradient into ``st.grad_to_send``; the weight gradients
@@ -143,6 +164,7 @@ class SplitBackward:
             for p, g in zip(sources, got):
                 if g is not None:
                     p.grad.add_(g)
+            self._ready(p for p, g in zip(sources, got) if g is not None)
             st.grad_to_send = None
 
     def weight_pass(self, k: int) -> None:
@@ -157,14 +179,25 @@ class SplitBackward:
             # a fresh id, every copy kept until the layer's nodes go: 4.5 layers' activations
             # measured on gpt_tiny); the engine's groups below share it (its id)
             once = GraphExecGroup()
+            rest = []
             with torch.no_grad(), once:
-                rest = [group for group in reversed(groups) if not _direct_weight_grads(group)][::-1]
+                for group in reversed(groups):
+                    if _direct_weight_grads(group):
+                        self._ready(acc.variable for acc in group["params"])
+                    else:
+                        rest.append(group)
             del groups
+            rest.reverse()
             for group in rest:  # an intermediate B did not reach carries no gradient
                 group["grads"] = [g if g is not None else () for g in group["grads"]]
-            if rest:  # other groups: the engine from their intermediates (torch's stage_backward_weight)
+            # other groups: the engine from their intermediates (torch's stage_backward_weight); one
+            # call per group when its buckets are told as each group's gradients are done
+            for part in ([[group] for group in rest] if self.ready is not None else [rest] if rest else []):
+                reached = [acc.variable for group in part for acc in group["params"]
+                           if any(g is not None for gs in group["grads"] for g in gs)]
                 with once:
-                    stage_backward_weight(iter(self.weights), rest)
+                    stage_backward_weight(iter(self.weights), part)
+                self._ready(reached)
         for p in self.weights:  # accumulation may have replaced a grad tensor: keep it filed
             st.tracker.tag(p.grad, "gradients")
         self.w_passes += 1
@@ -281,12 +314,10 @@ def share_tied_embedding(st, groups: dict) -> set[int] | None:
     from the first stage's runtime to the last's (built in stage order). Returns None when this
     stage's tie (if any) is not split over two stages of this rank, else the ids of the parameters
     the stage uses but does not own."""
+    if not _v_tie(st):
+        return None
     plan = st.plan
     last = len(plan.stages) - 1
-    if not getattr(st.cfg, "tie_embeddings", False) or not (st.first or st.last) or last == 0:
-        return None
-    if st.device not in plan.stages[0].devices or st.device not in plan.stages[last].devices:
-        return None
     mods = {i: mod for i, _, mod in st.layers}
     if st.first:
         groups["v_tied_embedding"] = mods[0].wte.weight
@@ -295,3 +326,13 @@ def share_tied_embedding(st, groups: dict) -> set[int] | None:
     # as the in-stage tie after TP (executor.stage_grads.tied_embedding_weight): same vocabulary rows per rank
     mods[plan.stages[last].layer_stop - 1].decoder.weight = shared
     return {id(shared)}
+
+
+def _v_tie(st) -> bool:
+    """Does ``st`` (a first or last stage) hold a tied embedding/head whose other end is a stage of
+    this same rank (a V placement)?"""
+    plan = st.plan
+    last = len(plan.stages) - 1
+    if not getattr(st.cfg, "tie_embeddings", False) or not (st.first or st.last) or last == 0:
+        return False
+    return st.device in plan.stages[0].devices and st.device in plan.stages[last].devices

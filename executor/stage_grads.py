@@ -116,15 +116,18 @@ class StageGrads:
         g = param.grad
         local = getattr(g, "_local_tensor", g)
         with self.tracker.phase("buffers"):
-            full = g.full_tensor() if hasattr(g, "full_tensor") else local.clone()
             if self.zero1 is not None and self.zero1.shard:
-                # ZeRO-1: each replica holds the dp sum of its shard only (the same elements on both
-                # stages, executor.zero1), so every replica contributes that shard, zeros elsewhere
+                # ZeRO-1: each replica holds the dp sum of its shard of its tp rank's vocabulary rows
+                # only (the same elements on both stages, executor.zero1), so every (replica, tp rank)
+                # contributes that shard in its rows' place, zeros elsewhere
                 lo, hi = self.zero1.tied_shard(param)
-                flat = full.view(-1)
-                flat[:lo], flat[hi:] = 0, 0
-            elif self.replica or self.tp_rank:
-                full.zero_()
+                full = torch.zeros(g.shape, dtype=local.dtype, device=local.device)
+                mine = torch.chunk(full, self.stage.tp, dim=0)[self.tp_rank] if self.stage.tp > 1 else full
+                mine.view(-1)[lo:hi] = local.reshape(-1)[lo:hi]
+            else:
+                full = g.full_tensor() if hasattr(g, "full_tensor") else local.clone()
+                if self.replica or self.tp_rank:
+                    full.zero_()
             dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
             if self.map is not None:  # a MAP layout: this rank's shard of it (a local split, no communication)
                 from torch.distributed.tensor import distribute_tensor

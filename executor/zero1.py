@@ -12,9 +12,9 @@ r owns elements [r·S, (r+1)·S) of every bucket (S = padded size / d). Per iter
   send/recv is needed. With ``overlap_grad_reduce`` a bucket's collective is launched
   asynchronously from ``register_post_accumulate_grad_hook`` once every parameter of it has
   accumulated its last microbatch's gradient (autograd sums a leaf's uses before its one
-  AccumulateGrad, so each hook fires once per backward); whatever was not launched then (a
-  parameter without gradient, a split backward's W pass that accumulates by hand) is launched,
-  blocking, at the allreduce_grads entry, where everything is waited for;
+  AccumulateGrad, so each hook fires once per backward; a split backward's W, which sums by hand,
+  calls :meth:`Zero1.grad_ready` per sum instead); whatever was not launched then (a parameter
+  without gradient) is launched, blocking, at the allreduce_grads entry, where everything is waited for;
 * step: the optimizer owns one tensor per bucket, the rank's shard: for fp32/fp64 weights a view
   of the parameter buffer itself (Megatron's "fp32 param, fp32 grads": 8 + 8/d B/param), for
   16-bit weights an fp32 master copy (2 + 4 + 12/d with fp32 grads);
@@ -22,6 +22,16 @@ r owns elements [r·S, (r+1)·S) of every bucket (S = padded size / d). Per iter
   with ``overlap_param_gather`` asynchronously, each bucket waited by a forward pre-hook of its
   layer before the layer's first forward of the next iteration (the executor runs several
   iterations; :meth:`Zero1.finish` waits for the last one's at the run's end).
+
+Tensor parallelism (executor.megatron_tp): a tp rank's parameters are DTensors; its buckets
+hold their local shards (``_local_tensor``) and its dp group is the replicas of its tp rank
+(topology's ("dp", stage, tp_rank) group), so each reduce-scatters, steps and all-gathers its
+own shards, as Megatron-Core's distributed optimizer over the DP group of each TP rank. The
+gradient views are DTensors of the parameters' placements over the flat buffer, so autograd
+accumulates into it as in the plain dp path; a parameter replicated over tp (a norm's weight:
+a plain tensor without sequence parallelism, a Replicate DTensor whose partial gradient the
+accumulation all-reduces over tp with it) has the same gradient, position and shard on every
+tp rank and so the same update.
 
 Memory per rank: parameters and gradients whole (plus < d elements of padding per bucket), the
 optimizer state (Adam m, v; 16-bit weights' master) 1/d; while reducing, the 1/d gradient shard.
@@ -53,7 +63,7 @@ class _Bucket:
             k = t.numel()
             self.param_buf[offset:offset + k].copy_(t.detach().reshape(-1))
             t.data = self.param_buf[offset:offset + k].view_as(t)
-            p.grad = self.grad_buf[offset:offset + k].view_as(t)
+            p.grad = _grad_like(p, self.grad_buf[offset:offset + k].view_as(t))
             offset += k
         lo = rank * self.shard_numel
         self.param_shard = self.param_buf[lo:lo + self.shard_numel]
@@ -69,6 +79,18 @@ class _Bucket:
     def grad_shard_view(self) -> torch.Tensor:
         """This rank's shard of the gradient buffer (after :meth:`Zero1.reduce`: the dp sum)."""
         return self.grad_buf[self._lo:self._lo + self.shard_numel]
+
+
+def _grad_like(p, local: torch.Tensor):
+    """``p``'s gradient with ``local`` as its storage: a DTensor of ``p``'s mesh and placements
+    for a tensor-parallel parameter (executor.megatron_tp), so autograd accumulates each tp
+    rank's local shard into its dp group's flat buffer; ``local`` itself for a plain one."""
+    if not hasattr(p, "_local_tensor"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                              stride=p.stride())
 
 
 class Zero1:
@@ -133,6 +155,11 @@ class Zero1:
         if not b.pending and b.work is None:
             self._launch(b, async_op=True)
 
+    def grad_ready(self, p) -> None:
+        """``p``'s gradient of one microbatch was summed into ``.grad`` by hand (executor.split_backward's
+        B and W): counted as the post-accumulate hook counts it."""
+        self._accumulated(p)
+
     def _launch(self, b: _Bucket, async_op: bool) -> None:
         with self.rt.tracker.phase("buffers"):
             if self.shard:
@@ -159,11 +186,11 @@ class Zero1:
                 b.grad_shard = None
 
     def tied_shard(self, param) -> tuple[int, int]:
-        """[lo, hi) of ``param``'s flat elements whose reduced gradient this rank holds (ZeRO-1:
-        its own bucket, so its shard, clipped to the parameter)."""
+        """[lo, hi) of ``param``'s flat local elements (a tp rank's shard of a DTensor) whose reduced
+        gradient this rank holds (ZeRO-1: its own bucket, so its shard, clipped to the parameter)."""
         b = self._bucket_of[id(param)]
-        lo = self.rank * b.shard_numel
-        return min(lo, param.numel()), min(lo + b.shard_numel, param.numel())
+        lo, n = self.rank * b.shard_numel, getattr(param, "_local_tensor", param).numel()  # a TP rank's rows
+        return min(lo, n), min(lo + b.shard_numel, n)
 
     # ---- the step and the parameter all-gather ----------------------------------------------
     def step(self, optimizer, tracker) -> None:
@@ -219,7 +246,4 @@ def unsupported(plan) -> list[str]:
                        "parameters and a device optimizer only)")
         if st.dp > 1 and st.sharding:
             out.append(f"stages[{i}].sharding: a MAP stage with {what} (not implemented)")
-        if st.dp > 1 and st.tp > 1:
-            out.append(f"stages[{i}].tp: {st.tp} with {what} (flat buffers of tensor-parallel DTensor shards are "
-                       "not implemented in executor.zero1); allowed: 1")
     return out

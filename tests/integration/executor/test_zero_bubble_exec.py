@@ -2,11 +2,15 @@
 into B (input gradients) and W (weight gradients, Qi et al. 2024 §2).
 
 - One stage, float64: B then W per microbatch leaves the same input gradients and ``.grad`` as
-  one backward per microbatch (kept and recomputed layers; a middle and a last stage).
+  one backward per microbatch (kept, recomputed and selectively recomputed layers; a first, a
+  middle and a last stage); a selective layer's attention core re-runs once per microbatch (in
+  B, none in W); B and W tell executor.zero1's buckets of each hand-summed gradient as often as
+  autograd's post-accumulate hooks fire in one backward (overlap_grad_reduce).
 - 2 gloo ranks on gpt_tiny, float64: zb_h1 (one stage per rank) and zbv (a V: chunks 0 and 3 on
   rank 0, 1 and 2 on rank 1, handed over in memory on rank 1) train as the single-process
   reference does (losses, gradients, weights within the reduction-order bound); every B had its
-  W (one W pass per stage and microbatch, counted in the run).
+  W (one W pass per stage and microbatch, counted in the run); also with selective recompute, and
+  on 4 ranks with tp 2 or dp 2 (overlap_grad_reduce: buckets reduced as W completes them).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from costs.families import build_model
 from executor.memtrack import NullTracker
 from executor.models import build_layers, make_batch, output_shapes
 from executor.reference import train_reference
+from executor.selective import SelectiveCore
 from executor.split_backward import SplitBackward, unsupported
 from planners import make_plan, parse_policy
 from specs.plan import SPLIT_BACKWARD, LayerMemory, MemoryAction, ScheduleSpec
@@ -36,10 +41,13 @@ STEPS = 2
 
 
 # ---- one stage: B + W == one backward (float64) ----------------------------------------------
-def _one_stage(split: bool, recompute: bool, where: str, m: int = 3):
+def _one_stage(split: bool, recompute, where: str, m: int = 3, ready: dict | None = None):
     """Input gradients and ``.grad`` of a stage of gpt_tiny (``where``: first = embedding + block 0,
     middle = blocks 1-2, last = blocks 2.. + head with its loss) after m microbatches, backward
-    whole or as B (all) then W (all)."""
+    whole or as B (all) then W (all). ``recompute``: False/"keep", True/"full" (checkpointed
+    layers) or "selective" (executor.selective's attention core). ``ready``: counts per parameter
+    name of the post-accumulate hook (whole backward) or of the split's zero1.grad_ready calls."""
+    recompute = {False: "keep", True: "full"}.get(recompute, recompute)
     n = len(output_shapes(CFG))
     first, last = where == "first", where == "last"
     owned = {"first": range(0, 2), "middle": range(1, 3), "last": range(2, n)}[where]
@@ -47,12 +55,22 @@ def _one_stage(split: bool, recompute: bool, where: str, m: int = 3):
     params = list({id(p): p for _, _, mod in layers for p in mod.parameters()}.values())
     for p in params:
         p.grad = torch.zeros_like(p)
+    names = {id(p): f"{i}.{n}" for i, _, mod in layers for n, p in mod.named_parameters()}
+
+    def count(p):
+        ready[names[id(p)]] = ready.get(names[id(p)], 0) + 1
+
+    if ready is not None and not split:
+        for p in params:
+            p.register_post_accumulate_grad_hook(count)
+    zero1 = types.SimpleNamespace(overlap_grad=True, grad_ready=count) if ready is not None and split else None
     batch = make_batch(CFG, 2 * m, 0, 0, F64)
     shape = output_shapes(CFG)[owned.start - 1] if not first else None
     gen = torch.Generator().manual_seed(1)
     st = types.SimpleNamespace(outputs={}, inputs={}, first=first, last=last, params=params, layers=layers,
                                vocab_parallel=False, release_outputs=False, tracker=NullTracker(), bounds=None,
-                               workers=None, pipedream=None, index=1, plan=None)
+                               workers=None, pipedream=None, index=1, zero1=zero1,
+                               plan=types.SimpleNamespace(schedule=ScheduleSpec(kind="zb_h1")))
     sb = SplitBackward(st)
     dx = []
     for k in range(m):
@@ -60,7 +78,13 @@ def _one_stage(split: bool, recompute: bool, where: str, m: int = 3):
         mb = {key: v[2 * k:2 * k + 2] for key, v in batch.items()}
         y = x
         for _, _, mod in layers:
-            y = checkpoint(mod, y, mb, use_reentrant=False) if recompute else mod(y, mb)
+            if recompute == "full":
+                y = checkpoint(mod, y, mb, use_reentrant=False)
+            elif recompute == "selective":
+                with SelectiveCore():
+                    y = mod(y, mb)
+            else:
+                y = mod(y, mb)
         grad = None if last else torch.randn(y.shape, generator=gen, dtype=F64)
         if split:
             st.outputs[k], st.inputs[k] = y, x
@@ -79,7 +103,7 @@ def _one_stage(split: bool, recompute: bool, where: str, m: int = 3):
     return dx, [p.grad.clone() for p in params]
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("recompute", ["keep", "full", "selective"])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_b_then_w_equals_one_backward(recompute, where):
     dx_ref, g_ref = _one_stage(False, recompute, where)
@@ -96,7 +120,37 @@ def test_b_then_w_equals_one_backward(recompute, where):
         torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * float(b.abs().max()))
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_selective_core_reruns_once_in_b(where, monkeypatch):
+    """Selective recompute (Korthikanti §5) under a split backward: each layer's attention core runs
+    once in the forward and once more in B (its checkpoint's unpack), never in W (W's weight
+    gradients read the projections' saved inputs, outside the core)."""
+    import executor.selective as sel
+
+    calls = {"n": 0}
+    core = sel._core
+    monkeypatch.setattr(sel, "_core", lambda *a, **k: calls.__setitem__("n", calls["n"] + 1) or core(*a, **k))
+    m = 3
+    n = len(output_shapes(CFG))
+    blocks = sum(1 for i in {"first": range(0, 2), "middle": range(1, 3), "last": range(2, n)}[where]
+                 if 0 < i < n - 1)  # gpt_tiny: layer 0 the embedding, the last one the head
+    _one_stage(True, "selective", where, m)
+    assert calls["n"] == 2 * m * blocks
+
+
+@pytest.mark.parametrize("recompute", ["keep", "full", "selective"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_split_tells_buckets_as_hooks_do(recompute, where):
+    """overlap_grad_reduce (executor.zero1): with the backward split, every gradient B or W sums by
+    hand is reported (zero1.grad_ready) as often as autograd's post-accumulate hook fires per
+    parameter in whole backward passes: once per microbatch, so a bucket launches on the last."""
+    hooks, told = {}, {}
+    _one_stage(False, recompute, where, ready=hooks)
+    _one_stage(True, recompute, where, ready=told)
+    assert hooks and told == hooks
+
+
+@pytest.mark.parametrize("recompute", ["keep", "full"])
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_direct_w_equals_engine_w(recompute, where, monkeypatch):
     """W's direct weight gradients (executor.split_backward._direct_weight_grads: a linear's
@@ -116,8 +170,9 @@ def test_direct_w_equals_engine_w(recompute, where, monkeypatch):
 
 
 # ---- 2 gloo ranks vs the single-process reference --------------------------------------------
-def _plan(schedule: str, recompute: bool = False):
-    policy = {"kind": "even", "pp": 2} | ({"recompute": "full"} if recompute else {})
+def _plan(schedule: str, recompute: bool | str = False):
+    recompute = {False: "none", True: "full"}.get(recompute, recompute)
+    policy = {"kind": "even", "pp": 2} | ({"recompute": recompute} if recompute != "none" else {})
     return make_plan(parse_policy(policy), SPEC, HW, TRAINING, ScheduleSpec(kind=schedule))
 
 
@@ -127,11 +182,15 @@ def reference() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,recompute", [("zb_h1", False), ("zbv", False), ("dualpipev", False), ("zb_h1", True)],
-                         ids=["zb_h1", "zbv", "dualpipev", "zb_h1-recompute"])
+@pytest.mark.parametrize("schedule,recompute", [("zb_h1", False), ("zbv", False), ("dualpipev", False), ("zb_h1", True),
+                                               ("zb_h1", "selective"), ("zbv", "selective")],
+                         ids=["zb_h1", "zbv", "dualpipev", "zb_h1-recompute", "zb_h1-selective", "zbv-selective"])
 def test_zero_bubble_run_matches_reference(schedule, recompute, reference):
     plan = _plan(schedule, recompute)
     assert plan.schedule.kind in SPLIT_BACKWARD and len(plan.used_devices()) == 2
+    if recompute == "selective":
+        assert all(item.action is MemoryAction.selective for st in plan.stages for item in st.memory)
+        assert any(st.memory for st in plan.stages)
     assert not unsupported(plan)
     lists = build_schedule(plan)
     w = [(a.stage, a.microbatch) for acts in lists.values() for a in acts if a.kind is ActionKind.backward_weight]
@@ -161,17 +220,30 @@ def test_unsupported_names_the_field():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", [{"pp": 2, "tp": 2}, {"pp": 2, "dp": 2}], ids=["zbv-pp2xtp2", "zbv-pp2xdp2"])
-def test_zbv_with_tp_or_dp_matches_reference(policy, reference):
+@pytest.mark.parametrize("schedule,policy", [
+    ("zbv", {"pp": 2, "tp": 2}), ("zbv", {"pp": 2, "dp": 2}),
+    ("zb_h1", {"pp": 2, "dp": 2, "overlap_grad_reduce": True}), ("zbv", {"pp": 2, "dp": 2, "overlap_grad_reduce": True}),
+    ("zb_h1", {"pp": 2, "dp": 2, "distributed_optimizer": True, "overlap_grad_reduce": True}),
+    ("zb_h1", {"pp": 2, "tp": 2, "recompute": "selective"})],
+    ids=["zbv-pp2xtp2", "zbv-pp2xdp2", "zb_h1-pp2xdp2-overlap", "zbv-pp2xdp2-overlap", "zb_h1-pp2xdp2-zero1-overlap",
+         "zb_h1-pp2xtp2-selective"])
+def test_four_ranks_tp_or_dp_match_reference(schedule, policy, reference):
     """4 ranks: the V's shared embedding/head as DTensor shards (vocab-parallel loss in B), or
-    replicated with its gradient all-reduced once (summed over both chunks first)."""
+    replicated with its gradient all-reduced once (summed over both chunks first); with
+    overlap_grad_reduce each stage's per-layer buckets are reduced once W (B for the first layer)
+    has summed their last microbatch's gradients (executor.zero1.grad_ready), the V's shared
+    embedding bucket at the flush; tp 2 with selective layers."""
     hw4 = HardwareSpec.model_validate(conf("hardware", "local_cpu"))
-    plan = make_plan(parse_policy({"kind": "manual", **policy}), SPEC, hw4, TRAINING, ScheduleSpec(kind="zbv"))
+    plan = make_plan(parse_policy({"kind": "manual", **policy}), SPEC, hw4, TRAINING, ScheduleSpec(kind=schedule))
+    assert plan.overlap_grad_reduce == policy.get("overlap_grad_reduce", False)
+    assert not unsupported(plan)
     out = run_plan_float64(plan, CFG, iterations=STEPS)
     assert out.failure is None, out.failure
     tol = reorder_rtol(longest_reduction(CFG, TRAINING))
     np.testing.assert_allclose(out.losses, reference["losses"], rtol=tol)
-    got_g = {k: v for rep in out.reports.values() for k, v in rep["grads"].items()}
-    scale = max(float(np.abs(v).max()) for v in reference["grads"].values())
-    for key, want in reference["grads"].items():
-        np.testing.assert_allclose(got_g[key], want, rtol=tol, atol=tol * scale, err_msg=key)
+    # ZeRO-1 keeps each reduced gradient in its rank's shard only: its weights are compared instead
+    what = "params" if policy.get("distributed_optimizer") else "grads"
+    got = {k: v for rep in out.reports.values() for k, v in rep[what].items()}
+    scale = max(float(np.abs(v).max()) for v in reference[what].values())
+    for key, want in reference[what].items():
+        np.testing.assert_allclose(got[key], want, rtol=tol, atol=tol * scale, err_msg=key)

@@ -18,7 +18,10 @@ between two consecutive blocks (checked by IlpProblem). Steps, after map_ilp's e
    other node is eliminated in a greedy order (smallest joined table first) by joining the factors
    that hold it and keeping, per assignment of the rest, the Pareto points; the eliminated node's
    strategy rides along with each point. A transformer block has treewidth 2 (its two residual
-   cycles), so tables stay at three nodes' strategies.
+   cycles), so tables stay at three nodes' strategies. The last join of each step drops the
+   eliminated node from the key as its pairs form (_join_exact: pairs that a kept point beats are
+   cut before any sort, so the three-node table with the node in its key is never built; issue 26:
+   the 2x2x2 mesh's gpt3_2b6 / 20 GiB solve went from 150-180 s to ~20 s, the same choice).
    Blocks with the same reduced data (node costs/bytes, edges, boundaries) share one computation:
    in the benchmark, blocks 1..30 of 32 (block 0 has no in-edges, the last no out-edges, so the
    reductions prune them differently).
@@ -67,7 +70,7 @@ import dataclasses
 
 import numpy as np
 
-from planners.map.block_graph import _neighbours, _reduced, _signature
+from planners.map.block_graph import _join_exact, _neighbours, _pareto, _reduced, _signature, _Table
 from planners.map.blocks_bound import lagrangian
 from planners.map.fastest import fastest_choice
 from planners.map.problem import IlpProblem, IlpSolution, Reduced, evaluate, min_memory_choice
@@ -84,34 +87,6 @@ JOIN_CHUNK_PAIRS = 1 << 18
 #: 26 % slower (2.794 vs 2.208 s) than the exact DP's, so the bound stays opt-in (the 2x2x2 tight
 #: budget, 1.1 M keys, needs it: 8 s with it, unbounded memory without).
 MAX_TABLE_ROWS: int | None = None
-
-
-def _pareto(group: np.ndarray, t: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """Indices of the points that no other point of the same group beats (no slower and no larger,
-    one of them strictly); duplicates keep the first. Returned sorted by group, then bytes."""
-    if t.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    rank = np.unique(t, return_inverse=True)[1].astype(np.int64).ravel()   # exact order of the floats
-    order = np.lexsort((rank, m, group))
-    g = group[order].astype(np.int64)
-    # One running minimum over all groups: each earlier group is shifted above every later one, so the
-    # minimum of the points before i is the minimum over i's own group (if any), else too big to matter.
-    val = (int(g.max()) - g) * (t.size + 1) + rank[order]
-    before = np.minimum.accumulate(np.concatenate(([np.iinfo(np.int64).max], val[:-1])))
-    return order[val < before]
-
-
-class _Table:
-    """A factor of the variable elimination: per assignment of ``scope`` (rows of ``key``, positions
-    in red.keep) a Pareto set of (time_s, bytes) points, flattened into rows; ``choice`` holds each
-    point's positions of the nodes already eliminated (``elim``); ``placed`` the nodes whose bytes
-    ``m`` includes."""
-
-    def __init__(self, scope, key, t, m, elim=(), choice=None, placed=frozenset(), err=0):
-        self.scope, self.key, self.t, self.m = list(scope), key, t, m
-        self.elim, self.placed = list(elim), frozenset(placed)
-        self.choice = np.zeros((len(t), 0), dtype=np.int64) if choice is None else choice
-        self.err = int(err)     # bytes: every row's m exceeds its true bytes by at most this (_coarsen)
 
 
 class _TooLarge(Exception):
@@ -164,7 +139,11 @@ def _join(a: _Table, b: _Table, size: dict, cap: int, min_of: dict, total_min: i
     chunk plus the points kept, never the whole cross product (issue 26: a 2x2x2 mesh's join of two
     large factors allocated > 1 GiB at once). Exact: a point dominated within its chunk is
     dominated in the union, and the Pareto set of the union is that of the chunks' Pareto sets.
-    ``limit`` (rows) and ``grid`` (bytes): the kept points are bounded by _coarsen (None: exact)."""
+    ``limit`` (rows) and ``grid`` (bytes): the kept points are bounded by _coarsen (None: exact, and
+    done by _join_exact: the same rows, faster)."""
+    if limit is None:
+        return _join_exact(a, b, size, cap, min_of, total_min, None,
+                           JOIN_CHUNK_PAIRS if chunk_pairs is None else chunk_pairs)
     chunk = JOIN_CHUNK_PAIRS if chunk_pairs is None else max(int(chunk_pairs), 1)
     shared = [v for v in a.scope if v in b.scope]
     flat = lambda tab: (np.ravel_multi_index(tab.key[:, [tab.scope.index(v) for v in shared]].T, [size[v] for v in shared])
@@ -254,6 +233,11 @@ def _frontier(red: Reduced, nbr, local: list[int], sigma: list[int], tau: list[i
         mine = [tab for tab in tables if v in tab.scope]
         tables = [tab for tab in tables if v not in tab.scope]
         acc = mine[0]
+        if limit is None and len(mine) > 1:            # exact: v leaves the key as the last join forms
+            for tab in mine[1:-1]:
+                acc = join(acc, tab)
+            tables.append(_join_exact(acc, mine[-1], size, cap, min_of, total_min, v, JOIN_CHUNK_PAIRS))
+            continue
         for tab in mine[1:]:
             acc = join(acc, tab)
         j = acc.scope.index(v)                         # v leaves the key for the choice

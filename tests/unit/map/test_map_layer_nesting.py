@@ -10,24 +10,17 @@ and at that budget it plans a tree no deeper than MAX_NESTING, which a plan vali
 simulator prices (tests/unit/map/test_map_node_group_nesting.py: the same for node groups)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-import yaml
 
-from costs.families import build_model, parse_model_config
-from executor.op_graph import model_op_graphs
-from planners.map.ilp import solve as solve_ilp
-from planners.map.plan import StageChoice, _StageModel
+from planners.map.plan import StageChoice
 from planners.map.rotor import min_feasible_budget, solve
 from planners.map.stage import MAX_NESTING, nesting, solve_stage
 from planners.policy import MapPolicy
 from simulator.sharded import sharded_stage
-from specs.hardware import HardwareSpec
 from specs.plan import Plan, ScheduleSpec, StagePlan, validate_plan
-from specs.training import TrainingSpec
+from tests.unit.map.test_map_linearise import tiny_stage
 
-CONF = Path(__file__).resolve().parents[3] / "conf"
 GIB = 1 << 30
 BLOCKS = 130                  # > MAX_NESTING blocks: the minimum-budget tree nests one level per layer
 
@@ -36,17 +29,8 @@ BLOCKS = 130                  # > MAX_NESTING blocks: the minimum-budget tree ne
 def deep():
     """(model, hardware, training, stage model, its per-layer chain) of the long gpt_tiny."""
     assert BLOCKS > MAX_NESTING
-    data = yaml.safe_load((CONF / "model" / "gpt_tiny.yaml").read_text()) | {"num_layers": BLOCKS, "seq_len": 256}
-    cfg = parse_model_config(data)
-    graphs, keys = model_op_graphs(cfg, 8, "fp32")
-    model = build_model(cfg, 4)
-    model = model.model_copy(update={"op_graphs": graphs, "op_graph_microbatch": 8,
-                                     "layers": [l.model_copy(update={"op_graph": k}) for l, k in zip(model.layers, keys)]})
-    hw = HardwareSpec.model_validate(yaml.safe_load((CONF / "hardware" / "local_cpu.yaml").read_text()))
-    tr = TrainingSpec(global_batch=16, microbatch_size=8, precision="fp32")
-    sm = _StageModel(model, hw, tr, range(model.num_layers), (0,), (1,))
-    sm.build()
-    return model, hw, tr, sm, sm.chain_of_shardings(sm.shardings(solve_ilp(sm.problem(1 << 40)).choice))
+    model, hw, tr, sm, sh = tiny_stage(BLOCKS)
+    return model, hw, tr, sm, sm.chain_of_shardings(list(sh.values()))
 
 
 def _solve(sm, budget_bytes: int, budgets: int = 10):

@@ -7,6 +7,7 @@ without inventing time; and on a traced GPT the intra-block cuts let rotor fit a
 and run faster at the per-layer chain's minimum."""
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -28,22 +29,38 @@ from specs.training import TrainingSpec
 CONF = Path(__file__).resolve().parents[3] / "conf"
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    """gpt_tiny, sequence 256, microbatch 8, fp32, one local_cpu device, the unconstrained ILP's
-    strategies: (model, hardware, training, stage model, shardings by layer)."""
+@functools.lru_cache(maxsize=None)
+def traced_tiny(num_layers: int | None = None):
+    """gpt_tiny (``num_layers`` layers if given), sequence 256, microbatch 8, fp32, traced op graphs,
+    and one local_cpu device: (model, hardware, training); cached, the tracing is the slow part (the
+    nesting tests build 130 blocks)."""
     data = yaml.safe_load((CONF / "model" / "gpt_tiny.yaml").read_text()) | {"seq_len": 256}
+    if num_layers is not None:
+        data["num_layers"] = num_layers
     cfg = parse_model_config(data)
     graphs, keys = model_op_graphs(cfg, 8, "fp32")
     model = build_model(cfg, 4)
     model = model.model_copy(update={"op_graphs": graphs, "op_graph_microbatch": 8,
                                      "layers": [l.model_copy(update={"op_graph": k}) for l, k in zip(model.layers, keys)]})
     hw = HardwareSpec.model_validate(yaml.safe_load((CONF / "hardware" / "local_cpu.yaml").read_text()))
-    tr = TrainingSpec(global_batch=16, microbatch_size=8, precision="fp32")
+    return model, hw, TrainingSpec(global_batch=16, microbatch_size=8, precision="fp32")
+
+
+def tiny_stage(num_layers: int | None = None):
+    """:func:`traced_tiny` as one stage (a fresh _StageModel: solve_stage mutates it) with the
+    unconstrained ILP's strategies: (model, hardware, training, stage model, shardings by layer)."""
+    model, hw, tr = traced_tiny(num_layers)
     sm = _StageModel(model, hw, tr, range(model.num_layers), (0,), (1,))
     sm.build()
     sol = solve_ilp(sm.problem(1 << 40))
     return model, hw, tr, sm, {sh.layer: sh for sh in sm.shardings(sol.choice)}
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    """gpt_tiny, sequence 256, microbatch 8, fp32, one local_cpu device, the unconstrained ILP's
+    strategies: (model, hardware, training, stage model, shardings by layer)."""
+    return tiny_stage()
 
 
 def _valid_cuts(graph: OpGraph) -> list[int]:

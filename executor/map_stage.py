@@ -218,6 +218,8 @@ class _NodePlan:
             for i in range(len(mine)):
                 run = [n for n in order if owner[n.name] == i]
                 later = {a.name for n in order if owner[n.name] > i for a in n.all_input_nodes}
+                if i < len(mine) - 1:    # what the layer's output reads crosses every cut too (a user
+                    later |= keep        # piece passing an input on, hf_gpt2's x_1: KeyError without)
                 live = tuple(sorted(v for v in later if owner.get(v, -1) <= i and v in _values(layer, fx)))
                 last_read: dict[str, str] = {}
                 for n in run:

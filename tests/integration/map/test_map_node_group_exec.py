@@ -14,7 +14,6 @@ carries StagePlan.node_groups and segments over them (some opening inside a bloc
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from executor.launch import launch
@@ -23,6 +22,7 @@ from executor.reference import train_reference
 from specs.plan import validate_plan
 from specs.units import size_text
 from tests.conftest import longest_reduction, reorder_rtol
+from tests.integration.map.test_map_any_model_exec import assert_matches
 from tests.integration.map.test_map_budget_measured import (CFG, HW, MEMORY_TOLERANCE, MODEL_DICT, TRAINING,
                                                             model_spec, plan_at)
 
@@ -63,17 +63,8 @@ def test_node_group_plan_matches_the_reference(planned):
     opts = {"iterations": STEPS, "collect": True, "memory_iteration": None, "track_memory": False, "fault": None,
             "seed": 0, "device": "cpu", "threads": 1, "capacity_bytes": None, "dtype": "float64", "map_stats": True}
     out = launch(plan, CFG, opts, 300)
-    assert out.failure is None, out.failure
     ref = train_reference(CFG, TRAINING, STEPS, dtype=torch.float64)
-    tol = reorder_rtol(longest_reduction(CFG, TRAINING))
-    np.testing.assert_allclose(out.losses, ref["losses"], rtol=tol)
-    got_p = {k: v for rep in out.reports.values() for k, v in rep["params"].items()}
-    got_g = {k: v for rep in out.reports.values() for k, v in rep["grads"].items()}
-    assert sorted(got_p) == sorted(ref["params"])
-    for got, want in ((got_g, ref["grads"]), (got_p, ref["params"])):
-        scale = max(float(np.abs(v).max()) for v in want.values())
-        for key, w in want.items():
-            np.testing.assert_allclose(got[key], w, rtol=tol, atol=tol * scale, err_msg=key)
+    assert_matches(out, ref, reorder_rtol(longest_reduction(CFG, TRAINING)))
     for rep in out.reports.values():
         for s in rep.get("map", {}).values():
             assert s["mismatches"] == {}

@@ -93,7 +93,10 @@ def build(row, microbatch: int, interleave: int, bytes_per_param: int = 16, reco
     counts = megatron_split(model, pp * v)
     plan = assemble("benchmark", model, hardware, training, schedule, counts,
                     device_groups(hardware, pp, dp, tp), dp, tp, recompute, 0,
-                    sequence_parallel=sequence_parallel)
+                    sequence_parallel=sequence_parallel,
+                    # Megatron-LM 2021-22 scattered each pipeline boundary over the tp ranks and
+                    # all-gathered it after the receive (Narayanan et al. §4.1; on by default there)
+                    p2p_scatter_gather=True)
     return model, hardware, validate_plan(plan, model, hardware)
 
 

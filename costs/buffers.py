@@ -40,15 +40,53 @@ def sent_grad_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
     return layer_input_bytes(model, stage.layer_start, b, seq_split(stage)) if stage.layer_start > 0 else 0
 
 
+def neighbour_stage(plan: Plan, stage: StagePlan, step: int) -> StagePlan | None:
+    """The stage holding the layers right after (``step`` +1) or right before (-1) ``stage``'s,
+    None at the ends (an interleaved plan's chunks are consecutive layer ranges too)."""
+    for other in plan.stages:
+        if (other.layer_start == stage.layer_stop) if step > 0 else (other.layer_stop == stage.layer_start):
+            return other
+    return None
+
+
+def p2p_split(plan: Plan, src: StagePlan | None, dst: StagePlan | None) -> int:
+    """How many pieces a boundary tensor from ``src`` to ``dst`` is scattered into, one per tp
+    rank (Narayanan et al. SC'21 §4.1, Fig. 9: each rank sends 1/t over the inter-node link and the
+    receiving ranks all-gather the whole over their tp group; Megatron-LM's
+    ``scatter_gather_tensors_in_pipeline``). With ``plan.p2p_scatter_gather`` where both stages have
+    the same tp > 1, dp and cp, neither is sequence-parallel (its boundary is already s/t per rank)
+    and neither is a MAP stage; else 1 (whole tensors). The executor's sends use the same rule."""
+    if (not plan.p2p_scatter_gather or src is None or dst is None or src.tp <= 1 or src.tp != dst.tp
+            or src.dp != dst.dp or src.cp != dst.cp or src.sequence_parallel or dst.sequence_parallel
+            or src.sharding or dst.sharding):
+        return 1
+    return src.tp
+
+
 def boundary_send_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int]:
     """(activation, gradient) bytes one rank of ``stage`` sends per microbatch across its
     pipeline boundaries: its output forward, its input's gradient backward (on the first stage
     its batch input's size, as simulator.stagecost counts it: nothing is sent); under sequence
     parallelism each tp rank sends its s/t share (Megatron's p2p of the sequence-parallel hidden
-    states, Korthikanti §4.2.2)."""
+    states, Korthikanti §4.2.2), with the scatter/gather optimisation 1/t of the whole
+    (:func:`p2p_split`)."""
     b, split = samples_per_replica(plan, stage), seq_split(stage)
     out = layer_output_bytes(model, stage.layer_stop - 1, b, split)
-    return out, layer_input_bytes(model, stage.layer_start, b, split)
+    grad = layer_input_bytes(model, stage.layer_start, b, split)
+    out_k = p2p_split(plan, stage, neighbour_stage(plan, stage, +1))
+    grad_k = p2p_split(plan, neighbour_stage(plan, stage, -1), stage)
+    return math.ceil(out / out_k), math.ceil(grad / grad_k)
+
+
+def p2p_gathered_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int]:
+    """(activation, gradient) bytes ``stage``'s tp group all-gathers per microbatch after a
+    scattered receive (:func:`p2p_split`): the whole received input forward, the whole received
+    output gradient backward; 0 where the boundary is not scattered."""
+    b = samples_per_replica(plan, stage)
+    prev, nxt = neighbour_stage(plan, stage, -1), neighbour_stage(plan, stage, +1)
+    act = layer_input_bytes(model, stage.layer_start, b) if p2p_split(plan, prev, stage) > 1 else 0
+    grad = layer_output_bytes(model, stage.layer_stop - 1, b) if p2p_split(plan, stage, nxt) > 1 else 0
+    return act, grad
 
 
 def allreduce_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
@@ -58,7 +96,9 @@ def allreduce_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
     The tied-weight gradient copy (:func:`tied_sync_buffer_bytes`) comes after it is freed: the
     larger of the two."""
     flat = dp_grad_bytes(model, plan, stage) if grad_reduce_ranks(stage) > 1 else 0  # dp x cp replicas
-    if plan.zero_stage == 1 and flat:  # ZeRO-1 reduce-scatters in place (executor.zero1, Megatron): its 1/d shard
+    # ZeRO-1 reduce-scatters in place (executor.zero1, Megatron); ZeRO-2/3 reduce-scatter bucket by
+    # bucket (Rajbhandari et al. 2020 §5.2, FSDP per unit) and keep only their 1/d shard: no whole copy
+    if plan.zero_stage >= 1 and flat:
         flat = math.ceil(flat / grad_reduce_ranks(stage))
     return max(flat, tied_sync_buffer_bytes(model, plan, stage))
 

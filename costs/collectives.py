@@ -64,8 +64,9 @@ def allreduce_link(hardware: HardwareSpec, devices: list[int]) -> LinkSpec:
 def dp_allreduce_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> float:
     """Data-parallel sync of one stage's step on an idle fabric (one TP rank's shard each; ring
     over ``allreduce_link``), exposed in full: :func:`dp_reduce_gather_s` summed. ZeRO-0: the
-    gradient all-reduce; ZeRO-1 (Megatron's distributed optimizer): reduce-scatter + all-gather,
-    the ring bytes of one all-reduce; ZeRO stage >= 2: the reduce-scatter only (ZeRO §5)."""
+    gradient all-reduce; ZeRO-1 (Megatron's distributed optimizer) and ZeRO-2: reduce-scatter +
+    all-gather, the ring bytes of one all-reduce; ZeRO-3: the reduce-scatter only (its per-layer
+    gathers are prefetched behind the passes, unpriced: :func:`dp_reduce_gather_s`)."""
     return sum(dp_reduce_gather_s(model, plan, hardware, stage))
 
 
@@ -75,21 +76,24 @@ def dp_reduce_gather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, sta
     (Thakur et al. 2005), so each is exactly half of :func:`ring_allreduce_s`. ZeRO-0:
     (all-reduce, 0). ZeRO-1: the gradients reduce-scattered, each rank steps its 1/d shard, the
     updated parameters all-gathered (Megatron-LM docs/source/api-guide/dist_optimizer.md): (half,
-    half). ZeRO >= 2: (half, 0), as modelled before (ZeRO §5; its gathers are not priced)."""
+    half); ZeRO-2 the same (Rajbhandari et al. 2020 §5.2: gradients and optimizer state are
+    partitioned, so each rank updates its 1/d of the parameters and all-gathers them back, as ZeRO-1
+    does). ZeRO-3: (half, 0): its parameters are gathered layer by layer in each pass, prefetched
+    behind the compute (§5.3; FSDP), which this model leaves unpriced."""
     if grad_reduce_ranks(stage) == 1:  # dp x cp replicas (costs/context_parallel.py)
         return 0.0, 0.0
     ranks = stage.devices[:: stage.tp]
     t = ring_allreduce_s(dp_grad_bytes(model, plan, stage), grad_reduce_ranks(stage), allreduce_link(hardware, ranks))
     if plan.zero_stage == 0:
         return t, 0.0
-    return t / 2, (t / 2 if plan.zero_stage == 1 else 0.0)
+    return t / 2, (t / 2 if plan.zero_stage in (1, 2) else 0.0)
 
 
 def dp_param_gather_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec,
                               stage: StagePlan) -> list[float]:
-    """ZeRO-1's parameter all-gather split into one bucket per layer (stage order), each half of
-    that layer's all-reduce (its own latency); zeros for any other ZeRO stage."""
-    if plan.zero_stage != 1 or grad_reduce_ranks(stage) == 1:
+    """ZeRO-1's (and ZeRO-2's) parameter all-gather split into one bucket per layer (stage order),
+    each half of that layer's all-reduce (its own latency); zeros for ZeRO-0 and ZeRO-3."""
+    if plan.zero_stage not in (1, 2) or grad_reduce_ranks(stage) == 1:
         return [0.0] * len(stage.layers)
     return dp_allreduce_buckets_s(model, plan, hardware, stage)  # ZeRO-1 buckets: reduce-scatter = all-gather
 

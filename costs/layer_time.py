@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from costs import gemm, window
+from costs.buffers import p2p_gathered_bytes
 from costs.collectives import collective_link, group_link, ring_allreduce_s
 from costs.context_parallel import layer_cp_comm_s
 from costs.params import grad_reduce_ranks, layer_params_on_device, samples_per_replica, stage_params_on_device
@@ -198,6 +199,18 @@ def layer_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, sta
     if stage.action_of(layer).action is MemoryAction.selective:
         cp_b += cp_f  # the re-run core runs its forward ring again
     return f + c + cp_f, b + c + cp_b, rc
+
+
+def p2p_gather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:
+    """(forward, backward) seconds of the tp all-gathers that rebuild a scattered boundary tensor
+    on ``stage`` (Narayanan et al. SC'21 §4.1: the received input before the forward, the received
+    output gradient before the backward; costs.buffers.p2p_gathered_bytes), synchronous like every
+    tensor-parallel collective of this model (:func:`layer_tp_comm_s`)."""
+    act, grad = p2p_gathered_bytes(model, plan, stage)
+    if not act and not grad:
+        return 0.0, 0.0
+    link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
+    return ring_half_s(act, stage.tp, link), ring_half_s(grad, stage.tp, link)
 
 
 def stage_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:

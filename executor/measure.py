@@ -44,6 +44,10 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
     from executor.selective import unsupported as selective_unsupported
 
     out += sp_unsupported(plan, _config(model_cfg) if model_cfg is not None else None) + selective_unsupported(plan)
+    cfg = _config(model_cfg) if model_cfg is not None else None
+    if plan.p2p_scatter_gather and getattr(cfg, "family", None) == "torch_module":
+        out.append("p2p_scatter_gather: a user model's boundaries are pytrees, sent one leaf at a time and whole; "
+                   "scattering them over the tp ranks (Narayanan et al. §4.1) is not implemented: set it false")
     if plan.schedule.kind.value == "pipedream_async":
         out += _pipedream_unsupported(plan, model_cfg)
     from executor.split_backward import unsupported as split_unsupported  # zero-bubble B/W passes

@@ -20,6 +20,7 @@ from executor.stage_passes import SWAPS, StagePasses
 from executor.swap import Swapper
 from executor.timeline import NO_STAMPS, Stamps
 from executor.window import Window
+from costs.buffers import p2p_split
 from executor.topology import coords, replica_rows, routes
 from specs.plan import SPLIT_BACKWARD, V_SHAPED, Plan, ScheduleKind
 from specs.training import Optimizer
@@ -71,6 +72,10 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         # sequence-parallel neighbours pass s/t shards across the boundary (executor.stage_comm.post_recv)
         self.split_in = index > 0 and boundary_split(plan, index - 1, index)
         self.split_out = not self.last and boundary_split(plan, index, index + 1)
+        # Narayanan et al. SC'21 §4.1: a boundary scattered over the tp ranks, 1/t each, all-gathered
+        # by the receivers (plan.p2p_scatter_gather; costs.buffers.p2p_split, the simulator's rule)
+        self.scatter_in = p2p_split(plan, plan.stages[index - 1], st) if index > 0 else 1
+        self.scatter_out = p2p_split(plan, st, plan.stages[index + 1]) if not self.last else 1
         self.vocab_parallel = st.tp > 1 and not st.sharding and tensor_parallel(
             self.layers, self.tp_group, torch_device.type, sequence_parallel=st.sequence_parallel,
             split_in=self.split_in, split_out=self.split_out)

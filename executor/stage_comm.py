@@ -6,6 +6,7 @@ StageComm is a mixin of executor.stage.StageRuntime: it reads the runtime's rout
 table, tracker and output table set up there."""
 from __future__ import annotations
 
+import math
 import queue
 import threading
 
@@ -71,6 +72,10 @@ class StageComm:
                             self.sends.add(work, piece, on_done)
                         continue
                     piece = tensor.detach()[r.start - lo:r.stop - lo].contiguous()
+                    k_ways = self.scatter_out if kind == "act" else self.scatter_in
+                    if k_ways > 1 and piece.numel() % k_ways == 0:  # Narayanan §4.1: this tp rank's 1/t
+                        n = piece.numel() // k_ways
+                        piece = piece.view(-1)[self.tp_rank * n:(self.tp_rank + 1) * n]
                     work = dist.isend(piece, dst=self.rank_of[r.dst_device], tag=tag)
                     self.sends.add(work, piece, on_done)
         self.release_output(kind, k, tensor)  # the pieces above keep the storage until sent
@@ -99,8 +104,12 @@ class StageComm:
                     posted.append(([dist.irecv(b, src=self.rank_of[r.src_device], tag=tag + j * self.leaf_tag_stride)
                                     for j, b in enumerate(bufs)], bufs))
                 elif r.dst_device == self.device:
-                    buf = torch.empty((r.stop - r.start, *tail), device=self.torch_device, dtype=self.dtype)
-                    posted.append((dist.irecv(buf, src=self.rank_of[r.src_device], tag=tag), buf))
+                    shape = whole = (r.stop - r.start, *tail)
+                    k_ways = self.scatter_in if kind == "act" else self.scatter_out
+                    if k_ways > 1 and math.prod(whole) % k_ways == 0:  # 1/t; the tp group gathers it (wait_recv)
+                        shape = (math.prod(whole) // k_ways,)
+                    buf = torch.empty(shape, device=self.torch_device, dtype=self.dtype)
+                    posted.append((dist.irecv(buf, src=self.rank_of[r.src_device], tag=tag), buf, whole))
         return posted
 
     def wait_recv(self, posted: list) -> torch.Tensor:
@@ -111,12 +120,20 @@ class StageComm:
                     work.wait()
             with self.tracker.phase("buffers"):
                 return user_model.assemble(posted.boundary, posted.kind, [bufs for _, bufs in posted])
-        for work, _ in posted:
+        for work, *_ in posted:
             work.wait()
-        if len(posted) == 1:
-            return posted[0][1]
         with self.tracker.phase("buffers"):
-            return torch.cat([buf for _, buf in posted])
+            bufs = [self._gathered(buf, whole) for _, buf, whole in posted]
+            return bufs[0] if len(bufs) == 1 else torch.cat(bufs)
+
+    def _gathered(self, buf: torch.Tensor, whole: tuple[int, ...]) -> torch.Tensor:
+        """A received boundary piece; a scattered one (1/t of it, Narayanan et al. SC'21 §4.1)
+        all-gathered over this replica's tp group, in tp-rank order, back into its whole shape."""
+        if buf.shape == whole:
+            return buf
+        out = torch.empty(whole, device=buf.device, dtype=buf.dtype)
+        dist.all_gather_single(out.view(-1), buf, group=self.tp_group)
+        return out
 
     def recv(self, kind: str, k: int, peer: int, tail: tuple[int, ...]) -> torch.Tensor:
         return self.wait_recv(self.post_recv(kind, k, peer, tail))

@@ -106,16 +106,18 @@ def check_chunks(model: ModelSpec, chunks: int, what: str) -> None:
         )
 
 
-def recompute_actions(model: ModelSpec, start: int, stop: int, recompute: str) -> list[LayerMemory]:
-    """none: []; full: every block recomputed; selective: every block with an attention core
-    recomputes that core only (Korthikanti §5)."""
+def recompute_actions(model: ModelSpec, start: int, stop: int, recompute: str,
+                      num_layers: int | None = None) -> list[LayerMemory]:
+    """none: []; full: every block recomputed, or with ``num_layers`` only the stage's first that
+    many (Megatron's --recompute-method block: the first N layers of each model chunk);
+    selective: every block with an attention core recomputes that core only (Korthikanti §5)."""
     if recompute == "none":
         return []
     if recompute == "selective":
         return [LayerMemory(layer=i, action=MemoryAction.selective)
                 for i in range(start, stop) if model.layers[i].kind in SELECTIVE_KINDS]
-    return [LayerMemory(layer=i, action=MemoryAction.recompute)
-            for i in range(start, stop) if model.layers[i].kind in RECOMPUTED_KINDS]
+    blocks = [i for i in range(start, stop) if model.layers[i].kind in RECOMPUTED_KINDS]
+    return [LayerMemory(layer=i, action=MemoryAction.recompute) for i in blocks[:num_layers]]
 
 
 def assemble(
@@ -135,6 +137,8 @@ def assemble(
     sequence_parallel: bool = False,
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
+    p2p_scatter_gather: bool = False,
+    recompute_num_layers: int | None = None,
 ) -> Plan:
     """Stages from per-chunk layer counts; chunk j goes to device group j mod p (interleaving), or
     the V of zbv / dualpipev (specs.plan.position_of_stage)."""
@@ -154,11 +158,12 @@ def assemble(
         stages.append(StagePlan(
             layer_start=start, layer_stop=stop, devices=groups[position_of_stage(schedule.kind, len(groups), j)],
             dp=dp, tp=tp, cp=cp, sequence_parallel=sequence_parallel and tp > 1,
-            memory=recompute_actions(model, start, stop, recompute),
+            memory=recompute_actions(model, start, stop, recompute, recompute_num_layers),
         ))
         start = stop
     return Plan(
         planner=planner, model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
         training=training, schedule=schedule, zero_stage=zero_stage, stages=stages,
         overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        p2p_scatter_gather=p2p_scatter_gather,
     )

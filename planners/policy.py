@@ -18,6 +18,9 @@ class _Uniform(Spec):
     cp: int = Field(1, ge=1, description="context-parallel degree (ring attention over the sequence)")
     recompute: Literal["none", "full", "selective"] = Field(
         "none", description="full: every block checkpointed; selective: the attention core only (Korthikanti §5)")
+    recompute_num_layers: int | None = Field(
+        None, ge=1, description="with recompute=full: only the first N blocks of each stage (each model chunk) are "
+        "recomputed, Megatron's --recompute-method block --recompute-num-layers N; null: every block")
     sequence_parallel: bool = Field(False, description="Korthikanti §4.2.2 over the tp group (needs tp > 1)")
     zero_stage: int = Field(0, ge=0, le=3)
     distributed_optimizer: bool = Field(False, description="Megatron's --use-distributed-optimizer: ZeRO-1 over "
@@ -25,6 +28,9 @@ class _Uniform(Spec):
     overlap_grad_reduce: bool = Field(False, description="bucketed gradient reduction during the backward")
     overlap_param_gather: bool = Field(False, description="distributed optimizer: parameter all-gather during the "
                                                           "next forward")
+    p2p_scatter_gather: bool = Field(False, description="Narayanan et al. SC'21 §4.1: each tp rank sends 1/t of a "
+                                                        "pipeline boundary tensor, the receivers all-gather it "
+                                                        "(Megatron-LM 2021-22's default; not in Megatron-Core)")
 
 
 class EvenPolicy(_Uniform):

@@ -371,13 +371,15 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         # a MAP stage: rotor's walk (its backward includes the recomputed forwards)
         fwd, bwd = ((sharded[i].run.fwd_s, sharded[i].run.bwd_s) if i in sharded
                     else costs.layer_time.stage_pass_times_s(model, plan, hardware, stage))
+        gather_f, gather_b = costs.layer_time.p2p_gather_s(model, plan, hardware, stage)  # Narayanan §4.1
+        fwd, bwd = fwd + gather_f, bwd + gather_b
         work[plan.device_group_of(i)] += fwd + bwd
         if kind_split:
             w_s = wgrad_s(model, plan, hardware, stage)
             passes[i] = (fwd, max(bwd - w_s, 0.0), w_s)
         if i + 1 < len(plan.stages):
             nxt = plan.stages[i + 1]
-            nbytes = costs.params.samples_per_replica(plan, stage) * model.layers[stage.layer_stop - 1].output_bytes_per_sample
+            nbytes = costs.buffers.boundary_send_bytes(model, plan, stage)[0]  # s/t per rank under SP
             src, dst = stage.devices[0], nxt.devices[0]
             hop = costs.collectives.transfer_s(nbytes, hardware.link(src, dst)) if src != dst else 0.0
             p2p[plan.device_group_of(i)] += 2 * hop

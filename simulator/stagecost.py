@@ -195,6 +195,8 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         return sharded_stage_cost(plan, model, hardware, s, stage)
     b = costs.params.samples_per_replica(plan, stage)
     fwd_s, bwd_s = costs.layer_time.stage_pass_times_s(model, plan, hardware, stage)
+    gather_f, gather_b = costs.layer_time.p2p_gather_s(model, plan, hardware, stage)  # Narayanan §4.1
+    fwd_s, bwd_s = fwd_s + gather_f, bwd_s + gather_b
     streamed = window.streamed_params(model, stage)
     link = host_link(hardware)
     layers = []
@@ -246,8 +248,9 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         fwd_alloc_bytes=fwd_alloc, act_bytes=act, sent_output_bytes=sent,
         workspace_bytes=costs.activations.backward_transient_bytes(model, plan, stage)[0],
         allreduce_buffer_bytes=costs.buffers.allreduce_buffer_bytes(model, plan, stage),
-        act_out_bytes=b * model.layers[stage.layer_stop - 1].output_bytes_per_sample,
-        grad_out_bytes=costs.activations.layer_input_bytes(model, stage.layer_start, b),
+        # per rank, the s/t share under sequence parallelism (Korthikanti §4.2.2)
+        act_out_bytes=(sends := costs.buffers.boundary_send_bytes(model, plan, stage))[0],
+        grad_out_bytes=sends[1],
         static=static, host_bytes=host, buffer_bytes=costs.buffers.received_grad_buffer_bytes(model, plan, stage),
         grad_buffer_bytes=costs.buffers.sent_grad_buffer_bytes(model, plan, stage),
         dp_allreduce_ns=ns(dp_s),

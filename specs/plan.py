@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 from enum import Enum
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
 from specs._base import Spec
 from specs.hardware import MAX_DEVICES, HardwareSpec
@@ -109,7 +109,20 @@ class Plan(Spec):
                                                          "backward (Megatron-Core overlap_grad_reduce, DDP)")
     overlap_param_gather: bool = Field(False, description="with zero_stage >= 1: the updated parameter shards "
                                                           "all-gathered during the next forward (overlap_param_gather)")
+    p2p_scatter_gather: bool = Field(
+        False, description="Narayanan et al. SC'21 §4.1: each tensor-parallel rank sends 1/t of a pipeline boundary "
+        "tensor (Megatron-LM's scatter_gather_tensors_in_pipeline, on by default in 2021-2022; Megatron-Core dropped "
+        "it) and the receiver all-gathers it over its tp group; applies where both stages have the same tp > 1 and dp, "
+        "without sequence parallelism (costs.buffers.p2p_split); false (omitted in JSON): whole tensors")
     stages: list[StagePlan] = Field(min_length=1, max_length=MAX_DEVICES)
+
+    @model_serializer(mode="wrap")
+    def _omit_default_scatter(self, handler):
+        """A plan without the scatter/gather optimisation dumps as before the field existed."""
+        out = handler(self)
+        if not self.p2p_scatter_gather and isinstance(out, dict):
+            out.pop("p2p_scatter_gather", None)
+        return out
 
     @field_validator("schema_version")
     @classmethod

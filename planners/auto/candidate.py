@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from costs.buffers import p2p_split
 from specs.plan import MemoryAction, Plan
 from specs.result import Result
 
@@ -58,10 +59,12 @@ def techniques(plan: Plan) -> list[str]:
         found.add("overlap_grad_reduce")
     if plan.overlap_param_gather:
         found.add("overlap_param_gather")
+    if plan.p2p_scatter_gather and any(p2p_split(plan, a, b) > 1 for a, b in zip(plan.stages, plan.stages[1:])):
+        found.add("p2p_scatter_gather")
     if plan.schedule.kind.value in ("zb_h1", "zbv", "dualpipev") and plan.pipeline_depth > 1:
         found.add(plan.schedule.kind.value)
     order = ["pipeline", "zb_h1", "zbv", "dualpipev", "dp", "cp", "tp", "sequence_parallel", "zero1", "zero2",
-             "zero3", "overlap_grad_reduce", "overlap_param_gather", "recompute", "selective", "cpu_swap", "d2d_swap",
+             "zero3", "overlap_grad_reduce", "overlap_param_gather", "p2p_scatter_gather", "recompute", "selective", "cpu_swap", "d2d_swap",
              "nvme",
              "window", "optimizer_swap", "optimizer_on_cpu", "stash_swap", "weight_swap", "map_sharding",
              "rotor_checkpointing"]
@@ -69,7 +72,8 @@ def techniques(plan: Plan) -> list[str]:
 
 
 #: techniques that are not memory actions: a plan "combines" when it has ≥ 2 of the others or mixes
-LAYOUT_ONLY = {"pipeline", "dp", "tp", "cp", "zb_h1", "zbv", "dualpipev", "overlap_grad_reduce", "overlap_param_gather"}
+LAYOUT_ONLY = {"pipeline", "dp", "tp", "cp", "zb_h1", "zbv", "dualpipev", "overlap_grad_reduce", "overlap_param_gather",
+               "p2p_scatter_gather"}
 
 
 def knobs(plan: Plan, model=None) -> dict:
@@ -100,7 +104,8 @@ def knobs_text(plan: Plan, model=None) -> str:
     return (f"schedule {k['schedule']}" + (f" v={k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
             + f", sequence_parallel {'on' if k['sequence_parallel'] else 'off'}, recompute {k['recompute']}"
             + f", zero_stage {k['zero_stage']}, overlap_grad_reduce {'on' if k['overlap_grad_reduce'] else 'off'}"
-            + (", overlap_param_gather on" if k["overlap_param_gather"] else "") + f", cp {k['cp']}")
+            + (", overlap_param_gather on" if k["overlap_param_gather"] else "") + f", cp {k['cp']}"
+            + (", p2p_scatter_gather on" if plan.p2p_scatter_gather else ""))
 
 
 @dataclass

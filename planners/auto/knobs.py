@@ -8,6 +8,8 @@ where it did not, or it fits and is faster): nothing is assumed about what a kno
 whose cost model prices it as a no-op (or a loss) is simply not kept.
 
 * **sequence parallelism** (Korthikanti et al. 2022 §4.2.2) on every stage with tp > 1;
+* **pipeline scatter/gather** (Narayanan et al. SC'21 §4.1) where a boundary joins stages of
+  equal tp > 1 without sequence parallelism;
 * **selective recompute** (Korthikanti §5): the plan's recomputed blocks recompute only their
   attention core, all stages at once, then stage by stage (a per-layer choice where memory wants
   it); on a plan that does not fit, its kept blocks selective instead;
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
+from costs.buffers import p2p_split
 from planners.auto.candidate import Candidate
 from planners.auto.realise import simulated_candidate
 from planners.layout import SELECTIVE_KINDS, PlanningError
@@ -59,6 +62,15 @@ def sequence_parallel(plan: Plan) -> Plan | None:
         return None
     return _stages(plan, [st.model_copy(update={"sequence_parallel": True}) if st.tp > 1 and not st.sharding
                           else st for st in plan.stages])
+
+
+def p2p_scatter_gather(plan: Plan) -> Plan | None:
+    """Megatron-LM's scatter/gather of pipeline boundaries (Narayanan et al. SC'21 §4.1): each tp
+    rank sends 1/t, the receivers all-gather (None: no boundary it applies to)."""
+    if plan.p2p_scatter_gather or not any(p2p_split(plan.model_copy(update={"p2p_scatter_gather": True}), a, b) > 1
+                                          for a, b in zip(plan.stages, plan.stages[1:])):
+        return None
+    return plan.model_copy(update={"p2p_scatter_gather": True})
 
 
 def _selective_stage(st, model: ModelSpec, from_action: MemoryAction):
@@ -194,6 +206,7 @@ def moves(plan: Plan, model: ModelSpec, plan_hw: HardwareSpec) -> Iterator[tuple
     """The knobs in the order tried (module doc); per-stage selective only on pipelines of ≤ 8 stages."""
     if model.seq_len:  # a sequence to split: transformer families only
         yield "sequence parallel", sequence_parallel
+    yield "pipeline scatter/gather", p2p_scatter_gather
     yield "selective recompute instead of full", selective(model, None, MemoryAction.recompute)
     if 1 < len(plan.stages) <= 8:
         for s in range(len(plan.stages)):

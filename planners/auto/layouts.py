@@ -116,9 +116,9 @@ def variants(policy, training: TrainingSpec, schedule: ScheduleSpec) -> tuple[li
                         "optimizer, 1)")
     if 1 not in policy.zero_stages:
         left_out.append("distributed optimizer (ZeRO-1): not searched; policy.zero_stages=[0,1] (the default) adds it")
-    left_out.append("sequence parallelism, selective recompute, ZeRO-1, zb_h1 / zbv and (seq_len >= 16384) context "
-                    "parallelism on the fastest plans: tried one knob at a time, each kept when the simulator says "
-                    "it is faster or fits where the plan did not (planners/auto/knobs.py)")
+    left_out.append("sequence parallelism, pipeline scatter/gather, selective recompute, ZeRO-1, zb_h1 / zbv and "
+                    "(seq_len >= 16384) context parallelism on the fastest plans: tried one knob at a time, each kept "
+                    "when the simulator says it is faster or fits where the plan did not (planners/auto/knobs.py)")
     left_out.append("D2D swap from stages with dp·tp > 1: the executor sends every replica's stripes, the simulator "
                     "counts one share (planners/mpress/compact.py); such stages recompute or swap to the host")
     left_out.append("MAP's per-operator sharding beside dp × tp stages: tried on the fastest plan at the configured "

@@ -263,7 +263,7 @@ def auto_search(policy, model: ModelSpec, hardware: HardwareSpec, training: Trai
     start = time.perf_counter()
     tuned = with_knobs(cands, layouts, model, hardware, plan_hw, capacity, training)
     cands += tuned
-    say(f"Megatron knobs (sp, selective, ZeRO-1, zb_h1/zbv, cp) on the fastest plans: {len(tuned)} simulated",
+    say(f"Megatron knobs (sp, p2p scatter/gather, selective, ZeRO-1, zb_h1/zbv, cp) on the fastest plans: {len(tuned)} simulated",
         time.perf_counter() - start)
     # MAP's strategies come from operator graphs traced at the configured microbatch
     # (specs/plan.py refuses a sharded stage at another): the fastest own plan at that size, or

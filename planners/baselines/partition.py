@@ -99,6 +99,10 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
                             "policy.tp > 1, got 1")
     if (err := sequence_split_error(model, policy.cp)) is not None:
         raise PlanningError(f"policy.{err}")
+    if policy.recompute_num_layers is not None and policy.recompute != "full":
+        raise PlanningError(f"policy.recompute_num_layers: recomputes the first N blocks of each stage in full "
+                            f"(Megatron's --recompute-method block); needs policy.recompute=full, got "
+                            f"{policy.recompute!r}")
     zero_stage = policy.zero_stage or (1 if policy.distributed_optimizer else 0)
     if policy.overlap_param_gather and zero_stage < 1:
         raise PlanningError("policy.overlap_param_gather: gathers a distributed optimizer's parameter shards; set "
@@ -106,7 +110,8 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
     return assemble(planner, model, hardware, training, schedule, split(chunks), groups,
                     dp, policy.tp, policy.recompute, zero_stage, cp=policy.cp,
                     sequence_parallel=policy.sequence_parallel, overlap_grad_reduce=policy.overlap_grad_reduce,
-                    overlap_param_gather=policy.overlap_param_gather)
+                    overlap_param_gather=policy.overlap_param_gather, p2p_scatter_gather=policy.p2p_scatter_gather,
+                    recompute_num_layers=policy.recompute_num_layers)
 
 
 def plan_even(policy: EvenPolicy, model, hardware, training, schedule) -> Plan:

@@ -102,8 +102,8 @@ class StageMemory:
             out = lay.samples * out_bytes[stop - 1]
             grad = costs.activations.layer_input_bytes(self.model, start, lay.samples) if start > 0 else 0
             buffer = out if stop < L else 0  # the received gradient; the sent one is in _act_peak
-            # costs.buffers.allreduce_buffer_bytes (ZeRO-1 reduce-scatters in place: the 1/d shard)
-            flat = max((math.ceil(g_b * n / dp) if self.proto.zero_stage == 1 else g_b * n) if dp > 1 else 0,
+            # costs.buffers.allreduce_buffer_bytes (ZeRO-1/2/3 reduce-scatter in place: the 1/d shard)
+            flat = max((math.ceil(g_b * n / dp) if self.proto.zero_stage >= 1 else g_b * n) if dp > 1 else 0,
                        self._tied_sync(start, stop))
             if stash:
                 return static + buffer + self._stash_peak(after + 1, act(start, stop), transient(start, stop), grad,

@@ -75,7 +75,8 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEv
         # ``overlap_grad_reduce`` (or ``overlap_dp_allreduce`` given here, which overrides it) each
         # layer's gradients go out as one bucket when the last microbatch's backward has passed that
         # layer, overlapping the rest of the backward (PyTorch DDP, Li et al. VLDB'20 §3.2.3).
-        # Either way the reduction occupies the dp ring's links, so it contends with p2p sends.
+        # Blocking, the reduction occupies the dp ring's links, so it contends with p2p sends;
+        # overlapped, its buckets queue on the device's own dp channel (optimizer._book_ar_buckets).
         # ZeRO-1's parameter all-gather follows the step (optimizer.py ``_param_gather``).
         self.overlap_dp_allreduce = plan.overlap_grad_reduce if overlap_dp_allreduce is None else overlap_dp_allreduce
         self._bwd_count: dict[int, int] = {}

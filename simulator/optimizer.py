@@ -278,8 +278,13 @@ class OptimizerEvents:
 
     def _book_ar_buckets(self, s: int, sc: StageCost, t0: int) -> None:
         """Overlapped mode: issue one bucket per layer as the last backward (started at ``t0``)
-        finishes that layer, last layer first; buckets queue FIFO on the ring's links."""
-        res, ready, end = self._ar_resources(s), t0, t0
+        finishes that layer, last layer first; buckets queue FIFO on the device's dp channel.
+        Not on the p2p links: the chain is booked when the backward ends, so on the links every
+        later pipeline send of the device would queue behind all of the stage's buckets (an
+        interleaved cool-down sends for many passes after a chunk's last backward), where NCCL
+        runs the two side by side on the NIC; the blocking all-reduce at the flush stays on the
+        links (:meth:`_allreduce_wait_ns`)."""
+        res, ready, end = (("dp", self.costs[s].rep),), t0, t0
         for lc, dur in zip(reversed(sc.layers), reversed(sc.ar_buckets_ns)):
             ready += lc.bwd_ns + (lc.recompute_ns if lc.action is MemoryAction.recompute else 0)
             _, end = self.links.reserve(res, dur, min(ready, self.env.now))

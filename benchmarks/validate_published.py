@@ -65,10 +65,11 @@ PUBLISHED = [
      "BigScience 176B page (about 150 TFLOPs, 60 GB per GPU); tr11-176B-ml.slurm"),
 ]
 
-#: the same runs at the recompute nearest what the source says (the presets take the least
-#: recompute memwall can express that fits): memwall puts these over the device's memory
 #: no recompute on a preset that recomputes the first N blocks (the count must go with it)
 NONE = "policy.recompute=none policy.recompute_num_layers=null"
+#: the same runs at the recompute nearest what the source says (the presets take the least
+#: recompute memwall can express that fits): memwall puts these over the device's memory; a
+#: bracket of several overrides is space-separated
 BRACKETS = {
     "published_llama3_405b_8k": [NONE, "policy.recompute_num_layers=1"],
     "published_llama3_405b_16k": [NONE],

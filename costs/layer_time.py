@@ -10,7 +10,7 @@ import math
 
 from costs import gemm, window
 from costs.buffers import p2p_gathered_bytes
-from costs.collectives import collective_link, group_link, ring_allreduce_s
+from costs.collectives import allreduce_link, collective_link, group_link, ring_allreduce_s
 from costs.context_parallel import layer_cp_comm_s
 from costs.params import grad_reduce_ranks, layer_params_on_device, samples_per_replica, stage_params_on_device
 from specs.hardware import HardwareSpec
@@ -211,6 +211,29 @@ def p2p_gather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: St
         return 0.0, 0.0
     link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
     return ring_half_s(act, stage.tp, link), ring_half_s(grad, stage.tp, link)
+
+
+def zero3_gather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:
+    """(forward, backward) seconds per microbatch that ZeRO-3's parameter all-gathers add to the
+    passes of one device of ``stage`` (Rajbhandari et al. 2020 §5.3; FSDP2 with
+    reshard_after_forward, torchtitan's default): each layer's weights all-gathered over the dp x cp
+    group before its forward and again before its backward (half a ring all-reduce of its bytes),
+    prefetched one layer ahead on the communication stream, so the first layer's gather is exposed
+    and layer j's only where it outlasts the pass of the layer before it. 0 without ZeRO-3."""
+    ranks = grad_reduce_ranks(stage)
+    if plan.zero_stage < 3 or ranks == 1:
+        return 0.0, 0.0
+    w_b = plan.training.bytes_per_param()[0]
+    link = allreduce_link(hardware, stage.devices[:: stage.tp])
+    gathers = [ring_allreduce_s(layer_params_on_device(model.layers[l], stage.tp) * w_b, ranks, link) / 2
+               for l in stage.layers]
+    passes = [layer_pass_times_s(model, plan, hardware, stage, l) for l in stage.layers]
+
+    def exposed(order: list[int], busy: list[float]) -> float:
+        return gathers[order[0]] + sum(max(gathers[j] - busy[i], 0.0) for i, j in zip(order, order[1:]))
+
+    idx = list(range(len(gathers)))
+    return exposed(idx, [f for f, _, _ in passes]), exposed(idx[::-1], [b + rc for _, b, rc in passes])
 
 
 def stage_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:

@@ -132,7 +132,8 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
                 out[target] = (_add(mem, swapped_in_bytes=versions * part), h)  # newest lands (a bound)
         if versions and stage.offload.weight_swap_layers:  # a stale version of them waits on the host
             host += versions * costs.static.weight_swap_bytes(model, plan, stage)[0]
-        buffers = costs.buffers.received_grad_buffer_bytes(model, plan, stage)  # the sent one (grads[i]) is in the walk
+        buffers = (costs.buffers.received_grad_buffer_bytes(model, plan, stage)  # the sent one (grads[i]) is in the walk
+                   + costs.buffers.zero3_gather_bytes(model, plan, stage))  # ZeRO-3's unsharded layers
         for device in stage.devices:
             mem, h = out[device]
             mem = _add(mem, parameters_bytes=static.parameters_bytes, gradients_bytes=static.gradients_bytes,
@@ -372,7 +373,8 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         fwd, bwd = ((sharded[i].run.fwd_s, sharded[i].run.bwd_s) if i in sharded
                     else costs.layer_time.stage_pass_times_s(model, plan, hardware, stage))
         gather_f, gather_b = costs.layer_time.p2p_gather_s(model, plan, hardware, stage)  # Narayanan §4.1
-        fwd, bwd = fwd + gather_f, bwd + gather_b
+        z3_f, z3_b = costs.layer_time.zero3_gather_s(model, plan, hardware, stage)  # ZeRO-3 / FSDP gathers
+        fwd, bwd = fwd + gather_f + z3_f, bwd + gather_b + z3_b
         work[plan.device_group_of(i)] += fwd + bwd
         if kind_split:
             w_s = wgrad_s(model, plan, hardware, stage)

@@ -196,7 +196,8 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     b = costs.params.samples_per_replica(plan, stage)
     fwd_s, bwd_s = costs.layer_time.stage_pass_times_s(model, plan, hardware, stage)
     gather_f, gather_b = costs.layer_time.p2p_gather_s(model, plan, hardware, stage)  # Narayanan §4.1
-    fwd_s, bwd_s = fwd_s + gather_f, bwd_s + gather_b
+    z3_f, z3_b = costs.layer_time.zero3_gather_s(model, plan, hardware, stage)  # ZeRO-3 / FSDP gathers
+    fwd_s, bwd_s = fwd_s + gather_f + z3_f, bwd_s + gather_b + z3_b
     streamed = window.streamed_params(model, stage)
     link = host_link(hardware)
     layers = []
@@ -251,7 +252,8 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         # per rank, the s/t share under sequence parallelism (Korthikanti §4.2.2)
         act_out_bytes=(sends := costs.buffers.boundary_send_bytes(model, plan, stage))[0],
         grad_out_bytes=sends[1],
-        static=static, host_bytes=host, buffer_bytes=costs.buffers.received_grad_buffer_bytes(model, plan, stage),
+        static=static, host_bytes=host, buffer_bytes=(costs.buffers.received_grad_buffer_bytes(model, plan, stage)
+                                                      + costs.buffers.zero3_gather_bytes(model, plan, stage)),
         grad_buffer_bytes=costs.buffers.sent_grad_buffer_bytes(model, plan, stage),
         dp_allreduce_ns=ns(dp_s),
         ar_buckets_ns=tuple(ns(t) for t in costs.collectives.dp_allreduce_buckets_s(model, plan, hardware, stage)),

@@ -1,0 +1,63 @@
+"""ZeRO-3 / FSDP's parameter all-gathers in time and memory (issue 27: "FSDP2 in torchtitan, in
+time and memory"): every layer's weights gathered over the dp group before its forward and again
+before its backward, prefetched one layer ahead (costs.layer_time.zero3_gather_s), and the
+unsharded buffers they need (costs.buffers.zero3_gather_bytes)."""
+from __future__ import annotations
+
+import costs.buffers
+import costs.collectives
+import costs.layer_time
+from costs.families import build_model, parse_model_config
+from costs.params import layer_params_on_device
+from planners import make_plan, parse_policy
+from simulator.analytic import estimate
+from specs.hardware import HardwareSpec
+from specs.plan import ScheduleSpec
+from specs.training import TrainingSpec
+from tests.conftest import conf
+
+MODEL = build_model(parse_model_config(conf("model", "llama3_8b")), 2)
+TRAINING = TrainingSpec(global_batch=16, microbatch_size=8, precision="bf16", mixed_bytes_per_param=16)
+
+
+def plan_of(nodes: int = 1, **policy):
+    hw = HardwareSpec.model_validate({**conf("hardware", "h100_node"), "nodes": nodes})
+    training = TRAINING.model_copy(update={"global_batch": 16 * nodes, "microbatch_size": 8 * nodes})
+    plan = make_plan(parse_policy({"kind": "manual", "pp": 1, "dp": 8 * nodes, **policy}), MODEL, hw, training,
+                     ScheduleSpec(kind="1f1b"))
+    return plan, hw
+
+
+def test_gathers_hide_behind_the_previous_layer_but_the_first():
+    plan, hw = plan_of(zero_stage=3)
+    st = plan.stages[0]
+    fwd, bwd = costs.layer_time.zero3_gather_s(MODEL, plan, hw, st)
+    link = costs.collectives.allreduce_link(hw, st.devices[:: st.tp])
+    first = costs.collectives.ring_allreduce_s(layer_params_on_device(MODEL.layers[st.layers[0]], 1) * 2, 8, link) / 2
+    total = sum(costs.collectives.ring_allreduce_s(layer_params_on_device(MODEL.layers[l], 1) * 2, 8, link) / 2
+                for l in st.layers)
+    assert first <= fwd < total and 0 < bwd < total
+    assert costs.layer_time.zero3_gather_s(MODEL, plan_of(zero_stage=1)[0], hw, st) == (0.0, 0.0)
+
+
+def test_a_slow_fabric_exposes_more_of_them():
+    """Over a slow inter-node link the gathers outlast the passes they hide behind."""
+    fast, hw = plan_of(nodes=2, zero_stage=3)
+    slow_hw = hw.model_copy(update={"inter_node": hw.inter_node.model_copy(update={"bw_gbps": 1.0})})
+    st = fast.stages[0]
+    f_fast, b_fast = costs.layer_time.zero3_gather_s(MODEL, fast, hw, st)
+    f_slow, b_slow = costs.layer_time.zero3_gather_s(MODEL, fast, slow_hw, st)
+    assert f_slow > f_fast and b_slow > b_fast
+
+
+def test_unsharded_buffers_are_counted():
+    plan, hw = plan_of(zero_stage=3)
+    z1, _ = plan_of(zero_stage=1)
+    extra = costs.buffers.zero3_gather_bytes(MODEL, plan, plan.stages[0])
+    sizes = sorted(layer_params_on_device(MODEL.layers[l], 1) for l in plan.stages[0].layers)
+    w_b, g_b, _ = TRAINING.bytes_per_param()
+    assert extra == w_b * (sizes[-1] + sizes[-2]) + g_b * sizes[-1]
+    assert costs.buffers.zero3_gather_bytes(MODEL, z1, z1.stages[0]) == 0
+    buffers = {d.device: d.breakdown.buffers_bytes for d in estimate(plan, MODEL, hw).devices}
+    buffers_z1 = {d.device: d.breakdown.buffers_bytes for d in estimate(z1, MODEL, hw).devices}
+    assert all(buffers[d] - buffers_z1[d] == extra for d in buffers)

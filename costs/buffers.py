@@ -49,18 +49,22 @@ def neighbour_stage(plan: Plan, stage: StagePlan, step: int) -> StagePlan | None
     return None
 
 
+def scatterable(src: StagePlan | None, dst: StagePlan | None) -> bool:
+    """Whether a boundary from ``src`` to ``dst`` can be scattered over the tp ranks (Narayanan et
+    al. SC'21 §4.1, Fig. 9: each rank sends 1/t over the inter-node link, the receiving ranks
+    all-gather the whole over their tp group; Megatron-LM's ``scatter_gather_tensors_in_pipeline``):
+    both stages have the same tp > 1, dp and cp, neither is sequence-parallel (its boundary is
+    already s/t per rank) and neither is a MAP stage."""
+    return not (src is None or dst is None or src.tp <= 1 or src.tp != dst.tp or src.dp != dst.dp
+                or src.cp != dst.cp or src.sequence_parallel or dst.sequence_parallel or src.sharding
+                or dst.sharding)
+
+
 def p2p_split(plan: Plan, src: StagePlan | None, dst: StagePlan | None) -> int:
-    """How many pieces a boundary tensor from ``src`` to ``dst`` is scattered into, one per tp
-    rank (Narayanan et al. SC'21 §4.1, Fig. 9: each rank sends 1/t over the inter-node link and the
-    receiving ranks all-gather the whole over their tp group; Megatron-LM's
-    ``scatter_gather_tensors_in_pipeline``). With ``plan.p2p_scatter_gather`` where both stages have
-    the same tp > 1, dp and cp, neither is sequence-parallel (its boundary is already s/t per rank)
-    and neither is a MAP stage; else 1 (whole tensors). The executor's sends use the same rule."""
-    if (not plan.p2p_scatter_gather or src is None or dst is None or src.tp <= 1 or src.tp != dst.tp
-            or src.dp != dst.dp or src.cp != dst.cp or src.sequence_parallel or dst.sequence_parallel
-            or src.sharding or dst.sharding):
-        return 1
-    return src.tp
+    """How many pieces a boundary tensor from ``src`` to ``dst`` is sent in, one per tp rank:
+    tp with ``plan.p2p_scatter_gather`` where :func:`scatterable`, else 1 (whole tensors). The
+    executor's sends use the same rule."""
+    return src.tp if plan.p2p_scatter_gather and scatterable(src, dst) else 1
 
 
 def boundary_send_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[int, int]:
@@ -73,6 +77,8 @@ def boundary_send_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple
     b, split = samples_per_replica(plan, stage), seq_split(stage)
     out = layer_output_bytes(model, stage.layer_stop - 1, b, split)
     grad = layer_input_bytes(model, stage.layer_start, b, split)
+    if not plan.p2p_scatter_gather:  # no neighbour lookups on the common path
+        return out, grad
     out_k = p2p_split(plan, stage, neighbour_stage(plan, stage, +1))
     grad_k = p2p_split(plan, neighbour_stage(plan, stage, -1), stage)
     return math.ceil(out / out_k), math.ceil(grad / grad_k)
@@ -82,6 +88,8 @@ def p2p_gathered_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[
     """(activation, gradient) bytes ``stage``'s tp group all-gathers per microbatch after a
     scattered receive (:func:`p2p_split`): the whole received input forward, the whole received
     output gradient backward; 0 where the boundary is not scattered."""
+    if not plan.p2p_scatter_gather:
+        return 0, 0
     b = samples_per_replica(plan, stage)
     prev, nxt = neighbour_stage(plan, stage, -1), neighbour_stage(plan, stage, +1)
     act = layer_input_bytes(model, stage.layer_start, b) if p2p_split(plan, prev, stage) > 1 else 0

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from costs.buffers import p2p_split
+from costs.buffers import scatterable
 from planners.auto.candidate import Candidate
 from planners.auto.realise import simulated_candidate
 from planners.layout import SELECTIVE_KINDS, PlanningError
@@ -67,8 +67,7 @@ def sequence_parallel(plan: Plan) -> Plan | None:
 def p2p_scatter_gather(plan: Plan) -> Plan | None:
     """Megatron-LM's scatter/gather of pipeline boundaries (Narayanan et al. SC'21 §4.1): each tp
     rank sends 1/t, the receivers all-gather (None: no boundary it applies to)."""
-    if plan.p2p_scatter_gather or not any(p2p_split(plan.model_copy(update={"p2p_scatter_gather": True}), a, b) > 1
-                                          for a, b in zip(plan.stages, plan.stages[1:])):
+    if plan.p2p_scatter_gather or not any(scatterable(a, b) for a, b in zip(plan.stages, plan.stages[1:])):
         return None
     return plan.model_copy(update={"p2p_scatter_gather": True})
 

@@ -15,6 +15,10 @@ What each of the cp ranks of a stage holds and does, per microbatch:
 - **Causal load balancing** (Megatron-Core: the sequence cut into 2·cp chunks, rank i holding
   chunks i and 2cp-1-i; torchtitan's ``_HeadTailLoadBalancer``): every rank computes the same share
   of the causal square, total/cp, so the model's attention FLOPs divide evenly and no rank waits.
+  The causal saving itself is priced once, by the core's kernel time (a flash core's
+  ``GemmSpec.flash_tile``: costs/gemm.py times about s(s + tile)/2 of each sequence's square);
+  here a rank's core is that of samples/cp whole sequences, so it gets total/cp of the causal
+  work with no second halving (the unfused core, GPT's, is priced over the whole square either way).
 - **Ring communication** (:func:`ring_step_bytes`): the forward runs cp block steps; at each of the
   first cp-1 a rank sends its current K and V block (kv_heads·head_dim·(s/cp)·b elements each, the
   tensor-parallel rank's share of the kv heads) to the next rank while computing with the block it
@@ -86,7 +90,9 @@ def cp_link(hardware: HardwareSpec, stage: StagePlan) -> LinkSpec:
 def core_compute_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int,
                    backward: bool = False) -> float:
     """Seconds of ``layer``'s attention-core GEMMs (:data:`CORE_GEMMS`) on one rank for one
-    microbatch (its s/cp queries against all s keys): the part the ring's transfers hide behind."""
+    microbatch (its s/cp queries against all s keys; a flash core's causal share and attention
+    curve, its backward's QKᵀ recompute included, costs/gemm.py): the part the ring's transfers
+    hide behind."""
     spec = model.layers[layer]
     core = [g for g in spec.gemms if g.name in CORE_GEMMS]
     if not core:

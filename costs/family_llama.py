@@ -23,6 +23,12 @@ layernorm's. In fp16 bytes per block:
 of which everything but the two norm inputs, the QKV input and the SwiGLU input (8sh) is split
 by tensor parallelism (Korthikanti eq. 2's rule).
 
+Time of a flash core: one causal FlashAttention kernel (the executor's scaled_dot_product_attention
+with is_causal=True), not two dense GEMMs: its QKᵀ and attention·V carry ``flash_tile``
+(:data:`FLASH_TILE`), so costs/gemm.py times only the tiles on or below the diagonal, at the
+device's attention curve, without s x s HBM traffic, and re-runs QKᵀ in the backward (Dao 2023).
+The FLOP count (``fwd_flops_per_sample``, what MFU reports) stays the whole square.
+
 Tensor parallelism (Megatron, Shoeybi et al. 2019 §3): column-parallel q, k, v, gate, up;
 row-parallel proj and down; norms replicated. K/V heads are split over tp, which must divide
 kv_heads: Megatron-Core refuses tp that does not ("num_query_groups must be a multiple of
@@ -36,10 +42,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from specs._base import Spec
-from costs.family_transformer import TOKEN_ID_BYTES, Saved, _totals, head_layer, saved_specs
+from costs.family_transformer import (FLASH_TILE, LSE_BYTES, TOKEN_ID_BYTES, Saved, _totals, at_precision,
+                                      flash_core_selective, head_layer, saved_specs)
 from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec
 
-LSE_BYTES = 4  # flash attention's log-sum-exp per head and token is fp32 in any precision
 
 #: (forward, backward) operators of the executor's modules (executor.models.LlamaBlock, the
 #: position-free TokenEmbedding, LMHead "llama"), counted as costs.op_counts counts them
@@ -118,12 +124,6 @@ def mlp_saved(s: int, h: int, f: int) -> Saved:
             ("mlp.silu_output", 2 * sf, True), ("mlp.down_input", 2 * sf, True)]
 
 
-def at_precision(saved: Saved, act: int) -> Saved:
-    """``saved`` (fp16 bytes) at ``act`` bytes per element; the fp32 log-sum-exp keeps its size."""
-    return [(role, nbytes if role == "attn.logsumexp" else nbytes * act // 2, sharded)
-            for role, nbytes, sharded in saved]
-
-
 def block_params(h: int, a: int, g: int, f: int) -> tuple[int, int]:
     """(params, tp-sharded params) of one block: q and proj h² each, k and v h·g·d each, gate,
     up, down h·f each, two RMSNorm weights h; no biases. Everything but the norms is sharded."""
@@ -131,15 +131,19 @@ def block_params(h: int, a: int, g: int, f: int) -> tuple[int, int]:
     return matrices + 2 * h, matrices
 
 
-def block_gemms(s: int, h: int, a: int, g: int, f: int) -> list[GemmSpec]:
+def block_gemms(s: int, h: int, a: int, g: int, f: int, flash_tile: int = 0) -> list[GemmSpec]:
     """The block's matmuls per sample (Megatron §3 splits): q and k/v column-parallel (GQA: k and
     v are g·d wide), scores QKᵀ and attention·V one product per query head, proj row-parallel,
-    gate/up column-parallel (fused: 2f wide), down row-parallel."""
+    gate/up column-parallel (fused: 2f wide), down row-parallel. ``flash_tile`` > 0: the core is
+    one causal flash kernel with that tile (``GemmSpec.flash_tile``; costs/gemm.py times only its
+    unmasked tiles at the attention curve, and its backward re-runs QKᵀ: ``bwd_recompute``); 0: two
+    dense products over the whole s x s square (the unfused core)."""
     d = h // a
+    core = {"flash_tile": flash_tile} if flash_tile else {}
     return [GemmSpec(name="q", m=s, n=h, k=h, tp_split="n"),
             GemmSpec(name="kv", m=s, n=2 * g * d, k=h, tp_split="n", weights=2),  # k, v: two Linears
-            GemmSpec(name="scores", m=s, n=s, k=d, batch=a, tp_split="batch"),
-            GemmSpec(name="attn_v", m=s, n=d, k=s, batch=a, tp_split="batch"),
+            GemmSpec(name="scores", m=s, n=s, k=d, batch=a, tp_split="batch", bwd_recompute=bool(flash_tile), **core),
+            GemmSpec(name="attn_v", m=s, n=d, k=s, batch=a, tp_split="batch", **core),
             GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
             GemmSpec(name="gate_up", m=s, n=2 * f, k=h, tp_split="n", weights=2),  # gate, up: two Linears
             GemmSpec(name="down", m=s, n=h, k=f, tp_split="k")]
@@ -154,23 +158,28 @@ def core_selective(s: int, h: int, a: int, flash: bool, act: int) -> dict:
     fp32 log-sum-exp 4as (a·s floats: selective saves almost nothing with flash, which is why
     Megatron-Core advises against combining them); the unfused core its softmax output 2as² (no
     dropout in LLaMA). The backward re-runs QKᵀ and attention·V, plus the unfused softmax's a·s²
-    in/out (a flash core's softmax stays on chip, as the forward prices it). One operator (one
-    scaled_dot_product_attention call)."""
+    in/out (a flash core's softmax stays on chip, as the forward prices it); a flash core re-runs
+    its causal forward kernel (:data:`FLASH_TILE`). One operator (one scaled_dot_product_attention
+    call)."""
+    if flash:
+        return flash_core_selective(s, h, a)
     gemms = [g for g in block_gemms(s, h, a, a, 1) if g.name in ("scores", "attn_v")]
-    dropped = LSE_BYTES * a * s if flash else 2 * a * s * s * act // 2
-    return {"selective_bytes_per_sample": dropped, "selective_gemms": gemms,
-            "selective_mem_bytes_per_sample": 0 if flash else 2 * a * s * s * act, "selective_ops": 1}
+    return {"selective_bytes_per_sample": 2 * a * s * s * act // 2, "selective_gemms": gemms,
+            "selective_mem_bytes_per_sample": 2 * a * s * s * act, "selective_ops": 1}
 
 
 def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
     """One LLaMA block. FLOPs per sample = its GEMMs: 4sh² + 4sh·g·d + 4s²h + 6shf (GQA's k/v
     g·d wide, SwiGLU's three h x f products; the QKᵀ and attention·V terms counted over the whole
-    s x s square, as Narayanan et al. 2021 §5.1 count GPT's)."""
+    s x s square, as Narayanan et al. 2021 §5.1 count GPT's: the model FLOPs MFU reports). With
+    ``flash_attention`` the *time* of that core is the causal flash kernel's (about s(s + 128)/2
+    of the square at the attention curve, :data:`FLASH_TILE`, costs/gemm.py); unfused, both
+    products run dense over the whole square."""
     s, h, a, g, f = cfg.seq_len, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
     saved = at_precision([*attention_saved(s, h, a, g, cfg.flash_attention), *mlp_saved(s, h, f)], act)
     saved_bytes, sharded_bytes = _totals(saved)
     params, sharded_params = block_params(h, a, g, f)
-    gemms = block_gemms(s, h, a, g, f)
+    gemms = block_gemms(s, h, a, g, f, FLASH_TILE if cfg.flash_attention else 0)
     skv = s * g * (h // a)
     # non-GEMM traffic of a forward (read + write): two RMSNorms 2sh each, the rotation of q and k,
     # silu·up (2sf in, sf out, fused), two residual adds 3sh each; the unfused core adds its

@@ -12,12 +12,33 @@ of 2·s·h + a·s² bytes per block in fp32, accepted to keep one closed form). 
 tensor by tensor in forward order (``attention_saved``, ``mlp_saved``), are each layer's
 ``saved_tensors`` (MPress §III-D swaps per tensor): a block's list with its input sums to its
 saved bytes and its sharded entries to the eq. 2 fraction.
+
+GPT with ``flash_attention`` (Megatron-Core's --use-flash-attn / TransformerEngine's fused
+attention, MosaicML MPT's attn_impl flash, NeMo GPT-3): the attention core is one causal
+FlashAttention kernel (Dao et al. 2022; Dao 2023) as in costs.family_llama. It saves, besides Q,
+K, V (kept), its output (the projection's input, already counted as 2sh) and the fp32
+log-sum-exp a·s floats, not the 5as² of softmax output, softmax-dropout mask and dropout output.
+ASSUMED: the attention dropout runs inside the kernel (Megatron's FlashSelfAttention passes
+``dropout_p`` to flash-attn; FlashAttention saves only the random generator's state R and
+regenerates the mask in the backward, Dao et al. 2022 Algorithms 2 and 4), so no a·s² mask is kept
+(MPT's attn_pdrop is 0 anyway); the output dropout mask sh after the projection stays (Megatron's
+bias-dropout-add).
+Per block in fp16 bytes, with f = 4h:
+    flash: sh·34 + 4as = sh·(34 + 4a/h)        unfused: sh·(34 + 5as/h)
+of which sh·(24 + 4a/h) is split by tensor parallelism (eq. 2's rule: Q, K, V, the core's output,
+the log-sum-exp and the two f-wide tensors) and 10sh replicated; the log-sum-exp is 4as at any
+precision (fp32 activations: 68sh + 4as). Selective recompute then drops only the log-sum-exp
+(:func:`flash_core_selective`, shared with costs.family_llama). The core's element-wise a·s² traffic and the a·s²
+score-gradient workspace go (the softmax stays on chip), and its QKᵀ and attention·V carry
+``GemmSpec.flash_tile`` (costs/gemm.py times only the causal tiles, at the device's attention
+curve, QKᵀ re-run in the backward). BERT's attention is bidirectional: a causal flash core does
+not apply, and a bert config with ``flash_attention`` is refused by name.
 """
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from specs._base import Spec
 from costs import op_counts
@@ -26,6 +47,13 @@ from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec, S
 TOKEN_ID_BYTES = 8  # int64 token ids, as torch.nn.Embedding takes them
 LOSS_BYTES = 4  # one fp32 loss per sample leaves the head
 LOGIT_BYTES = 4  # cross-entropy runs on fp32 logits (Korthikanti et al. 2022 §4.3: "4sbv")
+LSE_BYTES = 4  # flash attention's log-sum-exp per head and token is fp32 in any precision
+#: square block of the causal flash core's tiling: FlashAttention-2 picks blocks of {64, 128} x {64,
+#: 128} (Dao 2023 §3.3, "Tuning block sizes"); its sm80 head-dim-128 forward uses 128 query rows
+#: (flash-attention csrc/flash_attn/src/flash_fwd_launch_template.h, run_mha_fwd_hdim128 off sm86/89:
+#: Flash_fwd_kernel_traits<128, kBlockM 128, kBlockN 64>; FA3's hopper hdim 128: 128 x 128), and the
+#: query block decides how many key columns a causal row block computes
+FLASH_TILE = 128
 
 
 class _TransformerConfig(Spec):
@@ -63,12 +91,33 @@ class GPTConfig(_TransformerConfig):
     position embeddings, pre-LN blocks, final layernorm, LM head."""
 
     family: Literal["gpt"]
+    flash_attention: bool = Field(False, description="the attention core is one causal flash kernel that keeps "
+                                  "its output and fp32 log-sum-exp, not Korthikanti's 5as² (Megatron-Core "
+                                  "--use-flash-attn, MPT attn_impl flash)")
+
+    @model_serializer(mode="wrap")
+    def _omit_default_flash(self, handler):
+        """Leave ``flash_attention`` out of a dump at its default (false), so that dumps and profile
+        cache keys written before it existed stay byte-identical (as GemmSpec's flash fields)."""
+        data = handler(self)
+        if isinstance(data, dict) and not self.flash_attention:
+            data.pop("flash_attention", None)
+        return data
 
 
 class BertConfig(_TransformerConfig):
     """BERT encoder (Devlin et al. 2019) with the masked-LM head, pre-training style."""
 
     family: Literal["bert"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_flash(cls, data):
+        if isinstance(data, dict) and "flash_attention" in data:
+            raise ValueError("flash_attention: not a bert field: BERT's attention is bidirectional and memwall's "
+                             "flash core is the causal kernel of GPT and LLaMA (costs/gemm.py times its causal "
+                             "tiles); bert prices Korthikanti's unfused core")
+        return data
 
 
 # ---- saved tensors one by one (Korthikanti et al. 2022 §4.1), fp16 bytes, in forward order ----
@@ -77,13 +126,20 @@ class BertConfig(_TransformerConfig):
 Saved = list[tuple[str, int, bool]]
 
 
-def attention_saved(s: int, h: int, a: int) -> Saved:
+def attention_saved(s: int, h: int, a: int, flash: bool = False) -> Saved:
     """What self-attention with its layernorm saves, in the order its forward saves it (Korthikanti
     §4.1): the layernorm input 2sh (a pre-LN block's input), the QKV input 2sh, Q and K 2sh each
     (for QKᵀ), the softmax output 2as² (its backward), the softmax-dropout mask as², the dropout
     output 2as² and V 2sh (for attention·V), the projection input 2sh and the output dropout mask sh.
-    Megatron splits the heads over TP (eq. 2): Q, K, V, the a·s² tensors and the projection input."""
+    Megatron splits the heads over TP (eq. 2): Q, K, V, the a·s² tensors and the projection input.
+    ``flash``: the core keeps Q, K, V, its output 2sh (the projection's input) and the fp32
+    log-sum-exp 4as (:data:`LSE_BYTES`; bytes at any precision: :func:`at_precision`)."""
     sh, as2 = s * h, a * s * s
+    if flash:
+        return [("attn.ln_input", 2 * sh, False), ("attn.qkv_input", 2 * sh, False),
+                ("attn.q", 2 * sh, True), ("attn.k", 2 * sh, True), ("attn.v", 2 * sh, True),
+                ("attn.output", 2 * sh, True), ("attn.logsumexp", LSE_BYTES * a * s, True),
+                ("attn.dropout_mask", sh, False)]
     return [("attn.ln_input", 2 * sh, False), ("attn.qkv_input", 2 * sh, False),
             ("attn.q", 2 * sh, True), ("attn.k", 2 * sh, True),
             ("attn.softmax_output", 2 * as2, True), ("attn.softmax_dropout_mask", as2, True),
@@ -147,22 +203,29 @@ def mlp_costs(s: int, h: int, f: int) -> tuple[int, int, float, int, int]:
     return params, sharded_params, flops, *_totals(mlp_saved(s, h, f))  # 5sh + 4sf, 4sf
 
 
-def attention_gemms(s: int, h: int, a: int) -> list[GemmSpec]:
+def attention_gemms(s: int, h: int, a: int, flash_tile: int = 0) -> list[GemmSpec]:
     """The four matmuls of self-attention, per sample (Megatron §3 splits): QKV column-parallel,
-    scores QKᵀ and attention·V one product per head (heads split over TP), projection row-parallel."""
+    scores QKᵀ and attention·V one product per head (heads split over TP), projection row-parallel.
+    ``flash_tile`` > 0: QKᵀ and attention·V are one causal flash kernel with that tile, QKᵀ re-run
+    in its backward (as costs.family_llama.block_gemms tags them)."""
     d = h // a
+    core = {"flash_tile": flash_tile} if flash_tile else {}
     return [
         GemmSpec(name="qkv", m=s, n=3 * h, k=h, tp_split="n", weights=3),  # q, k, v: three Linears
-        GemmSpec(name="scores", m=s, n=s, k=d, batch=a, tp_split="batch"),
-        GemmSpec(name="attn_v", m=s, n=d, k=s, batch=a, tp_split="batch"),
+        GemmSpec(name="scores", m=s, n=s, k=d, batch=a, tp_split="batch", bwd_recompute=bool(flash_tile), **core),
+        GemmSpec(name="attn_v", m=s, n=d, k=s, batch=a, tp_split="batch", **core),
         GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
     ]
 
 
-def attention_mem_bytes(s: int, h: int, a: int, act: int) -> int:
+def attention_mem_bytes(s: int, h: int, a: int, act: int, flash: bool = False) -> int:
     """Bytes the non-GEMM ops of attention move in one forward (read + write, fused as Megatron
     fuses them): layernorm sh in/out, scale-mask-softmax as² in/out, dropout of the probabilities
-    as² in/out plus a 1-byte mask, bias-dropout-add (output and residual in, sum out, mask)."""
+    as² in/out plus a 1-byte mask, bias-dropout-add (output and residual in, sum out, mask).
+    ``flash``: the softmax and its dropout run on chip inside the kernel: layernorm and
+    bias-dropout-add only."""
+    if flash:
+        return (2 * s * h + 3 * s * h) * act + s * h
     return (2 * s * h + 2 * a * s * s + 2 * a * s * s + 3 * s * h) * act + a * s * s + s * h
 
 
@@ -170,6 +233,23 @@ def mlp_mem_bytes(s: int, h: int, f: int, act: int) -> int:
     """As ``attention_mem_bytes`` for the MLP: layernorm, fused bias-GeLU (sf in/out),
     bias-dropout-add."""
     return (2 * s * h + 2 * s * f + 3 * s * h) * act + s * h
+
+
+def at_precision(saved: Saved, act: int) -> Saved:
+    """``saved`` (fp16 bytes) at ``act`` bytes per element; the fp32 log-sum-exp keeps its size."""
+    return [(role, nbytes if role == "attn.logsumexp" else nbytes * act // 2, sharded)
+            for role, nbytes, sharded in saved]
+
+
+def flash_core_selective(s: int, h: int, a: int) -> dict:
+    """LayerSpec fields of selective recompute for a causal flash core (GPT with ``flash_attention``,
+    LLaMA's): the checkpoint keeps Q, K, V and the output stays saved by the projection, so it drops
+    only the fp32 log-sum-exp 4as; the backward re-runs the causal forward kernel (QKᵀ and
+    attention·V tagged ``flash_tile``); no a·s² element-wise traffic (the softmax stays on chip).
+    One operator (one scaled_dot_product_attention call)."""
+    gemms = [g for g in attention_gemms(s, h, a, FLASH_TILE) if g.name in ("scores", "attn_v")]
+    return {"selective_bytes_per_sample": LSE_BYTES * a * s, "selective_gemms": gemms,
+            "selective_mem_bytes_per_sample": 0, "selective_ops": 1}
 
 
 def attention_core_selective(s: int, h: int, a: int, act: int) -> dict:
@@ -186,42 +266,75 @@ def attention_core_selective(s: int, h: int, a: int, act: int) -> dict:
             "selective_mem_bytes_per_sample": 4 * as2 * act + as2, "selective_ops": 1}
 
 
-def block_layer(name: str, s: int, h: int, a: int, f: int, act: int) -> LayerSpec:
+def block_layer(name: str, s: int, h: int, a: int, f: int, act: int, flash: bool = False) -> LayerSpec:
     """One transformer block (GPT pre-LN or BERT post-LN: the same counts).
 
     f = 4h gives params 12h²+13h, FLOPs 24sh² + 4s²h (Narayanan et al. 2021 §5.1: their
     96·B·s·l·h²(1 + s/6h) covers four passes with recompute, i.e. 24sh² + 4s²h per block and
     forward) and saved bytes sh(34 + 5as/h) in fp16 (Korthikanti et al. 2022, eq. 1).
+    ``flash``: a causal flash core (:func:`flash_core_fields`), the same params and FLOPs.
     """
     p_a, sp_a, fl_a, sv_a, ssv_a = attention_costs(s, h, a)
     p_m, sp_m, fl_m, sv_m, ssv_m = mlp_costs(s, h, f)
-    saved_fp16, sharded_fp16 = sv_a + sv_m, ssv_a + ssv_m
+    if flash:
+        core = flash_core_fields(s, h, a, f, act)
+    else:
+        saved_fp16, sharded_fp16 = sv_a + sv_m, ssv_a + ssv_m
+        core = dict(
+            saved_bytes_per_sample=saved_fp16 * act // 2,
+            # largest transient of the backward: the gradient of the a·s² attention scores (estimate)
+            workspace_bytes_per_sample=a * s * s * act,
+            tp_sharded_saved_fraction=sharded_fp16 / saved_fp16,
+            # sequence parallelism splits the rest, the 10sh of layernorm, dropout and GEMM inputs
+            # (Korthikanti §4.2.2, Table 2: 34/t), and the block's output along the sequence
+            sp_sharded_saved_fraction=(saved_fp16 - sharded_fp16) / saved_fp16,
+            **attention_core_selective(s, h, a, act),
+            gemms=[*attention_gemms(s, h, a),
+                   GemmSpec(name="fc1", m=s, n=f, k=h, tp_split="n"),
+                   GemmSpec(name="fc2", m=s, n=h, k=f, tp_split="k")],
+            fwd_mem_bytes_per_sample=attention_mem_bytes(s, h, a, act) + mlp_mem_bytes(s, h, f, act),
+            # every tensor but the first, the layernorm input: the block's input (the previous output)
+            saved_tensors=saved_specs([*attention_saved(s, h, a), *mlp_saved(s, h, f)], lambda n: n * act // 2,
+                                      skip=1),
+        )
     return LayerSpec(
         name=name,
         kind=LayerKind.transformer_block,
         params=p_a + p_m,
         fwd_flops_per_sample=fl_a + fl_m,
-        saved_bytes_per_sample=saved_fp16 * act // 2,
         output_bytes_per_sample=s * h * act,
-        # largest transient of the backward: the gradient of the a·s² attention scores (estimate)
-        workspace_bytes_per_sample=a * s * s * act,
         tp_sharded_param_fraction=(sp_a + sp_m) / (p_a + p_m),
-        tp_sharded_saved_fraction=sharded_fp16 / saved_fp16,
-        # sequence parallelism splits the rest, the 10sh of layernorm, dropout and GEMM inputs
-        # (Korthikanti §4.2.2, Table 2: 34/t), and the block's output along the sequence
-        sp_sharded_saved_fraction=(saved_fp16 - sharded_fp16) / saved_fp16, sp_shards_output=True,
+        sp_shards_output=True,
         sp_allgathers_per_pass=2,  # before QKV and before fc1 (Korthikanti §4.2.2, Fig. 5's g)
-        **attention_core_selective(s, h, a, act),
         tp_allreduces_per_pass=2,  # after the attention projection and after fc2 (Megatron §3)
         max_tp=a,  # heads are split whole across TP ranks
         norm_modules=2,  # ln1, ln2 (before attention and MLP pre-LN, after them post-LN)
-        gemms=[*attention_gemms(s, h, a),
+        **core,
+        **op_counts.ops(op_counts.TRANSFORMER_BLOCK),
+    )
+
+
+def flash_core_fields(s: int, h: int, a: int, f: int, act: int) -> dict:
+    """The LayerSpec fields of a GPT block that a causal flash core changes (module docstring):
+    saved bytes sh·(18 + 4f/h) + 4as in fp16 (34sh + 4as for f = 4h; the log-sum-exp fp32 at any
+    precision, ``at_precision``), their TP and SP shares by the same rule as the unfused block's,
+    selective recompute dropping the log-sum-exp only (:func:`flash_core_selective`), QKᵀ and attention·V
+    tagged ``flash_tile`` = FLASH_TILE, no a·s² element-wise traffic. Backward workspace
+    (estimate): the GeLU input's gradient s·f, the largest activation-sized transient once the a·s²
+    score gradient stays on chip (as costs.family_llama counts its gate/up gradients)."""
+    saved = at_precision([*attention_saved(s, h, a, flash=True), *mlp_saved(s, h, f)], act)
+    saved_bytes, sharded_bytes = _totals(saved)
+    return dict(
+        saved_bytes_per_sample=saved_bytes,
+        workspace_bytes_per_sample=s * f * act,
+        tp_sharded_saved_fraction=sharded_bytes / saved_bytes,
+        sp_sharded_saved_fraction=(saved_bytes - sharded_bytes) / saved_bytes,
+        **flash_core_selective(s, h, a),
+        gemms=[*attention_gemms(s, h, a, FLASH_TILE),
                GemmSpec(name="fc1", m=s, n=f, k=h, tp_split="n"),
                GemmSpec(name="fc2", m=s, n=h, k=f, tp_split="k")],
-        fwd_mem_bytes_per_sample=attention_mem_bytes(s, h, a, act) + mlp_mem_bytes(s, h, f, act),
-        # every tensor but the first, the layernorm input: the block's input (the previous output)
-        saved_tensors=saved_specs([*attention_saved(s, h, a), *mlp_saved(s, h, f)], lambda n: n * act // 2, skip=1),
-        **op_counts.ops(op_counts.TRANSFORMER_BLOCK),
+        fwd_mem_bytes_per_sample=attention_mem_bytes(s, h, a, act, flash=True) + mlp_mem_bytes(s, h, f, act),
+        saved_tensors=saved_specs(saved, lambda n: n, skip=1),  # the layernorm input is the block's input
     )
 
 
@@ -308,9 +421,9 @@ def head_layer(name: str, s: int, h: int, V: int, act: int, params: int, sharded
     )
 
 
-def _blocks(cfg: _TransformerConfig, act: int) -> list[LayerSpec]:
+def _blocks(cfg: _TransformerConfig, act: int, flash: bool = False) -> list[LayerSpec]:
     f = cfg.ffn_width
-    return [block_layer(f"block_{i:02d}", cfg.seq_len, cfg.hidden, cfg.heads, f, act)
+    return [block_layer(f"block_{i:02d}", cfg.seq_len, cfg.hidden, cfg.heads, f, act, flash)
             for i in range(cfg.num_layers)]
 
 
@@ -334,7 +447,7 @@ def build_gpt(cfg: GPTConfig, act: int) -> ModelSpec:
     )
     head = head.model_copy(update=op_counts.head_ops(op_counts.HEAD["gpt"], act))
     embed = embedding_layer("embed", s, h, V, act).model_copy(update=op_counts.ops(op_counts.EMBED["gpt"]))
-    layers = [embed, *_blocks(cfg, act), head]
+    layers = [embed, *_blocks(cfg, act, cfg.flash_attention), head]
     return ModelSpec(name=cfg.name, family=cfg.family, layers=layers, act_dtype_bytes=act,
                      seq_len=s, hidden=h, heads=cfg.heads)
 

@@ -11,7 +11,7 @@ import itertools
 from enum import Enum
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from specs._base import Spec, finite_in
 
@@ -96,6 +96,15 @@ class DeviceSpec(Spec):
         default_factory=dict,
         description="per dtype: points (FLOPs of one GEMM kernel, achieved / peak), joined by power laws "
                     "(log-log) and clamped at both ends (costs/gemm.py); a dtype without points runs at peak")
+    attention_efficiency: dict[str, list[tuple[GemmFlops, Efficiency]]] = Field(
+        default_factory=dict,
+        description="per dtype: the fused (flash) attention kernel's forward curve, points (FLOPs one of its two "
+                    "products executes, achieved / peak), same semantics as gemm_efficiency; used for the causal "
+                    "flash core's QKᵀ and attention·V (costs/gemm.py). A dtype without points: the GEMM curve")
+    attention_bwd_efficiency: dict[str, list[tuple[GemmFlops, Efficiency]]] = Field(
+        default_factory=dict,
+        description="per dtype: the flash kernel's backward curve (its five products, Dao 2023 §4.1); a dtype "
+                    "without points: attention_efficiency's, else the GEMM curve")
     hbm_gbps: Bandwidth = Field(description="device memory bandwidth")
     hbm_efficiency: Efficiency = Field(
         1.0, description="achieved streaming bandwidth / hbm_gbps (a copy or elementwise kernel never reaches "
@@ -119,17 +128,41 @@ class DeviceSpec(Spec):
             raise ValueError(
                 f"peak_tflops: keys must be among fp32, fp16, bf16 and include fp32; got {bad or list(self.peak_tflops)}"
             )
-        for dtype, points in self.gemm_efficiency.items():
-            if dtype not in self.peak_tflops:
-                raise ValueError(f"gemm_efficiency.{dtype}: the device has no peak_tflops.{dtype}")
-            xs = [x for x, _ in points]
-            if not points or any(b <= a for a, b in itertools.pairwise(xs)):
-                raise ValueError(f"gemm_efficiency.{dtype}: give at least one point, FLOPs strictly increasing; got {xs}")
-            for (f1, e1), (f2, e2) in itertools.pairwise(points):
-                if f2 / e2 < f1 / e1 * (1 - 1e-9):  # kernel time FLOPs / (peak · eff) must not fall
-                    raise ValueError(f"gemm_efficiency.{dtype}: a {f2:g}-FLOP GEMM at {e2:g} would be faster than a "
-                                     f"{f1:g}-FLOP one at {e1:g}; efficiency may grow at most as fast as FLOPs")
+        for field in ("gemm_efficiency", "attention_efficiency", "attention_bwd_efficiency"):
+            for dtype, points in getattr(self, field).items():
+                self._check_curve(f"{field}.{dtype}", dtype, points)
         return self
+
+    def _check_curve(self, where: str, dtype: str, points: list[tuple[float, float]]) -> None:
+        """One efficiency curve (``where`` names the field and dtype in the message): a dtype the
+        device has a peak for, FLOPs strictly increasing, kernel time FLOPs / (peak · eff) never
+        falling between neighbours (costs/gemm.py's power laws then keep it non-decreasing)."""
+        if dtype not in self.peak_tflops:
+            raise ValueError(f"{where}: the device has no peak_tflops.{dtype}")
+        xs = [x for x, _ in points]
+        if not points or any(b <= a for a, b in itertools.pairwise(xs)):
+            raise ValueError(f"{where}: give at least one point, FLOPs strictly increasing; got {xs}")
+        for (f1, e1), (f2, e2) in itertools.pairwise(points):
+            if f2 / e2 < f1 / e1 * (1 - 1e-9):  # kernel time FLOPs / (peak · eff) must not fall
+                raise ValueError(f"{where}: a {f2:g}-FLOP kernel at {e2:g} would be faster than a "
+                                 f"{f1:g}-FLOP one at {e1:g}; efficiency may grow at most as fast as FLOPs")
+
+    @model_serializer(mode="wrap")
+    def _omit_empty_attention(self, handler):
+        """Leave the attention curves out of a dump when they are empty, so that hardware files and
+        cache keys written before they existed stay byte-identical."""
+        data = handler(self)
+        for field in ("attention_efficiency", "attention_bwd_efficiency"):
+            if isinstance(data, dict) and not getattr(self, field):
+                data.pop(field, None)
+        return data
+
+    def attention_curve(self, dtype: str, backward: bool = False) -> list[tuple[float, float]] | None:
+        """The efficiency curve of a flash-attention kernel's pass in ``dtype``: the backward's
+        (``attention_bwd_efficiency``), else the forward's (``attention_efficiency``), else the GEMM
+        curve (a device without attention figures, local_cpu and user hardware, keeps working)."""
+        return ((self.attention_bwd_efficiency.get(dtype) if backward else None)
+                or self.attention_efficiency.get(dtype) or self.gemm_efficiency.get(dtype))
 
     def missing_dtype(self, dtype: str) -> str | None:
         """None if the device has a rate for ``dtype``, else a one-line message naming the field,

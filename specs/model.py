@@ -8,7 +8,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
 from specs._base import Spec, finite_in
 from specs.op_graph import OpGraph
@@ -46,13 +46,39 @@ class GemmSpec(Spec):
                     "LLaMA's gate_up 2), each its own Linear in the executor's modules: the weight gradient "
                     "the zero-bubble W pass allocates at a time is k·n/weights (1 for a product without a "
                     "weight, batch > 1)")
+    flash_tile: int = Field(
+        0, ge=0, le=1 << 16,
+        description="0: an ordinary GEMM. > 0: one of the two products (QKᵀ, attention·V) of a causal fused "
+                    "(flash) attention kernel over m = s query rows, tiled in flash_tile x flash_tile blocks: it "
+                    "computes only the tiles on or below the diagonal, keeps its s x s operand on chip and runs at "
+                    "the device's attention curve (costs/gemm.py). Its FLOPs (flops_per_sample) stay the whole "
+                    "square: the model FLOPs a run reports")
+    bwd_recompute: bool = Field(
+        False, description="the backward re-runs this forward product before its two gradient products (FA2's "
+                           "QKᵀ, Dao 2023 §3.1.2 Algorithm 2 line 10; §4.1: five matmuls backward against two "
+                           "forward)")
 
     @model_validator(mode="after")
     def _weights_divide_n(self) -> GemmSpec:
         if self.n % self.weights:
             raise ValueError(f"weights: {self.weights} does not divide n {self.n} (GEMM {self.name!r}): a fused "
                              f"GEMM concatenates equal-width weights")
+        if self.bwd_recompute and not self.flash_tile:
+            raise ValueError(f"bwd_recompute: only a flash-attention product (flash_tile > 0) re-runs in its "
+                             f"backward (GEMM {self.name!r})")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_plain(self, handler):
+        """Leave the flash fields out of a dump at their defaults (an ordinary GEMM), so that dumps
+        and cache keys written before they existed stay byte-identical."""
+        data = handler(self)
+        if isinstance(data, dict):
+            if not self.flash_tile:
+                data.pop("flash_tile", None)
+            if not self.bwd_recompute:
+                data.pop("bwd_recompute", None)
+        return data
 
     @property
     def flops_per_sample(self) -> float:

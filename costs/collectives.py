@@ -65,8 +65,8 @@ def dp_allreduce_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: 
     """Data-parallel sync of one stage's step on an idle fabric (one TP rank's shard each; ring
     over ``allreduce_link``), exposed in full: :func:`dp_reduce_gather_s` summed. ZeRO-0: the
     gradient all-reduce; ZeRO-1 (Megatron's distributed optimizer) and ZeRO-2: reduce-scatter +
-    all-gather, the ring bytes of one all-reduce; ZeRO-3: the reduce-scatter only (its per-layer
-    gathers are prefetched behind the passes, unpriced: :func:`dp_reduce_gather_s`)."""
+    all-gather, the ring bytes of one all-reduce; ZeRO-2: the all-gather only; ZeRO-3: nothing (their
+    reduce-scatters and ZeRO-3's gathers run in every microbatch's passes: :func:`dp_reduce_gather_s`)."""
     return sum(dp_reduce_gather_s(model, plan, hardware, stage))
 
 
@@ -76,17 +76,19 @@ def dp_reduce_gather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, sta
     (Thakur et al. 2005), so each is exactly half of :func:`ring_allreduce_s`. ZeRO-0:
     (all-reduce, 0). ZeRO-1: the gradients reduce-scattered, each rank steps its 1/d shard, the
     updated parameters all-gathered (Megatron-LM docs/source/api-guide/dist_optimizer.md): (half,
-    half); ZeRO-2 the same (Rajbhandari et al. 2020 §5.2: gradients and optimizer state are
+    half); ZeRO-2 (0, half) (Rajbhandari et al. 2020 §5.2: gradients and optimizer state are
     partitioned, so each rank updates its 1/d of the parameters and all-gathers them back, as ZeRO-1
-    does). ZeRO-3: (half, 0): its parameters are gathered layer by layer in each pass, prefetched
-    behind the compute (§5.3; FSDP), which this model leaves unpriced."""
+    does, but no rank keeps a whole gradient across microbatches: each layer's is reduce-scattered in
+    every microbatch's backward, costs.layer_time.sharded_dp_comm_s, none at the flush). ZeRO-3:
+    (0, 0): its reduce-scatters run in every backward and its parameters are gathered layer by layer
+    in each pass (§5.3; FSDP), both in costs.layer_time.sharded_dp_comm_s."""
     if grad_reduce_ranks(stage) == 1:  # dp x cp replicas (costs/context_parallel.py)
         return 0.0, 0.0
     ranks = stage.devices[:: stage.tp]
     t = ring_allreduce_s(dp_grad_bytes(model, plan, stage), grad_reduce_ranks(stage), allreduce_link(hardware, ranks))
     if plan.zero_stage == 0:
         return t, 0.0
-    return t / 2, (t / 2 if plan.zero_stage in (1, 2) else 0.0)
+    return (t / 2 if plan.zero_stage == 1 else 0.0), (t / 2 if plan.zero_stage in (1, 2) else 0.0)
 
 
 def dp_param_gather_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec,
@@ -150,8 +152,8 @@ def dp_allreduce_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec,
     stage (stage order; ZeRO >= 1: each a reduce-scatter, half an all-reduce): what a
     bucketed all-reduce issues as each layer's gradients become final (PyTorch DDP, Li et al.
     VLDB'20 §3.2.3; one bucket per layer keeps the model simple), each paying its own latency."""
-    if grad_reduce_ranks(stage) == 1:  # dp x cp replicas (costs/context_parallel.py)
-        return [0.0] * len(stage.layers)
+    if grad_reduce_ranks(stage) == 1 or plan.zero_stage >= 2:  # ZeRO-2/3: reduced in every backward
+        return [0.0] * len(stage.layers)  # (costs.layer_time.sharded_dp_comm_s); no dp x cp replicas
     _, g_b, _ = plan.training.bytes_per_param()
     link = allreduce_link(hardware, stage.devices[:: stage.tp])
     half = 2 if plan.zero_stage >= 1 else 1  # ZeRO >= 1 reduce-scatters its gradient buckets

@@ -213,27 +213,52 @@ def p2p_gather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: St
     return ring_half_s(act, stage.tp, link), ring_half_s(grad, stage.tp, link)
 
 
-def zero3_gather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:
-    """(forward, backward) seconds per microbatch that ZeRO-3's parameter all-gathers add to the
-    passes of one device of ``stage`` (Rajbhandari et al. 2020 §5.3; FSDP2 with
-    reshard_after_forward, torchtitan's default): each layer's weights all-gathered over the dp x cp
-    group before its forward and again before its backward (half a ring all-reduce of its bytes),
-    prefetched one layer ahead on the communication stream, so the first layer's gather is exposed
-    and layer j's only where it outlasts the pass of the layer before it. 0 without ZeRO-3."""
+def sharded_dp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:
+    """(forward, backward) seconds per microbatch that ZeRO-2/3's data-parallel communication adds
+    to the passes of one device of ``stage``, all on one communication stream (the dp x cp group's
+    link), overlapped with compute where it can be:
+
+    * ZeRO-3 (Rajbhandari et al. 2020 §5.3; FSDP2 with reshard_after_forward, torchtitan's
+      default): each layer's weights all-gathered (half a ring all-reduce of its bytes) before its
+      forward and again before its backward, prefetched one layer ahead: the first gather of a
+      pass is exposed, layer j's only where the stream is still busy when the pass reaches it.
+    * ZeRO-2 and ZeRO-3 reduce-scatter each layer's gradient in every microbatch's backward, as soon
+      as the layer's backward is done (§5.2: the gradients are partitioned, so no rank keeps a
+      whole gradient across microbatches; FSDP2 reduce-scatters in each unit's post-backward and
+      waits for the last in its final callback; DeepSpeed ZeRO-2 reduces every micro-step): queued
+      behind the prefetched gathers, hidden by the next layers' backwards, the last one exposed.
+      (:func:`costs.collectives.dp_reduce_gather_s` then has no reduction left for the flush.)
+    0 below ZeRO-2 or without replicas."""
     ranks = grad_reduce_ranks(stage)
-    if plan.zero_stage < 3 or ranks == 1:
+    if plan.zero_stage < 2 or ranks == 1:
         return 0.0, 0.0
-    w_b = plan.training.bytes_per_param()[0]
+    w_b, g_b, _ = plan.training.bytes_per_param()
     link = allreduce_link(hardware, stage.devices[:: stage.tp])
-    gathers = [ring_allreduce_s(layer_params_on_device(model.layers[l], stage.tp) * w_b, ranks, link) / 2
-               for l in stage.layers]
+    params = [layer_params_on_device(model.layers[l], stage.tp) for l in stage.layers]
+    gathers = [ring_allreduce_s(n * w_b, ranks, link) / 2 if plan.zero_stage >= 3 else 0.0 for n in params]
+    reduces = [ring_allreduce_s(n * g_b, ranks, link) / 2 for n in params]
     passes = [layer_pass_times_s(model, plan, hardware, stage, l) for l in stage.layers]
+    idx = list(range(len(params)))
+    fwd = _stream_exposed_s(idx, gathers, [0.0] * len(idx), [f for f, _, _ in passes])
+    bwd = _stream_exposed_s(idx[::-1], gathers, reduces, [b + rc for _, b, rc in passes])
+    return fwd, bwd
 
-    def exposed(order: list[int], busy: list[float]) -> float:
-        return gathers[order[0]] + sum(max(gathers[j] - busy[i], 0.0) for i, j in zip(order, order[1:]))
 
-    idx = list(range(len(gathers)))
-    return exposed(idx, [f for f, _, _ in passes]), exposed(idx[::-1], [b + rc for _, b, rc in passes])
+def _stream_exposed_s(order: list[int], gathers: list[float], reduces: list[float], busy: list[float]) -> float:
+    """Seconds a pass over the layers in ``order`` (compute ``busy`` each) is longer for one FIFO
+    communication stream: layer j's gather must be done before its compute starts, the next layer's
+    gather is issued when j's compute starts (prefetch one ahead), j's reduce-scatter when j's
+    compute ends; the pass is over when its compute and the stream are both done."""
+    stream = gathers[order[0]]  # the first gather: nothing to hide it
+    ready, clock = stream, 0.0
+    for i, j in enumerate(order):
+        start = max(clock, ready)
+        clock = start + busy[j]
+        if i + 1 < len(order):
+            stream = max(stream, start) + gathers[order[i + 1]]
+            ready = stream
+        stream = max(stream, clock) + reduces[j]
+    return max(clock, stream) - sum(busy[j] for j in order)
 
 
 def stage_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:

@@ -39,7 +39,7 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
     out += cp_unsupported(plan)
     from executor.zero1 import unsupported as zero1_unsupported  # ZeRO-1 and the overlapped dp sync
 
-    out += zero1_unsupported(plan)
+    out += zero1_unsupported(plan, _config(model_cfg) if model_cfg is not None else None)
     from executor.megatron_tp import unsupported as sp_unsupported  # sequence parallelism
     from executor.selective import unsupported as selective_unsupported
 

@@ -127,6 +127,19 @@ class LiveTensorTracker(TorchDispatchMode):
         with self._lock:
             self._tag_storage(st, category, retag)
 
+    def resized(self, t: torch.Tensor, category: str) -> None:
+        """Re-count ``t``'s storage after an in-place ``untyped_storage().resize_`` (FSDP2 frees and
+        re-allocates its unsharded parameters so, unseen by dispatch: executor.fsdp): forgotten at
+        its old size, filed ``category`` at its new one (nothing when it is now empty)."""
+        st = _local(t).untyped_storage()
+        with self._lock:
+            key = self._keys.get(st)
+            if key is not None:
+                self._free(key)
+                del self._keys[st]
+            if st.nbytes():
+                self._tag_storage(st, category, retag=False)
+
     def _tag_storage(self, st, category: str, retag: bool) -> None:
         key = self._keys.get(st)
         if key is None:

@@ -403,12 +403,13 @@ def _collect(stages) -> tuple[dict, dict]:
     ``full_tensor`` is collective over the TP group: every TP rank of replica 0 calls it."""
     params, grads = {}, {}
     for st in stages:
-        if st.replica != 0:
+        fsdp = getattr(st, "fsdp", None) is not None  # FSDP2's shards: every replica takes part in the gather
+        if st.replica != 0 and not fsdp:
             continue
         for name, p, g in st.named_state():  # a window's streamed layers: their host copies
             full_p = p.full_tensor() if hasattr(p, "full_tensor") else p
             full_g = g.full_tensor() if hasattr(g, "full_tensor") else g
-            if st.tp_rank == 0:
+            if st.tp_rank == 0 and st.replica == 0:
                 params[name] = full_p.detach().cpu().numpy().copy()
                 grads[name] = full_g.detach().cpu().numpy().copy()
     return params, grads

@@ -225,13 +225,14 @@ class Zero1:
             self._wait_gather(b)
 
 
-def unsupported(plan) -> list[str]:
+def unsupported(plan, cfg=None) -> list[str]:
     """What of ``zero_stage`` / ``overlap_grad_reduce`` / ``overlap_param_gather`` this module does
-    not run, as 'field: why' (executor.measure.unsupported lists them)."""
+    not run, as 'field: why' (executor.measure.unsupported lists them); ZeRO-2/3: executor.fsdp's."""
+    if plan.zero_stage > 1:  # ZeRO-2/3: torch's FSDP2 over each stage's dp group (executor.fsdp)
+        from executor.fsdp import unsupported as fsdp_unsupported
+
+        return fsdp_unsupported(plan, cfg)
     out = []
-    if plan.zero_stage > 1:
-        out.append(f"zero_stage: {plan.zero_stage} (ZeRO-2/3 are simulated only; the executor runs Megatron's "
-                   "distributed optimizer; allowed: 0, 1)")
     if not (plan.zero_stage == 1 or plan.overlap_grad_reduce):
         return out
     what = "zero_stage 1" if plan.zero_stage == 1 else "overlap_grad_reduce"

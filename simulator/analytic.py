@@ -373,7 +373,7 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         fwd, bwd = ((sharded[i].run.fwd_s, sharded[i].run.bwd_s) if i in sharded
                     else costs.layer_time.stage_pass_times_s(model, plan, hardware, stage))
         gather_f, gather_b = costs.layer_time.p2p_gather_s(model, plan, hardware, stage)  # Narayanan §4.1
-        z3_f, z3_b = costs.layer_time.zero3_gather_s(model, plan, hardware, stage)  # ZeRO-3 / FSDP gathers
+        z3_f, z3_b = costs.layer_time.sharded_dp_comm_s(model, plan, hardware, stage)  # ZeRO-2/3, FSDP
         fwd, bwd = fwd + gather_f + z3_f, bwd + gather_b + z3_b
         work[plan.device_group_of(i)] += fwd + bwd
         if kind_split:

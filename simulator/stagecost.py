@@ -196,7 +196,7 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
     b = costs.params.samples_per_replica(plan, stage)
     fwd_s, bwd_s = costs.layer_time.stage_pass_times_s(model, plan, hardware, stage)
     gather_f, gather_b = costs.layer_time.p2p_gather_s(model, plan, hardware, stage)  # Narayanan §4.1
-    z3_f, z3_b = costs.layer_time.zero3_gather_s(model, plan, hardware, stage)  # ZeRO-3 / FSDP gathers
+    z3_f, z3_b = costs.layer_time.sharded_dp_comm_s(model, plan, hardware, stage)  # ZeRO-2/3, FSDP
     fwd_s, bwd_s = fwd_s + gather_f + z3_f, bwd_s + gather_b + z3_b
     streamed = window.streamed_params(model, stage)
     link = host_link(hardware)

@@ -1,0 +1,234 @@
+"""ZeRO-3 of a data-parallel stage with torch's FSDP2 (``fully_shard``), as torchtitan
+trains (torchtitan/models/llama3/infra/parallelize.py ``apply_fsdp``): each layer of the stage is
+one FSDP unit over the stage's dp group, parameters sharded 1/d as DTensors (Shard(0)).
+
+* ``zero_stage`` 3: ``reshard_after_forward=True`` — a unit's weights are all-gathered before its
+  forward, freed after it, all-gathered again before its backward (Rajbhandari et al. 2020 §5.3;
+  what costs.layer_time.sharded_dp_comm_s prices, per microbatch, and
+  costs.buffers.zero3_gather_bytes holds).
+* ``zero_stage`` 2 is refused (:func:`unsupported`): FSDP2's ZeRO-2-like mode
+  (``reshard_after_forward=False``, the ``fully_shard`` docstring) keeps the weights gathered in
+  the forward until the unit's backward, sharded between passes and gathered once per
+  microbatch; the simulator's ZeRO-2 holds them whole and all-gathers once after the step.
+  :class:`Fsdp` takes the flag; run with it, gpt_tiny dp 2 measured 18-19 % above that peak.
+* Gradients: FSDP2's default, one reduce-scatter per unit and microbatch (SUM: the divide factor
+  is 1, the executor's loss is already scaled by 1/(m·dp)), accumulated into the sharded
+  gradient. That is what the simulator holds (sharded gradients plus one layer's whole gradient)
+  and times (costs.layer_time.sharded_dp_comm_s: each layer's reduce-scatter queued after its
+  backward in every microbatch, behind the prefetched gathers, none left for the flush).
+* Tied weights: layers of a stage that share a parameter (GPT's embedding and LM head) form one
+  unit (``fully_shard([embed, head])``), whose gradients are reduced once both ran backward; a
+  weight tied over pipeline stages is refused. Pipeline stages (GPipe, 1F1B) shard each stage over
+  its own dp group (torchtitan composes PP and FSDP alike, one FSDP root per stage).
+* Optimizer: the stage's own (fused Adam / SGD) over the sharded DTensor parameters; the stage's
+  ``p.grad = zeros_like(p)`` is a sharded DTensor that FSDP2 accumulates into in place.
+
+Memory on CPU: FSDP2 frees an unsharded parameter by ``untyped_storage().resize_(0)`` and
+re-allocates it by ``resize_`` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py
+``alloc_storage`` / ``free_storage``), which no dispatch mode sees. Those two functions are
+wrapped here to re-file the storage with the stage's tracker (executor.memtrack). What FSDP2
+allocates while it gathers and reduces (the flat all-gather and reduce-scatter buffers, made with
+``torch.empty``, which the tracker sees) and a unit's whole gradients are filed ``buffers``, where
+the simulator files ZeRO-3's unsharded layers (costs.buffers.zero3_gather_bytes).
+
+:class:`Fsdp` stands where executor.zero1.Zero1 does in executor.stage (its ``zero_grad``,
+``reduce``, ``finish``; ``shard`` False: the stage steps its own optimizer).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Fsdp:
+    """FSDP2 over one stage's layers (``rt``: executor.stage.StageRuntime, layers built and tied,
+    before its parameter list is taken)."""
+
+    shard = False  # executor.stage_grads: the stage's optimizer steps the (sharded) parameters
+
+    def __init__(self, rt, reshard_after_forward: bool):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.rt = rt
+        if rt.tied is not None:  # unsupported() names it when it knows the model; a plan alone does not
+            raise ValueError("model.tie_embeddings: a weight tied over pipeline stages with zero_stage 3 (FSDP2) "
+                             "is not implemented; set model.tie_embeddings=false or use one stage")
+        mesh = DeviceMesh.from_group(rt.dp_group, rt.torch_device.type)
+        mods = [mod for _, _, mod in rt.layers]
+        self.units = []
+        for unit in _units(mods):
+            fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard_after_forward)
+            self.units.append(unit[0])
+        # the root: it holds no parameter of its own (every layer is a unit); the stage calls its layers
+        # one by one, never the root, so its lazy init (which marks the units non-root and shares one
+        # state among them) is run here rather than by a first forward through it
+        self.root = fully_shard(_Root(mods), mesh=mesh, reshard_after_forward=reshard_after_forward)
+        self.root._get_fsdp_state()._lazy_init()
+        for unit in self.units:  # SUM: the executor's loss scaling makes every gradient d(global loss);
+            unit.set_gradient_divide_factor(1.0)  # forced: fp32's default ops (AVG, PREMUL_SUM) are not gloo's
+            unit.set_force_sum_reduction_for_comms(True)
+        _install_storage_hooks()
+        _TRACKED.append(self)
+        for unit in self.units:  # FSDP2's gathers and reductions file their buffers as the simulator does
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                self._file_as_buffers(group)
+
+    def _file_as_buffers(self, group) -> None:
+        """Tensors FSDP2 allocates while it gathers (the flat all-gather input and output, the
+        per-parameter unsharded copies) and reduces (the flat reduce-scatter input and output), and
+        the unit's whole gradients autograd made, filed ``buffers`` rather than by the pass they
+        fall in (costs.buffers.zero3_gather_bytes holds them there)."""
+        for name in ("unshard", "wait_for_unshard", "post_backward"):
+            method = getattr(group, name)
+
+            def wrapped(*args, _method=method, _name=name, **kwargs):
+                tracker = self.rt.tracker
+                if _name == "post_backward":
+                    for fp in group.fsdp_params:
+                        if hasattr(fp, "_unsharded_param") and fp.unsharded_param.grad is not None:
+                            tracker.tag(fp.unsharded_param.grad, "buffers")
+                with tracker.phase("buffers"):
+                    return _method(*args, **kwargs)
+
+            setattr(group, name, wrapped)
+
+    def zero_grad(self) -> None:
+        pass  # FSDP2 reduce-scatters each unit's gradient as its backward ends
+
+    def reduce(self) -> None:
+        """The allreduce_grads entry: nothing left (the last backward's final callback waited for
+        every reduce-scatter)."""
+
+    def finish(self) -> None:
+        pass
+
+    def tracker(self):
+        return self.rt.tracker
+
+
+class _Root(nn.Module):
+    """The stage's layers under one module: FSDP2's root (fully_shard refuses a bare ModuleList)."""
+
+    def __init__(self, mods: list):
+        super().__init__()
+        self.layers = nn.ModuleList(mods)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("executor.stage runs the layers one by one; the FSDP root is never called")
+
+
+def _units(mods: list) -> list[list]:
+    """The layers grouped so that no parameter is in two groups (a tied embedding/head: one group,
+    in layer order), each group in order of its first layer."""
+    owner: dict[int, int] = {}
+    group_of = list(range(len(mods)))
+
+    def find(i: int) -> int:
+        while group_of[i] != i:
+            i = group_of[i]
+        return i
+
+    for i, mod in enumerate(mods):
+        for p in mod.parameters():
+            j = owner.setdefault(id(p), i)
+            if j != i:
+                group_of[find(i)] = find(j)
+    groups: dict[int, list] = {}
+    for i, mod in enumerate(mods):
+        if any(True for _ in mod.parameters()):
+            groups.setdefault(find(i), []).append(mod)
+    return list(groups.values())
+
+
+_TRACKED: list[Fsdp] = []  # this process's FSDP stages (one rank: its stages)
+_INSTALLED = False
+
+
+def _live_tracker():
+    from executor.memtrack import LiveTensorTracker
+
+    for f in _TRACKED:
+        t = f.tracker()
+        if isinstance(t, LiveTensorTracker):
+            return t
+    return None
+
+
+def _refile(tensor: torch.Tensor) -> None:
+    """Count ``tensor``'s storage at its new size (0: freed), filed ``buffers`` (the tracker keys
+    storages by object, so a storage resized in place would otherwise keep its first size)."""
+    tracker = _live_tracker()
+    if tracker is not None:
+        tracker.resized(tensor, "buffers")
+
+
+def _install_storage_hooks() -> None:
+    """Wrap FSDP2's ``alloc_storage`` / ``free_storage`` (module globals of _fsdp_param, imported by
+    name into _fsdp_param_group) so the tracker sees the resizes; once per process."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().nbytes()
+        alloc(tensor)
+        if tensor.untyped_storage().nbytes() != before:
+            _refile(tensor)
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().nbytes()
+        free(tensor)
+        if before:
+            _refile(tensor)
+
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
+    _fsdp_param_group.alloc_storage = alloc_storage
+    _INSTALLED = True
+
+
+def unsupported(plan, cfg=None) -> list[str]:
+    """What of ``zero_stage`` 2/3 this module does not run, as 'field: why' (executor.zero1's
+    ``unsupported`` adds them; ``cfg``: the model config, when known). FSDP2 here shards each
+    stage's layers over the stage's dp group: stages without tensor or context parallelism, no
+    offload, no swaps, GPipe or 1F1B; over several pipeline stages an untied model only (a stage
+    with dp = 1 runs as ZeRO-0). ZeRO-2 is refused (see the module docstring)."""
+    if plan.zero_stage < 2:
+        return []
+    if plan.zero_stage == 2:
+        # FSDP2's reshard_after_forward=False keeps the weights sharded at rest and gathers them every
+        # microbatch's forward, all held until their backwards; the simulator's ZeRO-2 (costs.static,
+        # costs.collectives) holds them whole and all-gathers once after the step: a different
+        # algorithm (gpt_tiny dp 2 measured 18-19 % above the simulated peak), so not run as ZeRO-2
+        return ["zero_stage: 2 (the simulator's ZeRO-2 keeps the weights whole and all-gathers them after the "
+                "step; FSDP2's reshard_after_forward=False, the executable near-equivalent, gathers them per "
+                "microbatch and holds every layer unsharded until its backward); allowed: 0, 1, 3"]
+    z, out = f"zero_stage {plan.zero_stage} (FSDP2, executor.fsdp)", []
+    if len(plan.stages) > 1 and cfg is not None and (getattr(cfg, "tie_embeddings", False)
+                                                     or cfg.family == "torch_module"):
+        out.append(f"model.tie_embeddings: a weight tied over {len(plan.stages)} pipeline stages with {z} (the "
+                   "embedding group would sum FSDP2's gradient shards; not implemented); allowed: an untied "
+                   "model (model.tie_embeddings=false) or one stage (pp = 1)")
+    if plan.schedule.kind.value not in ("gpipe", "1f1b"):  # one stage per rank, a flush: FSDP2's default hooks
+        out.append(f"schedule.kind: {plan.schedule.kind.value} with {z}; allowed: gpipe, 1f1b")
+    for i, st in enumerate(plan.stages):
+        if st.tp > 1 or st.cp > 1:
+            out.append(f"stages[{i}].tp/cp: tp {st.tp} x cp {st.cp} with {z}; allowed: tp = cp = 1 "
+                       "(FSDP2 over a 2-D mesh with DTensor TP is not wired)")
+        if st.sharding:
+            out.append(f"stages[{i}].sharding: a MAP stage with {z} (not implemented)")
+        off = st.offload
+        if (off.window_layers is not None or off.optimizer_on_cpu or off.optimizer_swap or off.weight_swap_layers
+                or off.stash_swap_layers):
+            out.append(f"stages[{i}].offload: with {z} (FSDP2's CPUOffloadPolicy is not wired)")
+        allowed = ("keep", "recompute", "selective")
+        actions = sorted({m.action.value for m in st.memory if m.action.value not in allowed})
+        if actions:
+            out.append(f"stages[{i}].memory: {actions} with {z}; allowed: keep, recompute, selective (a swap "
+                       "would move FSDP2's unsharded parameters' saved views)")
+    if plan.overlap_param_gather:
+        out.append(f"overlap_param_gather: with {z} (ZeRO-1's all-gather after the step; FSDP2 gathers per unit)")
+    return out

@@ -1,8 +1,9 @@
 """Benchmark (not a test): memwall against published training runs of systems it was never fitted
 on -- Llama 3 405B on 8k/16k H100 (Meta), torchtitan's Llama 3.1 8B FSDP on H100 and Llama 2/3 13B-70B FSDP on
 A100, BLOOM 176B with
-Megatron-DeepSpeed on A100 -- each a ``conf/experiment/published_*.yaml`` preset that cites its source
-and marks what it assumes (docs/validation_published.md has the table and the reasons).
+Megatron-DeepSpeed on A100, MosaicML's MPT 7B-70B FSDP at 2k-64k tokens on H100 and A100 -- each a
+``conf/experiment/published_*.yaml`` preset that cites its source and marks what it assumes
+(docs/validation_published.md has the table and the reasons).
 
     python benchmarks/validate_published.py            # analytic; simulator where small enough
     python benchmarks/validate_published.py --fast     # analytic only
@@ -63,6 +64,23 @@ PUBLISHED = [
      "torchtitan docs/performance.md (2024-07) Llama 3 table"),
     ("published_bloom_176b", "Megatron-DeepSpeed", 384, "eq3", 150.0, 60.0 * 1e9 / GIB,
      "BigScience 176B page (about 150 TFLOPs, 60 GB per GPU); tr11-176B-ml.slurm"),
+    # MosaicML llm-foundry's MPT benchmark tables (scripts/train/benchmarking/README.md, commit
+    # 061f2c7ce64e6551), Throughput (T/s/GPU) of BF16 FSDP rows; MPT as a gpt model with
+    # flash_attention (the presets' headers say what differs)
+    ("published_mpt_7b_h100_2k", "llm-foundry", 8, "tokens", 10643.0, None,
+     "llm-foundry benchmarking README, H100 80GB BF16, 7b | 2048 | 8"),
+    ("published_mpt_13b_h100_32k", "llm-foundry", 8, "tokens", 1976.0, None,
+     "llm-foundry benchmarking README, H100 80GB BF16, 13b | 32768 | 8"),
+    ("published_mpt_30b_h100_2k", "llm-foundry", 8, "tokens", 2002.0, None,
+     "llm-foundry benchmarking README, H100 80GB BF16, 30b | 2048 | 8"),
+    ("published_mpt_30b_h100_8k", "llm-foundry", 8, "tokens", 1384.0, None,
+     "llm-foundry benchmarking README, H100 80GB BF16, 30b | 8192 | 8"),
+    ("published_mpt_70b_h100_64", "llm-foundry", 64, "tokens", 1039.0, None,
+     "llm-foundry benchmarking README, H100 80GB BF16, 70b | 2048 | 64"),
+    ("published_mpt_7b_a100_64k", "llm-foundry", 8, "tokens", 1013.0, None,
+     "llm-foundry benchmarking README, A100 80GB (1600 Gbps RoCE), 7b | 65536 | 8"),
+    ("published_mpt_30b_a100_2k", "llm-foundry", 8, "tokens", 916.0, None,
+     "llm-foundry benchmarking README, A100 80GB (1600 Gbps RoCE), 30b | 2048 | 8"),
 ]
 
 #: no recompute on a preset that recomputes the first N blocks (the count must go with it)

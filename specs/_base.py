@@ -21,6 +21,17 @@ class Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def omit_unset(model: BaseModel, dumped, fields: tuple[str, ...]):
+    """``dumped`` (a ``model_serializer(mode="wrap")`` handler's output for ``model``) without the
+    ``fields`` whose value is falsy (False, 0, None, empty): a field added after files were written
+    is left out at its default, so those dumps, plan ids and cache keys stay byte-identical."""
+    if isinstance(dumped, dict):
+        for field in fields:
+            if not getattr(model, field):
+                dumped.pop(field, None)
+    return dumped
+
+
 def _interval(lo: float, hi: float, lo_open: bool, hi_open: bool) -> str:
     return f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
 

@@ -13,7 +13,7 @@ from typing import Annotated
 
 from pydantic import Field, model_serializer, model_validator
 
-from specs._base import Spec, finite_in
+from specs._base import Spec, finite_in, omit_unset
 
 GIB = 1 << 30
 
@@ -151,11 +151,7 @@ class DeviceSpec(Spec):
     def _omit_empty_attention(self, handler):
         """Leave the attention curves out of a dump when they are empty, so that hardware files and
         cache keys written before they existed stay byte-identical."""
-        data = handler(self)
-        for field in ("attention_efficiency", "attention_bwd_efficiency"):
-            if isinstance(data, dict) and not getattr(self, field):
-                data.pop(field, None)
-        return data
+        return omit_unset(self, handler(self), ("attention_efficiency", "attention_bwd_efficiency"))
 
     def attention_curve(self, dtype: str, backward: bool = False) -> list[tuple[float, float]] | None:
         """The efficiency curve of a flash-attention kernel's pass in ``dtype``: the backward's

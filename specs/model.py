@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_serializer, model_validator
 
-from specs._base import Spec, finite_in
+from specs._base import Spec, finite_in, omit_unset
 from specs.op_graph import OpGraph
 
 #: most layers a model may have: 1,000-layer models plan in seconds; 10,000 bounds every loop over
@@ -72,13 +72,7 @@ class GemmSpec(Spec):
     def _omit_plain(self, handler):
         """Leave the flash fields out of a dump at their defaults (an ordinary GEMM), so that dumps
         and cache keys written before they existed stay byte-identical."""
-        data = handler(self)
-        if isinstance(data, dict):
-            if not self.flash_tile:
-                data.pop("flash_tile", None)
-            if not self.bwd_recompute:
-                data.pop("bwd_recompute", None)
-        return data
+        return omit_unset(self, handler(self), ("flash_tile", "bwd_recompute"))
 
     @property
     def flops_per_sample(self) -> float:

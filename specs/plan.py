@@ -22,7 +22,7 @@ from enum import Enum
 
 from pydantic import Field, field_validator, model_serializer, model_validator
 
-from specs._base import Spec
+from specs._base import Spec, omit_unset
 from specs.hardware import MAX_DEVICES, HardwareSpec
 from specs.model import ModelSpec
 from specs.plan_memory import D2DTarget, LayerMemory, MemoryAction, OffloadPolicy
@@ -119,10 +119,7 @@ class Plan(Spec):
     @model_serializer(mode="wrap")
     def _omit_default_scatter(self, handler):
         """A plan without the scatter/gather optimisation dumps as before the field existed."""
-        out = handler(self)
-        if not self.p2p_scatter_gather and isinstance(out, dict):
-            out.pop("p2p_scatter_gather", None)
-        return out
+        return omit_unset(self, handler(self), ("p2p_scatter_gather",))
 
     @field_validator("schema_version")
     @classmethod

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import Field, model_serializer, model_validator
 
-from specs._base import MAX_COUNT, Spec, finite_in
+from specs._base import MAX_COUNT, Spec, finite_in, omit_unset
 from specs.hardware import MAX_DEVICES
 from specs.plan_memory import LayerMemory, MemoryAction, OffloadPolicy
 from specs.plan_sharding import CheckpointSegment, LayerSharding, NodeGroup, check_node_groups, check_tiling, mixed_meshes
@@ -73,10 +73,7 @@ class StagePlan(Spec):
     @model_serializer(mode="wrap")
     def _omit_null_groups(self, handler):
         """A plan over layers dumps as before node_groups existed (the key is left out, not null)."""
-        out = handler(self)
-        if self.node_groups is None and isinstance(out, dict):
-            out.pop("node_groups", None)
-        return out
+        return omit_unset(self, handler(self), ("node_groups",))
 
     @model_validator(mode="after")
     def _shape(self) -> StagePlan:

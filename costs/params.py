@@ -52,6 +52,17 @@ def tied_copies(model: ModelSpec, plan: Plan, stage: StagePlan) -> list[tuple[in
     return out
 
 
+def layer_params_of_stage(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> int:
+    """Parameters one device of ``stage`` holds of ``layer`` (its TP shard; a tied copy whose owner
+    shares the stage's devices holds no weights of its own, as in
+    :func:`stage_params_on_device`)."""
+    params = layer_params_on_device(model.layers[layer], stage.tp)
+    for _, copy, shared in tied_copies(model, plan, stage):
+        if shared and copy == layer:
+            params -= math.ceil(model.layers[copy].tied_params / stage.tp)
+    return max(params, 0)
+
+
 def tied_pairs(model: ModelSpec) -> list[tuple[int, int, int]]:
     """(owner layer, copy layer, tied params) of every tied weight (GPT: embed, head, h·V)."""
     return [(model.tied_owner(c), c, model.layers[c].tied_params) for c in model.tied_layers]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from costs.params import grad_reduce_ranks, layer_params_on_device, stage_params_on_device
+from costs.params import grad_reduce_ranks, layer_params_of_stage, layer_params_on_device, stage_params_on_device
 from costs.window import window_static
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
@@ -68,19 +68,6 @@ def optimizer_swap_chunks(model: ModelSpec, plan: Plan, stage: StagePlan) -> lis
 #: chunks of a streamed optimizer step on the device at once: the one being stepped, the next
 #: coming in, the previous going out (the in and out copies run on opposite directions)
 OPTIMIZER_SWAP_RESIDENT_CHUNKS = 3
-
-
-def layer_params_of_stage(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> int:
-    """Parameters one device of ``stage`` holds of ``layer`` (its TP shard; a tied copy whose owner
-    shares the stage's devices holds no weights of its own, as in
-    :func:`costs.params.stage_params_on_device`)."""
-    from costs.params import tied_copies
-
-    params = layer_params_on_device(model.layers[layer], stage.tp)
-    for _, copy, shared in tied_copies(model, plan, stage):
-        if shared and copy == layer:
-            params -= math.ceil(model.layers[copy].tied_params / stage.tp)
-    return max(params, 0)
 
 
 def stash_layer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> int:

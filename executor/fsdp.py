@@ -6,11 +6,11 @@ one FSDP unit over the stage's dp group, parameters sharded 1/d as DTensors (Sha
   forward, freed after it, all-gathered again before its backward (Rajbhandari et al. 2020 §5.3;
   what costs.layer_time.sharded_dp_comm_s prices, per microbatch, and
   costs.buffers.zero3_gather_bytes holds).
-* ``zero_stage`` 2 is refused (:func:`unsupported`): FSDP2's ZeRO-2-like mode
-  (``reshard_after_forward=False``, the ``fully_shard`` docstring) keeps the weights gathered in
-  the forward until the unit's backward, sharded between passes and gathered once per
-  microbatch; the simulator's ZeRO-2 holds them whole and all-gathers once after the step.
-  :class:`Fsdp` takes the flag; run with it, gpt_tiny dp 2 measured 18-19 % above that peak.
+* ``zero_stage`` 2 is not FSDP2's (executor.zero2): FSDP2's ZeRO-2-like mode
+  (``reshard_after_forward=False``, the ``fully_shard`` docstring) keeps the weights sharded
+  between passes and gathers them every microbatch, holding each layer unsharded until its
+  backward; the simulator's ZeRO-2 holds them whole and all-gathers once after the step (run
+  with the flag, gpt_tiny dp 2 measured 18-19 % above that peak).
 * Gradients: FSDP2's default, one reduce-scatter per unit and microbatch (SUM: the divide factor
   is 1, the executor's loss is already scaled by 1/(m·dp)), accumulated into the sharded
   gradient. That is what the simulator holds (sharded gradients plus one layer's whole gradient)
@@ -191,21 +191,13 @@ def _install_storage_hooks() -> None:
 
 
 def unsupported(plan, cfg=None) -> list[str]:
-    """What of ``zero_stage`` 2/3 this module does not run, as 'field: why' (executor.zero1's
+    """What of ``zero_stage`` 3 this module does not run, as 'field: why' (executor.measure's
     ``unsupported`` adds them; ``cfg``: the model config, when known). FSDP2 here shards each
     stage's layers over the stage's dp group: stages without tensor or context parallelism, no
     offload, no swaps, GPipe or 1F1B; over several pipeline stages an untied model only (a stage
-    with dp = 1 runs as ZeRO-0). ZeRO-2 is refused (see the module docstring)."""
-    if plan.zero_stage < 2:
+    with dp = 1 runs as ZeRO-0). ZeRO-2: executor.zero2's."""
+    if plan.zero_stage < 3:  # ZeRO-2: executor.zero2's
         return []
-    if plan.zero_stage == 2:
-        # FSDP2's reshard_after_forward=False keeps the weights sharded at rest and gathers them every
-        # microbatch's forward, all held until their backwards; the simulator's ZeRO-2 (costs.static,
-        # costs.collectives) holds them whole and all-gathers once after the step: a different
-        # algorithm (gpt_tiny dp 2 measured 18-19 % above the simulated peak), so not run as ZeRO-2
-        return ["zero_stage: 2 (the simulator's ZeRO-2 keeps the weights whole and all-gathers them after the "
-                "step; FSDP2's reshard_after_forward=False, the executable near-equivalent, gathers them per "
-                "microbatch and holds every layer unsharded until its backward); allowed: 0, 1, 3"]
     z, out = f"zero_stage {plan.zero_stage} (FSDP2, executor.fsdp)", []
     if len(plan.stages) > 1 and cfg is not None and (getattr(cfg, "tie_embeddings", False)
                                                      or cfg.family == "torch_module"):

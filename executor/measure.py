@@ -37,9 +37,12 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
     from executor.context_parallel import unsupported as cp_unsupported  # cp > 1: ring attention
 
     out += cp_unsupported(plan)
+    from executor.fsdp import unsupported as zero3_unsupported  # ZeRO-3: FSDP2
     from executor.zero1 import unsupported as zero1_unsupported  # ZeRO-1 and the overlapped dp sync
+    from executor.zero2 import unsupported as zero2_unsupported
 
-    out += zero1_unsupported(plan, _config(model_cfg) if model_cfg is not None else None)
+    zcfg = _config(model_cfg) if model_cfg is not None else None
+    out += zero1_unsupported(plan, zcfg) + zero2_unsupported(plan, zcfg) + zero3_unsupported(plan, zcfg)
     from executor.megatron_tp import unsupported as sp_unsupported  # sequence parallelism
     from executor.selective import unsupported as selective_unsupported
 

@@ -86,12 +86,12 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
 
             borrowed = share_tied_embedding(self, groups)
         self.tied = tied_embedding_weight(self, groups) if borrowed is None else None
-        # ZeRO-3 with torch's FSDP2 (executor.fsdp; ZeRO-2 is refused before launch): sharded DTensor parameters
+        # ZeRO-3 with torch's FSDP2 (executor.fsdp): sharded DTensor parameters; ZeRO-2: executor.zero2 below
         self.fsdp = None
-        if self.dp_group is not None and plan.zero_stage >= 2:
+        if self.dp_group is not None and plan.zero_stage >= 3:
             from executor.fsdp import Fsdp
 
-            self.fsdp = Fsdp(self, reshard_after_forward=plan.zero_stage == 3)
+            self.fsdp = Fsdp(self, reshard_after_forward=True)
         # distinct parameters: a tied LM head shares the embedding's weight (one grad, one step).
         # With a STRONGHOLD window only the resident layers' (executor.window has the others)
         # A weight-swapped layer's (MPress §II-D) are homed on the host too (executor.weight_swap)
@@ -124,8 +124,12 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         # Megatron's distributed optimizer (ZeRO-1) / bucketed overlapped dp reduction (executor.zero1):
         # flat parameter and gradient buffers per bucket; with ZeRO-1 the optimizer steps this rank's shards
         self.zero1 = self.fsdp  # FSDP2 has Zero1's interface: its own reduction, the stage's step
-        if self.fsdp is None and self.dp_group is not None and self.params and (plan.zero_stage == 1
-                                                                                 or plan.overlap_grad_reduce):
+        if self.fsdp is None and self.dp_group is not None and self.params and plan.zero_stage == 2:
+            from executor.zero2 import Zero2  # Zero1's buckets without the whole gradient buffer
+
+            self.zero1 = Zero2(self, plan.overlap_param_gather)
+        elif self.fsdp is None and self.dp_group is not None and self.params and (plan.zero_stage == 1
+                                                                                   or plan.overlap_grad_reduce):
             from executor.zero1 import Zero1
 
             self.zero1 = Zero1(self, plan.zero_stage == 1, plan.overlap_grad_reduce, plan.overlap_param_gather)

@@ -124,7 +124,12 @@ class StageComm:
             work.wait()
         with self.tracker.phase("buffers"):
             bufs = [self._gathered(buf, whole) for _, buf, whole in posted]
-            return bufs[0] if len(bufs) == 1 else torch.cat(bufs)
+            if len(bufs) == 1:
+                return bufs[0]
+            whole = torch.cat(bufs)
+        for buf in bufs:  # an all-gather's output: gloo's worker thread may still hold it (memtrack.release)
+            self.tracker.release(buf)
+        return whole
 
     def _gathered(self, buf: torch.Tensor, whole: tuple[int, ...]) -> torch.Tensor:
         """A received boundary piece; a scattered one (1/t of it, Narayanan et al. SC'21 §4.1)
@@ -133,6 +138,7 @@ class StageComm:
             return buf
         out = torch.empty(whole, device=buf.device, dtype=buf.dtype)
         dist.all_gather_single(out.view(-1), buf, group=self.tp_group)
+        self.tracker.release(buf)  # gloo's worker thread may still hold it (memtrack.release)
         return out
 
     def recv(self, kind: str, k: int, peer: int, tail: tuple[int, ...]) -> torch.Tensor:

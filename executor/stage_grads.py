@@ -63,7 +63,8 @@ class StageGrads:
         if self.zero1 is not None:  # executor.zero1: its buckets' last-microbatch counters
             self.zero1.zero_grad()
         for p in self.params:
-            p.grad.zero_()
+            if p.grad is not None:  # ZeRO-2 keeps no whole gradient between microbatches (executor.zero2)
+                p.grad.zero_()
         if self.window is not None:
             self.window.zero_grad()
         if self.weight_swap is not None:
@@ -82,7 +83,7 @@ class StageGrads:
             return
         if self.ties is not None:
             with self.tracker.phase("buffers"):
-                self.ties.sync()
+                self.ties.sync(self.tracker.release)
         if self.zero1 is not None:  # ZeRO-1's reduce-scatter / overlapped buckets (executor.zero1)
             self.zero1.reduce()
             return
@@ -101,7 +102,7 @@ class StageGrads:
             for g in local:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        del flat
+        self.tracker.release(flat)  # not del: gloo's worker thread may still hold it (memtrack)
 
     def allreduce_embedding_grads(self) -> None:
         """Megatron's embedding group (Narayanan et al. 2021; ``_allreduce_word_embedding_grads``
@@ -135,7 +136,7 @@ class StageGrads:
                 local.copy_(distribute_tensor(full, g.device_mesh, g.placements, src_data_rank=None).to_local())
             else:
                 local.copy_(torch.chunk(full, self.stage.tp, dim=0)[self.tp_rank] if self.stage.tp > 1 else full)
-        del full
+        self.tracker.release(full)
 
     def step(self) -> None:
         if self.weight_swap is not None:  # its CPU steps were submitted as the gradients landed

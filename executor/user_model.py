@@ -369,7 +369,8 @@ class TiedGrads:
                     self.copies.setdefault(g, []).append((mods[i].get_parameter(pname), dp))
                     break  # one copy per stage: layers of one stage share it (one deepcopy)
 
-    def sync(self) -> None:
+    def sync(self, release=None) -> None:
+        """``release(t)`` frees a temporary now (executor.memtrack's ``release``)."""
         import torch.distributed as dist
 
         if self.done:
@@ -389,6 +390,8 @@ class TiedGrads:
                 dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
             for p, dp in mine:
                 torch.div(total, dp, out=p.grad)
+            if release is not None:
+                release(total)  # gloo's worker thread may still hold it: freed now, not later
             del total
 
     def reset(self) -> None:

@@ -411,5 +411,6 @@ def _collect(stages) -> tuple[dict, dict]:
             full_g = g.full_tensor() if hasattr(g, "full_tensor") else g
             if st.tp_rank == 0 and st.replica == 0:
                 params[name] = full_p.detach().cpu().numpy().copy()
-                grads[name] = full_g.detach().cpu().numpy().copy()
+                if full_g is not None:  # ZeRO-2 keeps only its shard (executor.zero2): no whole gradient
+                    grads[name] = full_g.detach().cpu().numpy().copy()
     return params, grads

@@ -227,11 +227,9 @@ class Zero1:
 
 def unsupported(plan, cfg=None) -> list[str]:
     """What of ``zero_stage`` / ``overlap_grad_reduce`` / ``overlap_param_gather`` this module does
-    not run, as 'field: why' (executor.measure.unsupported lists them); ZeRO-2/3: executor.fsdp's."""
-    if plan.zero_stage > 1:  # ZeRO-2/3: torch's FSDP2 over each stage's dp group (executor.fsdp)
-        from executor.fsdp import unsupported as fsdp_unsupported
-
-        return fsdp_unsupported(plan, cfg)
+    not run, as 'field: why' (executor.measure.unsupported lists them); ZeRO-2/3: executor.zero2's, executor.fsdp's."""
+    if plan.zero_stage > 1:  # ZeRO-2: executor.zero2's; ZeRO-3: executor.fsdp's (measure.unsupported asks both)
+        return []
     out = []
     if not (plan.zero_stage == 1 or plan.overlap_grad_reduce):
         return out

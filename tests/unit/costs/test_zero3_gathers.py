@@ -95,3 +95,26 @@ def test_zero2_and_zero3_reduce_in_every_backward_not_at_the_flush():
         assert costs.layer_time.sharded_dp_comm_s(MODEL, plan, slow_hw, st)[1] > bwd
     z1, hw = plan_of(nodes=2, zero_stage=1)
     assert costs.layer_time.sharded_dp_comm_s(MODEL, z1, hw, z1.stages[0]) == (0.0, 0.0)
+
+
+def test_zero2_holds_one_layers_whole_gradient_in_its_backward_only():
+    """ZeRO-2 (executor.zero2): a layer's whole gradient lives from its backward to its
+    reduce-scatter, on top of that backward's scratch; nothing for ZeRO 0/1/3 or one replica."""
+    import costs.activations
+    from costs.params import layer_params_of_stage
+
+    z2, _ = plan_of(zero_stage=2)
+    st = z2.stages[0]
+    g_b = z2.training.bytes_per_param()[1]
+    grads = [costs.activations.zero2_layer_grad_bytes(MODEL, z2, st, l) for l in st.layers]
+    assert grads == [layer_params_of_stage(MODEL, z2, st, l) * g_b for l in st.layers] and min(grads) > 0
+    for z in (0, 1, 3):
+        other, _ = plan_of(zero_stage=z)
+        assert all(costs.activations.zero2_layer_grad_bytes(MODEL, other, other.stages[0], l) == 0 for l in st.layers)
+    one = make_plan(parse_policy({"kind": "manual", "pp": 8, "dp": 1, "zero_stage": 2}), MODEL,
+                    plan_of()[1], TRAINING.model_copy(update={"microbatch_size": 1}), ScheduleSpec(kind="1f1b"))
+    assert all(costs.activations.zero2_layer_grad_bytes(MODEL, one, s, l) == 0 for s in one.stages for l in s.layers)
+    z1, _ = plan_of(zero_stage=1)
+    extra = (costs.activations.backward_workspace_bytes(MODEL, z2, st)
+             - costs.activations.backward_workspace_bytes(MODEL, z1, z1.stages[0]))
+    assert min(grads) <= extra <= max(grads)

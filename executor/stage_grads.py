@@ -136,7 +136,8 @@ class StageGrads:
                 local.copy_(distribute_tensor(full, g.device_mesh, g.placements, src_data_rank=None).to_local())
             else:
                 local.copy_(torch.chunk(full, self.stage.tp, dim=0)[self.tp_rank] if self.stage.tp > 1 else full)
-        self.tracker.release(full)
+        if full.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
+            self.tracker.release(full)  # a copy (a replicated DTensor's full_tensor() is its local tensor)
 
     def step(self) -> None:
         if self.weight_swap is not None:  # its CPU steps were submitted as the gradients landed

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 
 from costs.context_parallel import ring_workspace_bytes
-from costs.params import grad_reduce_ranks, layer_params_of_stage, samples_per_replica
+from costs.params import samples_per_replica
+from costs.sharded_dp import zero2_layer_grad_bytes, zero3_backward_bytes
 from specs.model import LayerKind, LayerSpec, ModelSpec
 from specs.plan import SPLIT_BACKWARD, LayerMemory, MemoryAction, Plan, ScheduleKind, StagePlan
 
@@ -216,6 +217,7 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
     flowing tensors are split as the stage holds them."""
     b, tp, split = samples_per_replica(plan, stage), stage.tp, seq_split(stage)
     best = freed = 0
+    zero3 = zero3_backward_bytes(model, plan, stage)  # ZeRO-3's unsharded weights and buffers, per layer
     for n, l in enumerate(reversed(stage.layers)):
         spec = model.layers[l]
         # backward scratch is gradients: of the sharded weights (the fixed part) and of activations
@@ -236,21 +238,10 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
         if n:
             need += layer_output_bytes(model, l, b, split)
         need += ring_workspace_bytes(spec, b, tp, stage.cp)  # cp > 1: the ring's K/V send-receive buffers
-        need += zero2_layer_grad_bytes(model, plan, stage, l)
+        need += zero2_layer_grad_bytes(model, plan, stage, l) + zero3.get(l, 0)  # costs.sharded_dp
         best = max(best, need - freed)
         freed += layer_freed_bytes(model, stage, l, b)
     return best
-
-
-def zero2_layer_grad_bytes(model: ModelSpec, plan: Plan, stage: StagePlan, layer: int) -> int:
-    """ZeRO-2's transient in ``layer``'s backward (0 otherwise, or with one dp x cp replica): the
-    layer's whole gradient, gathered until its reduce-scatter into the 1/d shard kept (Rajbhandari
-    et al. 2020 §5.2; DeepSpeed reduces each micro-step's bucket; executor.zero2 per layer). The
-    1/d piece the collective returns comes after the layer's scratch is freed, so it is not added
-    to it. ZeRO-3's is costs.buffers.zero3_gather_bytes'."""
-    if plan.zero_stage != 2 or grad_reduce_ranks(stage) == 1:
-        return 0
-    return layer_params_of_stage(model, plan, stage, layer) * plan.training.bytes_per_param()[1]
 
 
 #: logits-sized tensors torch's vocab-parallel cross-entropy (``loss_parallel``, which the executor

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from costs.activations import layer_input_bytes, layer_output_bytes, seq_split
-from costs.params import dp_grad_bytes, grad_reduce_ranks, layer_params_on_device, samples_per_replica, tied_copies
+from costs.params import dp_grad_bytes, grad_reduce_ranks, samples_per_replica, tied_copies
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
 
@@ -95,20 +95,6 @@ def p2p_gathered_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> tuple[
     act = layer_input_bytes(model, stage.layer_start, b) if p2p_split(plan, prev, stage) > 1 else 0
     grad = layer_output_bytes(model, stage.layer_stop - 1, b) if p2p_split(plan, stage, nxt) > 1 else 0
     return act, grad
-
-
-def zero3_gather_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
-    """ZeRO-3 / FSDP's unsharded buffers on one device of ``stage`` (0 without ZeRO-3 or with one
-    dp x cp replica): the whole weights of the layer running and of the next one, prefetched
-    (Rajbhandari et al. 2020 §5.3; FSDP2 gathers each unit into storage of its own and frees it
-    after the unit's pass), and in the backward the layer's whole gradient before its
-    reduce-scatter: the two largest layers' weights plus the largest layer's gradient (this rank's
-    tp shard of each). Held for the iteration: a bound on the passes' transients."""
-    if plan.zero_stage < 3 or grad_reduce_ranks(stage) == 1:
-        return 0
-    w_b, g_b, _ = plan.training.bytes_per_param()
-    per_layer = sorted(layer_params_on_device(model.layers[i], stage.tp) for i in stage.layers)
-    return sum(per_layer[-2:]) * w_b + per_layer[-1] * g_b
 
 
 def allreduce_buffer_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:

@@ -132,8 +132,8 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
                 out[target] = (_add(mem, swapped_in_bytes=versions * part), h)  # newest lands (a bound)
         if versions and stage.offload.weight_swap_layers:  # a stale version of them waits on the host
             host += versions * costs.static.weight_swap_bytes(model, plan, stage)[0]
-        buffers = (costs.buffers.received_grad_buffer_bytes(model, plan, stage)  # the sent one (grads[i]) is in the walk
-                   + costs.buffers.zero3_gather_bytes(model, plan, stage))  # ZeRO-3's unsharded layers
+        # the sent one (grads[i]) is in the walk; ZeRO-3's unsharded layers in the backward's workspace
+        buffers = costs.buffers.received_grad_buffer_bytes(model, plan, stage)
         for device in stage.devices:
             mem, h = out[device]
             mem = _add(mem, parameters_bytes=static.parameters_bytes, gradients_bytes=static.gradients_bytes,

@@ -252,8 +252,7 @@ def stage_cost(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, sta
         # per rank, the s/t share under sequence parallelism (Korthikanti §4.2.2)
         act_out_bytes=(sends := costs.buffers.boundary_send_bytes(model, plan, stage))[0],
         grad_out_bytes=sends[1],
-        static=static, host_bytes=host, buffer_bytes=(costs.buffers.received_grad_buffer_bytes(model, plan, stage)
-                                                      + costs.buffers.zero3_gather_bytes(model, plan, stage)),
+        static=static, host_bytes=host, buffer_bytes=costs.buffers.received_grad_buffer_bytes(model, plan, stage),
         grad_buffer_bytes=costs.buffers.sent_grad_buffer_bytes(model, plan, stage),
         dp_allreduce_ns=ns(dp_s),
         ar_buckets_ns=tuple(ns(t) for t in costs.collectives.dp_allreduce_buckets_s(model, plan, hardware, stage)),

@@ -1,7 +1,7 @@
 """ZeRO-3 / FSDP's parameter all-gathers in time and memory (issue 27: "FSDP2 in torchtitan, in
 time and memory"): every layer's weights gathered over the dp group before its forward and again
 before its backward, prefetched one layer ahead (costs.layer_time.sharded_dp_comm_s), and the
-unsharded buffers they need (costs.buffers.zero3_gather_bytes)."""
+unsharded buffers they need in each layer's backward (costs.sharded_dp.zero3_backward_bytes)."""
 from __future__ import annotations
 
 import pytest
@@ -52,17 +52,54 @@ def test_a_slow_fabric_exposes_more_of_them():
     assert f_slow > f_fast and b_slow > b_fast
 
 
-def test_unsharded_buffers_are_counted():
+def test_unsharded_buffers_are_held_in_each_layers_backward():
+    """FSDP2's backward of unit u (costs.sharded_dp): u's weights, the next unit's prefetched
+    gather, the reduce-scatter input of the unit before; nothing at rest or at ZeRO <= 2."""
+    import costs.activations
+    from costs.sharded_dp import zero3_backward_bytes
+
     plan, hw = plan_of(zero_stage=3)
     z1, _ = plan_of(zero_stage=1)
-    extra = costs.buffers.zero3_gather_bytes(MODEL, plan, plan.stages[0])
-    sizes = sorted(layer_params_on_device(MODEL.layers[l], 1) for l in plan.stages[0].layers)
+    st = plan.stages[0]
+    per = zero3_backward_bytes(MODEL, plan, st)
     w_b, g_b, _ = TRAINING.bytes_per_param()
-    assert extra == w_b * (sizes[-1] + sizes[-2]) + g_b * sizes[-1]
-    assert costs.buffers.zero3_gather_bytes(MODEL, z1, z1.stages[0]) == 0
+    ls = list(st.layers)  # llama3_8b: untied, one unit per layer
+    n = {l: layer_params_on_device(MODEL.layers[l], 1) for l in ls}
+    for i, l in enumerate(ls):
+        want = w_b * n[l] + (w_b * n[ls[i - 1]] if i else 0) + (g_b * n[ls[i + 1]] if i + 1 < len(ls) else 0)
+        assert per[l] == want, (l, per[l], want)
+    assert zero3_backward_bytes(MODEL, z1, z1.stages[0]) == {}
+    extra = (costs.activations.backward_workspace_bytes(MODEL, plan, st)
+             - costs.activations.backward_workspace_bytes(MODEL, z1, z1.stages[0]))
+    assert min(per.values()) <= extra <= max(per.values())
     buffers = {d.device: d.breakdown.buffers_bytes for d in estimate(plan, MODEL, hw).devices}
     buffers_z1 = {d.device: d.breakdown.buffers_bytes for d in estimate(z1, MODEL, hw).devices}
-    assert all(buffers[d] - buffers_z1[d] == extra for d in buffers)
+    assert buffers == buffers_z1  # nothing held for the iteration
+
+
+def test_a_tied_pair_on_one_stage_is_one_unit_open_through_the_backward():
+    """GPT's embedding and LM head on one stage: one FSDP unit (executor.fsdp._units), unsharded
+    from the head's backward to the embedding's, with the head's gradient of the tied weight."""
+    from costs.params import layer_params_of_stage
+    from costs.sharded_dp import fsdp_units, zero3_backward_bytes
+
+    gpt = build_model(parse_model_config(conf("model", "gpt_tiny")), 4)
+    hw = HardwareSpec.model_validate({**conf("hardware", "local_cpu"), "devices_per_node": 2})
+    training = TrainingSpec(global_batch=8, microbatch_size=2, precision="fp32")
+    plan = make_plan(parse_policy({"kind": "manual", "pp": 1, "dp": 2, "zero_stage": 3}), gpt, hw, training,
+                     ScheduleSpec(kind="1f1b"))
+    st = plan.stages[0]
+    head, embed = st.layers[-1], st.layers[0]
+    units = fsdp_units(gpt, plan, st)
+    assert units[0] == (head, embed) and all(len(u) == 1 for u in units[1:])
+    per = zero3_backward_bytes(gpt, plan, st)
+    w = {l: layer_params_of_stage(gpt, plan, st, l) * 4 for l in st.layers}
+    tied_unit = w[head] + w[embed]
+    head_grad = layer_params_on_device(gpt.layers[head], 1) * 4  # the tied weight's share included
+    top_block = st.layers[-2]
+    assert per[head] == tied_unit + w[top_block]  # the unit, the top block's prefetched gather
+    assert per[top_block] == tied_unit + head_grad + w[top_block] + w[st.layers[-3]]
+    assert per[embed] == tied_unit + head_grad + 4 * layer_params_of_stage(gpt, plan, st, st.layers[1])
 
 
 def test_stream_model_closed_forms():

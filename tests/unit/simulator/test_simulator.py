@@ -157,8 +157,8 @@ def test_static_memory_equals_closed_form(kind, v, zero):
         assert b.parameters_bytes == sum(w.parameters_bytes for w in want)
         assert b.gradients_bytes == sum(w.gradients_bytes for w in want)
         assert b.optimizer_bytes == sum(w.optimizer_bytes for w in want)
-        comm = sum(costs.buffers.comm_buffer_bytes(mdl, pl, pl.stages[s])
-                   + costs.buffers.zero3_gather_bytes(mdl, pl, pl.stages[s]) for s in d.stages)  # FSDP's unsharded layers
+        # (FSDP's unsharded layers are in the backward's workspace: costs.sharded_dp)
+        comm = sum(costs.buffers.comm_buffer_bytes(mdl, pl, pl.stages[s]) for s in d.stages)
         flat = max(costs.buffers.allreduce_buffer_bytes(mdl, pl, pl.stages[s]) for s in d.stages)
         # the peak is either the activation peak or, when larger, the dp all-reduce's flat copy of
         # the gradients (after the last backward: no activations left)

@@ -114,6 +114,9 @@ class StageGrads:
         if self.tied is None or self.pipedream is not None:  # PipeDream: executor.pipedream syncs it
             return
         param, group = self.tied
+        if hasattr(self.zero1, "tied_acc"):  # ZeRO-2 (executor.zero2): no whole gradient, its shard only
+            self._sum_tied_shards(param, group)
+            return
         g = param.grad
         local = getattr(g, "_local_tensor", g)
         with self.tracker.phase("buffers"):
@@ -138,6 +141,19 @@ class StageGrads:
                 local.copy_(torch.chunk(full, self.stage.tp, dim=0)[self.tp_rank] if self.stage.tp > 1 else full)
         if full.untyped_storage().data_ptr() != local.untyped_storage().data_ptr():
             self.tracker.release(full)  # a copy (a replicated DTensor's full_tensor() is its local tensor)
+
+    def _sum_tied_shards(self, param, group) -> None:
+        """ZeRO-2's embedding group: each replica's reduced shard of the tied weight (the same
+        elements on both stages, executor.zero2) in its place in a zero tensor of the weight's
+        shape, summed over the group: every rank then holds its shard of g_first + g_last."""
+        acc = self.zero1.tied_acc(param)
+        lo, hi = self.zero1.tied_shard(param)
+        with self.tracker.phase("buffers"):
+            full = torch.zeros(param.shape, dtype=acc.dtype, device=acc.device)
+        full.view(-1)[lo:hi] = acc
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
+        acc.copy_(full.view(-1)[lo:hi])
+        self.tracker.release(full)
 
     def step(self) -> None:
         if self.weight_swap is not None:  # its CPU steps were submitted as the gradients landed

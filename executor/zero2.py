@@ -23,8 +23,13 @@ It is executor.zero1's layout with the persistent whole gradient buffer taken aw
   are all-gathered (asynchronously with ``overlap_param_gather``, waited by the layer's forward
   pre-hook).
 
-Not run here (:func:`unsupported`): tensor / context parallelism, a weight tied over pipeline stages
-(the embedding group sums whole gradients, none is kept), offload and swaps, schedules other than
+A weight tied over pipeline stages (GPT's embedding and LM head) has a bucket of its own, laid out
+alike on both stages (Zero1's), so Megatron's embedding group sums the two stages' reduced shards
+(executor.stage_grads ``allreduce_embedding_grads``: each replica's shard in its place in a whole
+zero tensor, one all-reduce over the group, as under ZeRO-1).
+
+Not run here (:func:`unsupported`): tensor / context parallelism, a user model's weights tied over
+stages (executor.user_model sums whole gradients), offload and swaps, schedules other than
 GPipe / 1F1B, MAP stages.
 """
 from __future__ import annotations
@@ -40,9 +45,6 @@ class Zero2(Zero1):
     with replicas). Zero1's interface: ``zero_grad``, ``reduce``, ``step``, ``finish``, ``masters``."""
 
     def __init__(self, rt, overlap_gather: bool):
-        if rt.tied is not None:  # unsupported() names it when it knows the model; a plan alone does not
-            raise ValueError("model.tie_embeddings: a weight tied over pipeline stages with zero_stage 2 is not "
-                             "implemented; set model.tie_embeddings=false or use one stage")
         # per-layer buckets and post-accumulate hooks (overlap_grad=True: Zero1's layout for them)
         super().__init__(rt, shard=True, overlap_grad=True, overlap_gather=overlap_gather)
         for b in self.buckets:
@@ -111,8 +113,12 @@ class Zero2(Zero1):
             if b.flat is not None:
                 self._reduce_bucket(b)
 
-    def tied_shard(self, param):
-        raise AssertionError("zero_stage 2 with a weight tied over stages is refused (executor.zero2.unsupported)")
+    def tied_acc(self, param) -> torch.Tensor:
+        """The gradient shard of a weight tied over stages (alone in its bucket, as Zero1 lays it
+        out, so its elements [lo, hi) of :meth:`tied_shard` are the shard's first hi - lo)."""
+        b = self._bucket_of[id(param)]
+        lo, hi = self.tied_shard(param)
+        return b.acc[:hi - lo]
 
 
 def unsupported(plan, cfg=None) -> list[str]:
@@ -121,11 +127,9 @@ def unsupported(plan, cfg=None) -> list[str]:
     if plan.zero_stage != 2:
         return []
     z, out = "zero_stage 2 (executor.zero2)", []
-    if len(plan.stages) > 1 and cfg is not None and (getattr(cfg, "tie_embeddings", False)
-                                                     or cfg.family == "torch_module"):
-        out.append(f"model.tie_embeddings: a weight tied over {len(plan.stages)} pipeline stages with {z} (the "
-                   "embedding group sums whole gradients, ZeRO-2 keeps none); allowed: an untied model "
-                   "(model.tie_embeddings=false) or one stage (pp = 1)")
+    if len(plan.stages) > 1 and cfg is not None and cfg.family == "torch_module":
+        out.append(f"model.family: a user model's weights tied over {len(plan.stages)} pipeline stages with {z} "
+                   "(executor.user_model sums whole gradients, ZeRO-2 keeps none); allowed: one stage (pp = 1)")
     if plan.schedule.kind.value not in ("gpipe", "1f1b"):
         out.append(f"schedule.kind: {plan.schedule.kind.value} with {z}; allowed: gpipe, 1f1b")
     for i, st in enumerate(plan.stages):

@@ -113,7 +113,8 @@ def variants(policy, training: TrainingSpec, schedule: ScheduleSpec) -> tuple[li
                     "recompute: per-layer actions and windows take no interleaved plan)")
     if any(z > 1 for z in policy.zero_stages):
         left_out.append("ZeRO > 1 is searched for simulation (the executor runs ZeRO-2 and ZeRO-3 on stages "
-                        "without tp/cp or offload, and no weight tied over stages: executor.zero2, executor.fsdp)")
+                        "without tp/cp or offload, ZeRO-3 with no weight tied over stages: executor.zero2, "
+                        "executor.fsdp)")
     if 1 not in policy.zero_stages:
         left_out.append("distributed optimizer (ZeRO-1): not searched; policy.zero_stages=[0,1] (the default) adds it")
     left_out.append("sequence parallelism, pipeline scatter/gather, selective recompute, ZeRO-1, zb_h1 / zbv and "

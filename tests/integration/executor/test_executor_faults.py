@@ -64,10 +64,10 @@ def test_the_rank_that_stopped_making_progress_is_named(kind):
 
 
 def test_plan_the_executor_cannot_honour_fails_without_running():
-    plan = PLAN.model_copy(update={"zero_stage": 2})  # gpt_tiny's tied embedding/head over 4 stages
+    plan = PLAN.model_copy(update={"zero_stage": 3})  # gpt_tiny's tied embedding/head over 4 stages
     result = execute(plan, CFG, HW, iterations=1, warmup=0, device="cpu")
     assert result.failure is not None and "model.tie_embeddings" in result.failure
-    assert "zero_stage 2" in result.failure
+    assert "zero_stage 3" in result.failure
 
 
 def test_rank_over_its_memory_budget_fails_like_an_oom():

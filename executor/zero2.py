@@ -128,8 +128,9 @@ def unsupported(plan, cfg=None) -> list[str]:
         return []
     z, out = "zero_stage 2 (executor.zero2)", []
     if len(plan.stages) > 1 and cfg is not None and cfg.family == "torch_module":
-        out.append(f"model.family: a user model's weights tied over {len(plan.stages)} pipeline stages with {z} "
-                   "(executor.user_model sums whole gradients, ZeRO-2 keeps none); allowed: one stage (pp = 1)")
+        out.append(f"model.family: a user model over {len(plan.stages)} pipeline stages with {z} (weights it ties "
+                   "over stages are summed as whole gradients by executor.user_model, which ZeRO-2 does not keep; "
+                   "not known before its layers are built); allowed: one stage (pp = 1)")
     if plan.schedule.kind.value not in ("gpipe", "1f1b"):
         out.append(f"schedule.kind: {plan.schedule.kind.value} with {z}; allowed: gpipe, 1f1b")
     for i, st in enumerate(plan.stages):

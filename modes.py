@@ -201,6 +201,10 @@ def measure(cfg: RunConfig, plan: Plan, outdir: Path, model: ModelSpec) -> tuple
     from simulator.trace import TraceBuilder
 
     opts = cfg.execute
+    if opts.warmup == 0 and plan.training.optimizer.value == "adam" and plan.schedule.kind.value != "pipedream_async":
+        print("note: execute.warmup=0 tracks the first iteration, before the first step has created Adam's state "
+              "(torch makes it lazily): its measured peak can lack the optimizer bytes the simulator holds; "
+              "execute.warmup=1 measures a steady iteration", flush=True)
     print(f"executing plan {plan.id} on {len(plan.used_devices())} ranks "
           f"({opts.warmup} warm-up + 1 tracked + {opts.iterations} timed iterations)...", flush=True)
     measured, out = execute_run(plan, cfg.model, cfg.hardware, iterations=opts.iterations, warmup=opts.warmup,

@@ -197,7 +197,7 @@ class Zero1:
         """Step the rank's shards (their reduced gradients), then all-gather every bucket's
         parameters (asynchronously with ``overlap_param_gather``)."""
         for b in self.buckets:
-            g = b.grad_shard_view()
+            g = self._reduced(b)
             b.master.grad = g if g.dtype == b.master.dtype else g.to(b.master.dtype)
         with tracker.phase("optimizer"):
             optimizer.step()
@@ -213,6 +213,11 @@ class Zero1:
                                                         async_op=self.overlap_gather), mine)
                 if not self.overlap_gather:
                     b.gather = None
+
+    def _reduced(self, b: _Bucket) -> torch.Tensor:
+        """This rank's reduced gradient shard of bucket ``b``, what the step hands the optimizer
+        (ZeRO-2, executor.zero2, keeps it apart from any whole buffer)."""
+        return b.grad_shard_view()
 
     def _wait_gather(self, b: _Bucket) -> None:
         if b.gather is not None:

@@ -54,7 +54,9 @@ class Zero2(Zero1):
             b.acc = torch.zeros(b.shard_numel, dtype=b.param_buf.dtype, device=b.param_buf.device)
             b.flat = None  # the layer's whole gradient of the microbatch in its backward
             b.seen = set()
-            b.grad_shard_view = (lambda b=b: b.acc)  # what Zero1.step hands the optimizer
+
+    def _reduced(self, b) -> torch.Tensor:
+        return b.acc  # what Zero1.step hands the optimizer
 
     def tag(self, tracker) -> None:
         """File the gradient shards (executor.memtrack.tag_static: the parameters' ``.grad`` are None)."""

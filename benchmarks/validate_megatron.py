@@ -96,7 +96,10 @@ def build(row, microbatch: int, interleave: int, bytes_per_param: int = 16, reco
                     sequence_parallel=sequence_parallel,
                     # Megatron-LM 2021-22 scattered each pipeline boundary over the tp ranks and
                     # all-gathered it after the receive (Narayanan et al. §4.1; on by default there)
-                    p2p_scatter_gather=True)
+                    p2p_scatter_gather=True,
+                    # and waited each batch_isend_irecv (then cuda.synchronize) before the next pass
+                    # (its p2p_communication._communicate; no overlap_p2p_comm before Megatron-Core)
+                    p2p_blocking=True)
     return model, hardware, validate_plan(plan, model, hardware)
 
 

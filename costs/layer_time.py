@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 
 from costs import gemm, window
-from costs.buffers import p2p_gathered_bytes
-from costs.collectives import allreduce_link, collective_link, group_link, ring_allreduce_s
+from costs.buffers import boundary_send_bytes, neighbour_stage, p2p_gathered_bytes
+from costs.collectives import allreduce_link, collective_link, group_link, ring_allreduce_s, transfer_s
 from costs.context_parallel import layer_cp_comm_s
 from costs.params import grad_reduce_ranks, layer_params_on_device, samples_per_replica, stage_params_on_device
 from specs.hardware import HardwareSpec
@@ -211,6 +211,28 @@ def p2p_gather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: St
         return 0.0, 0.0
     link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
     return ring_half_s(act, stage.tp, link), ring_half_s(grad, stage.tp, link)
+
+
+def blocking_send_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:
+    """(forward, backward) seconds per microbatch that ``stage``'s own pipeline sends hold one of
+    its devices with ``plan.p2p_blocking``: its output to the next stage after the forward, its
+    input gradient to the previous one after the backward, each one transfer over the link between
+    the stages' first devices (as the simulator books it, simulator.transfers._send), the next
+    pass waiting for it. Megatron-LM's p2p is a ``batch_isend_irecv`` waited (and, until
+    Megatron-Core's ``batch_p2p_sync``, followed by ``cuda.synchronize``) before the next pass —
+    Megatron-Core overlaps it only with ``overlap_p2p_comm`` (interleaved schedule, default off);
+    DeepSpeed's pipeline engine sends synchronously. Neighbours on the same device (a V's bottom)
+    hand over in memory: nothing. 0 without the flag (sends overlap the next pass)."""
+    if not plan.p2p_blocking:
+        return 0.0, 0.0
+    out_bytes, grad_bytes = boundary_send_bytes(model, plan, stage)
+    src = stage.devices[0]
+    nxt, prev = neighbour_stage(plan, stage, +1), neighbour_stage(plan, stage, -1)
+    fwd = (transfer_s(out_bytes, hardware.link(src, nxt.devices[0]))
+           if nxt is not None and nxt.devices[0] != src and out_bytes else 0.0)
+    bwd = (transfer_s(grad_bytes, hardware.link(src, prev.devices[0]))
+           if prev is not None and prev.devices[0] != src and grad_bytes else 0.0)
+    return fwd, bwd
 
 
 def sharded_dp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> tuple[float, float]:

@@ -147,6 +147,7 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     # queues an irecv on its stream ahead of later sends, and the tracked iteration measures the schedule as the simulator models
     # it, so there a receive is posted at its point of use. opts["early_recv"] = False: never (A/B).
     recvs = _recv_positions(actions)
+    next_pass = _next_pass(actions)  # plan.p2p_blocking: where each exchange's receives end (_walk)
     early_recv = not cuda and opts.get("early_recv", True)
     alternate = _alternate(plan, position, opts.get("alternate"))
     splits = {s: st.split for s, st in stages.items()}
@@ -158,7 +159,7 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
     for it in range(total):
         if alternate:  # benchmarks: iteration it under schedule alternate[it % n] (:func:`_alternate`)
             split, actions = alternate[it % len(alternate)]
-            recvs = _recv_positions(actions)
+            recvs, next_pass = _recv_positions(actions), _next_pass(actions)
             for s, st in stages.items():
                 st.split = splits[s] if split else None
         batch = make_batch(cfg, plan.training.global_batch, it, seed, dtype)
@@ -186,7 +187,8 @@ def _run(rank: int, world: int, init_method: str, plan: Plan, cfg, opts: dict, p
             st.set_stamps(rec, _timing_event if cuda else None)
         t0 = time.perf_counter()
         with (tracker if tracking else NullTracker()):
-            _walk(hb.track(actions, it), stages, batch, tail, opts, rank, it, recvs, early_recv and not tracking, rec)
+            _walk(hb.track(actions, it), stages, batch, tail, opts, rank, it, recvs, early_recv and not tracking, rec,
+                  next_pass)
         if cuda:
             torch.cuda.synchronize()
             # copies' event pairs as intervals (a copy issued late, eq. 3: at a later iteration's end)
@@ -301,6 +303,20 @@ def _recv_positions(actions) -> list[tuple[int, object]]:
     return [(i, a) for i, a in enumerate(actions) if a.kind in (ActionKind.recv_act, ActionKind.recv_grad)]
 
 
+_PASSES = (ActionKind.forward, ActionKind.backward, ActionKind.backward_weight)
+
+
+def _next_pass(actions) -> list[int]:
+    """For each action index, the index of the first pass (forward, backward, W) after it
+    (``len(actions)`` where none follows)."""
+    out, nxt = [0] * len(actions), len(actions)
+    for i in range(len(actions) - 1, -1, -1):
+        out[i] = nxt
+        if actions[i].kind in _PASSES:
+            nxt = i
+    return out
+
+
 def _post(st: StageRuntime, a, tail: dict) -> list:
     if a.kind is ActionKind.recv_act:
         return st.post_recv("act", a.microbatch, a.peer_stage, tail[a.peer_stage])
@@ -308,7 +324,8 @@ def _post(st: StageRuntime, a, tail: dict) -> list:
 
 
 def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opts: dict, rank: int,
-          iteration: int, recvs: list | None = None, early: bool = False, rec: Recorder | None = None) -> None:
+          iteration: int, recvs: list | None = None, early: bool = False, rec: Recorder | None = None,
+          next_pass: list[int] | None = None) -> None:
     """Run one iteration's actions in order. recompute entries are carried out inside backward
     (checkpoint re-runs the forward); swaps inside forward/backward (executor.swap: out at each
     swapped layer's end, in one layer ahead of the backward), except the first fetch of a
@@ -332,6 +349,15 @@ def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opt
     posted: dict[int, list] = {}  # action index -> handles of its posted receive
     channels: dict[tuple, list] = {}  # (kind, stage, peer) -> its receives in order
     links = LocalLinks(stages)  # a V placement's two chunks on this rank hand over in memory
+    # plan.p2p_blocking (Megatron's p2p, costs.layer_time.blocking_send_s): a pass starts only once
+    # the sends issued before it completed. gloo moves a message only once its receive is posted,
+    # so before waiting a rank posts the receives its next pass's successor consumes, as Megatron
+    # batches each send with the next step's receives (batch_isend_irecv, send_forward_recv_backward
+    # ...): the exchanges of two neighbours then pair up instead of waiting on each other
+    blocking = next(iter(stages.values())).plan.p2p_blocking
+    if blocking and next_pass is None:
+        actions = list(actions)
+        next_pass = _next_pass(actions)
     for j, r in recvs:
         if not links.local(r):
             channels.setdefault((r.kind, r.stage, r.peer_stage), []).append((j, r))
@@ -349,6 +375,18 @@ def _walk(actions, stages: dict[int, StageRuntime], batch: dict, tail: dict, opt
             busy.pop((a.kind, a.stage, a.peer_stage), None)  # consumed below: the channel is free
         st, k = stages[a.stage], a.microbatch
         kind = a.kind
+        if blocking and kind in _PASSES:
+            upto = next_pass[i]  # the receives listed before the pass after this one
+            for key, queue in channels.items():
+                n = nxt[key]
+                while n < len(queue) and queue[n][0] < upto:
+                    j, r = queue[n]
+                    posted[j] = _post(stages[r.stage], r, tail)
+                    busy[key] = j
+                    n += 1
+                nxt[key] = n
+            for other in stages.values():
+                other.sends.drain()
         t_start = rec.now()
         if kind in (ActionKind.recv_act, ActionKind.recv_grad, ActionKind.send_act, ActionKind.send_grad) \
                 and links.local(a):

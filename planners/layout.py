@@ -138,6 +138,7 @@ def assemble(
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
     p2p_scatter_gather: bool = False,
+    p2p_blocking: bool = False,
     recompute_num_layers: int | None = None,
 ) -> Plan:
     """Stages from per-chunk layer counts; chunk j goes to device group j mod p (interleaving), or
@@ -167,5 +168,5 @@ def assemble(
         planner=planner, model=model.name, hardware=hardware.name, num_devices=hardware.num_devices,
         training=training, schedule=schedule, zero_stage=zero_stage, stages=stages,
         overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
-        p2p_scatter_gather=p2p_scatter_gather,
+        p2p_scatter_gather=p2p_scatter_gather, p2p_blocking=p2p_blocking,
     )

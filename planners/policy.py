@@ -31,6 +31,9 @@ class _Uniform(Spec):
     p2p_scatter_gather: bool = Field(False, description="Narayanan et al. SC'21 §4.1: each tp rank sends 1/t of a "
                                                         "pipeline boundary tensor, the receivers all-gather it "
                                                         "(Megatron-LM 2021-22's default; not in Megatron-Core)")
+    p2p_blocking: bool = Field(False, description="each pipeline send waited before the next pass (Megatron's "
+                                                  "p2p: Megatron-Core overlap_p2p_comm=False, its default; "
+                                                  "Megatron-LM 2021-22; DeepSpeed's pipeline engine)")
 
 
 class EvenPolicy(_Uniform):

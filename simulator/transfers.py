@@ -27,8 +27,9 @@ class Transfers:
             dur = self._xfer_ns[key] = ns(costs.collectives.transfer_s(nbytes, link))
         return dur, res
 
-    def _send(self, fwd: bool, s: int, k: int, peer: int, sc: StageCost, rep: int) -> None:
-        """A send_act (``fwd``) or send_grad of stage ``s``, microbatch ``k``, to stage ``peer``."""
+    def _send(self, fwd: bool, s: int, k: int, peer: int, sc: StageCost, rep: int) -> int:
+        """A send_act (``fwd``) or send_grad of stage ``s``, microbatch ``k``, to stage ``peer``;
+        returns when (ns) its transfer ends."""
         now = self.env.now
         nbytes = sc.act_out_bytes if fwd else sc.grad_out_bytes
         dst = self.costs[peer].rep
@@ -47,6 +48,7 @@ class Transfers:
             self._mail[key] = arrived
         else:  # the receiver is already blocked on a placeholder event
             arrived.callbacks.append(lambda _e, w=waiting: w.succeed())
+        return end
 
     def _release_sent(self, key: tuple, sc: StageCost, rep: int, dst: int, end: int, waiting) -> None:
         """A released output (Megatron's deallocate_output_tensor) is held by its send alone

@@ -46,6 +46,7 @@ class ScheduleWalk:
         # a V's bottom (zbv, dualpipev): stage s hands its output to stage s + 1 on this same
         # position in process (no send: specs.schedule), so a released output goes at once
         plan = self.plan
+        blocking = plan.p2p_blocking
         handed = {s for s in range(len(costs) - 1)
                   if costs[s].position == pos and plan.device_group_of(s + 1) == pos and costs[s].sent_output_bytes}
         for kind, s, k, layer, peer in position_steps(self.plan, pos):
@@ -67,7 +68,11 @@ class ScheduleWalk:
             elif kind is _W:
                 yield from self._backward_weight(w, sc, s, k)
             elif kind is _SA or kind is _SG:
-                self._send(kind is _SA, s, k, peer, sc, w.rep)
+                end = self._send(kind is _SA, s, k, peer, sc, w.rep)
+                if blocking and end > self.env.now:  # plan.p2p_blocking: the next pass waits for it
+                    t0 = self.env.now
+                    yield self.env.timeout(end - t0)
+                    self.events += 1  # (the transfer is on the trace already: its send slice)
                 if kind is _SG and self._stash:  # the input gradient is on its way: update
                     yield from self._update(w, sc, s)
             elif kind is _RA or kind is _RG:

@@ -95,6 +95,14 @@ class ScheduleSpec(Spec):
         return self
 
 
+#: why plan.p2p_blocking is refused with a V-shaped schedule
+V_BLOCKING_WHY = ("a V places both neighbours of a chunk on one peer device, so two devices exchange in both "
+                  "directions at once and a send waited before the next pass deadlocks where its receive is listed "
+                  "after the peer's next pass; the V schedules' own implementations (torch.distributed.pipelining's "
+                  "ScheduleZBVZeroBubble and ScheduleDualPipeV, DeepSeek's DualPipe) overlap their sends: use "
+                  "p2p_blocking false, or schedule 1f1b / interleaved_1f1b / zb_h1 / gpipe")
+
+
 class Plan(Spec):
     schema_version: int = PLAN_SCHEMA_VERSION
     planner: str
@@ -114,12 +122,17 @@ class Plan(Spec):
         "tensor (Megatron-LM's scatter_gather_tensors_in_pipeline, on by default in 2021-2022; Megatron-Core dropped "
         "it) and the receiver all-gathers it over its tp group; applies where both stages have the same tp > 1 and dp, "
         "without sequence parallelism (costs.buffers.p2p_split); false (omitted in JSON): whole tensors")
+    p2p_blocking: bool = Field(
+        False, description="each pipeline send holds its sender until the transfer ends, the next pass waiting for "
+        "it: Megatron-LM's p2p (batch_isend_irecv, then wait and cuda.synchronize; Megatron-Core's default, "
+        "overlap_p2p_comm=False) and DeepSpeed's pipeline engine; false (omitted in JSON): sends overlap the next "
+        "pass, as torch.distributed.pipelining's schedules run them")
     stages: list[StagePlan] = Field(min_length=1, max_length=MAX_DEVICES)
 
     @model_serializer(mode="wrap")
     def _omit_default_scatter(self, handler):
-        """A plan without the scatter/gather optimisation dumps as before the field existed."""
-        return omit_unset(self, handler(self), ("p2p_scatter_gather",))
+        """A plan without the scatter/gather optimisation or blocking sends dumps as before those fields existed."""
+        return omit_unset(self, handler(self), ("p2p_scatter_gather", "p2p_blocking"))
 
     @field_validator("schema_version")
     @classmethod
@@ -133,6 +146,8 @@ class Plan(Spec):
         if self.overlap_param_gather and self.zero_stage < 1:
             raise ValueError("overlap_param_gather: gathers the parameter shards of a distributed optimizer; needs "
                              f"zero_stage >= 1, got {self.zero_stage}")
+        if self.p2p_blocking and self.schedule.kind in V_SHAPED:
+            raise ValueError(f"p2p_blocking: {V_BLOCKING_WHY}; schedule {self.schedule.kind.value}")
         for i, st in enumerate(self.stages):
             if st.offload.stash_swap_layers and self.schedule.kind is not ScheduleKind.pipedream_async:
                 raise ValueError(f"stages[{i}].offload.stash_swap_layers: only PipeDream's asynchronous schedule "

@@ -10,7 +10,7 @@ from costs.context_parallel import sequence_split_error
 from planners.policy import BalancedPolicy, EvenPolicy, ManualPolicy
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import Plan, ScheduleSpec
+from specs.plan import V_BLOCKING_WHY, V_SHAPED, Plan, ScheduleSpec
 from specs.training import TrainingSpec
 
 
@@ -103,6 +103,8 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
         raise PlanningError(f"policy.recompute_num_layers: recomputes the first N blocks of each stage in full "
                             f"(Megatron's --recompute-method block); needs policy.recompute=full, got "
                             f"{policy.recompute!r}")
+    if policy.p2p_blocking and schedule.kind in V_SHAPED:
+        raise PlanningError(f"policy.p2p_blocking: {V_BLOCKING_WHY}; schedule {schedule.kind.value}")
     zero_stage = policy.zero_stage or (1 if policy.distributed_optimizer else 0)
     if policy.overlap_param_gather and zero_stage < 1:
         raise PlanningError("policy.overlap_param_gather: gathers a distributed optimizer's parameter shards; set "
@@ -111,6 +113,7 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
                     dp, policy.tp, policy.recompute, zero_stage, cp=policy.cp,
                     sequence_parallel=policy.sequence_parallel, overlap_grad_reduce=policy.overlap_grad_reduce,
                     overlap_param_gather=policy.overlap_param_gather, p2p_scatter_gather=policy.p2p_scatter_gather,
+                    p2p_blocking=policy.p2p_blocking,
                     recompute_num_layers=policy.recompute_num_layers)
 
 

@@ -25,9 +25,16 @@ _KIND = {
 _ELEMENTWISE = {"add", "sub", "mul", "div", "gelu", "relu", "silu", "tanh", "sigmoid", "exp", "neg",
                 "pow", "rsqrt", "sqrt", "dropout", "to", "_to_copy", "clone", "where", "lt", "gt",
                 "le", "ge", "eq", "ne", "clamp", "abs", "erf", "type_as", "add_", "mul_", "relu_"}
+#: views (each output element is one input element; aten schema ``Tensor(a) self -> Tensor(a)``)
+#: and copies of them; the CompositeImplicit ones (numpy_T: Falcon's ``x @ self.weight.T``, mT,
+#: swapaxes, movedim, expand_as, ...) stay in a non-strict export's graph under their own names
 _VIEW = {"view", "reshape", "_unsafe_view", "transpose", "permute", "t", "unsqueeze", "squeeze",
          "flatten", "expand", "slice", "select", "getitem", "contiguous", "alias", "detach",
-         "split", "chunk", "unflatten", "narrow", "as_strided"}
+         "split", "chunk", "unflatten", "narrow", "as_strided",
+         "numpy_T", "mT", "mH", "adjoint", "matrix_H", "swapaxes", "swapdims", "movedim", "moveaxis",
+         "expand_as", "broadcast_to", "view_as", "reshape_as", "ravel", "_reshape_alias", "unfold",
+         "split_with_sizes", "tensor_split", "hsplit", "vsplit", "dsplit", "unbind", "diagonal",
+         "positive", "resolve_conj", "resolve_neg", "conj", "lift_fresh", "view_as_real", "view_as_complex"}
 
 
 def _target_name(target) -> str:
@@ -66,15 +73,24 @@ def _dims(node: torch.fx.Node, kind: str, in_ndim: int) -> tuple[int, ...]:
     if kind == "reduction":
         ds = args[1] if len(args) > 1 and args[1] is not None else range(in_ndim)
         return norm([ds] if isinstance(ds, int) else ds)
-    if base == "transpose":
+    if base in ("transpose", "swapaxes", "swapdims", "mT", "mH", "adjoint", "matrix_H", "t") and in_ndim >= 2:
         perm = list(range(in_ndim))
-        a, b = args[1] % in_ndim, args[2] % in_ndim
+        a, b = (args[1] % in_ndim, args[2] % in_ndim) if len(args) > 2 else (in_ndim - 2, in_ndim - 1)
         perm[a], perm[b] = perm[b], perm[a]
         return tuple(perm)
     if base == "permute":
         return tuple(d % in_ndim for d in args[1])
-    if base == "t":
-        return (1, 0) if in_ndim == 2 else (0,)
+    if base == "numpy_T":  # reverses every dim
+        return tuple(reversed(range(in_ndim)))
+    if base in ("movedim", "moveaxis") and len(args) >= 3:
+        src, dst = ([a] if isinstance(a, int) else list(a) for a in args[1:3])
+        perm = [None] * in_ndim
+        for a, b in zip(src, dst):
+            perm[b % in_ndim] = a % in_ndim
+        rest = iter(d for d in range(in_ndim) if d not in {a % in_ndim for a in src})
+        return tuple(next(rest) if p is None else p for p in perm)
+    if base == "t":  # of a 1-D tensor: itself
+        return (0,)
     return ()
 
 
@@ -116,7 +132,8 @@ def _nodes(gm, replay: _Replay, state: dict, bwd: dict, param_of: dict, user_nam
             else:
                 other += nbytes
         kind = _kind(n)
-        in_shape = _meta_shape(acts[0], n)[0] if acts else ()
+        # a view of a parameter (weight.T) permutes the parameter's dims
+        in_shape = _meta_shape((acts or prm)[0], n)[0] if acts or prm else ()
         out.append(OpNode(
             name=n.name, target=_target_name(n.target), kind=kind,
             inputs=tuple(a.name for a in acts),

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import operator
 import re
+import warnings
 
 import torch
 import torch.fx as fx
@@ -185,10 +186,15 @@ def inline_grad_regions(gm: fx.GraphModule) -> int:
     return count
 
 
-def split(model: nn.Module, split_points: list[str], batch: dict) -> list[tuple[str, nn.Module]]:
+def split(model: nn.Module, split_points: list[str], batch: dict, fake_device: str | None = None
+          ) -> list[tuple[str, nn.Module]]:
     """``model`` cut into ``(name, Piece)`` layers at ``split_points`` with torch's splitter; the
     pieces hold ``model``'s own parameters and buffers. torch's splitter wraps the forward of the
-    modules it splits at (a second trace of the same module recurses), so it traces a copy."""
+    modules it splits at (a second trace of the same module recurses), so it traces a copy.
+    ``fake_device``: trace that copy as fake tensors on this device (FakeTensorMode: the device
+    type, no storage; for a model on the meta device): model code that branches on its tensors'
+    device then takes the branch it takes there (HF's MoE experts: a float ``histc`` on CPU, an
+    int one elsewhere), where a meta trace took the other one and failed where it ran."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     keys = tuple(batch)
@@ -202,15 +208,17 @@ def split(model: nn.Module, split_points: list[str], batch: dict) -> list[tuple[
     split_points = sorted(dict.fromkeys(split_points), key=order.__getitem__)
     spec = {f"m.{p}": SplitPoint.BEGINNING for p in split_points}
     try:
-        with _grad_regions_inlined():
-            pipe = pipeline(traced, mb_args=tuple(batch[k] for k in keys), split_spec=spec or None)
+        with _grad_regions_inlined(), _faked(traced, batch, fake_device) as args:
+            pipe = pipeline(traced, mb_args=tuple(args[k] for k in keys), split_spec=spec or None)
     except Exception as exc:  # noqa: BLE001 - torch.export's reasons are many; say which step failed
         raise ValueError(f"model.split_points: torch.distributed.pipelining could not trace the model "
-                         f"({type(exc).__name__}: {str(exc)[:300]})") from None
+                         f"({trace_failure(exc)})") from None
     layers = []
     for i, (target, args_from, carry_out) in enumerate(_liveness(pipe.split_gm, keys)):
         piece = Piece(pipe.split_gm.get_submodule(target), args_from, carry_out)
         _repoint(piece, root)
+        if fake_device is not None:
+            _unfake(piece)
         for mod in piece.modules():  # run the generated Python code, not fx.Interpreter (~10x slower per op)
             if hasattr(mod, "_run_with_interpreter"):
                 _unshadow_self(mod)
@@ -221,6 +229,115 @@ def split(model: nn.Module, split_points: list[str], batch: dict) -> list[tuple[
         raise ValueError(f"model.split_points: {len(split_points)} points gave {len(layers)} layers, not "
                          f"{len(split_points) + 1}: is every named module called in forward (and only once)?")
     return layers
+
+
+@contextlib.contextmanager
+def _faked(module: nn.Module, batch: dict, device: str | None):
+    """``batch`` as it is (``device`` None), or, with ``module``'s parameters and buffers replaced
+    in place by fake tensors on ``device`` (a tied Parameter stays one), the batch as fake tensors
+    there, inside the FakeTensorMode that made them."""
+    if device is None:
+        yield batch
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=False), warnings.catch_warnings():
+        # torch's Pipe deepcopies a parameter two stages share (a tied embedding); of a fake one,
+        # Tensor.__deepcopy__ asks for its data pointer (0, and a warning) and clones it: a fake
+        # tensor still, which _repoint then replaces by the model's own
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        fakes: dict[int, torch.Tensor] = {}
+        for mod in module.modules():
+            for table in (mod._parameters, mod._buffers):
+                for name, t in list(table.items()):
+                    if t is not None and id(t) not in fakes:
+                        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                        fakes[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+                    if t is not None:
+                        table[name] = fakes[id(t)]
+        yield {k: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device) for k, v in batch.items()}
+
+
+def _unfake(piece: nn.Module) -> None:
+    """Replace the fake tensors :func:`_faked`'s trace left in ``piece`` (those :func:`_repoint`
+    did not point back at the model's own: constants the tracer made; the values its graphs'
+    nodes record) by meta tensors, as a meta trace leaves them: a fake tensor outlives its mode
+    only as shapes, and ``copy.deepcopy`` of a fake CPU tensor reads its (absent) data pointer."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_map
+
+    def meta(t):
+        if not isinstance(t, FakeTensor):
+            return t
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        return nn.Parameter(out, t.requires_grad) if isinstance(t, nn.Parameter) else out
+
+    # unflatten's InterpreterModules also keep the exported GraphModule as a plain attribute
+    todo, seen = [piece], set()
+    while todo:
+        mod = todo.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        todo += [m for m in (*mod._modules.values(), *vars(mod).values()) if isinstance(m, nn.Module)]
+        for table in (mod._parameters, mod._buffers):
+            for name, t in list(table.items()):
+                table[name] = meta(t)
+        for name, t in list(vars(mod).items()):
+            if isinstance(t, FakeTensor):
+                setattr(mod, name, meta(t))
+        if isinstance(getattr(mod, "graph", None), fx.Graph):
+            for node in mod.graph.nodes:
+                for k in ("val", "eager_input_vals"):
+                    if k in node.meta:
+                        node.meta[k] = tree_map(meta, node.meta[k])
+
+
+#: a paragraph of a trace failure kept whole up to this many characters (then cut between words)
+_PARAGRAPH_CHARS = 1000
+
+
+def trace_failure(exc: BaseException) -> str:
+    """One line on why torch could not trace a model: the first paragraph of each exception in
+    ``exc``'s chain (torch.distributed.pipelining wraps torch.export's reason, which is the one
+    that says what failed), then where in the model's code — the call torch's message names ("The
+    following call raised this error: File ..."), else the innermost traceback frame outside torch
+    and memwall — never the graph dumps and debugging hints after the first paragraph."""
+    parts, chain, e = [], [], exc
+    while e is not None and e not in chain and len(chain) < 4:
+        chain.append(e)
+        first = _first_paragraph(str(e))
+        parts.append(f"{type(e).__name__}: {first}" if first else type(e).__name__)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    where = _model_location(chain)
+    return "; caused by ".join(parts) + (f" (at {where})" if where else "")
+
+
+def _first_paragraph(text: str) -> str:
+    para = " ".join(re.split(r"\n\s*\n", text.strip(), maxsplit=1)[0].split())
+    if len(para) <= _PARAGRAPH_CHARS:
+        return para
+    return para[:_PARAGRAPH_CHARS].rsplit(" ", 1)[0] + " ..."
+
+
+def _model_location(chain: list[BaseException]) -> str:
+    """``file:line in function: code`` of the model's code that raised, or ''."""
+    import os
+    import traceback
+
+    own = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    for e in reversed(chain):  # torch.export's message names the call (symbolic-shape guards)
+        calls = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', str(e))
+        calls = [c for c in calls if not c[0].startswith(own)]
+        if calls:
+            path, line, fn, code = calls[-1]
+            return f"{path}:{line} in {fn}: {code.strip()}"
+    for e in reversed(chain):
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(own)]
+        if frames:
+            f = frames[-1]
+            return f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
+    return ""
 
 
 def _unshadow_self(mod: nn.Module) -> None:
@@ -247,8 +364,7 @@ def _piece_name(i: int, piece: nn.Module, split_points: list[str]) -> str:
 def retarget(piece: nn.Module, src: torch.device | str, dst: torch.device | str) -> None:
     """Rewrite the device arguments of a traced graph's ops (``arange(device=...)``,
     ``_assert_tensor_metadata``) from ``src`` to ``dst`` and regenerate its code: torch.export
-    records the device it traced on. The symbolic profiler runs meta-traced pieces on fake CPU
-    tensors; the executor moves CPU-traced pieces to its GPU."""
+    records the device it traced on. The executor moves CPU-traced pieces to its GPU."""
     src, dst = torch.device(src), torch.device(dst)
     if src == dst:
         return

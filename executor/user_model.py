@@ -27,7 +27,7 @@ pipelining's stages are built for one microbatch shape too), so it is traced per
 
 The factory is called once per process (cached), under ``torch.manual_seed(seed)``, so every
 rank and the single-process reference start from the same weights (the symbolic profiler calls it
-once more, on the meta device: no memory); each caller gets its own copy of the pieces it owns
+once more, on the meta device: no memory, traced as fake CPU tensors); each caller gets its own copy of the pieces it owns
 (``copy.deepcopy``, which keeps ties within one call). The modules are in executor.pipesplit
 (the split) and executor.boundary (pytrees between layers); this one loads, batches, builds and
 keeps tied weights tied.
@@ -236,15 +236,14 @@ def _pieces(key: str, seed: int, meta: bool, rows: int, dtype: torch.dtype):
         return model
     cfg = parse_model_config(json.loads(key))
     batch = make_batch(cfg, rows, torch.Generator().manual_seed(0), seed, dtype)
-    if meta:
-        batch = {k: v.to("meta") for k, v in batch.items()}
-    pieces = split(model, list(cfg.split_points), batch)
+    # a meta model is traced as fake CPU tensors, as the executor's real ones trace on CPU: code
+    # that branches on the device (HF's MoE: histc on float on CPU, on int elsewhere) takes the
+    # same branch in both, and the graph names CPU where it makes tensors (arange(device=...)),
+    # the device the symbolic profiler runs the pieces on (as fake tensors)
+    pieces = split(model, list(cfg.split_points), batch, fake_device="cpu" if meta else None)
     if len(pieces) == 1:  # no split_points and no pipe_split() call in forward
         raise ValueError(f"model.split_points: {cfg.factory!r} returned one nn.Module and nothing splits it; name "
                          "the modules where layers start (e.g. [transformer.h.0, transformer.h.1, lm_head])")
-    if meta:
-        for _, piece in pieces:
-            retarget(piece, "meta", "cpu")
     return pieces
 
 

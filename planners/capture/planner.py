@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
+from planners.layout import PlanningError
 from specs.plan import Plan
 
 #: (layer_start, layer_stop, parallelism "pp" | "dp" | "tp", degree) -> predicted per-GPU bytes
@@ -115,7 +116,9 @@ class CaptureStats:
         if not found:
             return None
         if len(found) != 2:
-            raise ValueError(f"CAPTURE needs two profiled sizes per scenario; {scenario} has {found}")
+            raise PlanningError(f"policy.batch_sizes: CAPTURE fits each scenario's memory as a line in the batch "
+                                f"size (§III-A2) from exactly two profiled batches; scenario {scenario} has {found}: "
+                                "give two distinct sizes (or null for half and quarter of training.global_batch)")
         return found[0], found[1]
 
     @property

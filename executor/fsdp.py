@@ -22,6 +22,15 @@ one FSDP unit over the stage's dp group, parameters sharded 1/d as DTensors (Sha
   its own dp group (torchtitan composes PP and FSDP alike, one FSDP root per stage).
 * Optimizer: the stage's own (fused Adam / SGD) over the sharded DTensor parameters; the stage's
   ``p.grad = zeros_like(p)`` is a sharded DTensor that FSDP2 accumulates into in place.
+* Tensor parallelism (tp > 1): torchtitan's 2-D layout (parallelize_llama: ``parallelize_module``
+  on ``world_mesh["tp"]``, then ``apply_fsdp`` on the dp axis): executor.megatron_tp shards the
+  layers over the tp axis of one [dp, tp] DeviceMesh (:func:`stage_mesh`), then each unit is
+  ``fully_shard``-ed over its dp axis, so a parameter is a DTensor on [dp, tp] and each rank holds
+  1/d of its TP shard; a unit's all-gather and reduce-scatter run over the rank's dp group only,
+  on 1/t of the layer (costs.sharded_dp counts the TP shard, costs.params.layer_params_of_stage).
+  Sequence parallelism runs with it unchanged: its norm weights are replicated over tp, and FSDP2
+  redistributes their partial gradients over tp before its reduce-scatter
+  (_fsdp_param.py ``_get_grad_inner_tensor``).
 
 Memory on CPU: FSDP2 frees an unsharded parameter by ``untyped_storage().resize_(0)`` and
 re-allocates it by ``resize_`` (torch/distributed/fsdp/_fully_shard/_fsdp_param.py
@@ -37,6 +46,8 @@ layer's backward (costs.sharded_dp.zero3_backward_bytes).
 ``reduce``, ``finish``; ``shard`` False: the stage steps its own optimizer).
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import nn
@@ -56,7 +67,14 @@ class Fsdp:
         if rt.tied is not None:  # unsupported() names it when it knows the model; a plan alone does not
             raise ValueError("model.tie_embeddings: a weight tied over pipeline stages with zero_stage 3 (FSDP2) "
                              "is not implemented; set model.tie_embeddings=false or use one stage")
-        mesh = DeviceMesh.from_group(rt.dp_group, rt.torch_device.type)
+        # tp > 1: the dp axis of the stage's 2-D mesh, whose tp axis the DTensor parameters live on
+        # (stage_mesh); FSDP2 then shards each TP shard over dp (Shard(0) of the local rows)
+        mesh_2d = getattr(rt, "mesh_2d", None)
+        mesh = mesh_2d["dp"] if mesh_2d is not None else DeviceMesh.from_group(rt.dp_group, rt.torch_device.type)
+        if mesh_2d is not None:  # the vocab-parallel head returns its loss as DTensor.to_local(), a view; the
+            # stage only scales it out of place (executor.stage_passes: y * loss_scale), so FSDP2's warning
+            # about an in-place op on it skipping the pre-backward hook does not apply
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*FSDPLMHead\) returned a view tensor")
         mods = [mod for _, _, mod in rt.layers]
         self.units = []
         for unit in _units(mods):
@@ -112,6 +130,20 @@ class Fsdp:
 
     def tracker(self):
         return self.rt.tracker
+
+
+def stage_mesh(stage, rank_of: dict[int, int], dp_group, tp_group, device_type: str):
+    """The 2-D DeviceMesh [dp, tp] of a ZeRO-3 stage with tp > 1, over the process groups the
+    executor already made (executor.topology.process_groups: ``devices[replica * tp + tp_rank]``,
+    this rank's dp and tp groups): torchtitan's ``world_mesh["dp_shard", "tp"]``, TP applied on
+    ``mesh["tp"]`` and ``fully_shard`` on ``mesh["dp"]`` (torchtitan's parallelize_llama /
+    apply_fsdp). One mesh, not two from_group ones: FSDP2 concatenates the dp mesh with the DTensor
+    parameters' tp mesh into one [dp, tp] spec and refuses meshes of different roots
+    (torch/distributed/device_mesh.py ``_concatenate``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = [[rank_of[stage.devices[r * stage.tp + t]] for t in range(stage.tp)] for r in range(stage.dp)]
+    return DeviceMesh.from_group([dp_group, tp_group], device_type, mesh=ranks, mesh_dim_names=("dp", "tp"))
 
 
 class _Root(nn.Module):
@@ -219,7 +251,9 @@ def _install_storage_hooks() -> None:
 def unsupported(plan, cfg=None) -> list[str]:
     """What of ``zero_stage`` 3 this module does not run, as 'field: why' (executor.measure's
     ``unsupported`` adds them; ``cfg``: the model config, when known). FSDP2 here shards each
-    stage's layers over the stage's dp group: stages without tensor or context parallelism, no
+    stage's layers over the stage's dp group, after Megatron TP (and sequence parallelism) on the
+    tp axis of a 2-D [dp, tp] mesh where tp > 1: stages without context parallelism (FSDP2 over
+    dp x cp is not wired; executor.context_parallel refuses cp > 1 on CPU) or MAP sharding, no
     offload, no swaps, GPipe or 1F1B; over several pipeline stages an untied model only (a stage
     with dp = 1 runs as ZeRO-0). ZeRO-2: executor.zero2's."""
     if plan.zero_stage < 3:  # ZeRO-2: executor.zero2's
@@ -233,9 +267,9 @@ def unsupported(plan, cfg=None) -> list[str]:
     if plan.schedule.kind.value not in ("gpipe", "1f1b"):  # one stage per rank, a flush: FSDP2's default hooks
         out.append(f"schedule.kind: {plan.schedule.kind.value} with {z}; allowed: gpipe, 1f1b")
     for i, st in enumerate(plan.stages):
-        if st.tp > 1 or st.cp > 1:
-            out.append(f"stages[{i}].tp/cp: tp {st.tp} x cp {st.cp} with {z}; allowed: tp = cp = 1 "
-                       "(FSDP2 over a 2-D mesh with DTensor TP is not wired)")
+        if st.cp > 1:
+            out.append(f"stages[{i}].cp: cp {st.cp} with {z}; allowed: cp = 1 (sharding over the dp x cp ranks "
+                       "is not wired; context parallelism itself is refused on CPU: executor.context_parallel)")
         if st.sharding:
             out.append(f"stages[{i}].sharding: a MAP stage with {z} (not implemented)")
         off = st.offload

@@ -33,7 +33,7 @@ def boundary_split(plan, src: int, dst: int) -> bool:
 
 
 def tensor_parallel(layers, group, device_type: str, sequence_parallel: bool = False, split_in: bool = False,
-                    split_out: bool = False) -> bool:
+                    split_out: bool = False, mesh=None) -> bool:
     """Megatron TP with DTensor (Shoeybi et al. 2019 §3). Blocks: column-parallel q, k, v, fc1;
     row-parallel projection and fc2. Token embedding: vocab-parallel (row-parallel ``wte``; the
     position table stays replicated, as the spec counts). LM head: column-parallel decoder whose
@@ -43,13 +43,16 @@ def tensor_parallel(layers, group, device_type: str, sequence_parallel: bool = F
     Other layers (Wide-ResNet, MoE experts) stay replicated: exact, but not memory-saving.
     ``sequence_parallel``: Korthikanti et al. 2022 §4.2.2 on top (:func:`_sequence_parallel`);
     ``split_in`` / ``split_out``: the stage's input / output boundary is sequence-split
-    (:func:`boundary_split`).
+    (:func:`boundary_split`). ``mesh``: the 1-D tp mesh to shard on, when it must be the tp axis
+    of a 2-D [dp, tp] mesh (ZeRO-3: FSDP2 then shards the DTensors over its dp axis, which torch
+    accepts only for meshes of one root: executor.fsdp.stage_mesh); else one made from ``group``.
     Returns True when the stage's loss is vocab-parallel (backward must run under loss_parallel)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = DeviceMesh.from_group(group, device_type)
+    if mesh is None:
+        mesh = DeviceMesh.from_group(group, device_type)
     # sequence parallelism: the row-parallel outputs reduce-scatter along the sequence (Shard(1))
     # instead of all-reducing (torchtitan's parallelize_llama)
     out = Shard(1) if sequence_parallel else Replicate()

@@ -76,9 +76,17 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         # by the receivers (plan.p2p_scatter_gather; costs.buffers.p2p_split, the simulator's rule)
         self.scatter_in = p2p_split(plan, plan.stages[index - 1], st) if index > 0 else 1
         self.scatter_out = p2p_split(plan, st, plan.stages[index + 1]) if not self.last else 1
+        # ZeRO-3 with tp > 1: torchtitan's 2-D [dp, tp] mesh, TP on its tp axis here, FSDP2 on its dp
+        # axis below (executor.fsdp.stage_mesh)
+        self.mesh_2d = None
+        if st.tp > 1 and not st.sharding and self.dp_group is not None and plan.zero_stage >= 3:
+            from executor.fsdp import stage_mesh
+
+            self.mesh_2d = stage_mesh(st, rank_of, self.dp_group, self.tp_group, torch_device.type)
         self.vocab_parallel = st.tp > 1 and not st.sharding and tensor_parallel(
             self.layers, self.tp_group, torch_device.type, sequence_parallel=st.sequence_parallel,
-            split_in=self.split_in, split_out=self.split_out)
+            split_in=self.split_in, split_out=self.split_out,
+            mesh=self.mesh_2d["tp"] if self.mesh_2d is not None else None)
         # a V placement (zbv, dualpipev) puts the first and last chunk on one rank: one shared embedding/head
         borrowed = None
         if plan.schedule.kind in V_SHAPED:

@@ -17,9 +17,14 @@ one FSDP unit over the stage's dp group, parameters sharded 1/d as DTensors (Sha
   and times (costs.layer_time.sharded_dp_comm_s: each layer's reduce-scatter queued after its
   backward in every microbatch, behind the prefetched gathers, none left for the flush).
 * Tied weights: layers of a stage that share a parameter (GPT's embedding and LM head) form one
-  unit (``fully_shard([embed, head])``), whose gradients are reduced once both ran backward; a
-  weight tied over pipeline stages is refused. Pipeline stages (GPipe, 1F1B) shard each stage over
-  its own dp group (torchtitan composes PP and FSDP alike, one FSDP root per stage).
+  unit (``fully_shard([embed, head])``), whose gradients are reduced once both ran backward. A
+  weight tied over pipeline stages (GPT's embedding on the first, its head on the last, each
+  stage a copy: Megatron's embedding group) is sharded alike by both stages (Shard(0) rows over
+  the same dp degree); after FSDP2's last reduce-scatter of the iteration each rank's gradient
+  shard is summed with the matching rank's on the other stage (executor.stage_grads
+  ``_sum_tied_dtensor_shards``, ZeRO-2's ``_sum_tied_shards`` on DTensor shards), so both copies
+  step alike. Pipeline stages (GPipe, 1F1B) shard each stage over its own dp group (torchtitan
+  composes PP and FSDP alike, one FSDP root per stage).
 * Optimizer: the stage's own (fused Adam / SGD) over the sharded DTensor parameters; the stage's
   ``p.grad = zeros_like(p)`` is a sharded DTensor that FSDP2 accumulates into in place.
 * Tensor parallelism (tp > 1): torchtitan's 2-D layout (parallelize_llama: ``parallelize_module``
@@ -64,9 +69,6 @@ class Fsdp:
         from torch.distributed.fsdp import fully_shard
 
         self.rt = rt
-        if rt.tied is not None:  # unsupported() names it when it knows the model; a plan alone does not
-            raise ValueError("model.tie_embeddings: a weight tied over pipeline stages with zero_stage 3 (FSDP2) "
-                             "is not implemented; set model.tie_embeddings=false or use one stage")
         # tp > 1: the dp axis of the stage's 2-D mesh, whose tp axis the DTensor parameters live on
         # (stage_mesh); FSDP2 then shards each TP shard over dp (Shard(0) of the local rows)
         mesh_2d = getattr(rt, "mesh_2d", None)
@@ -76,6 +78,9 @@ class Fsdp:
             # about an in-place op on it skipping the pre-backward hook does not apply
             warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*FSDPLMHead\) returned a view tensor")
         mods = [mod for _, _, mod in rt.layers]
+        # fully_shard puts a new (DTensor) Parameter in each module's attribute: where the weight tied
+        # over stages sits, to hand the stage its sharded successor below
+        tied_at = _owner(mods, rt.tied[0]) if rt.tied is not None else None
         self.units = []
         for unit in _units(mods):
             fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard_after_forward)
@@ -88,6 +93,8 @@ class Fsdp:
         for unit in self.units:  # SUM: the executor's loss scaling makes every gradient d(global loss);
             unit.set_gradient_divide_factor(1.0)  # forced: fp32's default ops (AVG, PREMUL_SUM) are not gloo's
             unit.set_force_sum_reduction_for_comms(True)
+        if tied_at is not None:  # executor.stage_grads sums its gradient shard over the embedding group
+            rt.tied = (getattr(*tied_at), rt.tied[1])
         _install_storage_hooks()
         _TRACKED.append(self)
         for unit in self.units:  # FSDP2's gathers and reductions file their buffers as the simulator does
@@ -176,6 +183,16 @@ def _release_dropped(tracker, ctx, gathered, kept, reducing: list) -> None:
             tracker.release(x.reduce_scatter_input)
 
 
+def _owner(mods: list, param) -> tuple:
+    """(module, attribute name) holding ``param`` among ``mods`` and their submodules."""
+    for mod in mods:
+        for sub in mod.modules():
+            for name, p in sub.named_parameters(recurse=False):
+                if p is param:
+                    return sub, name
+    raise ValueError("executor.fsdp: the weight tied over stages is in none of the stage's layers")
+
+
 def _units(mods: list) -> list[list]:
     """The layers grouped so that no parameter is in two groups (a tied embedding/head: one group,
     in layer order), each group in order of its first layer."""
@@ -254,16 +271,15 @@ def unsupported(plan, cfg=None) -> list[str]:
     stage's layers over the stage's dp group, after Megatron TP (and sequence parallelism) on the
     tp axis of a 2-D [dp, tp] mesh where tp > 1: stages without context parallelism (FSDP2 over
     dp x cp is not wired; executor.context_parallel refuses cp > 1 on CPU) or MAP sharding, no
-    offload, no swaps, GPipe or 1F1B; over several pipeline stages an untied model only (a stage
-    with dp = 1 runs as ZeRO-0). ZeRO-2: executor.zero2's."""
+    offload, no swaps, GPipe or 1F1B; over several pipeline stages not a user model (a stage with
+    dp = 1 runs as ZeRO-0). ZeRO-2: executor.zero2's."""
     if plan.zero_stage < 3:  # ZeRO-2: executor.zero2's
         return []
     z, out = f"zero_stage {plan.zero_stage} (FSDP2, executor.fsdp)", []
-    if len(plan.stages) > 1 and cfg is not None and (getattr(cfg, "tie_embeddings", False)
-                                                     or cfg.family == "torch_module"):
-        out.append(f"model.tie_embeddings: a weight tied over {len(plan.stages)} pipeline stages with {z} (the "
-                   "embedding group would sum FSDP2's gradient shards; not implemented); allowed: an untied "
-                   "model (model.tie_embeddings=false) or one stage (pp = 1)")
+    if len(plan.stages) > 1 and cfg is not None and cfg.family == "torch_module":
+        out.append(f"model.family: a user model over {len(plan.stages)} pipeline stages with {z} (weights it ties "
+                   "over stages are summed as whole gradients by executor.user_model, which FSDP2 does not keep; "
+                   "not known before its layers are built); allowed: one stage (pp = 1)")
     if plan.schedule.kind.value not in ("gpipe", "1f1b"):  # one stage per rank, a flush: FSDP2's default hooks
         out.append(f"schedule.kind: {plan.schedule.kind.value} with {z}; allowed: gpipe, 1f1b")
     for i, st in enumerate(plan.stages):

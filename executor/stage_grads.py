@@ -117,6 +117,9 @@ class StageGrads:
         if hasattr(self.zero1, "tied_acc"):  # ZeRO-2 (executor.zero2): no whole gradient, its shard only
             self._sum_tied_shards(param, group)
             return
+        if getattr(self, "fsdp", None) is not None:  # ZeRO-3 (executor.fsdp): FSDP2's Shard(0) DTensor gradient
+            self._sum_tied_dtensor_shards(param, group)
+            return
         g = param.grad
         local = getattr(g, "_local_tensor", g)
         with self.tracker.phase("buffers"):
@@ -154,6 +157,28 @@ class StageGrads:
         dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
         acc.copy_(full.view(-1)[lo:hi])
         self.tracker.release(full)
+
+    def _sum_tied_dtensor_shards(self, param, group) -> None:
+        """ZeRO-3's embedding group: both stages shard the tied weight alike (FSDP2's Shard(0) rows
+        over the same dp degree, of the TP shard where tp > 1; executor.fsdp), so a rank's reduced
+        gradient shard (FSDP2's last reduce-scatter of the iteration has landed: its final callback
+        waited for it) covers the same rows as the matching rank's on the other stage. Each rank puts
+        its shard at its global offset in a zero tensor of the weight's shape and the group sums them,
+        as ZeRO-2's (costs.buffers ``tied_sync_buffer_bytes`` holds that whole copy): every rank then
+        holds its rows of g_first + g_last. Both stages add the same two numbers, so the copies'
+        gradients, and with them their Adam states and weights, stay bitwise equal."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        g = param.grad
+        local = g._local_tensor
+        shape, offset = compute_local_shape_and_global_offset(g.shape, g.device_mesh, g.placements)
+        with self.tracker.phase("buffers"):
+            full = torch.zeros(g.shape, dtype=local.dtype, device=local.device)
+        rows = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        rows.copy_(local)
+        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
+        local.copy_(rows)
+        self.tracker.release(full)  # gloo's worker thread may still hold it (executor.memtrack.release)
 
     def step(self) -> None:
         if self.weight_swap is not None:  # its CPU steps were submitted as the gradients landed

@@ -351,9 +351,11 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
 
     GPipe / 1F1B (flush): Σ_i (F_i + B_i + p2p) + (m − 1) · max_i (F_i + B_i) — the first microbatch
     crosses every stage, the rest queue behind the slowest; uniform stages give the bubble
-    (p − 1)/(m + p − 1) (GPipe §2.2); GPipe's two phases queue behind their own slowest pass,
-    (m − 1) · (max_i F_i + max_i B_i). With ``plan.p2p_blocking`` each stage's own sends are in its
-    passes (costs.layer_time.blocking_send_s) and a transfer arrives as its pass ends. Interleaved: (m + (p − 1)/v) · max_i work (Megatron §2.2).
+    (p − 1)/(m + p − 1) (GPipe §2.2). With ``plan.p2p_blocking`` each stage's own sends are in its
+    passes (costs.layer_time.blocking_send_s) and a transfer arrives as its pass ends; GPipe's two
+    phases then queue behind their own slowest pass, (m − 1) · (max_i F_i + max_i B_i), which the
+    simulator walks and this form (the planners' stage tables' too) approximates by max_i (F_i + B_i).
+    Interleaved: (m + (p − 1)/v) · max_i work (Megatron §2.2).
     PipeDream async has no flush: m · max_i (work + update) per iteration in steady state, the
     update after every backward (PipeDream §3.3; with an optimizer swap at least the state's copy
     one way, :func:`_update_s`); its iteration ends with the all-reduce only.
@@ -365,7 +367,6 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
     plan = grouped_plan(plan)  # STRONGHOLD §IV-A streams: m / S group passes of S·b samples
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     work = [0.0] * p
-    fwd_work = [0.0] * p  # GPipe's phases: all forwards, then all backwards
     kind_split = plan.schedule.kind in SPLIT_BACKWARD
     passes: dict[int, tuple[float, float, float]] = {}  # zero bubble: (F, B, W) seconds per stage
     hops: dict[int, float] = {}  # one boundary transfer from stage s to s + 1
@@ -380,7 +381,6 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         send_f, send_b = costs.layer_time.blocking_send_s(model, plan, hardware, stage)  # plan.p2p_blocking
         fwd, bwd = fwd + gather_f + z3_f + send_f, bwd + gather_b + z3_b + send_b
         work[plan.device_group_of(i)] += fwd + bwd
-        fwd_work[plan.device_group_of(i)] += fwd
         if kind_split:
             w_s = wgrad_s(model, plan, hardware, stage)
             passes[i] = (fwd, max(bwd - w_s, 0.0), w_s)
@@ -410,8 +410,6 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         pipe = (m + (p - 1) / v) * slowest + sum(p2p)
     elif kind_split:  # no closed form for unequal F, B, W: walk the orders (split_pipe_s)
         pipe = split_pipe_s(plan, passes, hops)
-    elif kind is ScheduleKind.gpipe:  # each phase queues behind its own slowest pass (GPipe §2.2)
-        pipe = sum(work) + sum(p2p) + (m - 1) * (max(fwd_work) + max(w - f for w, f in zip(work, fwd_work)))
     else:
         pipe = sum(work) + sum(p2p) + (m - 1) * slowest
     per_device_sync: dict[int, float] = {}

@@ -51,8 +51,14 @@ def test_simulator_and_analytic_agree_and_blocking_costs_time(kind):
     sim_on = simulate(on, MODEL, HW).result.iteration_time_s
     sim_off = simulate(off, MODEL, HW).result.iteration_time_s
     assert sim_on > sim_off
-    # the closed forms walk the same passes, the sends folded into them (hops arrive as they end)
-    assert iteration_time_s(on, MODEL, HW) == pytest.approx(sim_on, rel=1e-6)
+    # the closed forms walk the same passes, the sends folded into them (hops arrive as they end);
+    # GPipe's form takes the slowest F + B where its two phases each queue behind their own
+    # slowest pass (the blocking sends make those different stages here): a lower bound there
+    ana_on = iteration_time_s(on, MODEL, HW)
+    if kind == "gpipe":
+        assert ana_on <= sim_on * (1 + 1e-6) and ana_on == pytest.approx(sim_on, rel=0.01)
+    else:
+        assert ana_on == pytest.approx(sim_on, rel=1e-6)
     assert iteration_time_s(off, MODEL, HW) == pytest.approx(sim_off, rel=1e-6)
     # the steady state: each of the m - 1 microbatches behind the first waits for the slowest
     # stage's own sends (here the last, with the head: its gradient send only); the first one's

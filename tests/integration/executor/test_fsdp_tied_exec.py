@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from costs.families import build_model, parse_model_config
-from executor import run_plan, unsupported
+from executor import unsupported
 from executor.reference import train_reference
 from planners import make_plan, parse_policy
 from specs.plan import ScheduleSpec, validate_plan
@@ -49,19 +49,9 @@ def test_tied_weight_over_stages_matches_the_reference(schedule, tp):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_tied_weight_over_stages_peak_is_the_simulated_one(schedule):
-    from executor.profile_symbolic import profile_model
-    from simulator import simulate
-    from specs.profile import apply_profile
+    from tests.integration.executor.test_fsdp_exec import assert_peaks_are_the_simulated_ones
 
-    plan = plan_of(schedule)
-    out = run_plan(plan, GPT_TINY, iterations=2, memory_iteration=1)
-    assert out.failure is None, out.failure
-    traced = apply_profile(build_model(GPT_TINY, 4),
-                           profile_model(GPT_TINY, microbatch=CPU_TRAINING.samples_per_microbatch, dtype="fp32"))
-    sim = {d.device: d.peak_bytes for d in simulate(plan, traced, LOCAL_CPU).result.devices}
-    for rank, rep in out.reports.items():
-        simulated = sim[rep["device"]]
-        assert abs(rep["peak_bytes"] - simulated) <= 0.05 * simulated, (rank, rep["peak_bytes"], simulated)
+    assert_peaks_are_the_simulated_ones(plan_of(schedule), GPT_TINY, LOCAL_CPU)
 
 
 def test_a_user_model_over_stages_is_refused_by_name():

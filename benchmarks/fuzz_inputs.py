@@ -73,11 +73,20 @@ NUMBER_FIELDS = {
 CHOICE_FIELDS = {
     "training.precision": ["fp32", "fp16", "bf16", "fp8"],
     "policy": ["even", "balanced", "manual"],
-    "schedule": ["gpipe", "1f1b", "pipedream_async", "interleaved_1f1b", "nope"],
-    "policy.recompute": ["none", "full", "half"],
+    "schedule": ["gpipe", "1f1b", "pipedream_async", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "nope"],
+    "policy.recompute": ["none", "full", "half", "selective"],
     "estimator": ["analytic", "simulator"],
     "training.optimizer": ["adam", "sgd"],
-    "policy.zero_stage": ["0", "1", "3", "4"],
+    "policy.zero_stage": ["0", "1", "2", "3", "4"],
+    # issue 27's knobs (manual / even / balanced)
+    "policy.sequence_parallel": ["true", "false"],
+    "policy.distributed_optimizer": ["true", "false"],
+    "policy.overlap_grad_reduce": ["true", "false"],
+    "policy.overlap_param_gather": ["true", "false"],
+    "policy.p2p_scatter_gather": ["true", "false"],
+    "policy.p2p_blocking": ["true", "false"],
+    "policy.cp": ["1", "2", "4", "0"],
+    "policy.recompute_num_layers": ["1", "2", "0", "null"],
 }
 ODD_ARGS = ["+hardware=null", "+hardware=nope", "foo=[", "+foo=1", "hardware=null", "+model=null",
             "training='${oops}'", "hardware.device=3", "mode=nope"]

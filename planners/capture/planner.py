@@ -347,6 +347,15 @@ def predict_devices(plan, stats: CaptureStats) -> dict[int, float]:
     return out
 
 
+def capture_schedule_check(schedule) -> None:
+    """PlanningError for a schedule with several chunks per device (interleaved 1F1B, a V): CAPTURE's
+    stages are contiguous layer ranges, one per device group (§III-B), and its profiling runs too."""
+    if schedule.virtual_stages > 1:
+        raise PlanningError(f"CAPTURE profiles and plans one stage per device group (non-interleaved schedules); "
+                            f"schedule {schedule.kind.value} places {schedule.virtual_stages} chunks on each: use "
+                            "schedule=1f1b, gpipe, zb_h1 or pipedream_async")
+
+
 def capture_space_check(model, hardware) -> None:
     """PlanningError when CAPTURE's space has no plan at all — every stage lies within one node and
     holds ≥ 1 layer, so L layers occupy at most L nodes (GPT-3 175B's 98 layers on 128 nodes) — or
@@ -423,8 +432,7 @@ def plan_capture(policy, model, hardware, training, schedule, profile) -> Plan:
     if profile is None or profile.capture is None:
         raise PlanningError("policy=capture needs a CAPTURE profile (python -m run mode=profile policy=capture ...); "
                             "run.py profiles first when it has none")
-    if schedule.virtual_stages > 1:
-        raise PlanningError("CAPTURE plans non-interleaved schedules; use schedule=1f1b or gpipe")
+    capture_schedule_check(schedule)
     stats = stats_from_profile(profile.capture)
     if stats.num_layers != model.num_layers:
         raise PlanningError(f"the CAPTURE profile has {stats.num_layers} layers, model {model.name!r} {model.num_layers}")

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from planners.capture.planner import capture_schedule_check
 from planners.layout import PlanningError, even_split, recompute_actions
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -210,6 +211,7 @@ def profile_capture(model: ModelSpec, hardware: HardwareSpec, training: Training
     """Run every profiling plan not already in ``done`` (run key -> stage peaks), then M_i/M_a.
 
     ``on_run(run, peaks, i, n)`` is called after each new run (to log it and show progress)."""
+    capture_schedule_check(schedule)
     scenarios = scenarios or list(SCENARIO_DEGREES)
     batches, m = profiling_batches(batch_sizes, num_microbatches, training, scenarios)
     runs = planned_runs(model, hardware, scenarios, batches)

@@ -16,7 +16,7 @@ import costs.activations
 import costs.params
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import Plan, ScheduleKind, ScheduleSpec
+from specs.plan import Plan, ScheduleSpec
 from specs.training import TrainingSpec
 
 
@@ -41,9 +41,10 @@ def capture_policy():
 
 def base_plan(policy: MPressPolicy, model, hardware, training, schedule, profile=None) -> Plan:
     """The pipeline MPress compacts: one stage per device, partitioned by ``policy.partition``."""
-    if schedule.kind is ScheduleKind.interleaved_1f1b:
-        raise PlanningError("policy=mpress plans one stage per device (MPress §IV evaluates PipeDream async and "
-                            "DAPPLE's 1F1B); use schedule=1f1b, pipedream_async or gpipe")
+    if schedule.virtual_stages > 1:  # interleaved 1F1B, a V (zbv, dualpipev): several chunks per device
+        raise PlanningError(f"policy=mpress plans one stage per device (MPress §IV evaluates PipeDream async and "
+                            f"DAPPLE's 1F1B); schedule {schedule.kind.value} places {schedule.virtual_stages} "
+                            "chunks on each: use schedule=1f1b, pipedream_async, gpipe or zb_h1")
     if policy.partition == "capture":
         plan = capture_partition(model, hardware, training, schedule, profile)
         if any(st.dp != 1 or st.tp != 1 for st in plan.stages) or len({st.devices[0] for st in plan.stages}) != len(plan.stages):

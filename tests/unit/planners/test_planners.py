@@ -155,3 +155,17 @@ def test_explicit_layers_per_stage_still_wins():
     plan = make_plan(parse_policy({"kind": "manual", "pp": 2, "layers_per_stage": [1, 5]}), model, hw,
                      TrainingSpec(global_batch=8, microbatch_size=1), ScheduleSpec())
     assert [s.num_layers for s in plan.stages] == [1, 5]
+
+
+@pytest.mark.parametrize("kind", ["interleaved_1f1b", "zbv", "dualpipev"])
+def test_one_stage_per_device_planners_refuse_several_chunks_per_device(model, hardware, training, kind):
+    """MPress's stage->device mapping and CAPTURE's profiling runs place one stage per device
+    (group); a schedule with several chunks per device is a one-line error naming the schedule,
+    not an internal error from the mapping's distinct-devices check (fuzz_inputs found both)."""
+    from planners.capture.planner import capture_schedule_check
+
+    schedule = ScheduleSpec(kind=kind, virtual_stages=2)
+    with pytest.raises(PlanningError, match=f"policy=mpress plans one stage per device.*schedule {kind}"):
+        make_plan(parse_policy({"kind": "mpress"}), model, hardware, training, schedule)
+    with pytest.raises(PlanningError, match=f"schedule {kind} places 2 chunks"):
+        capture_schedule_check(schedule)

@@ -57,6 +57,11 @@ import warnings
 import torch
 from torch import nn
 
+# tp > 1: the vocab-parallel head returns its loss as DTensor.to_local(), a view; the stage only
+# scales it out of place (executor.stage_passes: y * loss_scale), so FSDP2's warning about an
+# in-place op on it skipping the pre-backward hook does not apply (set once, for that module only)
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*FSDPLMHead\) returned a view tensor")
+
 
 class Fsdp:
     """FSDP2 over one stage's layers (``rt``: executor.stage.StageRuntime, layers built and tied,
@@ -73,10 +78,6 @@ class Fsdp:
         # (stage_mesh); FSDP2 then shards each TP shard over dp (Shard(0) of the local rows)
         mesh_2d = getattr(rt, "mesh_2d", None)
         mesh = mesh_2d["dp"] if mesh_2d is not None else DeviceMesh.from_group(rt.dp_group, rt.torch_device.type)
-        if mesh_2d is not None:  # the vocab-parallel head returns its loss as DTensor.to_local(), a view; the
-            # stage only scales it out of place (executor.stage_passes: y * loss_scale), so FSDP2's warning
-            # about an in-place op on it skipping the pre-backward hook does not apply
-            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*FSDPLMHead\) returned a view tensor")
         mods = [mod for _, _, mod in rt.layers]
         # fully_shard puts a new (DTensor) Parameter in each module's attribute: where the weight tied
         # over stages sits, to hand the stage its sharded successor below

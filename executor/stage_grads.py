@@ -147,37 +147,35 @@ class StageGrads:
 
     def _sum_tied_shards(self, param, group) -> None:
         """ZeRO-2's embedding group: each replica's reduced shard of the tied weight (the same
-        elements on both stages, executor.zero2) in its place in a zero tensor of the weight's
-        shape, summed over the group: every rank then holds its shard of g_first + g_last."""
-        acc = self.zero1.tied_acc(param)
+        elements on both stages, executor.zero2), elements [lo, hi) of the flattened weight."""
         lo, hi = self.zero1.tied_shard(param)
-        with self.tracker.phase("buffers"):
-            full = torch.zeros(param.shape, dtype=acc.dtype, device=acc.device)
-        full.view(-1)[lo:hi] = acc
-        dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
-        acc.copy_(full.view(-1)[lo:hi])
-        self.tracker.release(full)
+        self._sum_tied_part(param.shape, self.zero1.tied_acc(param), lambda full: full.view(-1)[lo:hi], group)
 
     def _sum_tied_dtensor_shards(self, param, group) -> None:
         """ZeRO-3's embedding group: both stages shard the tied weight alike (FSDP2's Shard(0) rows
         over the same dp degree, of the TP shard where tp > 1; executor.fsdp), so a rank's reduced
         gradient shard (FSDP2's last reduce-scatter of the iteration has landed: its final callback
-        waited for it) covers the same rows as the matching rank's on the other stage. Each rank puts
-        its shard at its global offset in a zero tensor of the weight's shape and the group sums them,
-        as ZeRO-2's (costs.buffers ``tied_sync_buffer_bytes`` holds that whole copy): every rank then
-        holds its rows of g_first + g_last. Both stages add the same two numbers, so the copies'
-        gradients, and with them their Adam states and weights, stay bitwise equal."""
+        waited for it) covers the same rows as the matching rank's on the other stage. Both stages
+        add the same two numbers, so the copies' gradients, and with them their Adam states and
+        weights, stay bitwise equal."""
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         g = param.grad
-        local = g._local_tensor
         shape, offset = compute_local_shape_and_global_offset(g.shape, g.device_mesh, g.placements)
+        rows = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        self._sum_tied_part(g.shape, g._local_tensor, lambda full: full[rows], group)
+
+    def _sum_tied_part(self, shape, local: torch.Tensor, part, group) -> None:
+        """A sharded tied gradient summed over the embedding group: ``local`` (this rank's shard) at
+        its place ``part(full)`` in a zero tensor of the weight's ``shape``, one all-reduce (the
+        whole-size buffer costs.buffers ``tied_sync_buffer_bytes`` holds), the sum copied back: every
+        rank then holds its shard of g_first + g_last."""
         with self.tracker.phase("buffers"):
-            full = torch.zeros(g.shape, dtype=local.dtype, device=local.device)
-        rows = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-        rows.copy_(local)
+            full = torch.zeros(shape, dtype=local.dtype, device=local.device)
+        view = part(full)
+        view.copy_(local)
         dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
-        local.copy_(rows)
+        local.copy_(view)
         self.tracker.release(full)  # gloo's worker thread may still hold it (executor.memtrack.release)
 
     def step(self) -> None:

@@ -388,9 +388,10 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
             nxt = plan.stages[i + 1]
             nbytes = costs.buffers.boundary_send_bytes(model, plan, stage)[0]  # s/t per rank under SP
             src, dst = stage.devices[0], nxt.devices[0]
-            hop = costs.collectives.transfer_s(nbytes, hardware.link(src, dst)) if src != dst else 0.0
-            if plan.p2p_blocking:  # already in the sender's passes (blocking_send_s): arrives as they end
-                hop = 0.0
+            # with plan.p2p_blocking the transfer is in the sender's passes (blocking_send_s): it
+            # arrives as they end
+            hop = (costs.collectives.transfer_s(nbytes, hardware.link(src, dst))
+                   if src != dst and not plan.p2p_blocking else 0.0)
             p2p[plan.device_group_of(i)] += 2 * hop
             hops[i] = hop
     kind = plan.schedule.kind

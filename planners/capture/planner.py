@@ -361,7 +361,6 @@ def capture_space_check(model, hardware) -> None:
     holds ≥ 1 layer, so L layers occupy at most L nodes (GPT-3 175B's 98 layers on 128 nodes) — or
     when even the fewest layers that can fill the nodes are too many for the exact DP. Cheap:
     run.py calls it before profiling."""
-    from planners.layout import PlanningError
 
     if model.num_layers < hardware.nodes:
         raise PlanningError(
@@ -382,7 +381,6 @@ def recommend_for(stats: CaptureStats, policy, model, hardware, training) -> tup
     layers, each merged layer's original [start, stop)). Merges layers (§III-A3) to policy.merge_layers,
     or — when the exact DP would try more than DP_TRANSITIONS stage configs — to the most layers it
     may (exact on the merged layers; the search space is then coarser, not the search)."""
-    from planners.layout import PlanningError
 
     spans = [(i, i + 1) for i in range(model.num_layers)]
     target = policy.merge_layers
@@ -426,7 +424,7 @@ def recommend_for(stats: CaptureStats, policy, model, hardware, training) -> tup
 def plan_capture(policy, model, hardware, training, schedule, profile) -> Plan:
     """policy=capture: the recommender's plan (lowest predicted peak, paper's tie-break) from the
     CAPTURE statistics in ``profile`` (a specs.profile.Profile with its ``capture`` section)."""
-    from planners.layout import PlanningError, recompute_actions
+    from planners.layout import recompute_actions
     from specs.plan import Plan, StagePlan
 
     if profile is None or profile.capture is None:

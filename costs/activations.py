@@ -229,6 +229,7 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
         need = math.ceil(b * (per_sample / tp + spec.workspace_bytes_per_sample - per_sample)
                          + fixed / tp + spec.workspace_fixed_bytes - fixed)
         need = max(need, vocab_parallel_loss_bytes(spec, b, tp))
+        scratch = need
         action = stage.action_of(l).action
         if action is MemoryAction.recompute:
             need += (layer_saved_bytes(spec, b, tp, sp=stage.sequence_parallel)
@@ -237,7 +238,11 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
             need += math.ceil(b * spec.selective_bytes_per_sample / tp)
         if n:
             need += layer_output_bytes(model, l, b, split)
-        need += ring_workspace_bytes(spec, b, tp, stage.cp)  # cp > 1: the ring's K/V send-receive buffers
+        # cp > 1: the ring's K/V send-receive buffers live while the attention core runs, not beside
+        # the layer's largest scratch (its weight gradients, the MLP's first in the backward): the
+        # larger of the two (measured on local_cpu, recomputed gpt blocks at cp 2: the scratch's peak,
+        # ring buffers freed; costs.context_parallel.ring_workspace_bytes)
+        need += max(0, ring_workspace_bytes(spec, b, tp, stage.cp) - scratch)
         need += zero2_layer_grad_bytes(model, plan, stage, l) + zero3.get(l, 0)  # costs.sharded_dp
         best = max(best, need - freed)
         freed += layer_freed_bytes(model, stage, l, b)

@@ -24,7 +24,8 @@ What each of the cp ranks of a stage holds and does, per microbatch:
   tensor-parallel rank's share of the kv heads) to the next rank while computing with the block it
   has. The backward rotates K and V again plus their gradient accumulators dK and dV: 4 blocks per
   step. Transfers overlap the block computes (:func:`ring_attention_s`): one step takes
-  max(block compute, block transfer), the first block computes with nothing yet to wait for.
+  max(block compute, block transfer), the first block computes with nothing yet to wait for; the
+  backward's last accumulator goes to its owner after the last block, exposed.
 - **Ring buffers** (:func:`ring_workspace_bytes`): the send/receive blocks TransformerEngine's
   ``AttnFuncWithCPAndKVP2P`` allocates, cp K+V blocks in the forward, 4 (K, V, dK, dV, twice) in
   the backward, counted in the layer's backward workspace.
@@ -55,8 +56,12 @@ FWD_BLOCKS, BWD_BLOCKS = 2, 4
 
 
 def kv_bytes_per_sample(layer: LayerSpec) -> int:
-    """K plus V bytes of one whole sequence (all kv heads): the layer's saved ``attn.k`` and
-    ``attn.v`` tensors (g·d·s·act each, GQA's g kv heads); 0 for a layer without them."""
+    """K plus V bytes of one whole sequence (all kv heads): ``layer.kv_bytes_per_sample`` where set
+    (costs.families.build_model records it, and a symbolic profile, whose saved tensors are named by
+    operator, keeps it), else the layer's saved ``attn.k`` and ``attn.v`` tensors (g·d·s·act each,
+    GQA's g kv heads); 0 for a layer without them."""
+    if layer.kv_bytes_per_sample:
+        return layer.kv_bytes_per_sample
     return sum(t.bytes_per_sample for t in layer.saved_tensors if t.name in ("attn.k", "attn.v"))
 
 
@@ -118,19 +123,23 @@ def layer_cp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage:
         core_s = core_compute_s(model, plan, hardware, stage, layer, backward)
         step_s = transfer_s(ring_step_bytes(spec, b, stage.tp, backward), link)
         out.append(ring_attention_s(core_s, step_s, stage.cp) - core_s)
+    # the backward's last dK, dV accumulator is complete only after the last block: its transfer to
+    # its owner follows it, exposed (executor/ring_attention.py; one K+V-sized block)
+    out[1] += transfer_s(ring_step_bytes(spec, b, stage.tp), link)
     return out[0], out[1]
 
 
 def ring_bytes_per_microbatch(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
     """Bytes one rank of ``stage`` sends over the ring for one microbatch, forward and backward:
-    (cp-1) steps of :func:`ring_step_bytes` per ring layer and pass (closed form
-    (cp-1)·(2+4)·g·d·(s/cp)·b·act/tp per layer)."""
+    (cp-1) steps of :func:`ring_step_bytes` per ring layer and pass, and the backward's last dK, dV
+    accumulator to its owner (closed form ((cp-1)·(2+4) + 2)·g·d·(s/cp)·b·act/tp per layer)."""
     if stage.cp <= 1:
         return 0
     b = samples_per_replica(plan, stage)
     return sum((stage.cp - 1) * (ring_step_bytes(model.layers[i], b, stage.tp)
                                  + ring_step_bytes(model.layers[i], b, stage.tp, backward=True))
-               for i in stage.layers if model.layers[i].kind in RING_KINDS)
+               + ring_step_bytes(model.layers[i], b, stage.tp)
+               for i in stage.layers if model.layers[i].kind in RING_KINDS and kv_bytes_per_sample(model.layers[i]))
 
 
 #: K+V-sized buffers the ring holds beyond the layer's own saved K and V, TransformerEngine's
@@ -155,10 +164,11 @@ def ring_workspace_bytes(layer: LayerSpec, samples: int | float, tp: int, cp: in
     layers without a ring): ``max(forward, backward)`` K+V buffers (:func:`fwd_ring_kv_buffers`,
     :data:`BWD_RING_KV_BUFFERS`) of one block, the K and V of ``samples`` (per cp rank, s/cp tokens
     each) on this tensor-parallel rank's kv heads: closed form max(cp, 4)·2·g·d·(s/cp)·b·act/tp.
-    The simulator books it in the backward workspace (costs.activations.backward_workspace_bytes):
-    in the steady state a rank holds more finished microbatches during a backward than during a
-    forward (1F1B: p-1 plus the running one, then p), so booking the forward's buffers there too is
-    an upper bound, exact where the backward's dominate (cp <= 4)."""
+    The simulator books it in the backward workspace (costs.activations.backward_workspace_bytes)
+    as an alternative to the layer's other backward scratch, whose peak (the weight gradients) is not
+    live while the core runs: in the steady state a rank holds more finished microbatches during a
+    backward than during a forward (1F1B: p-1 plus the running one, then p), so booking the
+    forward's buffers there too is an upper bound, exact where the backward's dominate (cp <= 4)."""
     if cp <= 1 or layer.kind not in RING_KINDS:
         return 0
     buffers = max(fwd_ring_kv_buffers(cp), BWD_RING_KV_BUFFERS)

@@ -19,6 +19,7 @@ from costs.family_moe import tied_params as _moe_tied
 from costs.family_transformer import BertConfig, GPTConfig, build_bert, build_gpt
 from costs.family_transformer import tied_params as _transformer_tied
 from costs.family_wresnet import WResNetConfig, build_wresnet
+from costs.context_parallel import kv_bytes_per_sample
 from specs.model import MAX_LAYERS, LayerSpec, ModelSpec
 
 ACT_DTYPE_BYTES = (2, 4)  # fp16/bf16, fp32
@@ -121,7 +122,12 @@ def build_model(cfg: ModelConfig, act_dtype_bytes: int = 2) -> ModelSpec:
         raise ValueError(f"act_dtype_bytes: must be one of {ACT_DTYPE_BYTES}, got {act_dtype_bytes}")
     if isinstance(cfg, dict):
         cfg = parse_model_config(cfg)
-    return FAMILIES[cfg.family].build(cfg, act_dtype_bytes)
+    model = FAMILIES[cfg.family].build(cfg, act_dtype_bytes)
+    # the ring's K+V block, recorded once from the closed form's saved K and V, so a profile that
+    # replaces the saved tensors (specs.profile.apply_profile) keeps it (costs.context_parallel)
+    layers = [layer.model_copy(update={"kv_bytes_per_sample": kv}) if (kv := kv_bytes_per_sample(layer)) else layer
+              for layer in model.layers]
+    return model.model_copy(update={"layers": layers})
 
 
 def published_params(cfg: ModelConfig) -> int:

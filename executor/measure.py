@@ -36,7 +36,7 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
                                f"(d2d targets must be among the plan's stage devices {sorted(used)})")
     from executor.context_parallel import unsupported as cp_unsupported  # cp > 1: ring attention
 
-    out += cp_unsupported(plan)
+    out += cp_unsupported(plan, _config(model_cfg) if model_cfg is not None else None)
     from executor.fsdp import unsupported as zero3_unsupported  # ZeRO-3: FSDP2
     from executor.zero1 import unsupported as zero1_unsupported  # ZeRO-1 and the overlapped dp sync
     from executor.zero2 import unsupported as zero2_unsupported

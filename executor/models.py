@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from executor.ring_attention import ring_attention
+
 INIT_STD = 0.02  # GPT-2 / Megatron init
 
 #: DTensor tensor-parallel plan of a transformer block (Megatron §3: column-parallel q, k, v and
@@ -34,13 +36,17 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim, self.causal = h // heads, causal
         self.q, self.k, self.v, self.proj = (nn.Linear(h, h) for _ in range(4))
+        self.ring = None  # context parallelism: an executor.ring_attention.Ring (executor.context_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # under TP the column-parallel q/k/v give h/t features: the local heads
         split = lambda t: t.view(b, s, -1, self.head_dim).transpose(1, 2)  # noqa: E731
-        y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)),
-                                           is_causal=self.causal)
+        if self.ring is not None:
+            y = ring_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), self.ring, self.causal)
+        else:
+            y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)),
+                                               is_causal=self.causal)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -79,12 +85,13 @@ class TokenEmbedding(nn.Module):
         self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(s, h) if positions else None
         self.tte = nn.Embedding(token_types, h) if token_types else None
         self.ln = nn.LayerNorm(h) if ln else None
+        self.positions = None  # context parallelism: this cp rank's token positions (executor.context_parallel)
 
     def forward(self, x, batch):
         ids = batch["ids"]
         y = self.wte(ids)
         if self.wpe is not None:
-            y = y + self.wpe.weight[: ids.shape[1]]
+            y = y + (self.wpe.weight[: ids.shape[1]] if self.positions is None else self.wpe.weight[self.positions])
         else:  # a fresh tensor, not a view of the row gather: a sent view frees nothing when the
             # executor releases it (executor.boundary.release); Megatron's embedding ends in a copy too
             y = y.clone()
@@ -167,12 +174,16 @@ class LlamaAttention(nn.Module):
         self.q, self.proj = nn.Linear(h, h, bias=False), nn.Linear(h, h, bias=False)
         self.k, self.v = nn.Linear(h, kv_heads * d, bias=False), nn.Linear(h, kv_heads * d, bias=False)
         self.rotary = Rotary(s, d, theta)
+        self.ring = None  # context parallelism (executor.context_parallel); the rotary tables then hold its positions
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         split = lambda t: t.view(b, s, -1, self.head_dim).transpose(1, 2)  # noqa: E731
         q, k = self.rotary(split(self.q(x))), self.rotary(split(self.k(x)))
-        y = F.scaled_dot_product_attention(q, k, split(self.v(x)), is_causal=True, enable_gqa=True)
+        if self.ring is not None:  # K and V travel the ring on their kv heads (grouped-query attention)
+            y = ring_attention(q, k, split(self.v(x)), self.ring, True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, split(self.v(x)), is_causal=True, enable_gqa=True)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 

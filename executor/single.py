@@ -58,6 +58,8 @@ def run_stage_alone(plan: Plan, model_cfg, stage_index: int, iterations: int = 2
     stage = plan.stages[stage_index]
     if stage.tp != 1:
         raise ValueError(f"stages[{stage_index}].tp: {stage.tp}; a stage alone runs without TP (tp must be 1)")
+    if stage.cp != 1:
+        raise ValueError(f"stages[{stage_index}].cp: {stage.cp}; a stage alone has no ring partners (cp must be 1)")
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:  # "cuda" != "cuda:0": tensors carry an index, and the
         dev = torch.device("cuda", torch.cuda.current_device())  # swapper compares t.device with it

@@ -21,7 +21,7 @@ from executor.swap import Swapper
 from executor.timeline import NO_STAMPS, Stamps
 from executor.window import Window
 from costs.buffers import p2p_split
-from executor.topology import coords, replica_rows, routes
+from executor.topology import mesh_coords, replica_rows, routes
 from specs.plan import SPLIT_BACKWARD, V_SHAPED, Plan, ScheduleKind
 from specs.training import Optimizer
 
@@ -40,12 +40,14 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
         self.plan, self.cfg, self.index, self.stage, self.device = plan, cfg, index, st, device
         self.rank_of, self.torch_device, self.tracker, self.dtype = rank_of, torch_device, tracker, dtype
         self.nvme_dir = nvme_dir  # ZeRO-Offload's NVMe state files too (executor.zero_offload, via stage_grads)
-        self.replica, self.tp_rank = coords(st, device)
+        # (replica, cp rank, tp rank); cp > 1: this rank holds its cp rank's sequence positions of
+        # its replica's rows (executor.ring_attention.cp_positions)
+        self.replica, self.cp_rank, self.tp_rank = mesh_coords(st, device)
         self.rows = replica_rows(plan, st, self.replica)
         self.first, self.last = index == 0, index == len(plan.stages) - 1
         self.m = plan.training.microbatches
         self.dp_group = groups.get(("dp", index, self.tp_rank))
-        self.tp_group = groups.get(("tp", index, self.replica))
+        self.tp_group = groups.get(("tp", index, self.replica * st.cp + self.cp_rank))
         # a window's streamed layers are built in host memory (executor.window takes them from there)
         self.layers = build_layers(cfg, st.layers, torch_device, seed, dtype, rows=self.rows[1] - self.rows[0],
                                    host=frozenset(st.streamed_layers))
@@ -87,6 +89,13 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
             self.layers, self.tp_group, torch_device.type, sequence_parallel=st.sequence_parallel,
             split_in=self.split_in, split_out=self.split_out,
             mesh=self.mesh_2d["tp"] if self.mesh_2d is not None else None)
+        # context parallelism (executor.context_parallel): attention as a ring over the stage's cp
+        # ranks, position tables at this cp rank's positions, which _microbatch's columns follow
+        self.positions = None
+        if st.cp > 1:
+            from executor.context_parallel import apply as context_parallel
+
+            context_parallel(self)
         # a V placement (zbv, dualpipev) puts the first and last chunk on one rank: one shared embedding/head
         borrowed = None
         if plan.schedule.kind in V_SHAPED:
@@ -172,7 +181,7 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
                                           record=record_window)
         # the loss of a replica's rows, scaled so that all replicas and microbatches sum to the
         # global mean: every gradient is then d(global loss), and DP all-reduce is a plain SUM
-        self.loss_scale = 1.0 / (self.m * st.dp)
+        self.loss_scale = 1.0 / (self.m * st.dp * st.cp)  # cp ranks: equal token counts, summed too
         self.loss_sum = 0.0
         self.inputs: dict[int, torch.Tensor | None] = {}
         self.outputs: dict[int, torch.Tensor] = {}

@@ -93,6 +93,8 @@ class StageComm:
         the blocked recv was the largest single item of an iteration, ~25 %)."""
         table = self.in_routes if kind == "act" else self.grad_in_routes
         tag = message_tag(kind, peer, k, self.m)
+        if self.stage.cp > 1:  # context parallelism: this cp rank's s/cp tokens (executor.context_parallel)
+            tail = (tail[0] // self.stage.cp, *tail[1:])
         if getattr(self, "split_in" if kind == "act" else "split_out", False):  # s/t of the sequence (dim 0 of tail)
             tail = (tail[0] // self.stage.tp, *tail[1:])
         posted = []

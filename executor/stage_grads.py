@@ -133,7 +133,7 @@ class StageGrads:
                 mine.view(-1)[lo:hi] = local.reshape(-1)[lo:hi]
             else:
                 full = g.full_tensor() if hasattr(g, "full_tensor") else local.clone()
-                if self.replica or self.tp_rank:
+                if self.replica or self.cp_rank or self.tp_rank:
                     full.zero_()
             dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
             if self.map is not None:  # a MAP layout: this rank's shard of it (a local split, no communication)

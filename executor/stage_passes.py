@@ -37,8 +37,12 @@ class StagePasses:
         need |= {key for key in batch if key not in ("ids", "token_types", "images", "targets")}
         # clone: a loader hands each rank its own rows, not a view of the global batch; values that
         # are not per sample (a user model's (1, s) position ids) go whole (user_model.Batch)
-        return {key: v.clone().to(self.torch_device)
-                for key, v in user_model.microbatch(batch, lo, hi).items() if key in need}
+        out = {key: v.clone().to(self.torch_device)
+               for key, v in user_model.microbatch(batch, lo, hi).items() if key in need}
+        if self.positions is not None:  # context parallelism: this cp rank's tokens of each sequence
+            cols = self.positions.to(self.torch_device)
+            out = {key: v[:, cols] if key in ("ids", "token_types", "targets") else v for key, v in out.items()}
+        return out
 
     def run_as(self, k: int) -> list:
         """(global layer index, module, memory action) of each layer for microbatch ``k``."""

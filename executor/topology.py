@@ -68,24 +68,29 @@ def routes(plan: Plan, src: int, dst: int) -> list[Route]:
     s -> s+1, gradients s+1 -> s). Every device of ``dst`` needs its replica's rows (all TP ranks
     of a replica hold the whole, replicated, boundary tensor); it gets them from each ``src``
     replica whose rows overlap, from that replica's TP rank ``dst_tp % src.tp`` (spreads the
-    sends over the sender's TP ranks). Both ends compute the same ordered list."""
+    sends over the sender's TP ranks) and, under context parallelism, its own cp rank (equal cp on
+    both stages: the sequence positions are the cp rank's). Both ends compute the same ordered list."""
     a, b = plan.stages[src], plan.stages[dst]
+    if a.cp != b.cp:
+        raise ValueError(f"stages {src} and {dst}: cp {a.cp} and {b.cp}; a boundary between context-parallel "
+                         f"stages needs equal cp (each cp rank sends its own sequence positions)")
     out = []
-    for dst_index, dst_device in enumerate(b.devices):
-        r_dst, t_dst = divmod(dst_index, b.tp)
+    for dst_device in b.devices:
+        r_dst, c, t_dst = mesh_coords(b, dst_device)  # cp > 1: cp rank c talks to cp rank c only
         lo, hi = replica_rows(plan, b, r_dst)
         for r_src in range(a.dp):
             s_lo, s_hi = replica_rows(plan, a, r_src)
             start, stop = max(lo, s_lo), min(hi, s_hi)
             if start < stop:
-                out.append(Route(a.devices[r_src * a.tp + t_dst % a.tp], dst_device, start, stop))
+                out.append(Route(a.devices[(r_src * a.cp + c) * a.tp + t_dst % a.tp], dst_device, start, stop))
     return out
 
 
 def process_groups(plan: Plan) -> list[tuple[str, int, int, list[int]]]:
     """Every sub-group the run needs, in one fixed order (``new_group`` is collective: all ranks
-    create all groups in the same order): ("tp", stage, replica, ranks) per replica with tp > 1,
-    ("dp", stage, tp_rank, ranks) per TP rank with dp > 1, ("embed", 0, 0, ranks) over the first
+    create all groups in the same order): ("tp", stage, replica·cp + cp_rank, ranks) per replica
+    and cp rank with tp > 1, ("dp", stage, tp_rank, ranks) per TP rank with dp·cp > 1 (its dp x cp
+    ranks: the gradient all-reduce of context parallelism too), ("embed", 0, 0, ranks) over the first
     and last stage when they hold different devices. A MAP stage with an N-D mesh (N > 1) also
     gets ("map", stage, axis, ranks) for every line along every axis (its DeviceMesh's dim groups,
     executor.map_stage.build_mesh; a rank keeps the one line per axis it is on). A 1-D MAP mesh is
@@ -93,12 +98,12 @@ def process_groups(plan: Plan) -> list[tuple[str, int, int, list[int]]]:
     rank = rank_of_device(plan)
     out = []
     for s, st in enumerate(plan.stages):
-        if st.tp > 1:
-            for r in range(st.dp):
+        if st.tp > 1:  # one per (replica, cp rank): index replica·cp + cp_rank (the replica at cp 1)
+            for r in range(st.dp * st.cp):
                 out.append(("tp", s, r, [rank[d] for d in st.devices[r * st.tp:(r + 1) * st.tp]]))
-        if st.dp > 1:
+        if st.dp * st.cp > 1:  # the gradient all-reduce spans the dp x cp ranks of one tp rank
             for t in range(st.tp):
-                out.append(("dp", s, t, [rank[st.devices[r * st.tp + t]] for r in range(st.dp)]))
+                out.append(("dp", s, t, [rank[d] for d in st.devices[t::st.tp]]))
         shapes = {tuple(x.mesh) for x in st.sharding}
         if len(shapes) == 1 and len(next(iter(shapes))) > 1:  # several shapes: map_exec refuses the stage
             shape = next(iter(shapes))

@@ -442,12 +442,12 @@ def _collect(stages) -> tuple[dict, dict]:
     params, grads = {}, {}
     for st in stages:
         fsdp = getattr(st, "fsdp", None) is not None  # FSDP2's shards: every replica takes part in the gather
-        if st.replica != 0 and not fsdp:
+        if (st.replica != 0 or st.cp_rank != 0) and not fsdp:  # cp ranks hold the same weights
             continue
         for name, p, g in st.named_state():  # a window's streamed layers: their host copies
             full_p = p.full_tensor() if hasattr(p, "full_tensor") else p
             full_g = g.full_tensor() if hasattr(g, "full_tensor") else g
-            if st.tp_rank == 0 and st.replica == 0:
+            if st.tp_rank == 0 and st.replica == 0 and st.cp_rank == 0:
                 params[name] = full_p.detach().cpu().numpy().copy()
                 if full_g is not None:  # ZeRO-2 keeps only its shard (executor.zero2): no whole gradient
                     grads[name] = full_g.detach().cpu().numpy().copy()

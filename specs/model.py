@@ -155,6 +155,11 @@ class LayerSpec(Spec):
         description="of saved_bytes_per_sample, what selective recompute drops: the attention core's tensors "
                     "(QK^T, softmax, softmax dropout; 5as^2 per sample for a GPT block, Korthikanti Table 2), "
                     "all split by tensor parallelism; 0: the layer has no attention core to recompute")
+    kv_bytes_per_sample: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES,
+        description="K plus V bytes of one whole sequence (all kv heads) of the layer's attention: the block "
+                    "a context-parallel ring passes on (costs.context_parallel); 0: no attention core, or "
+                    "read from saved tensors named attn.k / attn.v")
     selective_gemms: list[GemmSpec] = Field(
         default_factory=list, max_length=64,
         description="the attention core's matmuls (QK^T, attention x V) the backward re-runs under selective")

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from costs.families import build_model, parse_model_config
-from executor import run_plan, unsupported
+from executor import unsupported
 from executor.context_parallel import CPU_SDPA_OP, cpu_ring_attention_op_handled
 from executor.reference import train_reference
 from executor.ring_attention import Ring, cp_positions, ring_attention
@@ -31,6 +31,7 @@ from specs.hardware import HardwareSpec
 from specs.plan import ScheduleSpec, validate_plan
 from tests.conftest import CPU_TRAINING, GPT_TINY, conf, longest_reduction, reorder_rtol, run_plan_float64
 from tests.integration.executor.test_executor_numerics import assert_matches
+from tests.integration.executor.test_fsdp_exec import assert_peaks_are_the_simulated_ones
 
 HW4 = HardwareSpec.model_validate({**conf("hardware", "local_cpu"), "devices_per_node": 4})
 LLAMA_TINY = parse_model_config(conf("model", "llama_tiny"))
@@ -172,25 +173,13 @@ def test_cp_plan_matches_the_single_process_reference(case):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt_cp2_pp2", "gpt_cp2_pp2_full_recompute", "llama_cp2_dp2"])
 def test_each_rank_peak_is_the_simulated_one(case):
-    from executor.profile_symbolic import profile_model
-    from simulator import simulate
-    from specs.profile import apply_profile
-
     long = GPT_TINY.model_copy(update={"seq_len": 128})
     cfg, policy = {"gpt_cp2_pp2": (long, dict(cp=2, pp=2)),
                    # the recomputed blocks' backward: the ring's buffers are not live beside the
                    # weight gradients' scratch (costs.activations.backward_workspace_bytes; +9 % when added)
                    "gpt_cp2_pp2_full_recompute": (long, dict(cp=2, pp=2, recompute="full")),
                    "llama_cp2_dp2": (LLAMA_TINY, dict(cp=2, dp=2))}[case]
-    plan = _plan(cfg, **policy)
-    out = run_plan(plan, cfg, iterations=2, memory_iteration=1)
-    assert out.failure is None, out.failure
-    traced = apply_profile(build_model(cfg, 4),
-                           profile_model(cfg, microbatch=CPU_TRAINING.samples_per_microbatch, dtype="fp32"))
-    sim = {d.device: d.peak_bytes for d in simulate(plan, traced, HW4).result.devices}
-    for rank, rep in out.reports.items():
-        simulated = sim[rep["device"]]
-        assert abs(rep["peak_bytes"] - simulated) <= 0.05 * simulated, (rank, rep["peak_bytes"], simulated)
+    assert_peaks_are_the_simulated_ones(_plan(cfg, **policy), cfg, HW4)
 
 
 # ---- (d) topology, refusals, torch's own ring ----------------------------------------------------------

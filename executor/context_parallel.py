@@ -20,6 +20,10 @@ mixed torch.Tensor and DTensor"). So the executor drives that CPU flash kernel i
 - **Gradients**: every rank's loss is the mean over its own tokens scaled by 1/(m·dp·cp), and the
   gradient all-reduce runs over the dp x cp ranks of one tp rank (topology's "dp" group), which is
   Megatron-Core's ``data_parallel_group_with_cp`` and what ``costs.params.grad_reduce_ranks`` prices.
+- **With other knobs**: tensor parallelism rings each tp rank's heads over its cp partners of the same
+  tp rank; sequence parallelism splits the cp rank's s/cp positions over tp; full recompute re-runs
+  the ring with its layer, selective recompute only the ring (executor.selective.active); ZeRO-1
+  shards over dp x cp.
 
 The simulator's side is costs/context_parallel.py (the same ring, its buffers and its transfers).
 """
@@ -67,11 +71,9 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
         if seq is not None and seq % (2 * st.cp):
             out.append(f"{where}.cp: {st.cp}: model.seq_len {seq} is not a multiple of 2·cp = {2 * st.cp} "
                        f"(the load-balanced chunks)")
-        if st.sequence_parallel:
-            out.append(f"{where}.sequence_parallel: with cp {st.cp}; allowed: sequence_parallel false with cp > 1")
-        if any(item.action.value != "recompute" for item in st.memory):
-            kinds = sorted({item.action.value for item in st.memory if item.action.value != "recompute"})
-            out.append(f"{where}.memory: {kinds} with cp {st.cp}; allowed with cp > 1: none or full recompute")
+        if any(item.action.value not in ("recompute", "selective") for item in st.memory):
+            kinds = sorted({item.action.value for item in st.memory if item.action.value not in ("recompute", "selective")})
+            out.append(f"{where}.memory: {kinds} with cp {st.cp}; allowed with cp > 1: keep, recompute or selective")
         offloads = [name for name in ("window_layers", "optimizer_on_cpu", "optimizer_swap", "nvme",
                                       "stash_swap_layers", "weight_swap_layers")
                     if getattr(st.offload, name) not in (None, False, [])]

@@ -164,9 +164,9 @@ def unsupported(plan, model_cfg=None) -> list[str]:
             out.append(f"stages[{i}].sequence_parallel: model family {family!r} has no sequence-parallel layers "
                        f"(allowed: {', '.join(SEQUENCE_PARALLEL_FAMILIES)})")
         seq = getattr(model_cfg, "seq_len", None)
-        if seq is not None and seq % st.tp:
-            out.append(f"stages[{i}].sequence_parallel: tp {st.tp} must divide the sequence length {seq} (each rank "
-                       "keeps s/t positions)")
+        if seq is not None and (seq // st.cp) % st.tp:  # cp > 1: the cp rank's s/cp positions split over tp
+            out.append(f"stages[{i}].sequence_parallel: tp {st.tp} must divide the sequence length {seq // st.cp} "
+                       f"{'of a cp rank ' if st.cp > 1 else ''}(each rank keeps s/t positions)")
         if st.streamed_layers or st.offload.weight_swap_layers:
             out.append(f"stages[{i}].sequence_parallel: with a STRONGHOLD window or weight swap on the stage is not "
                        "implemented (the executor runs sequence parallelism on resident layers)")

@@ -33,6 +33,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from executor.selective import active as selective_active
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -165,10 +168,13 @@ class _RingAttention(torch.autograd.Function):
             finished = dkv
             if kv_next is not None:
                 kv = kv_next
-        # the last block's accumulator is complete: on to its owner, the next rank
-        mine, sent = _exchange(finished, ring, _DKV)
-        for w in sent:
-            w.wait()
+        # the last block's accumulator is complete: on to its owner, the next rank (a ring of one
+        # rank owns it already)
+        mine = finished
+        if cp > 1:
+            mine, sent = _exchange(finished, ring, _DKV)
+            for w in sent:
+                w.wait()
         return dq, mine[0], mine[1], None, None, None
 
 
@@ -180,4 +186,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     the order of the softmax's sums."""
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, causal, scale)
+    args = (q.contiguous(), k.contiguous(), v.contiguous(), ring, causal, scale)
+    if selective_active() and torch.is_grad_enabled():  # selective recompute: the core re-run in the backward
+        return checkpoint(_RingAttention.apply, *args, use_reentrant=False)
+    return _RingAttention.apply(*args)

@@ -14,7 +14,8 @@ math path the mask additions' a·s² outputs. Measured live bytes after a gpt_ti
 (b 2, s 32, h 64, fp32): keep 264,192; block-wide policy 295,936 (views recomputed too: 279,552);
 this 263,168; full recompute 16,384. Math attention: keep 295,936, this 263,168; a core-region
 policy that saves the non-core operators 465,928. Context parallelism (a ring attention in place
-of the SDPA call) would need its own core function caught here.
+of the SDPA call) checkpoints its ring while this is active (:func:`active`): the recompute re-runs
+the forward ring, whose messages every cp rank then exchanges at the same point of its backward.
 
 What it frees: the tensors the core saves beyond its inputs and its output. Its output (attention
 over V, the projection's input) stays, as Megatron's ``--recompute-granularity selective`` keeps
@@ -23,6 +24,8 @@ is the log-sum-exp only, b·a·s fp32 values per layer; with math attention the 
 and dropout tensors (the 5as/h term).
 """
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +37,26 @@ def _core(*args, **kwargs):
     return F.scaled_dot_product_attention(*args, **kwargs)
 
 
+_ACTIVE = threading.local()
+
+
+def active() -> bool:
+    """Whether a :class:`SelectiveCore` is active on this thread: executor.ring_attention (context
+    parallelism's core, not an SDPA call) then checkpoints its ring the same way."""
+    return getattr(_ACTIVE, "depth", 0) > 0
+
+
 class SelectiveCore(TorchFunctionMode):
     """While active, every ``F.scaled_dot_product_attention`` call runs checkpointed (see the
-    module docstring); other functions run as they are."""
+    module docstring), and so does a ring attention (:func:`active`); other functions run as they are."""
+
+    def __enter__(self):
+        _ACTIVE.depth = getattr(_ACTIVE, "depth", 0) + 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.depth -= 1
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

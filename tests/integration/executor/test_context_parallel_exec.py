@@ -2,8 +2,8 @@
 
 (a) The ring itself: on 2 and 3 ranks, causal and bidirectional, with grouped-query K/V, each rank's
 output and q/k/v gradients equal scaled_dot_product_attention on the whole sequence at that rank's
-load-balanced positions (float64). (b) Whole plans (gpt, llama, bert; cp with dp, pp, tp, full
-recompute, cp 4): float64 losses, gradients and weights after two iterations equal the
+load-balanced positions (float64). (b) Whole plans (gpt, llama, bert; cp with dp, pp, tp, sequence
+parallelism, full and selective recompute, cp 4): float64 losses, gradients and weights after two iterations equal the
 single-process reference. (c) Each rank's measured peak is within 5 % of the simulated one
 (costs/context_parallel.py's ring buffers included). (d) What the executor still refuses with cp > 1,
 each with its field; and the reason the ring is memwall's own: torch's ring attention raises on
@@ -34,6 +34,7 @@ from tests.integration.executor.test_executor_numerics import assert_matches
 from tests.integration.executor.test_fsdp_exec import assert_peaks_are_the_simulated_ones
 
 HW4 = HardwareSpec.model_validate({**conf("hardware", "local_cpu"), "devices_per_node": 4})
+HW8 = HardwareSpec.model_validate({**conf("hardware", "local_cpu"), "devices_per_node": 8})
 LLAMA_TINY = parse_model_config(conf("model", "llama_tiny"))
 BERT_TINY = parse_model_config(conf("model", "bert_tiny"))
 MOE_TINY = parse_model_config(conf("model", "moe_tiny"))
@@ -41,9 +42,10 @@ MOE_TINY = parse_model_config(conf("model", "moe_tiny"))
 
 def _plan(cfg=GPT_TINY, cp: int = 2, tp: int = 1, dp: int = 1, pp: int = 1, **policy):
     spec = build_model(cfg, 4)
-    plan = make_plan(ManualPolicy(pp=pp, dp=dp, tp=tp, cp=cp, **policy), spec, HW4, CPU_TRAINING,
+    hw = HW4 if pp * dp * cp * tp <= 4 else HW8
+    plan = make_plan(ManualPolicy(pp=pp, dp=dp, tp=tp, cp=cp, **policy), spec, hw, CPU_TRAINING,
                      ScheduleSpec(kind="1f1b"))
-    return validate_plan(plan, spec, HW4)
+    return validate_plan(plan, spec, hw)
 
 
 # ---- (a) the ring -------------------------------------------------------------------------------
@@ -134,6 +136,29 @@ def test_ring_attention_saves_what_sdpa_saves(family):
     torch.testing.assert_close(got, want)
 
 
+def test_selective_recompute_re_runs_the_ring_in_the_backward(monkeypatch):
+    """Under executor.selective's SelectiveCore the ring is checkpointed like SDPA: it saves q, k, v
+    (held by the block anyway) and its forward runs again in the backward (Korthikanti §5)."""
+    import executor.ring_attention as ra
+    from executor.models import Block
+    from executor.selective import SelectiveCore
+
+    calls = []
+    forward = ra._RingAttention.forward
+    monkeypatch.setattr(ra._RingAttention, "forward", staticmethod(lambda *a: calls.append(1) or forward(*a)))
+    block = Block(64, 4, 256, True, True)
+    block.attn.ring = Ring((0,), 0)
+    x = torch.randn(2, 32, 64, requires_grad=True)
+    with SelectiveCore():
+        y = block(x, None)
+    assert len(calls) == 1
+    y.sum().backward()
+    assert len(calls) == 2
+    calls.clear()
+    block(x, None).sum().backward()  # no selective: one forward
+    assert len(calls) == 1
+
+
 def test_load_balanced_positions_cover_the_sequence_once():
     for cp in (1, 2, 3, 4):
         parts = [cp_positions(48, cp, c) for c in range(cp)]
@@ -153,6 +178,12 @@ CASES = {
     "gpt_cp2_pp2_full_recompute": (GPT_TINY, dict(cp=2, pp=2, recompute="full")),
     "llama_cp2_pp2": (LLAMA_TINY, dict(cp=2, pp=2)),
     "bert_cp2_dp2": (BERT_TINY, dict(cp=2, dp=2)),
+    "gpt_cp2_pp2_selective": (GPT_TINY, dict(cp=2, pp=2, recompute="selective")),
+    "llama_cp2_dp2_selective": (LLAMA_TINY, dict(cp=2, dp=2, recompute="selective")),
+    # sequence parallelism inside each cp rank's s/cp positions (Megatron-Core runs cp with SP)
+    "gpt_cp2_tp2_sp": (GPT_TINY, dict(cp=2, tp=2, sequence_parallel=True)),
+    "llama_cp2_tp2_sp": (LLAMA_TINY, dict(cp=2, tp=2, sequence_parallel=True)),
+    "gpt_cp2_tp2_pp2_sp_8_ranks": (GPT_TINY, dict(cp=2, tp=2, pp=2, sequence_parallel=True)),
 }
 
 
@@ -208,8 +239,11 @@ def test_what_cp_still_refuses_names_the_field():
 
     assert not problems(_plan(cp=2, dp=2))
     assert any(p.startswith("model.family: 'moe'") for p in problems(_plan(MOE_TINY, cp=2, dp=2), MOE_TINY))
-    assert any(p.startswith("stages[0].memory: ['selective']") for p in problems(_plan(cp=2, dp=2, recompute="selective")))
-    assert any(p.startswith("stages[0].sequence_parallel") for p in problems(_plan(cp=2, tp=2, sequence_parallel=True)))
+    assert not problems(_plan(cp=2, dp=2, recompute="selective"))
+    assert not problems(_plan(cp=2, tp=2, sequence_parallel=True))
+    long = GPT_TINY.model_copy(update={"seq_len": 36})  # cp 2: 18 positions a rank, which tp 4 cannot split
+    assert any(p.startswith("stages[0].sequence_parallel: tp 4 must divide the sequence length 18 of a cp rank")
+               for p in unsupported(_plan(long, cp=2, tp=4, sequence_parallel=True), long))
     plan = _plan(cp=2, pp=2)
     mixed = plan.model_copy(update={"stages": [plan.stages[0], plan.stages[1].model_copy(update={"cp": 1, "dp": 2})]})
     assert any(p.startswith("stages[1].cp: 1 beside stage 0's 2") for p in unsupported(mixed, GPT_TINY))

@@ -108,12 +108,36 @@ def core_compute_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: 
     return gemm.gemms_fwd_s(dev, dtype, core, b, stage.tp)
 
 
+#: operators (torch dispatches) of executor/ring_attention.py's ring per layer and pass, as
+#: (base, per extra ring step) for (forward, backward), by (grouped-query K/V, causal): block slices,
+#: the log-sum-exp merges, the sends and receives, each a dispatch like any layer operator
+#: (``op_overhead_s``; 0 on the GPU devices, which queue kernels ahead); causal rings slice
+#: differently by rank (±2 a step), the most of any rank is kept (the ring runs in lockstep). Counted with a
+#: TorchDispatchMode on 2-4 gloo ranks; tests/integration/executor/test_context_parallel_exec.py
+#: recounts them. The cp-1 SDPA call they replace dispatched :data:`SDPA_OPS`.
+RING_OPS = {(False, True): ((10, 25), (33, 28)), (False, False): ((10, 23), (33, 26)),
+            (True, True): ((18, 33), (45, 40)), (True, False): ((18, 31), (45, 38))}
+SDPA_OPS = (2, 5)
+
+
+def ring_extra_ops(model: ModelSpec, layer: LayerSpec, cp: int) -> tuple[int, int]:
+    """(forward, backward) operators the ring dispatches beyond the SDPA call it replaces
+    (:data:`RING_OPS`): grouped-query when the layer's K+V is less than 2·hidden·s (one K and one V
+    per query head), bidirectional for BERT."""
+    if cp <= 1 or layer.kind not in RING_KINDS or not kv_bytes_per_sample(layer):
+        return 0, 0
+    whole = 2 * (model.hidden or 0) * (model.seq_len or 0) * model.act_dtype_bytes
+    key = (kv_bytes_per_sample(layer) < whole, model.family != "bert")
+    return tuple(base + step * (cp - 1) - sdpa for (base, step), sdpa in zip(RING_OPS[key], SDPA_OPS))
+
+
 def layer_cp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan,
                     layer: int) -> tuple[float, float]:
     """(forward, backward) seconds the ring adds to ``layer``'s passes on one rank: what of its
     cp-1 block transfers the core's block computes do not hide (:func:`ring_attention_s` less the
-    core compute, which the layer's own time already counts). (0, 0) at cp 1 and for layers
-    without an attention core."""
+    core compute, which the layer's own time already counts), the backward's last transfer, and the
+    ring's own operators (:func:`ring_extra_ops`). (0, 0) at cp 1 and for layers without an
+    attention core."""
     spec = model.layers[layer]
     if stage.cp <= 1 or spec.kind not in RING_KINDS or kv_bytes_per_sample(spec) == 0:
         return 0.0, 0.0
@@ -126,7 +150,8 @@ def layer_cp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage:
     # the backward's last dK, dV accumulator is complete only after the last block: its transfer to
     # its owner follows it, exposed (executor/ring_attention.py; one K+V-sized block)
     out[1] += transfer_s(ring_step_bytes(spec, b, stage.tp), link)
-    return out[0], out[1]
+    ops = ring_extra_ops(model, spec, stage.cp)  # the ring's own operators (0 s where op_overhead_s is 0)
+    return out[0] + ops[0] * hardware.device.op_overhead_s, out[1] + ops[1] * hardware.device.op_overhead_s
 
 
 def ring_bytes_per_microbatch(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:

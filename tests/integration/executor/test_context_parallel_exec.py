@@ -108,6 +108,50 @@ def test_ring_attention_equals_whole_sequence_attention(world, causal, kv_heads)
             assert err <= reorder_rtol(4 * world + world), (rank, name, err)
 
 
+def _count_rank(rank: int, world: int, port: int, queue, kv_heads: int, causal: bool) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        q = torch.randn(1, 4, 8, 8, requires_grad=True)
+        k, v = (torch.randn(1, kv_heads, 8, 8, requires_grad=True) for _ in "kv")
+        counts = []
+        for run in (lambda: ring_attention(q, k, v, Ring(tuple(range(world)), rank), causal),
+                    lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)):
+            with Count() as fwd:
+                y = run()
+            dy = torch.ones_like(y)
+            with Count() as bwd:
+                y.backward(dy)
+            counts.append((fwd.n, bwd.n))
+        queue.put((rank, counts))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,kv_heads,causal", [(2, 4, True), (3, 4, True), (2, 2, True), (3, 2, False), (2, 4, False)])
+def test_ring_operator_counts_are_the_simulators(world, kv_heads, causal):
+    """costs.context_parallel.RING_OPS / SDPA_OPS (the operators the simulator charges
+    op_overhead_s for) are what the ring and SDPA dispatch, recounted here."""
+    from costs.context_parallel import RING_OPS, SDPA_OPS
+
+    got = _spawn(_count_rank, world, kv_heads, causal)
+    (fb, fs), (bb, bs) = RING_OPS[(kv_heads < 4, causal)]
+    assert set(got) == set(range(world))
+    # the most of any rank, per pass (a causal ring slices its blocks differently by rank)
+    assert (max(r[0][0] for r in got.values()), max(r[0][1] for r in got.values())) == \
+        (fb + fs * (world - 1), bb + bs * (world - 1)), got
+    assert all(sdpa == SDPA_OPS for _, sdpa in got.values()), got
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama"])
 def test_ring_attention_saves_what_sdpa_saves(family):
     """A block under the ring (one rank: no messages) saves the same storages as under SDPA at cp 1:

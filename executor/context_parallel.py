@@ -56,11 +56,10 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
     if all(st.cp == 1 for st in plan.stages):
         return []
     out = []
-    family = getattr(model_cfg, "family", None) if model_cfg is not None else None
+    family, seq = getattr(model_cfg, "family", None), getattr(model_cfg, "seq_len", None)
     if family is not None and family not in RING_FAMILIES:
         out.append(f"model.family: {family!r} with cp > 1; the executor's ring attention runs {list(RING_FAMILIES)} "
                    f"(a user model's and MoE's attention have no ring here): plan and simulate cp, run cp 1")
-    seq = getattr(model_cfg, "seq_len", None) if model_cfg is not None else None
     for i, st in enumerate(plan.stages):
         where = f"stages[{i}]"
         if i and st.cp != plan.stages[i - 1].cp:
@@ -71,14 +70,11 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
         if seq is not None and seq % (2 * st.cp):
             out.append(f"{where}.cp: {st.cp}: model.seq_len {seq} is not a multiple of 2·cp = {2 * st.cp} "
                        f"(the load-balanced chunks)")
-        if any(item.action.value not in ("recompute", "selective") for item in st.memory):
-            kinds = sorted({item.action.value for item in st.memory if item.action.value not in ("recompute", "selective")})
+        kinds = sorted({item.action.value for item in st.memory} - {"recompute", "selective"})
+        if kinds:
             out.append(f"{where}.memory: {kinds} with cp {st.cp}; allowed with cp > 1: keep, recompute or selective")
-        offloads = [name for name in ("window_layers", "optimizer_on_cpu", "optimizer_swap", "nvme",
-                                      "stash_swap_layers", "weight_swap_layers")
-                    if getattr(st.offload, name) not in (None, False, [])]
-        if offloads:
-            out.append(f"{where}.offload: {offloads} with cp {st.cp}; allowed with cp > 1: no offload")
+        if st.offloads_set:
+            out.append(f"{where}.offload: {st.offloads_set} with cp {st.cp}; allowed with cp > 1: no offload")
     if plan.schedule.kind.value == "pipedream_async":
         out.append("schedule.kind: pipedream_async with cp > 1; allowed: the synchronous schedules")
     return out

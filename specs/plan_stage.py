@@ -174,11 +174,9 @@ class StagePlan(Spec):
                              f"{self.mesh} (one price per axis, in order)")
         # the simulator and executor.map_exec keep a MAP stage's states on its devices: an offload
         # here would be priced and run as if it were not there
-        for name in ("window_layers", "optimizer_on_cpu", "optimizer_swap", "nvme", "stash_swap_layers",
-                     "weight_swap_layers"):
-            if getattr(self.offload, name) not in (None, False, []):
-                raise ValueError(f"offload.{name}: a MAP-sharded stage keeps its weights, gradients and optimizer "
-                                 "state on its devices (sharded by its strategies); drop the offload")
+        for name in self.offloads_set:
+            raise ValueError(f"offload.{name}: a MAP-sharded stage keeps its weights, gradients and optimizer "
+                             "state on its devices (sharded by its strategies); drop the offload")
         if self.memory:
             raise ValueError("memory: a MAP-sharded stage recomputes by checkpoint segments (rotor); use checkpoint")
         if self.node_groups is not None:
@@ -200,6 +198,13 @@ class StagePlan(Spec):
     @property
     def layers(self) -> range:
         return range(self.layer_start, self.layer_stop)
+
+    @property
+    def offloads_set(self) -> list[str]:
+        """The ``offload`` fields this stage sets (a window, CPU/NVMe optimizer, stash or weight swap),
+        in declaration order: what a MAP stage or a context-parallel stage cannot take."""
+        return [name for name in ("window_layers", "optimizer_on_cpu", "optimizer_swap", "nvme", "stash_swap_layers",
+                                  "weight_swap_layers") if getattr(self.offload, name) not in (None, False, [])]
 
     @property
     def streamed_layers(self) -> list[int]:

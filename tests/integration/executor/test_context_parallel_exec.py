@@ -11,7 +11,6 @@ CPU's SDPA operator (reproduced)."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from costs.families import build_model, parse_model_config
 from executor import unsupported
 from executor.context_parallel import CPU_SDPA_OP, cpu_ring_attention_op_handled
+from executor.launch import free_port
 from executor.reference import train_reference
 from executor.ring_attention import Ring, cp_positions, ring_attention
 from executor.topology import coords, cp_group_devices, mesh_coords, routes
@@ -51,16 +51,10 @@ def _plan(cfg=GPT_TINY, cp: int = 2, tp: int = 1, dp: int = 1, pp: int = 1, **po
 
 # ---- (a) the ring -------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(target, world: int, *args) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, queue, *args)) for r in range(world)]
     for p in procs:
         p.start()

@@ -74,7 +74,7 @@ CHOICE_FIELDS = {
     "training.precision": ["fp32", "fp16", "bf16", "fp8"],
     "policy": ["even", "balanced", "manual"],
     "schedule": ["gpipe", "1f1b", "pipedream_async", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "nope"],
-    "policy.recompute": ["none", "full", "half", "selective"],
+    "policy.recompute": ["none", "full", "half", "selective", "op_sac"],
     "estimator": ["analytic", "simulator"],
     "training.optimizer": ["adam", "sgd"],
     "policy.zero_stage": ["0", "1", "2", "3", "4"],
@@ -87,6 +87,8 @@ CHOICE_FIELDS = {
     "policy.p2p_blocking": ["true", "false"],
     "policy.cp": ["1", "2", "4", "0"],
     "policy.recompute_num_layers": ["1", "2", "0", "null"],
+    "policy.recompute_every": ["1", "2", "0", "null"],
+    "model.fused_swiglu": ["true", "false", "maybe"],
 }
 ODD_ARGS = ["+hardware=null", "+hardware=nope", "foo=[", "+foo=1", "hardware=null", "+model=null",
             "training='${oops}'", "hardware.device=3", "mode=nope"]

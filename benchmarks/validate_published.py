@@ -38,7 +38,6 @@ from costs.context_parallel import layer_cp_comm_s  # noqa: E402
 from planning import plan_for  # noqa: E402
 from runconfig import UsageError, compose  # noqa: E402
 from simulator.analytic import estimate, iteration_time_s  # noqa: E402
-from specs.plan import MemoryAction  # noqa: E402
 
 GIB = 1 << 30
 ATTENTION_GEMMS = ("scores", "attn_v")
@@ -94,6 +93,12 @@ BRACKETS = {
     "published_llama3_405b_128k_cp16": [NONE],
     "published_torchtitan_8b_fsdp8": ["policy.recompute=selective"],
     "published_torchtitan_8b_fsdp128": ["policy.recompute=selective"],
+}
+#: settings a preset took before memwall could express the source's own, printed beside it (they fit):
+#: the torchtitan rows ran `full` until op-level SAC (policy.recompute=op_sac) existed, 2026-11-28
+STAND_INS = {
+    "published_torchtitan_8b_fsdp8": ["policy.recompute=full"],
+    "published_torchtitan_8b_fsdp128": ["policy.recompute=full"],
 }
 
 
@@ -156,8 +161,9 @@ def why(model, plan, hardware) -> dict[str, float]:
                 parts[name] = gemm.gemms_fwd_s(dev, dtype, gm, b, tp) + sum(gemm.gemms_bwd_s(dev, dtype, gm, b, tp))
             comm = 2 * lt.layer_tp_comm_s(model, plan, hardware, stage, layer) + sum(
                 layer_cp_comm_s(model, plan, hardware, stage, layer)) + lt.sp_regather_s(model, plan, hardware, stage, layer)
+            # selective's core and op_sac's re-run forward are inside the backward (each 0 otherwise)
             sel_rc = (lt.selective_recompute_s(model, plan, hardware, stage, layer)
-                      if stage.action_of(layer).action is MemoryAction.selective else 0.0)
+                      + lt.op_sac_recompute_s(model, plan, hardware, stage, layer))
             g["gemm_attention"] += m * parts["gemm_attention"]
             g["gemm_linear"] += m * parts["gemm_linear"]
             g["tp_sp_cp_comm"] += m * comm
@@ -251,7 +257,7 @@ def main() -> None:
     for preset, _system, _gpus, kind, rate, pub_gib, _source in PUBLISHED:
         err, _ = run_row(preset, kind, rate, pub_gib, simulate_too=not args.fast, show_why=args.why)
         errs.append(abs(err))
-        for extra in BRACKETS.get(preset, []):
+        for extra in STAND_INS.get(preset, []) + BRACKETS.get(preset, []):
             first = extra.split()[0]  # a bracket may be several overrides, space-separated
             run_row(preset, kind, rate, pub_gib, extra.split(), show_why=args.why,
                     label=f"  {first.split('=')[0].split('.')[-1]}={first.split('=')[1]}")

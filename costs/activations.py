@@ -17,14 +17,21 @@ from specs.plan import SPLIT_BACKWARD, LayerMemory, MemoryAction, Plan, Schedule
 
 
 SWAP_ACTIONS = frozenset({MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme})
+#: actions whose layer keeps (part of) its saved tensors on the device and its boundaries as kept
+KEPT_ACTIONS = frozenset({MemoryAction.keep, MemoryAction.selective, MemoryAction.op_sac})
 
 
-def layer_saved_bytes(layer: LayerSpec, samples: int, tp: int, *, sp: bool = False, selective: bool = False) -> int:
+def layer_saved_bytes(layer: LayerSpec, samples: int, tp: int, *, sp: bool = False, selective: bool = False,
+                      op_sac: bool = False) -> int:
     """Activations a layer keeps for backward on one TP rank, Korthikanti et al. 2022 Table 2 for a
     GPT block: s·b·h·(10 + 24/t + 5as/(ht)) (eq. 2; generally the tp-sharded fraction divides by
     t); with sequence parallelism (``sp``) the rest splits too, sbh·(34/t + 5as/(ht)) (§4.2.2);
     with selective recompute (``selective``) the attention core's tensors are dropped
-    (``selective_bytes_per_sample``, all tp-sharded): sbh·(10 + 24/t), and sbh·34/t with both (§5)."""
+    (``selective_bytes_per_sample``, all tp-sharded): sbh·(10 + 24/t), and sbh·34/t with both (§5).
+    Under torchtitan's op-level checkpointing (``op_sac``, tp 1 only: specs.plan) what its policy
+    holds, ``op_sac_bytes_per_sample`` (the checkpoint's input and the saved operators' outputs)."""
+    if op_sac:
+        return math.ceil(samples * layer.op_sac_bytes_per_sample)
     per_sample = layer.saved_bytes_per_sample
     sharded = per_sample * (layer.tp_sharded_saved_fraction + (layer.sp_sharded_saved_fraction if sp else 0.0))
     sharded = min(sharded, per_sample)
@@ -60,8 +67,9 @@ def stage_saved_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: i
     """:func:`layer_saved_bytes` of ``layer`` as ``stage`` runs it: its tensor- and (with
     ``sequence_parallel``) sequence-parallel split, less the attention core where its action is
     ``selective`` (Korthikanti §5)."""
+    action = stage.action_of(layer).action
     return layer_saved_bytes(model.layers[layer], samples, stage.tp, sp=stage.sequence_parallel,
-                             selective=stage.action_of(layer).action is MemoryAction.selective)
+                             selective=action is MemoryAction.selective, op_sac=action is MemoryAction.op_sac)
 
 
 def tensor_bytes(spec: LayerSpec, index: int, samples: int, tp: int) -> int:
@@ -101,8 +109,10 @@ def is_partial(item: LayerMemory) -> bool:
 
 def _kept(item: LayerMemory) -> bool:
     """Whether the layer holds its boundaries as a kept layer does: kept, selective (it keeps all
-    but its attention core, Korthikanti §5), or partially swapped."""
-    return item.action in (MemoryAction.keep, MemoryAction.selective) or is_partial(item)
+    but its attention core, Korthikanti §5), op-level checkpointed (its checkpoint keeps the input,
+    counted in ``op_sac_bytes_per_sample`` as a kept layer's saved bytes count it), or partially
+    swapped."""
+    return item.action in KEPT_ACTIONS or is_partial(item)
 
 
 def swapped_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
@@ -155,7 +165,7 @@ def layer_own_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int
     if not _kept(item):
         return 0
     own = _kept_own_bytes(model, stage, layer, samples)
-    if item.action not in (MemoryAction.keep, MemoryAction.selective):
+    if item.action not in KEPT_ACTIONS:
         own -= swapped_bytes(model, stage, layer, samples)
     return own
 
@@ -236,6 +246,8 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
                      - (layer_input_bytes(model, l, b, split) if spec.saves_input else 0))
         elif action is MemoryAction.selective:
             need += math.ceil(b * spec.selective_bytes_per_sample / tp)
+        elif action is MemoryAction.op_sac:  # the re-run forward re-makes what the policy did not save
+            need += max(layer_saved_bytes(spec, b, tp) - layer_saved_bytes(spec, b, tp, op_sac=True), 0)
         if n:
             need += layer_output_bytes(model, l, b, split)
         # cp > 1: the ring's K/V send-receive buffers live while the attention core runs, not beside

@@ -12,7 +12,9 @@ act bytes per activation element. Costs per sample (one sequence).
 
 Saved activations: Korthikanti et al. 2022 §4.1's tensor-by-tensor list, adapted. No dropout
 (no masks, no dropout output); K and V are s·g·d; SwiGLU keeps its input, the gate and up
-outputs, the silu output and the product (the down projection's input); the rotation saves no
+outputs, the silu output and the product (the down projection's input) -- with ``fused_swiglu``
+(Megatron-Core's ``bias_swiglu_fusion``, on by default there) not the silu output, which its
+backward recomputes from the gate output; the rotation saves no
 per-sample tensor (its cos/sin tables are constants) and Q, K are kept after it. With
 ``flash_attention`` (the default: Meta trained with xformers' memory-efficient attention, LLaMA
 §2.4, "not storing the attention weights"; Megatron-Core's --use-flash-attn, torchtitan's SDPA)
@@ -20,8 +22,8 @@ the attention core keeps its output (the projection's input) and the fp32 log-su
 of the a·s² softmax. Normalisation statistics (s floats) are left out, as Korthikanti leaves out
 layernorm's. In fp16 bytes per block:
     flash: sh·(12 + 4g/a + 8f/h) + 4as      math: sh·(12 + 4g/a + 8f/h) + 2as²
-of which everything but the two norm inputs, the QKV input and the SwiGLU input (8sh) is split
-by tensor parallelism (Korthikanti eq. 2's rule).
+(8f/h: four f-wide tensors; 6f/h with ``fused_swiglu``), of which everything but the two norm
+inputs, the QKV input and the SwiGLU input (8sh) is split by tensor parallelism (Korthikanti eq. 2's rule).
 
 Time of a flash core: one causal FlashAttention kernel (the executor's scaled_dot_product_attention
 with is_causal=True), not two dense GEMMs: its QKᵀ and attention·V carry ``flash_tile``
@@ -39,9 +41,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, model_serializer, model_validator
 
-from specs._base import Spec
+from specs._base import Spec, omit_unset
 from costs.family_transformer import (FLASH_TILE, LSE_BYTES, TOKEN_ID_BYTES, Saved, _totals, at_precision,
                                       flash_core_selective, head_layer, saved_specs)
 from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec
@@ -51,6 +53,9 @@ from specs.model import MAX_LAYERS, GemmSpec, LayerKind, LayerSpec, ModelSpec
 #: position-free TokenEmbedding, LMHead "llama"), counted as costs.op_counts counts them
 #: (tests/unit/costs/test_llama.py checks them against the symbolic profiler)
 LLAMA_BLOCK_OPS = (72, 108)
+#: backward operators ``fused_swiglu`` adds: the silu it recomputes (executor.models.SiluMul: silu,
+#: then the up gradient's mul and silu_backward, where autograd ran mul, mul, silu_backward)
+FUSED_SWIGLU_BWD_OPS = 1
 LLAMA_EMBED_OPS = (4, 2)
 LLAMA_HEAD_OPS = (15, 25)
 #: in 2-byte precision each RMSNorm computes in fp32: a cast in and out forward, three more backward
@@ -82,6 +87,16 @@ class LlamaConfig(Spec):
     rope_theta: float = Field(10000.0, gt=0, le=1e9, description="rotary base (10,000 Llama 2; 500,000 Llama 3)")
     flash_attention: bool = Field(True, description="the attention core keeps its output and log-sum-exp, not "
                                                     "the a·s² softmax (fused/flash attention)")
+    fused_swiglu: bool = Field(False, description="silu(gate)·up as one function that saves the gate and up "
+                                                  "outputs and recomputes silu in its backward (Megatron-Core's "
+                                                  "bias_swiglu_fusion); false: autograd's silu and mul, which "
+                                                  "also keep silu's output (torch eager, torchtitan, HF)")
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        """Leave ``fused_swiglu`` out of a dump at its default (false), so that dumps and profile
+        cache keys of every existing config stay what they were."""
+        return omit_unset(self, handler(self), ("fused_swiglu",))
 
     @property
     def ffn_width(self) -> int:
@@ -113,15 +128,18 @@ def attention_saved(s: int, h: int, a: int, g: int, flash: bool) -> Saved:
             ("attn.q", 2 * sh, True), ("attn.k", 2 * skv, True), ("attn.v", 2 * skv, True), *core]
 
 
-def mlp_saved(s: int, h: int, f: int) -> Saved:
+def mlp_saved(s: int, h: int, f: int, fused: bool = False) -> Saved:
     """What SwiGLU with its RMSNorm saves, in forward order: the norm input 2sh (the residual
     after attention), the gate/up input 2sh (one tensor for both), the gate output 2sf (silu's
     input), the up output and the silu output 2sf each (the product's operands) and the product
-    2sf (down's input); TP splits the four f-wide tensors (gate, up column-parallel)."""
+    2sf (down's input); TP splits the f-wide tensors (gate, up column-parallel). ``fused``
+    (Megatron-Core's ``bias_swiglu_impl``: one autograd function over silu and the product) keeps
+    the gate and up outputs only and recomputes silu in the backward: three f-wide tensors."""
     sh, sf = s * h, s * f
+    silu = [] if fused else [("mlp.silu_output", 2 * sf, True)]
     return [("mlp.norm_input", 2 * sh, False), ("mlp.fc_input", 2 * sh, False),
             ("mlp.gate_output", 2 * sf, True), ("mlp.up_output", 2 * sf, True),
-            ("mlp.silu_output", 2 * sf, True), ("mlp.down_input", 2 * sf, True)]
+            *silu, ("mlp.down_input", 2 * sf, True)]
 
 
 def block_params(h: int, a: int, g: int, f: int) -> tuple[int, int]:
@@ -168,6 +186,23 @@ def core_selective(s: int, h: int, a: int, flash: bool, act: int) -> dict:
             "selective_mem_bytes_per_sample": 2 * a * s * s * act, "selective_ops": 1}
 
 
+def op_sac_fields(s: int, h: int, a: int, g: int, f: int, flash: bool, act: int) -> dict:
+    """LayerSpec fields of torchtitan's op-level selective checkpointing (executor.op_sac): the
+    block's seven matmuls run q, k, v, proj, gate, up, down (torchtitan's wq, wk, wv, wo, w1, w3,
+    w2), so the odd-numbered ones' outputs are saved, q 2sh, v 2s·g·d, gate 2sf and down's 2sh (the
+    MLP's output before the residual add, which autograd alone never keeps), with the flash kernel's
+    output 2sh and fp32 log-sum-exp 4as and the checkpoint's input 2sh; k, proj and up re-run with
+    every element-wise op (the norms, the rotation, silu·up, the residual adds) before the backward.
+    Empty for the unfused core: its products are batched matmuls the policy does not save."""
+    if not flash:
+        return {}
+    d = h // a
+    held = (4 * s * h + s * g * d + s * f) * act + LSE_BYTES * a * s
+    gemms = [GemmSpec(name="k", m=s, n=g * d, k=h, tp_split="n"), GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
+             GemmSpec(name="up", m=s, n=f, k=h, tp_split="n")]
+    return {"op_sac_bytes_per_sample": held, "op_sac_gemms": gemms}
+
+
 def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
     """One LLaMA block. FLOPs per sample = its GEMMs: 4sh² + 4sh·g·d + 4s²h + 6shf (GQA's k/v
     g·d wide, SwiGLU's three h x f products; the QKᵀ and attention·V terms counted over the whole
@@ -176,13 +211,15 @@ def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
     of the square at the attention curve, :data:`FLASH_TILE`, costs/gemm.py); unfused, both
     products run dense over the whole square."""
     s, h, a, g, f = cfg.seq_len, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
-    saved = at_precision([*attention_saved(s, h, a, g, cfg.flash_attention), *mlp_saved(s, h, f)], act)
+    saved = at_precision([*attention_saved(s, h, a, g, cfg.flash_attention),
+                          *mlp_saved(s, h, f, cfg.fused_swiglu)], act)
     saved_bytes, sharded_bytes = _totals(saved)
     params, sharded_params = block_params(h, a, g, f)
     gemms = block_gemms(s, h, a, g, f, FLASH_TILE if cfg.flash_attention else 0)
     skv = s * g * (h // a)
     # non-GEMM traffic of a forward (read + write): two RMSNorms 2sh each, the rotation of q and k,
-    # silu·up (2sf in, sf out, fused), two residual adds 3sh each; the unfused core adds its
+    # silu·up (2sf in, sf out, fused; ``fused_swiglu``'s backward re-reads the gate output for its
+    # silu, inside BWD_MEM_FACTOR's estimate), two residual adds 3sh each; the unfused core adds its
     # softmax a·s² in/out (a flash core's softmax stays on chip)
     mem = (4 * s * h + 2 * (s * h + skv) + 3 * s * f + 6 * s * h) * act
     if not cfg.flash_attention:
@@ -204,13 +241,15 @@ def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
         sp_sharded_saved_fraction=(saved_bytes - sharded_bytes) / saved_bytes, sp_shards_output=True,
         sp_allgathers_per_pass=2,  # before q/k/v and before gate/up
         **core_selective(s, h, a, cfg.flash_attention, act),
+        **op_sac_fields(s, h, a, g, f, cfg.flash_attention, act),
         tp_allreduces_per_pass=2,  # after proj and after down (Megatron §3)
         max_tp=g,  # Megatron-Core: tp must divide num_query_groups (kv heads split whole)
         norm_modules=2,  # the attention and MLP RMSNorms
         gemms=gemms,
         fwd_mem_bytes_per_sample=mem,
         saved_tensors=saved_specs(saved, lambda n: n, skip=1),  # the norm input is the block's input
-        **_ops(LLAMA_BLOCK_OPS, norms=2, casts=0, act=act),
+        **_ops((LLAMA_BLOCK_OPS[0], LLAMA_BLOCK_OPS[1] + cfg.fused_swiglu * FUSED_SWIGLU_BWD_OPS),
+               norms=2, casts=0, act=act),
     )
 
 

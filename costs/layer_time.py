@@ -183,6 +183,20 @@ def selective_recompute_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, 
             + spec.selective_ops * dev.op_overhead_s)
 
 
+def op_sac_recompute_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
+    """Seconds of the forward re-run before one layer's backward under torchtitan's op-level
+    checkpointing (executor.op_sac): the matmuls whose outputs its policy did not save
+    (``op_sac_gemms``) at their shapes' efficiency, every element-wise op (the layer's whole forward
+    traffic) at HBM bandwidth, and the whole forward's operators' overhead (the saved ones are
+    dispatched again and answered from the cache); 0 unless the layer's action is ``op_sac``."""
+    if stage.action_of(layer).action is not MemoryAction.op_sac:
+        return 0.0
+    spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device
+    b, tp = samples_per_replica(plan, stage), stage.tp
+    return (gemm.gemms_fwd_s(dev, dtype, spec.op_sac_gemms, b, tp) + _mem_s(spec, b, tp, hardware)
+            + spec.fwd_ops * dev.op_overhead_s)
+
+
 def layer_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan,
                        layer: int) -> tuple[float, float, float]:
     """(forward, backward, recompute) seconds of one layer for one microbatch, communication
@@ -193,7 +207,7 @@ def layer_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, sta
     # selective recompute re-runs the attention core inside the layer's backward (Megatron's
     # checkpointed core attention), so it is part of the backward, not a whole-layer re-run (rc)
     b = (layer_bwd_s(model, plan, hardware, stage, layer) + selective_recompute_s(model, plan, hardware, stage, layer)
-         + sp_regather_s(model, plan, hardware, stage, layer))
+         + op_sac_recompute_s(model, plan, hardware, stage, layer) + sp_regather_s(model, plan, hardware, stage, layer))
     cp_f, cp_b = layer_cp_comm_s(model, plan, hardware, stage, layer)  # ring attention's exposed transfers
     rc = f + c + cp_f if stage.action_of(layer).action is MemoryAction.recompute else 0.0
     if stage.action_of(layer).action is MemoryAction.selective:

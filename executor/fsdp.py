@@ -293,10 +293,10 @@ def unsupported(plan, cfg=None) -> list[str]:
         if (off.window_layers is not None or off.optimizer_on_cpu or off.optimizer_swap or off.weight_swap_layers
                 or off.stash_swap_layers):
             out.append(f"stages[{i}].offload: with {z} (FSDP2's CPUOffloadPolicy is not wired)")
-        allowed = ("keep", "recompute", "selective")
+        allowed = ("keep", "recompute", "selective", "op_sac")
         actions = sorted({m.action.value for m in st.memory if m.action.value not in allowed})
         if actions:
-            out.append(f"stages[{i}].memory: {actions} with {z}; allowed: keep, recompute, selective (a swap "
+            out.append(f"stages[{i}].memory: {actions} with {z}; allowed: keep, recompute, selective, op_sac (a swap "
                        "would move FSDP2's unsharded parameters' saved views)")
     if plan.overlap_param_gather:
         out.append(f"overlap_param_gather: with {z} (ZeRO-1's all-gather after the step; FSDP2 gathers per unit)")

@@ -187,15 +187,38 @@ class LlamaAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) · up(x)) (Shazeer 2020, eq. 6): three bias-free h x f matrices."""
+class SiluMul(torch.autograd.Function):
+    """silu(gate) · up saving only its two inputs, silu recomputed in the backward: Megatron-Core's
+    fused SwiGLU (``bias_swiglu_impl``, ``bias_swiglu_fusion``), whose backward kernel re-derives
+    silu from the gate output. torch has no such op (``F.silu`` then ``*`` keeps silu's output for
+    the product's backward: a fourth f-wide tensor per block), so this Function. Its gradients
+    are autograd's own, bitwise: the up gradient is grad · silu(gate) (the same silu recomputed), the
+    gate gradient ``aten.silu_backward(grad · up, gate)``, what autograd runs for the unfused pair."""
 
-    def __init__(self, h: int, f: int):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) · up(x)) (Shazeer 2020, eq. 6): three bias-free h x f matrices;
+    ``fused``: silu and the product as :class:`SiluMul` (model.fused_swiglu)."""
+
+    def __init__(self, h: int, f: int, fused: bool = False):
         super().__init__()
         self.gate, self.up = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
         self.down = nn.Linear(f, h, bias=False)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down(SiluMul.apply(self.gate(x), self.up(x)))
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
@@ -204,11 +227,11 @@ class LlamaBlock(Block):
     the tensor-parallel bookkeeping (its ``attn`` and ``mlp`` are the sharded scopes, as in
     executor.profile_symbolic), with its own modules and DTensor plan (executor.megatron_tp)."""
 
-    def __init__(self, h: int, heads: int, kv_heads: int, f: int, s: int, theta: float):
+    def __init__(self, h: int, heads: int, kv_heads: int, f: int, s: int, theta: float, fused_swiglu: bool = False):
         nn.Module.__init__(self)  # not Block's LayerNorm/GeLU modules
         self.pre_ln = True
         self.ln1, self.ln2 = nn.RMSNorm(h, eps=RMS_EPS), nn.RMSNorm(h, eps=RMS_EPS)
-        self.attn, self.mlp = LlamaAttention(h, heads, kv_heads, s, theta), SwiGLU(h, f)
+        self.attn, self.mlp = LlamaAttention(h, heads, kv_heads, s, theta), SwiGLU(h, f, fused_swiglu)
 
     def forward(self, x, batch):
         x = x + self.attn(self.ln1(x))
@@ -315,7 +338,8 @@ def _transformer_layers(cfg, kind: str) -> list[tuple[str, nn.Module]]:
 
 def _llama_layers(cfg) -> list[tuple[str, nn.Module]]:
     h, s, V = cfg.hidden, cfg.seq_len, cfg.vocab
-    blocks = [(f"block_{i:02d}", LlamaBlock(h, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, s, cfg.rope_theta))
+    blocks = [(f"block_{i:02d}", LlamaBlock(h, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, s, cfg.rope_theta,
+                                            cfg.fused_swiglu))
               for i in range(cfg.num_layers)]
     return [("embed", TokenEmbedding(V, s, h, positions=False)), *blocks, ("head", LMHead(h, V, "llama"))]
 

@@ -13,7 +13,7 @@ import contextlib
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from executor import user_model
+from executor import op_sac, user_model
 from executor.boundary import run_backward
 from executor.megatron_tp import loss_context
 from executor.selective import SelectiveCore
@@ -93,6 +93,8 @@ class StagePasses:
             elif action is MemoryAction.selective:  # Korthikanti §5: the attention core recomputed
                 with SelectiveCore():
                     y = mod(y, mb)
+            elif action is MemoryAction.op_sac:  # torchtitan's op-level selective checkpointing
+                y = op_sac.run(mod, y, mb)
             elif action in SWAPS:  # saved tensors leave the device at the layer's end (executor.swap)
                 with self.swapper.layer(k, i, y if y is not None else mb) as output:  # a first layer reads mb
                     y = output(mod(y, mb))

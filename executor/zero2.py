@@ -145,8 +145,8 @@ def unsupported(plan, cfg=None) -> list[str]:
                 or off.stash_swap_layers):
             out.append(f"stages[{i}].offload: with {z} (its buckets hold resident parameters and a device "
                        "optimizer only)")
-        allowed = ("keep", "recompute", "selective")
+        allowed = ("keep", "recompute", "selective", "op_sac")
         actions = sorted({m.action.value for m in st.memory if m.action.value not in allowed})
         if actions:
-            out.append(f"stages[{i}].memory: {actions} with {z}; allowed: keep, recompute, selective")
+            out.append(f"stages[{i}].memory: {actions} with {z}; allowed: keep, recompute, selective, op_sac")
     return out

@@ -107,15 +107,26 @@ def check_chunks(model: ModelSpec, chunks: int, what: str) -> None:
 
 
 def recompute_actions(model: ModelSpec, start: int, stop: int, recompute: str,
-                      num_layers: int | None = None) -> list[LayerMemory]:
+                      num_layers: int | None = None, every: int | None = None) -> list[LayerMemory]:
     """none: []; full: every block recomputed, or with ``num_layers`` only the stage's first that
-    many (Megatron's --recompute-method block: the first N layers of each model chunk);
-    selective: every block with an attention core recomputes that core only (Korthikanti §5)."""
+    many (Megatron's --recompute-method block: the first N layers of each model chunk), or with
+    ``every`` = k only the model's k-th, 2k-th, ... block (torchtitan's layer-level selective AC,
+    ``selective_ac_option = k``: its wrapper counts the transformer blocks from 1 and checkpoints
+    those whose count k divides); selective: every block with an attention core recomputes that
+    core only (Korthikanti §5); op_sac: every layer with op-level checkpointing costs
+    (``LayerSpec.has_op_sac``) runs under torchtitan's policy."""
     if recompute == "none":
         return []
     if recompute == "selective":
         return [LayerMemory(layer=i, action=MemoryAction.selective)
                 for i in range(start, stop) if model.layers[i].kind in SELECTIVE_KINDS]
+    if recompute == "op_sac":  # torchtitan's op-level selective AC, on the layers that price it
+        return [LayerMemory(layer=i, action=MemoryAction.op_sac) for i in range(start, stop)
+                if model.layers[i].has_op_sac]
+    if every is not None:
+        blocks = [i for i in range(model.num_layers) if model.layers[i].kind in RECOMPUTED_KINDS]
+        return [LayerMemory(layer=i, action=MemoryAction.recompute)
+                for n, i in enumerate(blocks, start=1) if n % every == 0 and start <= i < stop]
     blocks = [i for i in range(start, stop) if model.layers[i].kind in RECOMPUTED_KINDS]
     return [LayerMemory(layer=i, action=MemoryAction.recompute) for i in blocks[:num_layers]]
 
@@ -140,6 +151,7 @@ def assemble(
     p2p_scatter_gather: bool = False,
     p2p_blocking: bool = False,
     recompute_num_layers: int | None = None,
+    recompute_every: int | None = None,
 ) -> Plan:
     """Stages from per-chunk layer counts; chunk j goes to device group j mod p (interleaving), or
     the V of zbv / dualpipev (specs.plan.position_of_stage)."""
@@ -161,7 +173,7 @@ def assemble(
         stages.append(StagePlan(
             layer_start=start, layer_stop=stop, devices=groups[position_of_stage(schedule.kind, len(groups), j)],
             dp=dp, tp=tp, cp=cp, sequence_parallel=sequence_parallel and tp > 1,
-            memory=recompute_actions(model, start, stop, recompute, recompute_num_layers),
+            memory=recompute_actions(model, start, stop, recompute, recompute_num_layers, recompute_every),
         ))
         start = stop
     return Plan(

@@ -16,11 +16,17 @@ class _Uniform(Spec):
     dp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1, description="context-parallel degree (ring attention over the sequence)")
-    recompute: Literal["none", "full", "selective"] = Field(
-        "none", description="full: every block checkpointed; selective: the attention core only (Korthikanti §5)")
+    recompute: Literal["none", "full", "selective", "op_sac"] = Field(
+        "none", description="full: every block checkpointed; selective: the attention core only (Korthikanti §5); "
+        "op_sac: torchtitan's op-level selective AC (every other matmul's output and the attention kernel's "
+        "saved, the rest recomputed; LLaMA blocks, tp 1)")
     recompute_num_layers: int | None = Field(
         None, ge=1, description="with recompute=full: only the first N blocks of each stage (each model chunk) are "
         "recomputed, Megatron's --recompute-method block --recompute-num-layers N; null: every block")
+    recompute_every: int | None = Field(
+        None, ge=1, description="with recompute=full: only every k-th block of the model is recomputed (blocks "
+        "k, 2k, ... counted from 1), torchtitan's layer-level selective AC (selective_ac_option = k); null: every "
+        "block")
     sequence_parallel: bool = Field(False, description="Korthikanti §4.2.2 over the tp group (needs tp > 1)")
     zero_stage: int = Field(0, ge=0, le=3)
     distributed_optimizer: bool = Field(False, description="Megatron's --use-distributed-optimizer: ZeRO-1 over "

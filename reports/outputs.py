@@ -163,7 +163,7 @@ def fit_check(result: Result, limits: Limits | None = None) -> Fit:
 _ranges = figure_base.device_ranges
 TABLE_HEADER = ("device", "stage", "layers", "dp x tp", "memory", "peak GiB", "cap GiB", "use %", "OOM")
 #: the memory actions a stage's ``memory`` list can name, in the order the table lists them
-_ACTIONS = ("recompute", "selective", "cpu_swap", "d2d_swap", "nvme")
+_ACTIONS = ("recompute", "selective", "op_sac", "cpu_swap", "d2d_swap", "nvme")
 
 
 def table_units(result: Result, limits: Limits | None = None) -> tuple[tuple[str, float], tuple[str, float]]:

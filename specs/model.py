@@ -166,6 +166,16 @@ class LayerSpec(Spec):
     selective_mem_bytes_per_sample: int = Field(
         0, ge=0, le=MAX_LAYER_BYTES, description="bytes the re-run core's element-wise ops move (softmax, dropout)")
     selective_ops: int = Field(0, ge=0, le=1 << 20, description="operators (kernels) the re-run core launches")
+    # ---- torchtitan's op-level selective activation checkpointing (MemoryAction.op_sac) ----
+    op_sac_bytes_per_sample: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES,
+        description="what op-level SAC holds from the forward to the backward at tp 1: the checkpoint's input and "
+                    "the outputs of the operators its policy saves (every other matmul, the attention kernel); "
+                    "0: the layer has no op-level SAC costs (refused)")
+    op_sac_gemms: list[GemmSpec] = Field(
+        default_factory=list, max_length=64,
+        description="the matmuls whose outputs op-level SAC does not save, re-run before the layer's backward with "
+                    "its element-wise ops")
     sp_sharded_saved_fraction: float = Field(
         0.0, ge=0, le=1, description="of the saved bytes, the part sequence parallelism splits over t besides "
                                      "tp_sharded_saved_fraction (layernorm, dropout and GEMM-input regions; "
@@ -191,6 +201,11 @@ class LayerSpec(Spec):
                              f"B per sample, more than its tensor-parallel-split saved bytes "
                              f"({self.saved_bytes_per_sample * self.tp_sharded_saved_fraction:.0f})")
         return self
+
+    @property
+    def has_op_sac(self) -> bool:
+        """Whether op-level selective checkpointing (MemoryAction.op_sac) is priced for this layer."""
+        return self.op_sac_bytes_per_sample > 0
 
     @property
     def has_attention_core(self) -> bool:

@@ -256,6 +256,7 @@ def _check_stages(plan: Plan, model: ModelSpec, hardware: HardwareSpec, layers_o
         if layers_ok:
             _check_tensors(i, stage, model, err)
             _check_selective(i, stage, model, err)
+            _check_op_sac(i, stage, model, err)
         if stage.offload.nvme and hardware.host.nvme_bytes == 0:
             err(f"stages[{i}].offload.nvme", f"hardware {hardware.name!r} has no NVMe")
 
@@ -284,6 +285,25 @@ def _check_selective(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
             layer = model.layers[item.layer]
             err(f"stages[{i}].memory[{j}].action", f"selective: layer {item.layer} ({layer.name!r}, "
                 f"{layer.kind.value}) has no attention core to recompute; allowed there: keep, recompute, swaps")
+
+
+def _check_op_sac(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
+    """torchtitan's op-level checkpointing (MemoryAction.op_sac) is priced for layers that give its
+    costs (``LayerSpec.has_op_sac``: LLaMA blocks with flash attention) and at tp 1, cp 1: under
+    tensor parallelism torchtitan's policy also saves reduce-scatter outputs and a row-parallel
+    matmul's output is a partial sum on every rank, which memwall does not model."""
+    for j, item in enumerate(stage.memory):
+        if item.action is not MemoryAction.op_sac or not stage.layer_start <= item.layer < stage.layer_stop:
+            continue
+        layer = model.layers[item.layer]
+        if not layer.has_op_sac:
+            err(f"stages[{i}].memory[{j}].action", f"op_sac: layer {item.layer} ({layer.name!r}, {layer.kind.value}) "
+                "has no op-level checkpointing costs (LLaMA blocks with flash attention have them); allowed there: "
+                "keep, recompute, selective, swaps")
+        elif stage.tp > 1 or stage.cp > 1:
+            err(f"stages[{i}].memory[{j}].action", f"op_sac: with tp {stage.tp}, cp {stage.cp}; op-level "
+                "checkpointing is modelled at tp 1 and cp 1 (under tp torchtitan's policy also saves reduce-scatter "
+                "outputs and partial sums); use recompute=selective or full there")
 
 
 def _check_tp_cap(i: int, stage: StagePlan, model: ModelSpec, err) -> None:

@@ -24,6 +24,11 @@ class MemoryAction(str, Enum):
     # (QK^T, softmax, softmax dropout, attention over V: the 5·a·s² per sample of Table 2), which
     # the backward recomputes from the kept Q, K, V
     selective = "selective"
+    # torchtitan's op-level selective activation checkpointing (activation_checkpoint.mode =
+    # "selective", selective_ac_option = "op", its default for Llama): the block checkpointed with a
+    # policy that saves every other matmul's output and the attention kernel's, recomputing the rest
+    # in the backward (LayerSpec.op_sac_bytes_per_sample / op_sac_gemms; executor.op_sac)
+    op_sac = "op_sac"
     cpu_swap = "cpu_swap"
     d2d_swap = "d2d_swap"
     nvme = "nvme"

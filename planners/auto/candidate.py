@@ -83,16 +83,20 @@ def knobs(plan: Plan, model=None) -> dict:
     from planners.layout import RECOMPUTED_KINDS, SELECTIVE_KINDS
 
     by = {a: {m.layer for st in plan.stages for m in st.memory if m.action is a}
-          for a in (MemoryAction.recompute, MemoryAction.selective)}
-    rec, sel = by[MemoryAction.recompute], by[MemoryAction.selective]
-    if not rec and not sel:
+          for a in (MemoryAction.recompute, MemoryAction.selective, MemoryAction.op_sac)}
+    rec, sel, op = by[MemoryAction.recompute], by[MemoryAction.selective], by[MemoryAction.op_sac]
+    if not rec and not sel and not op:
         recompute = "none"
-    elif model is not None and not sel and rec >= {i for i, x in enumerate(model.layers) if x.kind in RECOMPUTED_KINDS}:
+    elif model is not None and not rec and not sel and op >= {i for i, x in enumerate(model.layers) if x.has_op_sac}:
+        recompute = "op_sac"
+    elif model is not None and not sel and not op and rec >= {i for i, x in enumerate(model.layers)
+                                                         if x.kind in RECOMPUTED_KINDS}:
         recompute = "full"
-    elif model is not None and not rec and sel >= {i for i, x in enumerate(model.layers) if x.kind in SELECTIVE_KINDS}:
+    elif model is not None and not rec and not op and sel >= {i for i, x in enumerate(model.layers)
+                                                         if x.kind in SELECTIVE_KINDS}:
         recompute = "selective"
     else:
-        recompute = f"per-layer ({len(rec)} full, {len(sel)} selective)"
+        recompute = f"per-layer ({len(rec)} full, {len(sel)} selective" + (f", {len(op)} op_sac)" if op else ")")
     return {"schedule": plan.schedule.kind.value, "virtual_stages": plan.schedule.virtual_stages,
             "sequence_parallel": any(st.sequence_parallel for st in plan.stages), "recompute": recompute,
             "zero_stage": plan.zero_stage, "overlap_grad_reduce": plan.overlap_grad_reduce,

@@ -13,6 +13,9 @@ whose cost model prices it as a no-op (or a loss) is simply not kept.
 * **selective recompute** (Korthikanti §5): the plan's recomputed blocks recompute only their
   attention core, all stages at once, then stage by stage (a per-layer choice where memory wants
   it); on a plan that does not fit, its kept blocks selective instead;
+* **op-level selective checkpointing** (torchtitan's default ``selective_ac_option = "op"``,
+  MemoryAction.op_sac): the fully recomputed blocks that price it (LLaMA, flash attention) on the
+  stages at tp 1 and cp 1, where memwall models it;
 * **distributed optimizer** (ZeRO-1 over each stage's dp group, Megatron's
   --use-distributed-optimizer) with overlap_grad_reduce, where some stage has dp > 1;
 * **zero-bubble schedules** (Qi et al. 2024): zb_h1 on a 1F1B pipeline (1F1B's memory, §3.1), and
@@ -111,7 +114,7 @@ def distributed_optimizer(plan: Plan) -> Plan | None:
 
 def zb_h1(plan: Plan) -> Plan | None:
     """ZB-H1 (Qi et al. 2024 §3.1) in place of a non-interleaved 1F1B pipeline of p > 1 stages."""
-    if plan.pipeline_depth < 2 or plan.schedule.kind is not ScheduleKind.one_f_one_b:
+    if plan.pipeline_depth < 2 or plan.schedule.kind is not ScheduleKind.one_f_one_b or _has_op_sac(plan):
         return None
     return plan.model_copy(update={"schedule": ScheduleSpec(kind="zb_h1")})
 
@@ -127,7 +130,7 @@ def zbv(model: ModelSpec, plan_hw: HardwareSpec) -> Move:
         p = plan.pipeline_depth
         meshes = {(st.dp, st.tp, st.cp, st.sequence_parallel) for st in plan.stages}
         if (p < 2 or len(meshes) != 1 or plan.schedule.kind not in (ScheduleKind.one_f_one_b, ScheduleKind.zb_h1)
-                or 2 * p > model.num_layers or not _plain(plan) or len(plan.stages) != p):
+                or 2 * p > model.num_layers or not _plain(plan) or len(plan.stages) != p or _has_op_sac(plan)):
             return None
         (dp, tp, cp, sp), = meshes
         acts = {m.action for st in plan.stages for m in st.memory}
@@ -147,6 +150,28 @@ def context_parallel(plan: Plan) -> Plan | None:
     if not all(st.dp % 2 == 0 and not st.sharding for st in plan.stages):
         return None
     return _stages(plan, [st.model_copy(update={"dp": st.dp // 2, "cp": st.cp * 2}) for st in plan.stages])
+
+
+def op_sac(model: ModelSpec) -> Move:
+    """The move: every stage at tp 1 and cp 1 (where specs.plan allows op_sac) with its fully
+    recomputed blocks under torchtitan's op-level policy instead (``LayerSpec.has_op_sac``);
+    None where no block changes."""
+    def move(plan: Plan) -> Plan | None:
+        stages, changed = list(plan.stages), False
+        for s, st in enumerate(plan.stages):
+            if st.tp > 1 or st.cp > 1 or st.sharding or st.offload.window_layers:
+                continue
+            mem = [m.model_copy(update={"action": MemoryAction.op_sac})
+                   if m.action is MemoryAction.recompute and model.layers[m.layer].has_op_sac else m for m in st.memory]
+            if mem != list(st.memory):
+                stages[s], changed = st.model_copy(update={"memory": mem}), True
+        return _stages(plan, stages) if changed else None
+    return move
+
+
+def _has_op_sac(plan: Plan) -> bool:
+    """Whether a layer runs op_sac: the split backward of zb_h1 / zbv does not run it (executor.split_backward)."""
+    return any(m.action is MemoryAction.op_sac for st in plan.stages for m in st.memory)
 
 
 def recompute_all(model: ModelSpec, to: MemoryAction) -> Move:
@@ -213,6 +238,8 @@ def moves(plan: Plan, model: ModelSpec, plan_hw: HardwareSpec) -> Iterator[tuple
     yield "selective recompute on the kept blocks", selective(model, None, MemoryAction.keep)
     yield "no recompute", recompute_all(model, MemoryAction.keep)
     yield "full recompute instead of selective", recompute_all(model, MemoryAction.recompute)
+    if any(layer.has_op_sac for layer in model.layers):
+        yield "op-level selective checkpointing instead of full (torchtitan)", op_sac(model)
     yield "distributed optimizer (ZeRO-1), overlap_grad_reduce", distributed_optimizer
     yield "zb_h1", zb_h1
     yield "zbv", zbv(model, plan_hw)

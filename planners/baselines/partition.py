@@ -103,6 +103,19 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
         raise PlanningError(f"policy.recompute_num_layers: recomputes the first N blocks of each stage in full "
                             f"(Megatron's --recompute-method block); needs policy.recompute=full, got "
                             f"{policy.recompute!r}")
+    if policy.recompute == "op_sac" and not any(layer.has_op_sac for layer in model.layers):
+        raise PlanningError(f"policy.recompute: op_sac (torchtitan's op-level selective AC) is priced for LLaMA "
+                            f"blocks with flash attention; model {model.name!r} has none: use full or selective")
+    if policy.recompute == "op_sac" and (policy.tp > 1 or policy.cp > 1):
+        raise PlanningError(f"policy.recompute: op_sac is modelled at tp 1 and cp 1 (under tensor parallelism "
+                            f"torchtitan's policy also saves reduce-scatter outputs and partial sums); got tp "
+                            f"{policy.tp}, cp {policy.cp}")
+    if policy.recompute_every is not None and policy.recompute != "full":
+        raise PlanningError(f"policy.recompute_every: recomputes every k-th block in full (torchtitan's "
+                            f"selective_ac_option = k); needs policy.recompute=full, got {policy.recompute!r}")
+    if policy.recompute_every is not None and policy.recompute_num_layers is not None:
+        raise PlanningError("policy.recompute_every: picks the recomputed blocks model-wide; "
+                            "policy.recompute_num_layers picks them per stage: set one of the two")
     if policy.p2p_blocking and schedule.kind in V_SHAPED:
         raise PlanningError(f"policy.p2p_blocking: {V_BLOCKING_WHY}; schedule {schedule.kind.value}")
     zero_stage = policy.zero_stage or (1 if policy.distributed_optimizer else 0)
@@ -114,7 +127,7 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
                     sequence_parallel=policy.sequence_parallel, overlap_grad_reduce=policy.overlap_grad_reduce,
                     overlap_param_gather=policy.overlap_param_gather, p2p_scatter_gather=policy.p2p_scatter_gather,
                     p2p_blocking=policy.p2p_blocking,
-                    recompute_num_layers=policy.recompute_num_layers)
+                    recompute_num_layers=policy.recompute_num_layers, recompute_every=policy.recompute_every)
 
 
 def plan_even(policy: EvenPolicy, model, hardware, training, schedule) -> Plan:

@@ -99,9 +99,10 @@ def test_every_preset_validates_and_builds():
         assert model.family == "llama" and len(model.layers) == _cfg(name).num_layers + 2
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype,act", [("fp32", 4), ("bf16", 2)])
-def test_closed_form_op_counts_equal_the_profilers(dtype, act):
-    cfg = _cfg("llama_tiny")
+def test_closed_form_op_counts_equal_the_profilers(dtype, act, fused):
+    cfg = _cfg("llama_tiny", fused_swiglu=fused)
     prof = profile_model(cfg, microbatch=2, dtype=dtype)
     assert [(layer.name, layer.fwd_ops, layer.bwd_ops) for layer in build_model(cfg, act).layers] == \
         [(p.name, p.fwd_ops, p.bwd_ops) for p in prof.layers]
@@ -119,12 +120,14 @@ def _norm_extras(layer) -> list[int]:
     return out
 
 
-def test_closed_form_list_is_a_real_forwards_saved_tensors():
+@pytest.mark.parametrize("fused", [False, True])
+def test_closed_form_list_is_a_real_forwards_saved_tensors(fused):
     """The block's closed-form list against a REAL fp32 forward of executor.models.LlamaBlock
     under saved_tensors_hooks: the same tensors, byte for byte, once the unfused RMSNorm's
     statistics and x·rstd are set aside (Megatron's fused RMSNorm keeps only its input). The
-    symbolic profile, which the executor's compare predicts from, sees the real list exactly."""
-    cfg = _cfg("llama_tiny")
+    symbolic profile, which the executor's compare predicts from, sees the real list exactly;
+    with ``fused_swiglu`` one f-wide tensor fewer (silu's output)."""
+    cfg = _cfg("llama_tiny", fused_swiglu=fused)
     micro = 2
     real = real_walk(cfg, torch.float32)
     prof = profile_model(cfg, microbatch=micro, dtype="fp32")
@@ -137,3 +140,42 @@ def test_closed_form_list_is_a_real_forwards_saved_tensors():
         for extra in _norm_extras(prof.layers[i]):
             rest.remove(extra)
         assert sorted(rest) == closed
+
+
+def test_fused_swiglu_drops_silus_output_and_nothing_else():
+    """Llama 3 8B's block with ``fused_swiglu``: 2sf bytes (fp16) fewer saved per sample, all of it
+    tp-sharded; FLOPs, GEMMs and the forward's operators unchanged, one backward operator more
+    (the recomputed silu); a dump leaves the field out at its default, keeps it when set."""
+    plain, fused = _cfg("llama3_8b"), _cfg("llama3_8b", fused_swiglu=True)
+    a, b = build_model(plain, 2).layers[1], build_model(fused, 2).layers[1]
+    s, f = plain.seq_len, plain.ffn_hidden
+    assert a.saved_bytes_per_sample - b.saved_bytes_per_sample == 2 * s * f
+    sharded = lambda L: L.saved_bytes_per_sample * L.tp_sharded_saved_fraction  # noqa: E731
+    assert sharded(a) - sharded(b) == pytest.approx(2 * s * f, rel=1e-12)
+    assert [t.name for t in a.saved_tensors if t.name not in {u.name for u in b.saved_tensors}] == ["mlp.silu_output"]
+    assert (a.fwd_flops_per_sample, a.gemms, a.fwd_ops) == (b.fwd_flops_per_sample, b.gemms, b.fwd_ops)
+    assert b.bwd_ops == a.bwd_ops + 1
+    assert "fused_swiglu" not in plain.model_dump() and fused.model_dump()["fused_swiglu"] is True
+
+
+def test_fused_swiglu_gradients_are_autograds_bitwise():
+    """executor.models.SiluMul against F.silu(gate) * up in float64 and float32: the same output
+    and the same gate and up gradients, bit for bit (it runs the ops autograd runs), and it saves
+    two tensors where the unfused pair saves three."""
+    from executor.models import SiluMul
+    import torch.nn.functional as F
+    for dtype in (torch.float64, torch.float32):
+        g = torch.Generator().manual_seed(3)
+        gate = torch.randn(4, 8, 16, generator=g, dtype=dtype, requires_grad=True)
+        up = torch.randn(4, 8, 16, generator=g, dtype=dtype, requires_grad=True)
+        grad = torch.randn(4, 8, 16, generator=g, dtype=dtype)
+        outs = []
+        for fn in (lambda x, y: F.silu(x) * y, SiluMul.apply):
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                y = fn(gate, up)
+            dg, du = torch.autograd.grad(y, (gate, up), grad)
+            outs.append((y, dg, du, len(saved)))
+        (y0, dg0, du0, n0), (y1, dg1, du1, n1) = outs
+        assert torch.equal(y0, y1) and torch.equal(dg0, dg1) and torch.equal(du0, du1)
+        assert (n0, n1) == (3, 2)

@@ -33,8 +33,10 @@ def test_first_n_blocks_of_each_stage(schedule, virtual):
         assert all(m.action is MemoryAction.recompute for m in st.memory)
 
 
-def test_between_none_and_full():
-    plans = [plan_of(), plan_of(recompute="full", recompute_num_layers=2), plan_of(recompute="full")]
+@pytest.mark.parametrize("middle", [{"recompute_num_layers": 2}, {"recompute_every": 2}],
+                         ids=["first-2-of-each-stage", "every-2nd-block"])
+def test_between_none_and_full(middle):
+    plans = [plan_of(), plan_of(recompute="full", **middle), plan_of(recompute="full")]
     peaks = [max(d.peak_bytes for d in estimate(p, MODEL, HW).devices) for p in plans]
     times = [iteration_time_s(p, MODEL, HW) for p in plans]
     assert peaks[0] > peaks[1] > peaks[2]
@@ -44,3 +46,28 @@ def test_between_none_and_full():
 def test_needs_full_recompute():
     with pytest.raises(PlanningError, match="policy.recompute_num_layers: .*needs policy.recompute=full"):
         plan_of(recompute="selective", recompute_num_layers=2)
+
+
+# ---- policy.recompute_every: torchtitan's layer-level selective AC (selective_ac_option = k) ----
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_every_kth_block_of_the_model(k, schedule, virtual):
+    """Blocks k, 2k, ... of the whole model, counted from 1 across stage boundaries (torchtitan's
+    wrapper counts blocks model-wide), whatever the stage or chunk holds them."""
+    plan = plan_of(schedule, virtual, recompute="full", recompute_every=k)
+    blocks = [m.layer for st in plan_of(schedule, virtual, recompute="full").stages for m in st.memory]
+    got = sorted(m.layer for st in plan.stages for m in st.memory)
+    assert got == sorted(b for n, b in enumerate(sorted(blocks), start=1) if n % k == 0)
+    assert all(m.action is MemoryAction.recompute for st in plan.stages for m in st.memory)
+    for st in plan.stages:
+        assert all(st.layer_start <= m.layer < st.layer_stop for m in st.memory)
+
+
+@pytest.mark.parametrize("policy,match", [
+    ({"recompute": "selective", "recompute_every": 2}, "policy.recompute_every: .*needs policy.recompute=full"),
+    ({"recompute": "full", "recompute_every": 2, "recompute_num_layers": 1}, "set one of the two"),
+])
+def test_every_refuses_what_it_cannot_mean(policy, match):
+    with pytest.raises(PlanningError, match=match):
+        plan_of(**policy)

@@ -1,0 +1,101 @@
+"""policy.recompute=op_sac (torchtitan's op-level selective AC, MemoryAction.op_sac): planned on the
+LLaMA blocks that price it, refused by name where it is not modelled, and priced by the simulator
+and the analytic estimate between no recompute and full recompute."""
+from __future__ import annotations
+
+import pytest
+
+from costs.families import build_model, parse_model_config
+from planners import PlanningError, make_plan, parse_policy
+from simulator import simulate
+from simulator.analytic import estimate
+from specs import validate_plan
+from specs.hardware import HardwareSpec
+from specs.plan import MemoryAction, ScheduleSpec
+from specs.training import TrainingSpec
+from tests.conftest import conf
+
+HW = HardwareSpec.model_validate(conf("hardware", "h100_node"))
+TRAINING = TrainingSpec(global_batch=32, microbatch_size=4, precision="bf16")
+
+
+def _model(name="llama3_8b", **update):
+    return build_model(parse_model_config({**conf("model", name), **update}), 2)
+
+
+def plan_of(model, **policy):
+    return make_plan(parse_policy({"kind": "manual", "pp": 2, "dp": 4, **policy}), model, HW, TRAINING,
+                     ScheduleSpec(kind="1f1b"))
+
+
+def test_every_block_and_nothing_else():
+    model = _model()
+    plan = plan_of(model, recompute="op_sac")
+    got = [(m.layer, m.action) for st in plan.stages for m in st.memory]
+    blocks = [i for i, layer in enumerate(model.layers) if layer.kind.value == "transformer_block"]
+    assert got == [(i, MemoryAction.op_sac) for i in blocks]
+
+
+@pytest.mark.parametrize("estimator", ["analytic", "simulator"])
+def test_between_none_and_full(estimator):
+    """Peak: fewer bytes than keeping everything, more than full recompute; time: a partial forward
+    re-run, so more than none and less than full (both estimators)."""
+    model = _model()
+    plans = [plan_of(model), plan_of(model, recompute="op_sac"), plan_of(model, recompute="full")]
+    if estimator == "analytic":
+        results = [estimate(p, model, HW) for p in plans]
+    else:
+        results = [simulate(p, model, HW).result for p in plans]
+    peaks = [max(d.peak_bytes for d in r.devices) for r in results]
+    times = [r.iteration_time_s for r in results]
+    assert peaks[0] > peaks[1] > peaks[2]
+    assert times[0] < times[1] < times[2]
+
+
+@pytest.mark.parametrize("update,policy,match", [
+    ({}, {"recompute": "op_sac", "tp": 2, "dp": 2}, "op_sac is modelled at tp 1 and cp 1"),
+    ({"flash_attention": False}, {"recompute": "op_sac"}, "op_sac .* has none"),
+])
+def test_planner_refuses_what_is_not_modelled(update, policy, match):
+    with pytest.raises(PlanningError, match=match):
+        plan_of(_model(**update), **policy)
+
+
+def test_gpt_is_refused_by_the_planner():
+    with pytest.raises(PlanningError, match="op_sac .* has none"):
+        plan_of(build_model(parse_model_config(conf("model", "gpt3_2b6")), 2), recompute="op_sac")
+
+
+def test_validate_plan_names_the_layer_and_the_tp():
+    """A plan file asking op_sac on the embedding, or on a block of a tp 2 stage, is refused with the
+    field path (the planner never emits either)."""
+    model = _model()
+    plan = plan_of(model, recompute="op_sac").model_dump(mode="json")
+    bad = dict(plan)
+    bad["stages"] = [dict(st) for st in plan["stages"]]
+    bad["stages"][0]["memory"] = [{"layer": 0, "action": "op_sac"}]
+    from specs.plan import Plan
+    with pytest.raises(ValueError, match=r"stages\[0\]\.memory\[0\]\.action.*no op-level checkpointing costs"):
+        validate_plan(Plan.model_validate(bad), model, HW)
+    tp_plan = plan_of(model, recompute="full", tp=2, dp=2).model_dump(mode="json")
+    for st in tp_plan["stages"]:
+        st["memory"] = [{**m, "action": "op_sac"} for m in st["memory"]]
+    with pytest.raises(ValueError, match="op_sac: with tp 2, cp 1"):
+        validate_plan(Plan.model_validate(tp_plan), model, HW)
+
+
+def test_autos_move_takes_full_recompute_to_op_sac_where_it_is_modelled():
+    """planners.auto.knobs.op_sac: the fully recomputed LLaMA blocks of tp-1 stages become op_sac;
+    a tp 2 plan has nothing to change (None); zb_h1 and zbv are not offered on an op_sac plan
+    (the split backward does not run it); the report names the recompute op_sac."""
+    from planners.auto.candidate import knobs
+    from planners.auto.knobs import op_sac, zb_h1
+    model = _model()
+    full = plan_of(model, recompute="full")
+    moved = op_sac(model)(full)
+    assert [(m.layer, m.action) for st in moved.stages for m in st.memory] == \
+        [(m.layer, MemoryAction.op_sac) for st in full.stages for m in st.memory]
+    validate_plan(moved, model, HW)
+    assert knobs(moved, model)["recompute"] == "op_sac"
+    assert op_sac(model)(plan_of(model, recompute="full", tp=2, dp=2)) is None
+    assert zb_h1(full) is not None and zb_h1(moved) is None

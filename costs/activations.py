@@ -66,7 +66,7 @@ def layer_input_bytes(model: ModelSpec, layer: int, samples: int, split: int = 1
 def stage_saved_bytes(model: ModelSpec, stage: StagePlan, layer: int, samples: int) -> int:
     """:func:`layer_saved_bytes` of ``layer`` as ``stage`` runs it: its tensor- and (with
     ``sequence_parallel``) sequence-parallel split, less the attention core where its action is
-    ``selective`` (Korthikanti §5)."""
+    ``selective`` (Korthikanti §5), or what op-level checkpointing holds where it is ``op_sac``."""
     action = stage.action_of(layer).action
     return layer_saved_bytes(model.layers[layer], samples, stage.tp, sp=stage.sequence_parallel,
                              selective=action is MemoryAction.selective, op_sac=action is MemoryAction.op_sac)

@@ -57,6 +57,8 @@ import warnings
 import torch
 from torch import nn
 
+from specs.plan_memory import ON_DEVICE_ACTIONS, ON_DEVICE_TEXT
+
 # tp > 1: the vocab-parallel head returns its loss as DTensor.to_local(), a view; the stage only
 # scales it out of place (executor.stage_passes: y * loss_scale), so FSDP2's warning about an
 # in-place op on it skipping the pre-backward hook does not apply (set once, for that module only)
@@ -293,10 +295,9 @@ def unsupported(plan, cfg=None) -> list[str]:
         if (off.window_layers is not None or off.optimizer_on_cpu or off.optimizer_swap or off.weight_swap_layers
                 or off.stash_swap_layers):
             out.append(f"stages[{i}].offload: with {z} (FSDP2's CPUOffloadPolicy is not wired)")
-        allowed = ("keep", "recompute", "selective", "op_sac")
-        actions = sorted({m.action.value for m in st.memory if m.action.value not in allowed})
+        actions = sorted({m.action.value for m in st.memory if m.action not in ON_DEVICE_ACTIONS})
         if actions:
-            out.append(f"stages[{i}].memory: {actions} with {z}; allowed: keep, recompute, selective, op_sac (a swap "
+            out.append(f"stages[{i}].memory: {actions} with {z}; allowed: {ON_DEVICE_TEXT} (a swap "
                        "would move FSDP2's unsharded parameters' saved views)")
     if plan.overlap_param_gather:
         out.append(f"overlap_param_gather: with {z} (ZeRO-1's all-gather after the step; FSDP2 gathers per unit)")

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from executor.zero1 import Zero1
+from specs.plan_memory import ON_DEVICE_ACTIONS, ON_DEVICE_TEXT
 
 
 class Zero2(Zero1):
@@ -145,8 +146,7 @@ def unsupported(plan, cfg=None) -> list[str]:
                 or off.stash_swap_layers):
             out.append(f"stages[{i}].offload: with {z} (its buckets hold resident parameters and a device "
                        "optimizer only)")
-        allowed = ("keep", "recompute", "selective", "op_sac")
-        actions = sorted({m.action.value for m in st.memory if m.action.value not in allowed})
+        actions = sorted({m.action.value for m in st.memory if m.action not in ON_DEVICE_ACTIONS})
         if actions:
-            out.append(f"stages[{i}].memory: {actions} with {z}; allowed: keep, recompute, selective, op_sac")
+            out.append(f"stages[{i}].memory: {actions} with {z}; allowed: {ON_DEVICE_TEXT}")
     return out

@@ -34,6 +34,12 @@ class MemoryAction(str, Enum):
     nvme = "nvme"
 
 
+#: actions that leave a layer's activations on its device (recomputed or not): what the executor's
+#: ZeRO-2 buckets and FSDP2 units run beside, where a swap would move their unsharded views away
+ON_DEVICE_ACTIONS = (MemoryAction.keep, MemoryAction.recompute, MemoryAction.selective, MemoryAction.op_sac)
+ON_DEVICE_TEXT = ", ".join(a.value for a in ON_DEVICE_ACTIONS)
+
+
 class D2DTarget(Spec):
     """A peer device that holds part of a swapped tensor; bytes are striped by ``weight``
     (MPress §IV-C: stripes proportional to the NVLink bandwidth to each peer)."""

@@ -174,9 +174,9 @@ class StagePlan(Spec):
                              f"{self.mesh} (one price per axis, in order)")
         # the simulator and executor.map_exec keep a MAP stage's states on its devices: an offload
         # here would be priced and run as if it were not there
-        for name in self.offloads_set:
-            raise ValueError(f"offload.{name}: a MAP-sharded stage keeps its weights, gradients and optimizer "
-                             "state on its devices (sharded by its strategies); drop the offload")
+        if self.offloads_set:
+            raise ValueError(f"offload.{self.offloads_set[0]}: a MAP-sharded stage keeps its weights, gradients and "
+                             "optimizer state on its devices (sharded by its strategies); drop the offload")
         if self.memory:
             raise ValueError("memory: a MAP-sharded stage recomputes by checkpoint segments (rotor); use checkpoint")
         if self.node_groups is not None:

@@ -175,15 +175,17 @@ def _has_op_sac(plan: Plan) -> bool:
 
 
 def recompute_all(model: ModelSpec, to: MemoryAction) -> Move:
-    """Every selective (or recomputed) block recomputed in full (or kept): the way back when a knob's
-    memory is not needed (``to`` keep) or not enough (``to`` recompute)."""
+    """Every selective (or recomputed) block recomputed in full (or every recomputed, selective or
+    op_sac block kept): the way back when a knob's memory is not needed (``to`` keep) or not enough
+    (``to`` recompute)."""
     src = MemoryAction.selective if to is MemoryAction.recompute else None
 
     def move(plan: Plan) -> Plan | None:
         stages, changed = [], False
         for st in plan.stages:
             if to is MemoryAction.keep:
-                mem = [m for m in st.memory if m.action not in (MemoryAction.selective, MemoryAction.recompute)]
+                mem = [m for m in st.memory
+                       if m.action not in (MemoryAction.selective, MemoryAction.recompute, MemoryAction.op_sac)]
             else:
                 mem = [m.model_copy(update={"action": to}) if m.action is src else m for m in st.memory]
             changed |= mem != list(st.memory)

@@ -11,7 +11,7 @@ from simulator import simulate
 from simulator.analytic import estimate
 from specs import validate_plan
 from specs.hardware import HardwareSpec
-from specs.plan import MemoryAction, ScheduleSpec
+from specs.plan import MemoryAction, Plan, ScheduleSpec
 from specs.training import TrainingSpec
 from tests.conftest import conf
 
@@ -74,7 +74,6 @@ def test_validate_plan_names_the_layer_and_the_tp():
     bad = dict(plan)
     bad["stages"] = [dict(st) for st in plan["stages"]]
     bad["stages"][0]["memory"] = [{"layer": 0, "action": "op_sac"}]
-    from specs.plan import Plan
     with pytest.raises(ValueError, match=r"stages\[0\]\.memory\[0\]\.action.*no op-level checkpointing costs"):
         validate_plan(Plan.model_validate(bad), model, HW)
     tp_plan = plan_of(model, recompute="full", tp=2, dp=2).model_dump(mode="json")

@@ -186,14 +186,16 @@ def selective_recompute_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, 
 def op_sac_recompute_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
     """Seconds of the forward re-run before one layer's backward under torchtitan's op-level
     checkpointing (executor.op_sac): the matmuls whose outputs its policy did not save
-    (``op_sac_gemms``) at their shapes' efficiency, every element-wise op (the layer's whole forward
-    traffic) at HBM bandwidth, and the whole forward's operators' overhead (the saved ones are
+    (``op_sac_gemms``) at their shapes' efficiency (a profiled layer, which has no GEMM shapes: its
+    re-run FLOPs, ``op_sac_rerun_flops_per_sample``, at the rate its forward's run), every
+    element-wise op (the layer's whole forward traffic) at HBM bandwidth, and the whole forward's operators' overhead (the saved ones are
     dispatched again and answered from the cache); 0 unless the layer's action is ``op_sac``."""
     if stage.action_of(layer).action is not MemoryAction.op_sac:
         return 0.0
     spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device
     b, tp = samples_per_replica(plan, stage), stage.tp
-    return (gemm.gemms_fwd_s(dev, dtype, spec.op_sac_gemms, b, tp) + _mem_s(spec, b, tp, hardware)
+    rerun = spec.op_sac_rerun_flops_per_sample * b / tp / dev.flops_per_s(dtype)  # a profiled layer's, as _rest_flops_s
+    return (gemm.gemms_fwd_s(dev, dtype, spec.op_sac_gemms, b, tp) + rerun + _mem_s(spec, b, tp, hardware)
             + spec.fwd_ops * dev.op_overhead_s)
 
 

@@ -13,10 +13,18 @@ torchtitan's list names CUDA's flash / memory-efficient kernels; on CPU ``F.scal
 attention`` dispatches ``_scaled_dot_product_flash_attention_for_cpu``, added here so the policy
 does on CPU what it does on GPU. Its reduce-scatter entry (tensor parallelism with sequence
 parallelism) has no counterpart: op_sac is refused with tp > 1 (specs.plan).
+
+A user's model (family torch_module) has no closed form: the symbolic profiler measures what the
+policy holds and re-runs with :class:`Mirror`, which applies the same :class:`Decisions` to a plain
+forward on fake tensors (``LayerProfile.op_sac_bytes``, ``op_sac_rerun_flops``).
 """
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
@@ -27,20 +35,83 @@ SAVED_KERNELS = frozenset(getattr(_aten, n).default for n in _KERNELS if hasattr
 MM = _aten.mm.default
 
 
+class Decisions:
+    """torchtitan's choice, op by op, in the order a forward dispatches them: every odd-numbered
+    ``aten.mm`` (1st, 3rd, ...) and the attention kernels saved, everything else recomputed. One
+    instance per pass: the policy (below) keeps one for the forward and one for the recompute, so
+    both make the same choices in the same order (what SAC's cache requires); the symbolic profiler
+    (:class:`Mirror`) one for its trace."""
+
+    def __init__(self) -> None:
+        self.mm = 0
+
+    def save(self, func) -> bool:
+        if func is MM:
+            self.mm += 1
+            return self.mm % 2 == 1
+        return func in SAVED_KERNELS
+
+
 def policy_context():
-    """A (forward, recompute) context pair for one checkpointed call: each counts its own matmuls,
-    so the recompute makes the same decisions in the same order (what SAC's cache requires)."""
-    counts = {False: 0, True: 0}
+    """A (forward, recompute) context pair for one checkpointed call."""
+    passes = {False: Decisions(), True: Decisions()}
 
     def policy(ctx, func, *args, **kwargs):
-        if func is MM:
-            counts[ctx.is_recompute] += 1
-            keep = counts[ctx.is_recompute] % 2 == 1
-        else:
-            keep = func in SAVED_KERNELS
+        keep = passes[ctx.is_recompute].save(func)
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+class Mirror(TorchDispatchMode):
+    """What the policy would keep of one plain forward and what its recompute would re-run, without
+    running it under the checkpoint (the symbolic profiler's op_sac measurement,
+    executor.profile_symbolic). Enter it with :meth:`pack` as the forward's saved-tensor pack hook.
+
+    Held: the storages of the saved operators' outputs (SAC's cache holds each one,
+    ``_CachingTorchDispatchMode``). Re-run: the FLOPs (torch.utils.flop_counter's formulas) of the
+    other operators dispatched before the forward's last saved-tensor pack: torch's non-reentrant
+    checkpoint stops its recompute once every tensor the forward saved is re-made (early stop, on by
+    default), and autograd packs an operator's inputs before its kernel runs, its outputs after; so a
+    block's last projection, whose output its backward never needs, is not re-run.
+    Why not the checkpoint itself: the profiler's backward runs under FlopCounterMode, which
+    decomposes operators it has no formula for, so a recompute there dispatches other operators than
+    its forward did and SAC refuses it ("aten.view.default invocation index 14 ... not found in
+    storage" on tests/byom_models' split block, 2026-11-28); the forward's decisions and packs are
+    all the held bytes and the re-run depend on. Run alone, not under FlopCounterMode, for the same
+    reason: the policy sees the operators a plain run dispatches."""
+
+    def __init__(self, exclude: set) -> None:
+        super().__init__()
+        self.decisions, self.exclude = Decisions(), exclude
+        self.saved: dict[StorageWeakRef, int] = {}
+        self.rerun_upto: list[float] = [0.0]  # re-run FLOPs of the first i operators dispatched
+        self.flops = 0.0  # of all of them
+        self.last_pack = 0  # operators dispatched when the forward last packed a saved tensor
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.last_pack = len(self.rerun_upto) - 1
+        return t
+
+    @property
+    def rerun_flops(self) -> float:
+        return self.rerun_upto[self.last_pack]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_counter.flop_registry.get(func._overloadpacket)
+        flops = 0.0 if formula is None else float(formula(*args, **kwargs, out_val=out))
+        self.flops += flops
+        saved = self.decisions.save(func)
+        self.rerun_upto.append(self.rerun_upto[-1] + (0.0 if saved else flops))
+        if saved:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    key = StorageWeakRef(t.untyped_storage())
+                    if key not in self.exclude:
+                        self.saved[key] = t.untyped_storage().nbytes()
+        return out
 
 
 def run(mod, *args):

@@ -45,6 +45,7 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from executor import op_sac
 from executor.megatron_tp import sequence_parallel_norms
 from executor.models import _layers, make_batch
 from executor.selective import SelectiveCore
@@ -60,8 +61,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: 6 = per-tensor saved lists ``saved_tensors`` (MPress §III-D; a cached revision-5 profile has none),
 #: 7 = a layer's input laid out as the previous layer's output (a view keeps its whole storage, issue 26),
 #: 8 = identical blocks of a user's split model share one trace (executor.structure_key; the
-#: representative's saved-tensor names are reused, issue 26)
-PROFILE_REVISION = 8
+#: representative's saved-tensor names are reused, issue 26), 9 = what torchtitan's op-level
+#: checkpointing holds and re-runs (``op_sac_bytes``, ``op_sac_rerun_flops``, issue 27)
+PROFILE_REVISION = 9
 
 # ---- FLOP formulas FlopCounterMode lacks: CPU flash attention (same math as the CUDA one) ----
 _aten = torch.ops.aten
@@ -364,6 +366,17 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
     selective_bytes = max(live_fwd - sel.current, 0)
     del out_sel
     in_keys = {StorageWeakRef(t.untyped_storage()) for t in _tensors(x if x is not None else batch)}
+    # torchtitan's op-level checkpointing as executor.op_sac runs it: the outputs its policy saves,
+    # the checkpoint's input (a batch tensor only where the plain forward saves it, as saved_bytes
+    # counts it) and the forward FLOPs its recompute re-runs (executor.op_sac.Mirror)
+    mirror = op_sac.Mirror(param_keys)
+    with ((sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()), mirror,
+          torch.autograd.graph.saved_tensors_hooks(mirror.pack, lambda t: t)):
+        out_sac = module(x, batch)
+    del out_sac
+    sac_held = {**mirror.saved, **{StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
+                                   for t in _tensors(x)},
+                **{k: n for k, n in saved.items() if x is None and k in in_keys}}
     stats = {
         "params": sum(p.numel() for p in module.parameters()),
         "fwd_flops": float(fwd_count.get_total_flops()),
@@ -380,12 +393,14 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
         # the first layer's input is the batch (token ids, images): what it saves of it
         "saves_input": any(StorageWeakRef(t.untyped_storage()) in saved
                            for t in _tensors(x if x is not None else batch)),
-        "input_bytes": 0 if x is not None else sum(saved.get(StorageWeakRef(t.untyped_storage()), 0)
-                                                   for t in _tensors(batch)),
+        # each storage once: a batch may hand one tensor under two keys (HF's input_ids and labels)
+        "input_bytes": 0 if x is not None else sum(saved.get(k, 0) for k in in_keys),
         "saves_output": any(key in saved for key in out_keys),
         "saved_tensors": _interior_saved(saved, first_at, {*out_keys, *in_keys}, origins, batch, fwd_ops.ops),
         "selective_bytes": selective_bytes,
         "sp_sharded_bytes": sum(saved_sp.values()),
+        "op_sac_bytes": sum(sac_held.values()),
+        "op_sac_rerun_flops": mirror.rerun_flops,
         "fwd_ops": fwd_ops.ops,
         # the in-place add of each weight gradient into its .grad buffer is among them (see above)
         "bwd_ops": bwd_ops.ops,

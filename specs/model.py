@@ -176,6 +176,9 @@ class LayerSpec(Spec):
         default_factory=list, max_length=64,
         description="the matmuls whose outputs op-level SAC does not save, re-run before the layer's backward with "
                     "its element-wise ops")
+    op_sac_rerun_flops_per_sample: Annotated[float, finite_in(0.0, 1e22, lo_open=False)] = Field(
+        0.0, description="forward FLOPs outside ``gemms`` that op-level SAC re-runs (a profiled layer without GEMM "
+                    "shapes: all but its saved operators'), priced as such FLOPs are in the forward")
     sp_sharded_saved_fraction: float = Field(
         0.0, ge=0, le=1, description="of the saved bytes, the part sequence parallelism splits over t besides "
                                      "tp_sharded_saved_fraction (layernorm, dropout and GEMM-input regions; "

@@ -289,7 +289,8 @@ def _check_selective(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
 
 def _check_op_sac(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
     """torchtitan's op-level checkpointing (MemoryAction.op_sac) is priced for layers that give its
-    costs (``LayerSpec.has_op_sac``: LLaMA blocks with flash attention) and at tp 1, cp 1: under
+    costs (``LayerSpec.has_op_sac``: LLaMA blocks with flash attention, a profiled user model's layers) and
+    at tp 1, cp 1: under
     tensor parallelism torchtitan's policy also saves reduce-scatter outputs and a row-parallel
     matmul's output is a partial sum on every rank, which memwall does not model."""
     for j, item in enumerate(stage.memory):
@@ -298,7 +299,8 @@ def _check_op_sac(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
         layer = model.layers[item.layer]
         if not layer.has_op_sac:
             err(f"stages[{i}].memory[{j}].action", f"op_sac: layer {item.layer} ({layer.name!r}, {layer.kind.value}) "
-                "has no op-level checkpointing costs (LLaMA blocks with flash attention have them); allowed there: "
+                "has no op-level checkpointing costs (LLaMA blocks with flash attention and a user model's profiled "
+                "layers have them); allowed there: "
                 "keep, recompute, selective, swaps")
         elif stage.tp > 1 or stage.cp > 1:
             err(f"stages[{i}].memory[{j}].action", f"op_sac: with tp {stage.tp}, cp {stage.cp}; op-level "

@@ -32,8 +32,9 @@ SCENARIOS = ("pp", "dp2", "dp4", "tp2", "tp4")
 #: temp_fixed_bytes, no views or in-place outputs counted as memory, the executor's TP fractions;
 #: 6: per-layer ``saved_tensors``, the interior saved storages MPress §III-D decides on one by one;
 #: 7: ``selective_bytes`` and ``sp_sharded_bytes``, what the executor's selective recompute and
-#: sequence parallelism free, measured instead of taken from the closed forms)
-PROFILE_FORMAT = 7
+#: sequence parallelism free, measured instead of taken from the closed forms; 8: ``op_sac_bytes`` and
+#: ``op_sac_rerun_flops``, torchtitan's op-level checkpointing of a user's layers)
+PROFILE_FORMAT = 8
 
 
 class SavedTensorProfile(Spec):
@@ -82,6 +83,11 @@ class LayerProfile(Spec):
     selective_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="what selective recompute (Korthikanti §5, "
                                  "executor.selective) frees: live bytes after the forward less those after the same "
                                  "forward with its attention core (the SDPA call) checkpointed")
+    op_sac_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="what torchtitan's op-level checkpointing "
+                              "(executor.op_sac) holds from the forward to the backward: the outputs its policy saves "
+                              "(every other aten.mm, the attention kernel) and the checkpoint's input")
+    op_sac_rerun_flops: float = Field(0.0, ge=0, le=1e24, allow_inf_nan=False,
+                                      description="forward FLOPs its recompute re-runs: all but the saved operators'")
     sp_sharded_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="of saved_bytes, what the executor's sequence "
                                   "parallelism splits over t: the storages the block's norms save (their inputs, the "
                                   "residual stream, and statistics; executor.megatron_tp.sequence_parallel_norms)")
@@ -209,6 +215,9 @@ def model_from_profile(profile: Profile) -> ModelSpec:
                         fwd_ops=p.fwd_ops, bwd_ops=p.bwd_ops, saves_input=p.saves_input,
                         saves_output=p.saves_output, tied_to=p.tied_to, tied_params=p.tied_params,
                         saved_tensors=profile.saved_tensors(p),
+                        # torchtitan's op-level checkpointing as measured (MemoryAction.op_sac, tp 1)
+                        op_sac_bytes_per_sample=profile.per_sample(p.op_sac_bytes),
+                        op_sac_rerun_flops_per_sample=p.op_sac_rerun_flops / profile.microbatch,
                         tp_sharded_param_fraction=0.0, tp_sharded_saved_fraction=0.0, max_tp=1)
               for p in profile.layers]
     return ModelSpec(name=profile.model, family=profile.family, layers=layers,

@@ -105,7 +105,8 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
                             f"{policy.recompute!r}")
     if policy.recompute == "op_sac" and not any(layer.has_op_sac for layer in model.layers):
         raise PlanningError(f"policy.recompute: op_sac (torchtitan's op-level selective AC) is priced for LLaMA "
-                            f"blocks with flash attention; model {model.name!r} has none: use full or selective")
+                            f"blocks with flash attention and a user model's (family torch_module) profiled layers; "
+                            f"model {model.name!r} has none: use full or selective")
     if policy.recompute == "op_sac" and (policy.tp > 1 or policy.cp > 1):
         raise PlanningError(f"policy.recompute: op_sac is modelled at tp 1 and cp 1 (under tensor parallelism "
                             f"torchtitan's policy also saves reduce-scatter outputs and partial sums); got tp "

@@ -3,7 +3,11 @@ LLaMA blocks that price it, refused by name where it is not modelled, and priced
 and the analytic estimate between no recompute and full recompute."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+import yaml
 
 from costs.families import build_model, parse_model_config
 from planners import PlanningError, make_plan, parse_policy
@@ -15,6 +19,7 @@ from specs.plan import MemoryAction, Plan, ScheduleSpec
 from specs.training import TrainingSpec
 from tests.conftest import conf
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "docs" / "examples"
 HW = HardwareSpec.model_validate(conf("hardware", "h100_node"))
 TRAINING = TrainingSpec(global_batch=32, microbatch_size=4, precision="bf16")
 
@@ -98,3 +103,34 @@ def test_autos_move_takes_full_recompute_to_op_sac_where_it_is_modelled():
     assert knobs(moved, model)["recompute"] == "op_sac"
     assert op_sac(model)(plan_of(model, recompute="full", tp=2, dp=2)) is None
     assert zb_h1(full) is not None and zb_h1(moved) is None
+
+
+@pytest.mark.parametrize("estimator", ["analytic", "simulator"])
+def test_a_user_models_profiled_layers(estimator):
+    """A user's model (family torch_module: Hugging Face transformers' Llama, docs/examples) takes
+    op_sac from its symbolic profile (``op_sac_bytes``, ``op_sac_rerun_flops``: executor.op_sac.Mirror):
+    every layer gets it, and it lands between no recompute and full recompute in memory and time,
+    its re-run priced."""
+    from executor.profile_symbolic import profile_model
+    from specs.profile import model_from_profile
+
+    pytest.importorskip("transformers")
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    cfg = parse_model_config({**yaml.safe_load((EXAMPLES / "model" / "hf_llama.yaml").read_text()),
+                              "kwargs": {"seq_len": 128}})
+    model = model_from_profile(profile_model(cfg, microbatch=2, dtype="fp32"))
+    assert all(layer.has_op_sac for layer in model.layers)
+    assert any(0 < layer.op_sac_rerun_flops_per_sample < layer.fwd_flops_per_sample for layer in model.layers)
+    hw = HardwareSpec.model_validate(conf("hardware", "local_cpu"))
+    training = TrainingSpec(global_batch=8, microbatch_size=2, precision="fp32")
+    plans = [make_plan(parse_policy({"kind": "manual", "pp": 2, "dp": 2, "recompute": r}), model, hw, training,
+                       ScheduleSpec(kind="1f1b")) for r in ("none", "op_sac", "full")]
+    assert [(m.layer, m.action) for st in plans[1].stages for m in st.memory] == \
+        [(i, MemoryAction.op_sac) for i in range(model.num_layers)]
+    run = (lambda p: estimate(p, model, hw)) if estimator == "analytic" else (lambda p: simulate(p, model, hw).result)
+    results = [run(p) for p in plans]
+    peaks = [max(d.peak_bytes for d in r.devices) for r in results]
+    times = [r.iteration_time_s for r in results]
+    assert peaks[0] > peaks[1] > peaks[2]
+    assert times[0] < times[1] < times[2]

@@ -28,12 +28,17 @@ def compute_dtype(plan: Plan) -> str:
 BWD_MEM_FACTOR = 1.5
 
 
-def _mem_s(layer: LayerSpec, samples: int, tp: int, hardware: HardwareSpec, sp: bool = False) -> float:
-    """Forward seconds of a layer's memory-bound (non-GEMM) ops at HBM bandwidth. Their traffic
-    splits over TP like the activations they act on (``tp_sharded_saved_fraction``); with sequence
-    parallelism (``sp``) the layernorm, dropout and bias-add regions split too
-    (``sp_sharded_saved_fraction``, Korthikanti §4.2.2)."""
+def _mem_s(layer: LayerSpec, samples: int, tp: int, hardware: HardwareSpec, sp: bool = False,
+           backward: bool = False) -> float:
+    """Forward (``backward``: backward) seconds of a layer's memory-bound (non-GEMM) ops at HBM
+    bandwidth. Their traffic splits over TP like the activations they act on
+    (``tp_sharded_saved_fraction``); with sequence parallelism (``sp``) the layernorm, dropout and
+    bias-add regions split too (``sp_sharded_saved_fraction``, Korthikanti §4.2.2). The backward's
+    is the measured ``bwd_mem_bytes_per_sample`` where a profile gives it, else
+    :data:`BWD_MEM_FACTOR` x the forward's."""
     per_sample = layer.fwd_mem_bytes_per_sample
+    if backward:
+        per_sample = layer.bwd_mem_bytes_per_sample or BWD_MEM_FACTOR * per_sample
     frac = layer.tp_sharded_saved_fraction + (layer.sp_sharded_saved_fraction if sp else 0.0)
     sharded = per_sample * min(frac, 1.0)
     return samples * (sharded / tp + per_sample - sharded) / hardware.device.hbm_bytes_per_s
@@ -97,14 +102,14 @@ def accumulate_bytes_per_param(plan: Plan) -> int:
 def layer_bwd_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
     """Backward compute seconds of one layer (no recompute, no communication): the dgrad and wgrad
     GEMM of every forward GEMM at their own shapes (``gemm.backward_shapes``), the elementwise
-    backward at ``BWD_MEM_FACTOR`` x the forward traffic, the gradient accumulation, twice the
-    unlisted FLOPs, ``bwd_ops`` x the per-operator overhead, and under TP the DTensor operators'
-    extra dispatch cost (:func:`tp_dtensor_ops`)."""
+    backward (measured, or ``BWD_MEM_FACTOR`` x the forward traffic: :func:`_mem_s`), the gradient
+    accumulation, twice the unlisted FLOPs, ``bwd_ops`` x the per-operator overhead, and under TP
+    the DTensor operators' extra dispatch cost (:func:`tp_dtensor_ops`)."""
     spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device
     b, tp = samples_per_replica(plan, stage), stage.tp
     dgrad, wgrad = gemm.gemms_bwd_s(dev, dtype, spec.gemms, b, tp)
     accumulate = accumulate_bytes_per_param(plan) * layer_params_on_device(spec, tp) / dev.hbm_bytes_per_s
-    return (dgrad + wgrad + BWD_MEM_FACTOR * _mem_s(spec, b, tp, hardware, stage.sequence_parallel) + accumulate
+    return (dgrad + wgrad + _mem_s(spec, b, tp, hardware, stage.sequence_parallel, backward=True) + accumulate
             + 2 * _rest_flops_s(spec, b, tp, hardware, dtype) + spec.bwd_ops * dev.op_overhead_s
             + tp_dtensor_ops(spec, tp)[1] * dev.dtensor_op_overhead_s)
 
@@ -188,8 +193,9 @@ def op_sac_recompute_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, sta
     checkpointing (executor.op_sac): the matmuls whose outputs its policy did not save
     (``op_sac_gemms``) at their shapes' efficiency (a profiled layer, which has no GEMM shapes: its
     re-run FLOPs, ``op_sac_rerun_flops_per_sample``, at the rate its forward's run), every
-    element-wise op (the layer's whole forward traffic) at HBM bandwidth, and the whole forward's operators' overhead (the saved ones are
-    dispatched again and answered from the cache); 0 unless the layer's action is ``op_sac``."""
+    element-wise op (the layer's whole forward traffic) at HBM bandwidth, and the whole forward's
+    operators' overhead (the saved ones are dispatched again and answered from the cache); 0 unless
+    the layer's action is ``op_sac``."""
     if stage.action_of(layer).action is not MemoryAction.op_sac:
         return 0.0
     spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device

@@ -50,6 +50,7 @@ from executor.megatron_tp import sequence_parallel_norms
 from executor.models import _layers, make_batch
 from executor.selective import SelectiveCore
 from executor.structure_key import structure_key
+from executor.traffic import Traffic
 from specs.profile import LayerProfile, Profile, SavedTensorProfile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -62,8 +63,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: 7 = a layer's input laid out as the previous layer's output (a view keeps its whole storage, issue 26),
 #: 8 = identical blocks of a user's split model share one trace (executor.structure_key; the
 #: representative's saved-tensor names are reused, issue 26), 9 = what torchtitan's op-level
-#: checkpointing holds and re-runs (``op_sac_bytes``, ``op_sac_rerun_flops``, issue 27)
-PROFILE_REVISION = 9
+#: checkpointing holds and re-runs (``op_sac_bytes``, ``op_sac_rerun_flops``, issue 27), 10 = the
+#: memory-bound operators' traffic of each pass (``fwd_mem_bytes``, ``bwd_mem_bytes``: executor.traffic)
+PROFILE_REVISION = 10
 
 # ---- FLOP formulas FlopCounterMode lacks: CPU flash attention (same math as the CUDA one) ----
 _aten = torch.ops.aten
@@ -330,13 +332,15 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
             p.grad = torch.zeros_like(p)
     kernel = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
     tracker = LiveBytes()
+    grad_keys = {StorageWeakRef(p.grad.untyped_storage()) for p in module.parameters() if p.grad is not None}
+    fwd_traffic, bwd_traffic = Traffic(param_keys, grad_keys), Traffic(param_keys, grad_keys)
     # the tracker is the innermost mode of each pass (entered last, so it sees each op first):
     # FlopCounterMode runs the CompositeImplicitAutograd decomposition of ops it has no formula
     # for, also of ops with a fused kernel of their own (silu_backward: sigmoid, 1 - s, x(1 - s),
     # 1 + ..., three muls), and a tracker below it counted those temporaries, five activation-sized
     # tensors the real kernel never allocates (LLaMA's backward transient read 2x too high)
     with kernel:
-        with flop_counter.FlopCounterMode(display=False) as fwd_count, fwd_ops, tracker, origins:
+        with flop_counter.FlopCounterMode(display=False) as fwd_count, fwd_ops, tracker, origins, fwd_traffic:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = module(x, batch)
         # a layer may return any pytree of tensors (a user's torch_module: tuples, dicts)
@@ -349,7 +353,7 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
             grad = [torch.ones_like(t) for t in diff]
         before = tracker.current
         tracker.reset_peak()
-        with flop_counter.FlopCounterMode(display=False) as bwd_count, OpCount() as bwd_ops, tracker:
+        with flop_counter.FlopCounterMode(display=False) as bwd_count, OpCount() as bwd_ops, tracker, bwd_traffic:
             torch.autograd.backward(diff, grad)
         # the backward's peak above what is live when it starts (saved tensors, output, its gradient):
         # weight-gradient scratch, the input gradient, intermediate gradients. The forward's own
@@ -399,6 +403,8 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
         "saved_tensors": _interior_saved(saved, first_at, {*out_keys, *in_keys}, origins, batch, fwd_ops.ops),
         "selective_bytes": selective_bytes,
         "sp_sharded_bytes": sum(saved_sp.values()),
+        "fwd_mem_bytes": fwd_traffic.bytes,
+        "bwd_mem_bytes": bwd_traffic.bytes,
         "op_sac_bytes": sum(sac_held.values()),
         "op_sac_rerun_flops": mirror.rerun_flops,
         "fwd_ops": fwd_ops.ops,

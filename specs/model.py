@@ -137,6 +137,10 @@ class LayerSpec(Spec):
                     "largest-GEMM efficiency")
     fwd_mem_bytes_per_sample: int = Field(
         0, ge=0, le=MAX_LAYER_BYTES, description="bytes read+written by the non-GEMM (memory-bound) ops of one forward")
+    bwd_mem_bytes_per_sample: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES,
+        description="the same of one backward, where measured (a profiled layer: executor.traffic); 0: "
+                    "costs.layer_time.BWD_MEM_FACTOR x the forward's (the closed forms)")
     fwd_ops: int = Field(0, ge=0, le=1 << 20, description="operators (kernels) one forward launches, any batch")
     bwd_ops: int = Field(0, ge=0, le=1 << 20, description="operators (kernels) one backward launches, any batch")
     # ---- tied weights (issue #11: Megatron's shared input/output embedding) ----

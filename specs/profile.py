@@ -33,7 +33,8 @@ SCENARIOS = ("pp", "dp2", "dp4", "tp2", "tp4")
 #: 6: per-layer ``saved_tensors``, the interior saved storages MPress §III-D decides on one by one;
 #: 7: ``selective_bytes`` and ``sp_sharded_bytes``, what the executor's selective recompute and
 #: sequence parallelism free, measured instead of taken from the closed forms; 8: ``op_sac_bytes`` and
-#: ``op_sac_rerun_flops``, torchtitan's op-level checkpointing of a user's layers)
+#: ``op_sac_rerun_flops``, torchtitan's op-level checkpointing of a user's layers, and ``fwd_mem_bytes``,
+#: ``bwd_mem_bytes``, the traffic of its memory-bound operators)
 PROFILE_FORMAT = 8
 
 
@@ -83,6 +84,10 @@ class LayerProfile(Spec):
     selective_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="what selective recompute (Korthikanti §5, "
                                  "executor.selective) frees: live bytes after the forward less those after the same "
                                  "forward with its attention core (the SDPA call) checkpointed")
+    fwd_mem_bytes: int = Field(0, ge=0, le=1 << 50, description="bytes the forward's memory-bound operators read "
+                               "and write (executor.traffic: no FLOP formula, not a view; parameters not counted)")
+    bwd_mem_bytes: int = Field(0, ge=0, le=1 << 50, description="the same of the backward (accumulation into .grad "
+                               "buffers not counted)")
     op_sac_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="what torchtitan's op-level checkpointing "
                               "(executor.op_sac) holds from the forward to the backward: the outputs its policy saves "
                               "(every other aten.mm, the attention kernel) and the checkpoint's input")
@@ -215,6 +220,9 @@ def model_from_profile(profile: Profile) -> ModelSpec:
                         fwd_ops=p.fwd_ops, bwd_ops=p.bwd_ops, saves_input=p.saves_input,
                         saves_output=p.saves_output, tied_to=p.tied_to, tied_params=p.tied_params,
                         saved_tensors=profile.saved_tensors(p),
+                        # what its element-wise operators move, as traced (executor.traffic)
+                        fwd_mem_bytes_per_sample=profile.per_sample(p.fwd_mem_bytes),
+                        bwd_mem_bytes_per_sample=profile.per_sample(p.bwd_mem_bytes),
                         # torchtitan's op-level checkpointing as measured (MemoryAction.op_sac, tp 1)
                         op_sac_bytes_per_sample=profile.per_sample(p.op_sac_bytes),
                         op_sac_rerun_flops_per_sample=p.op_sac_rerun_flops / profile.microbatch,

@@ -28,15 +28,34 @@ def layer_saved_bytes(layer: LayerSpec, samples: int, tp: int, *, sp: bool = Fal
     t); with sequence parallelism (``sp``) the rest splits too, sbh·(34/t + 5as/(ht)) (§4.2.2);
     with selective recompute (``selective``) the attention core's tensors are dropped
     (``selective_bytes_per_sample``, all tp-sharded): sbh·(10 + 24/t), and sbh·34/t with both (§5).
-    Under torchtitan's op-level checkpointing (``op_sac``, tp 1 only: specs.plan) what its policy
-    holds, ``op_sac_bytes_per_sample`` (the checkpoint's input and the saved operators' outputs)."""
+    Under torchtitan's op-level checkpointing (``op_sac``) what its policy holds:
+    ``op_sac_bytes_per_sample`` at tp 1 (the checkpoint's input and the saved operators' outputs);
+    at tp t, :func:`op_sac_held_per_sample`."""
     if op_sac:
-        return math.ceil(samples * layer.op_sac_bytes_per_sample)
+        return math.ceil(samples * op_sac_held_per_sample(layer, tp, sp))
     per_sample = layer.saved_bytes_per_sample
     sharded = per_sample * (layer.tp_sharded_saved_fraction + (layer.sp_sharded_saved_fraction if sp else 0.0))
     sharded = min(sharded, per_sample)
     dropped = layer.selective_bytes_per_sample if selective else 0
     return math.ceil(samples * (max(sharded - dropped, 0.0) / tp + (per_sample - sharded)))
+
+
+def op_sac_held_per_sample(layer: LayerSpec, tp: int, sp: bool) -> float:
+    """What op-level checkpointing holds per sample on one rank of a tp-way block (executor.op_sac
+    on the executor's DTensor Megatron TP, whose matmuls the policy sees as DTensor operators):
+    the column-parallel outputs it saves, the kernel's and what else ``op_sac_tp_sharded_bytes_per_
+    sample`` lists, divided by t; the checkpoint's input, the block's boundary
+    (``output_bytes_per_sample``), whole or (sequence parallelism) split by t; the row-parallel
+    matmul it saves (down), whose DTensor output is the unreduced partial sum, whole on every rank;
+    and under sequence parallelism the reduce-scatter outputs torchtitan's list saves, one per
+    ``tp_allreduces_per_pass``, s/t each. At tp 1: ``op_sac_bytes_per_sample``."""
+    total, split = layer.op_sac_bytes_per_sample, layer.op_sac_tp_sharded_bytes_per_sample
+    if tp <= 1:
+        return total
+    inp = layer.output_bytes_per_sample
+    whole = total - split - inp  # the row-parallel partial sums
+    boundary = (1 + layer.tp_allreduces_per_pass) * inp / tp if sp else inp
+    return whole + split / tp + boundary
 
 
 def seq_split(stage: StagePlan) -> int:
@@ -247,7 +266,8 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
         elif action is MemoryAction.selective:
             need += math.ceil(b * spec.selective_bytes_per_sample / tp)
         elif action is MemoryAction.op_sac:  # the re-run forward re-makes what the policy did not save
-            need += max(layer_saved_bytes(spec, b, tp) - layer_saved_bytes(spec, b, tp, op_sac=True), 0)
+            sp = stage.sequence_parallel
+            need += max(layer_saved_bytes(spec, b, tp, sp=sp) - layer_saved_bytes(spec, b, tp, sp=sp, op_sac=True), 0)
         if n:
             need += layer_output_bytes(model, l, b, split)
         # cp > 1: the ring's K/V send-receive buffers live while the attention core runs, not beside

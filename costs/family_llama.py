@@ -193,14 +193,18 @@ def op_sac_fields(s: int, h: int, a: int, g: int, f: int, flash: bool, act: int)
     MLP's output before the residual add, which autograd alone never keeps), with the flash kernel's
     output 2sh and fp32 log-sum-exp 4as and the checkpoint's input 2sh; k, proj and up re-run with
     every element-wise op (the norms, the rotation, silu·up, the residual adds) before the backward.
+    Under tensor parallelism q, v, the kernel's outputs and gate are split by t
+    (``op_sac_tp_sharded_bytes_per_sample``), down's output is the row-parallel partial sum, whole
+    on every rank (costs.activations.op_sac_held_per_sample).
     Empty for the unfused core: its products are batched matmuls the policy does not save."""
     if not flash:
         return {}
     d = h // a
-    held = (4 * s * h + s * g * d + s * f) * act + LSE_BYTES * a * s
+    split = (2 * s * h + s * g * d + s * f) * act + LSE_BYTES * a * s  # q, v, kernel output + lse, gate
+    held = split + 2 * s * h * act  # + the input and down's output
     gemms = [GemmSpec(name="k", m=s, n=g * d, k=h, tp_split="n"), GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
              GemmSpec(name="up", m=s, n=f, k=h, tp_split="n")]
-    return {"op_sac_bytes_per_sample": held, "op_sac_gemms": gemms}
+    return {"op_sac_bytes_per_sample": held, "op_sac_tp_sharded_bytes_per_sample": split, "op_sac_gemms": gemms}
 
 
 def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:

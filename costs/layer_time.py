@@ -159,14 +159,14 @@ def sp_regather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: S
     """The backward's re-gather under sequence parallelism (Korthikanti §4.2.2): each
     column-parallel GEMM saved its sequence-split input (s/t, what makes the 34/t of Table 2), so
     its weight gradient first all-gathers it again: ``sp_allgathers_per_pass`` all-gathers per
-    backward. None for a fully recomputed layer: its re-run forward gathered the inputs already
-    (priced in its recompute). Exposed, as every tensor-parallel collective of this model is
+    backward. None for a fully recomputed or op-level checkpointed layer: its re-run forward
+    gathered the inputs already (priced in its recompute). Exposed, as every tensor-parallel collective of this model is
     (``layer_tp_comm_s``); Megatron-LM issues it asynchronously behind the input-gradient GEMM
     (``LinearWithGradAccumulationAndAsyncCommunication``), as it issues the backward's
     all-reduce / reduce-scatter behind the weight-gradient GEMM, and memwall models neither overlap."""
     spec = model.layers[layer]
     if not stage.sequence_parallel or stage.tp == 1 or spec.sp_allgathers_per_pass == 0 \
-            or stage.action_of(layer).action is MemoryAction.recompute:
+            or stage.action_of(layer).action in (MemoryAction.recompute, MemoryAction.op_sac):
         return 0.0
     nbytes = spec.output_bytes_per_sample * samples_per_replica(plan, stage)
     link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
@@ -201,8 +201,26 @@ def op_sac_recompute_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, sta
     spec, dtype, dev = model.layers[layer], compute_dtype(plan), hardware.device
     b, tp = samples_per_replica(plan, stage), stage.tp
     rerun = spec.op_sac_rerun_flops_per_sample * b / tp / dev.flops_per_s(dtype)  # a profiled layer's, as _rest_flops_s
-    return (gemm.gemms_fwd_s(dev, dtype, spec.op_sac_gemms, b, tp) + rerun + _mem_s(spec, b, tp, hardware)
-            + spec.fwd_ops * dev.op_overhead_s)
+    return (gemm.gemms_fwd_s(dev, dtype, spec.op_sac_gemms, b, tp) + rerun
+            + _mem_s(spec, b, tp, hardware, stage.sequence_parallel) + spec.fwd_ops * dev.op_overhead_s
+            + tp_dtensor_ops(spec, tp)[0] * dev.dtensor_op_overhead_s + op_sac_recompute_comm_s(model, plan, hardware, stage, layer))
+
+
+def op_sac_recompute_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan,
+                            layer: int) -> float:
+    """The tensor-parallel collectives the op-level recompute re-runs (tp > 1), which stops at the
+    forward's last saved-tensor pack, before the last row-parallel output's reduction: without
+    sequence parallelism every all-reduce but that one (a LLaMA block: proj's); with it every
+    all-gather (``sp_allgathers_per_pass``: the inputs of the recomputed k and up), the
+    reduce-scatters' outputs being saved (torchtitan's list, executor.op_sac)."""
+    spec = model.layers[layer]
+    if stage.tp == 1:
+        return 0.0
+    nbytes = spec.output_bytes_per_sample * samples_per_replica(plan, stage)
+    link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
+    if stage.sequence_parallel:
+        return spec.sp_allgathers_per_pass * ring_half_s(nbytes, stage.tp, link)
+    return max(spec.tp_allreduces_per_pass - 1, 0) * ring_allreduce_s(nbytes, stage.tp, link)
 
 
 def layer_pass_times_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan,

@@ -6,13 +6,17 @@ activation_checkpoint.py as of the 2024-12 benchmarks): a layer whose memory act
 of the layer's forward (the 1st, 3rd, ...: in a LLaMA block q, v, gate and down; k, proj and up
 are recomputed) and the attention kernel's outputs, and recomputes every other operator before
 the layer's backward. The checkpoint also holds the layer's input. What that holds per sample is
-``LayerSpec.op_sac_bytes_per_sample`` (costs.family_llama.op_sac_fields); what the backward
-re-runs, ``op_sac_gemms`` with the element-wise ops.
+``LayerSpec.op_sac_bytes_per_sample`` (costs.family_llama.op_sac_fields; at tp > 1
+costs.activations.op_sac_held_per_sample); what the backward re-runs, ``op_sac_gemms`` with the
+element-wise ops.
 
 torchtitan's list names CUDA's flash / memory-efficient kernels; on CPU ``F.scaled_dot_product_
 attention`` dispatches ``_scaled_dot_product_flash_attention_for_cpu``, added here so the policy
 does on CPU what it does on GPU. Its reduce-scatter entry (tensor parallelism with sequence
-parallelism) has no counterpart: op_sac is refused with tp > 1 (specs.plan).
+parallelism) is kept. Under the executor's DTensor tensor parallelism the policy sees each matmul
+once, on DTensors (a mode comes before the subclass), so it makes the same choices on each rank's
+shards; a row-parallel matmul's saved output is its unreduced partial sum, whole. Context
+parallelism is refused (specs.plan).
 
 A user's model (family torch_module) has no closed form: the symbolic profiler measures what the
 policy holds and re-runs with :class:`Mirror`, which applies the same :class:`Decisions` to a plain
@@ -30,8 +34,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 _aten = torch.ops.aten
 _KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
-#: the attention kernels whose outputs are saved (those this torch build has)
-SAVED_KERNELS = frozenset(getattr(_aten, n).default for n in _KERNELS if hasattr(_aten, n))
+#: the attention kernels whose outputs are saved (those this torch build has), and torchtitan's
+#: reduce-scatter: under tensor + sequence parallelism each row-parallel output's reduction (the
+#: executor's DTensor redistribute dispatches it inside the checkpointed forward)
+SAVED_KERNELS = frozenset([*(getattr(_aten, n).default for n in _KERNELS if hasattr(_aten, n)),
+                           torch.ops._c10d_functional.reduce_scatter_tensor.default])
 MM = _aten.mm.default
 
 

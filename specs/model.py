@@ -176,6 +176,11 @@ class LayerSpec(Spec):
         description="what op-level SAC holds from the forward to the backward at tp 1: the checkpoint's input and "
                     "the outputs of the operators its policy saves (every other matmul, the attention kernel); "
                     "0: the layer has no op-level SAC costs (refused)")
+    op_sac_tp_sharded_bytes_per_sample: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES,
+        description="of op_sac_bytes_per_sample, what tensor parallelism divides by t (the saved column-parallel "
+                    "outputs and the attention kernel's); the rest is the checkpoint's input and the saved "
+                    "row-parallel outputs (costs.activations.op_sac_held_per_sample)")
     op_sac_gemms: list[GemmSpec] = Field(
         default_factory=list, max_length=64,
         description="the matmuls whose outputs op-level SAC does not save, re-run before the layer's backward with "

@@ -289,10 +289,8 @@ def _check_selective(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
 
 def _check_op_sac(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
     """torchtitan's op-level checkpointing (MemoryAction.op_sac) is priced for layers that give its
-    costs (``LayerSpec.has_op_sac``: LLaMA blocks with flash attention, a profiled user model's layers) and
-    at tp 1, cp 1: under
-    tensor parallelism torchtitan's policy also saves reduce-scatter outputs and a row-parallel
-    matmul's output is a partial sum on every rank, which memwall does not model."""
+    costs (``LayerSpec.has_op_sac``: LLaMA blocks with flash attention, a profiled user model's
+    layers) and at cp 1: what the ring attention's blocks leave saved under it is not modelled."""
     for j, item in enumerate(stage.memory):
         if item.action is not MemoryAction.op_sac or not stage.layer_start <= item.layer < stage.layer_stop:
             continue
@@ -302,10 +300,9 @@ def _check_op_sac(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
                 "has no op-level checkpointing costs (LLaMA blocks with flash attention and a user model's profiled "
                 "layers have them); allowed there: "
                 "keep, recompute, selective, swaps")
-        elif stage.tp > 1 or stage.cp > 1:
-            err(f"stages[{i}].memory[{j}].action", f"op_sac: with tp {stage.tp}, cp {stage.cp}; op-level "
-                "checkpointing is modelled at tp 1 and cp 1 (under tp torchtitan's policy also saves reduce-scatter "
-                "outputs and partial sums); use recompute=selective or full there")
+        elif stage.cp > 1:
+            err(f"stages[{i}].memory[{j}].action", f"op_sac: with cp {stage.cp}; op-level checkpointing is modelled "
+                "at cp 1 (the ring attention's saved blocks are not); use recompute=selective or full there")
 
 
 def _check_tp_cap(i: int, stage: StagePlan, model: ModelSpec, err) -> None:

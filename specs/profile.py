@@ -92,7 +92,8 @@ class LayerProfile(Spec):
                               "(executor.op_sac) holds from the forward to the backward: the outputs its policy saves "
                               "(every other aten.mm, the attention kernel) and the checkpoint's input")
     op_sac_rerun_flops: float = Field(0.0, ge=0, le=1e24, allow_inf_nan=False,
-                                      description="forward FLOPs its recompute re-runs: all but the saved operators'")
+                                      description="forward FLOPs its recompute re-runs: the unsaved operators' "
+                                      "before the forward's last saved-tensor pack (the checkpoint's early stop)")
     sp_sharded_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="of saved_bytes, what the executor's sequence "
                                   "parallelism splits over t: the storages the block's norms save (their inputs, the "
                                   "residual stream, and statistics; executor.megatron_tp.sequence_parallel_norms)")

@@ -14,8 +14,8 @@ whose cost model prices it as a no-op (or a loss) is simply not kept.
   attention core, all stages at once, then stage by stage (a per-layer choice where memory wants
   it); on a plan that does not fit, its kept blocks selective instead;
 * **op-level selective checkpointing** (torchtitan's default ``selective_ac_option = "op"``,
-  MemoryAction.op_sac): the fully recomputed blocks that price it (LLaMA, flash attention) on the
-  stages at tp 1 and cp 1, where memwall models it;
+  MemoryAction.op_sac): the fully recomputed blocks that price it (LLaMA with flash attention, a
+  user model's profiled layers) on the stages at cp 1, where memwall models it;
 * **distributed optimizer** (ZeRO-1 over each stage's dp group, Megatron's
   --use-distributed-optimizer) with overlap_grad_reduce, where some stage has dp > 1;
 * **zero-bubble schedules** (Qi et al. 2024): zb_h1 on a 1F1B pipeline (1F1B's memory, §3.1), and
@@ -153,13 +153,13 @@ def context_parallel(plan: Plan) -> Plan | None:
 
 
 def op_sac(model: ModelSpec) -> Move:
-    """The move: every stage at tp 1 and cp 1 (where specs.plan allows op_sac) with its fully
+    """The move: every stage at cp 1 (where specs.plan allows op_sac) with its fully
     recomputed blocks under torchtitan's op-level policy instead (``LayerSpec.has_op_sac``);
     None where no block changes."""
     def move(plan: Plan) -> Plan | None:
         stages, changed = list(plan.stages), False
         for s, st in enumerate(plan.stages):
-            if st.tp > 1 or st.cp > 1 or st.sharding or st.offload.window_layers:
+            if st.cp > 1 or st.sharding or st.offload.window_layers:
                 continue
             mem = [m.model_copy(update={"action": MemoryAction.op_sac})
                    if m.action is MemoryAction.recompute and model.layers[m.layer].has_op_sac else m for m in st.memory]

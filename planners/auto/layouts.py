@@ -118,7 +118,7 @@ def variants(policy, training: TrainingSpec, schedule: ScheduleSpec) -> tuple[li
     if 1 not in policy.zero_stages:
         left_out.append("distributed optimizer (ZeRO-1): not searched; policy.zero_stages=[0,1] (the default) adds it")
     left_out.append("sequence parallelism, pipeline scatter/gather, selective recompute, op-level SAC (LLaMA "
-                    "blocks, a user model's profiled layers; tp 1), ZeRO-1, zb_h1 / zbv and "
+                    "blocks, a user model's profiled layers; cp 1), ZeRO-1, zb_h1 / zbv and "
                     "(seq_len >= 16384) context parallelism on the fastest plans: tried one knob at a time, each kept "
                     "when the simulator says it is faster or fits where the plan did not (planners/auto/knobs.py)")
     left_out.append("D2D swap from stages with dp·tp > 1: the executor sends every replica's stripes, the simulator "

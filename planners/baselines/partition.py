@@ -107,10 +107,9 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
         raise PlanningError(f"policy.recompute: op_sac (torchtitan's op-level selective AC) is priced for LLaMA "
                             f"blocks with flash attention and a user model's (family torch_module) profiled layers; "
                             f"model {model.name!r} has none: use full or selective")
-    if policy.recompute == "op_sac" and (policy.tp > 1 or policy.cp > 1):
-        raise PlanningError(f"policy.recompute: op_sac is modelled at tp 1 and cp 1 (under tensor parallelism "
-                            f"torchtitan's policy also saves reduce-scatter outputs and partial sums); got tp "
-                            f"{policy.tp}, cp {policy.cp}")
+    if policy.recompute == "op_sac" and policy.cp > 1:
+        raise PlanningError(f"policy.recompute: op_sac is modelled at cp 1 (what the ring attention's blocks leave "
+                            f"saved under it is not); got cp {policy.cp}")
     if policy.recompute_every is not None and policy.recompute != "full":
         raise PlanningError(f"policy.recompute_every: recomputes every k-th block in full (torchtitan's "
                             f"selective_ac_option = k); needs policy.recompute=full, got {policy.recompute!r}")

@@ -42,11 +42,15 @@ def test_every_block_and_nothing_else():
 
 
 @pytest.mark.parametrize("estimator", ["analytic", "simulator"])
-def test_between_none_and_full(estimator):
+@pytest.mark.parametrize("parallel", [{}, {"tp": 2, "dp": 2}, {"tp": 2, "dp": 2, "sequence_parallel": True}],
+                         ids=["dp", "tp", "tp-sp"])
+def test_between_none_and_full(estimator, parallel):
     """Peak: fewer bytes than keeping everything, more than full recompute; time: a partial forward
-    re-run, so more than none and less than full (both estimators)."""
+    re-run, so more than none and less than full (both estimators, with and without tensor and
+    sequence parallelism)."""
     model = _model()
-    plans = [plan_of(model), plan_of(model, recompute="op_sac"), plan_of(model, recompute="full")]
+    plans = [plan_of(model, **parallel), plan_of(model, recompute="op_sac", **parallel),
+             plan_of(model, recompute="full", **parallel)]
     if estimator == "analytic":
         results = [estimate(p, model, HW) for p in plans]
     else:
@@ -58,7 +62,7 @@ def test_between_none_and_full(estimator):
 
 
 @pytest.mark.parametrize("update,policy,match", [
-    ({}, {"recompute": "op_sac", "tp": 2, "dp": 2}, "op_sac is modelled at tp 1 and cp 1"),
+    ({}, {"recompute": "op_sac", "cp": 2, "dp": 2}, "op_sac is modelled at cp 1"),
     ({"flash_attention": False}, {"recompute": "op_sac"}, "op_sac .* has none"),
 ])
 def test_planner_refuses_what_is_not_modelled(update, policy, match):
@@ -71,8 +75,8 @@ def test_gpt_is_refused_by_the_planner():
         plan_of(build_model(parse_model_config(conf("model", "gpt3_2b6")), 2), recompute="op_sac")
 
 
-def test_validate_plan_names_the_layer_and_the_tp():
-    """A plan file asking op_sac on the embedding, or on a block of a tp 2 stage, is refused with the
+def test_validate_plan_names_the_layer_and_the_cp():
+    """A plan file asking op_sac on the embedding, or on a block of a cp 2 stage, is refused with the
     field path (the planner never emits either)."""
     model = _model()
     plan = plan_of(model, recompute="op_sac").model_dump(mode="json")
@@ -81,16 +85,16 @@ def test_validate_plan_names_the_layer_and_the_tp():
     bad["stages"][0]["memory"] = [{"layer": 0, "action": "op_sac"}]
     with pytest.raises(ValueError, match=r"stages\[0\]\.memory\[0\]\.action.*no op-level checkpointing costs"):
         validate_plan(Plan.model_validate(bad), model, HW)
-    tp_plan = plan_of(model, recompute="full", tp=2, dp=2).model_dump(mode="json")
-    for st in tp_plan["stages"]:
+    cp_plan = plan_of(model, recompute="full", cp=2, dp=2).model_dump(mode="json")
+    for st in cp_plan["stages"]:
         st["memory"] = [{**m, "action": "op_sac"} for m in st["memory"]]
-    with pytest.raises(ValueError, match="op_sac: with tp 2, cp 1"):
-        validate_plan(Plan.model_validate(tp_plan), model, HW)
+    with pytest.raises(ValueError, match="op_sac: with cp 2"):
+        validate_plan(Plan.model_validate(cp_plan), model, HW)
 
 
 def test_autos_move_takes_full_recompute_to_op_sac_where_it_is_modelled():
-    """planners.auto.knobs.op_sac: the fully recomputed LLaMA blocks of tp-1 stages become op_sac;
-    a tp 2 plan has nothing to change (None); zb_h1 and zbv are not offered on an op_sac plan
+    """planners.auto.knobs.op_sac: the fully recomputed LLaMA blocks of cp-1 stages become op_sac
+    (tp 2 too); a cp 2 plan has nothing to change (None); zb_h1 and zbv are not offered on an op_sac plan
     (the split backward does not run it); the report names the recompute op_sac."""
     from planners.auto.candidate import knobs
     from planners.auto.knobs import op_sac, zb_h1
@@ -101,7 +105,8 @@ def test_autos_move_takes_full_recompute_to_op_sac_where_it_is_modelled():
         [(m.layer, MemoryAction.op_sac) for st in full.stages for m in st.memory]
     validate_plan(moved, model, HW)
     assert knobs(moved, model)["recompute"] == "op_sac"
-    assert op_sac(model)(plan_of(model, recompute="full", tp=2, dp=2)) is None
+    assert op_sac(model)(plan_of(model, recompute="full", tp=2, dp=2)) is not None
+    assert op_sac(model)(plan_of(model, recompute="full", cp=2, dp=2)) is None
     assert zb_h1(full) is not None and zb_h1(moved) is None
 
 
@@ -134,3 +139,26 @@ def test_a_user_models_profiled_layers(estimator):
     times = [r.iteration_time_s for r in results]
     assert peaks[0] > peaks[1] > peaks[2]
     assert times[0] < times[1] < times[2]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_held_bytes_and_recompute_comm(sp):
+    """At tp 2 (costs.activations.op_sac_held_per_sample): q, v, the kernel's outputs and gate halve,
+    down's row-parallel partial sum stays whole, the input halves only under sequence parallelism,
+    which also holds the two reduce-scatter outputs torchtitan's list saves; the re-run forward
+    repeats proj's all-reduce, or under sequence parallelism the two all-gathers, and the backward
+    no longer re-gathers."""
+    from costs.activations import layer_saved_bytes
+    from costs.layer_time import op_sac_recompute_comm_s, sp_regather_s
+    model = _model()
+    spec = model.layers[1]
+    s, h, act = 8192, 4096, 2
+    inp = s * h * act
+    split = spec.op_sac_tp_sharded_bytes_per_sample
+    want = split / 2 + inp + (3 * inp / 2 if sp else inp)
+    assert layer_saved_bytes(spec, 1, 2, sp=sp, op_sac=True) == want
+    assert layer_saved_bytes(spec, 1, 1, op_sac=True) == spec.op_sac_bytes_per_sample == split + 2 * inp
+    plan = plan_of(model, recompute="op_sac", tp=2, dp=2, sequence_parallel=sp)
+    stage = plan.stages[0]
+    comm = op_sac_recompute_comm_s(model, plan, HW, stage, 1)
+    assert comm > 0 and sp_regather_s(model, plan, HW, stage, 1) == 0.0

@@ -160,10 +160,11 @@ def sp_regather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: S
     column-parallel GEMM saved its sequence-split input (s/t, what makes the 34/t of Table 2), so
     its weight gradient first all-gathers it again: ``sp_allgathers_per_pass`` all-gathers per
     backward. None for a fully recomputed or op-level checkpointed layer: its re-run forward
-    gathered the inputs already (priced in its recompute). Exposed, as every tensor-parallel collective of this model is
-    (``layer_tp_comm_s``); Megatron-LM issues it asynchronously behind the input-gradient GEMM
-    (``LinearWithGradAccumulationAndAsyncCommunication``), as it issues the backward's
-    all-reduce / reduce-scatter behind the weight-gradient GEMM, and memwall models neither overlap."""
+    gathered the inputs already (priced in its recompute). Exposed, as every tensor-parallel
+    collective of this model is (``layer_tp_comm_s``); Megatron-LM issues it asynchronously behind
+    the input-gradient GEMM (``LinearWithGradAccumulationAndAsyncCommunication``), as it issues the
+    backward's all-reduce / reduce-scatter behind the weight-gradient GEMM, and memwall models
+    neither overlap."""
     spec = model.layers[layer]
     if not stage.sequence_parallel or stage.tp == 1 or spec.sp_allgathers_per_pass == 0 \
             or stage.action_of(layer).action in (MemoryAction.recompute, MemoryAction.op_sac):
@@ -203,7 +204,8 @@ def op_sac_recompute_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, sta
     rerun = spec.op_sac_rerun_flops_per_sample * b / tp / dev.flops_per_s(dtype)  # a profiled layer's, as _rest_flops_s
     return (gemm.gemms_fwd_s(dev, dtype, spec.op_sac_gemms, b, tp) + rerun
             + _mem_s(spec, b, tp, hardware, stage.sequence_parallel) + spec.fwd_ops * dev.op_overhead_s
-            + tp_dtensor_ops(spec, tp)[0] * dev.dtensor_op_overhead_s + op_sac_recompute_comm_s(model, plan, hardware, stage, layer))
+            + tp_dtensor_ops(spec, tp)[0] * dev.dtensor_op_overhead_s
+            + op_sac_recompute_comm_s(model, plan, hardware, stage, layer))
 
 
 def op_sac_recompute_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan,

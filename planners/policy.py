@@ -179,8 +179,8 @@ class MapPolicy(Spec):
     with do, to show what ignoring activations costs (rotor and the refinement are then off)."""
 
     kind: Literal["map"] = "map"
-    memory_budget_gib: float | None = Field(None, ge=2 ** -30, le=1 << 20,
-                                            description="per device, at least one byte (2^-30 GiB); null: device memory")
+    memory_budget_gib: float | None = Field(
+        None, ge=2 ** -30, le=1 << 20, description="per device, at least one byte (2^-30 GiB); null: device memory")
     mesh: list[Annotated[int, Field(ge=1, le=1 << 16)]] | None = Field(None, min_length=1, max_length=3)
     cluster: str | None = Field(None, min_length=1, max_length=4096,
                                 description="path of a cluster.json (mode=calibrate, MAP §4.2); null: the YAML's links")
@@ -212,8 +212,8 @@ class AutoPolicy(Spec):
     nodes of this hardware that train the model, or the largest model of this family that trains."""
 
     kind: Literal["auto"] = "auto"
-    memory_budget_gib: float | None = Field(None, ge=2 ** -30, le=1 << 20,
-                                            description="per device, at least one byte (2^-30 GiB); null: device memory")
+    memory_budget_gib: float | None = Field(
+        None, ge=2 ** -30, le=1 << 20, description="per device, at least one byte (2^-30 GiB); null: device memory")
     find: Literal["fastest", "fewest_nodes", "largest_model"] = "fastest"
     singles: list[Literal["balanced", "throughput", "capture", "mpress", "stronghold", "map"]] = Field(
         list(SINGLE_POLICIES), description="single-technique policies planned beside the joint search")

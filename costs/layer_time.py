@@ -13,7 +13,7 @@ from costs.buffers import boundary_send_bytes, neighbour_stage, p2p_gathered_byt
 from costs.collectives import allreduce_link, collective_link, group_link, ring_allreduce_s, transfer_s
 from costs.context_parallel import layer_cp_comm_s
 from costs.params import grad_reduce_ranks, layer_params_on_device, samples_per_replica, stage_params_on_device
-from specs.hardware import HardwareSpec
+from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import LayerKind, LayerSpec, ModelSpec
 from specs.plan import MemoryAction, Plan, StagePlan
 
@@ -114,6 +114,14 @@ def layer_bwd_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: Sta
             + tp_dtensor_ops(spec, tp)[1] * dev.dtensor_op_overhead_s)
 
 
+def _tp_collective(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan,
+                   layer: int) -> tuple[float, LinkSpec]:
+    """(bytes, link) of one tensor-parallel collective of a layer: its boundary tensor for the
+    stage's microbatch (``output_bytes_per_sample``), over the link joining the stage's tp group."""
+    nbytes = model.layers[layer].output_bytes_per_sample * samples_per_replica(plan, stage)
+    return nbytes, collective_link(group_link(hardware, stage.devices[: stage.tp]))
+
+
 def layer_tp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan, layer: int) -> float:
     """Tensor-parallel all-reduces of one layer in one pass (2 per GPT block, Megatron §3).
 
@@ -127,8 +135,7 @@ def layer_tp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage:
         return layer_sp_comm_s(model, plan, hardware, stage, layer)
     if stage.tp == 1 or spec.tp_allreduces_per_pass == 0:
         return 0.0
-    nbytes = spec.output_bytes_per_sample * samples_per_replica(plan, stage)
-    link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
+    nbytes, link = _tp_collective(model, plan, hardware, stage, layer)
     return spec.tp_allreduces_per_pass * ring_allreduce_s(nbytes, stage.tp, link)
 
 
@@ -150,8 +157,7 @@ def layer_sp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage:
     halves = spec.tp_allreduces_per_pass + spec.sp_allgathers_per_pass
     if stage.tp == 1 or halves == 0:
         return 0.0
-    nbytes = spec.output_bytes_per_sample * samples_per_replica(plan, stage)
-    link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
+    nbytes, link = _tp_collective(model, plan, hardware, stage, layer)
     return halves * ring_half_s(nbytes, stage.tp, link)
 
 
@@ -169,8 +175,7 @@ def sp_regather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: S
     if not stage.sequence_parallel or stage.tp == 1 or spec.sp_allgathers_per_pass == 0 \
             or stage.action_of(layer).action in (MemoryAction.recompute, MemoryAction.op_sac):
         return 0.0
-    nbytes = spec.output_bytes_per_sample * samples_per_replica(plan, stage)
-    link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
+    nbytes, link = _tp_collective(model, plan, hardware, stage, layer)
     return spec.sp_allgathers_per_pass * ring_half_s(nbytes, stage.tp, link)
 
 
@@ -218,8 +223,7 @@ def op_sac_recompute_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec
     spec = model.layers[layer]
     if stage.tp == 1:
         return 0.0
-    nbytes = spec.output_bytes_per_sample * samples_per_replica(plan, stage)
-    link = collective_link(group_link(hardware, stage.devices[: stage.tp]))
+    nbytes, link = _tp_collective(model, plan, hardware, stage, layer)
     if stage.sequence_parallel:
         return spec.sp_allgathers_per_pass * ring_half_s(nbytes, stage.tp, link)
     return max(spec.tp_allreduces_per_pass - 1, 0) * ring_allreduce_s(nbytes, stage.tp, link)

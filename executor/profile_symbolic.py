@@ -50,7 +50,7 @@ from executor.megatron_tp import sequence_parallel_norms
 from executor.models import _layers, make_batch
 from executor.selective import SelectiveCore
 from executor.structure_key import structure_key
-from executor.traffic import Traffic
+from executor.traffic import Traffic, tensor_leaves
 from specs.profile import LayerProfile, Profile, SavedTensorProfile
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -330,7 +330,6 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
     for p in module.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    kernel = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
     tracker = LiveBytes()
     grad_keys = {StorageWeakRef(p.grad.untyped_storage()) for p in module.parameters() if p.grad is not None}
     fwd_traffic, bwd_traffic = Traffic(param_keys, grad_keys), Traffic(param_keys, grad_keys)
@@ -339,12 +338,12 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
     # for, also of ops with a fused kernel of their own (silu_backward: sigmoid, 1 - s, x(1 - s),
     # 1 + ..., three muls), and a tracker below it counted those temporaries, five activation-sized
     # tensors the real kernel never allocates (LLaMA's backward transient read 2x too high)
-    with kernel:
+    with _kernel(attention):
         with flop_counter.FlopCounterMode(display=False) as fwd_count, fwd_ops, tracker, origins, fwd_traffic:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = module(x, batch)
         # a layer may return any pytree of tensors (a user's torch_module: tuples, dicts)
-        outs = _tensors(out)
+        outs = tensor_leaves(out)
         out_keys = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in outs}
         out_bytes = sum(out_keys.values())
         live_fwd = tracker.current  # saved tensors and output: compared with selective's below
@@ -365,21 +364,20 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
     # attention core (the SDPA call) checkpointed; what it frees is the live bytes it leaves less
     # (flash: the log-sum-exp; math attention: the scores, softmax and its mask too)
     sel = LiveBytes()
-    with (sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()), SelectiveCore(), sel:
+    with _kernel(attention), SelectiveCore(), sel:
         out_sel = module(x, batch)
     selective_bytes = max(live_fwd - sel.current, 0)
     del out_sel
-    in_keys = {StorageWeakRef(t.untyped_storage()) for t in _tensors(x if x is not None else batch)}
+    in_keys = {StorageWeakRef(t.untyped_storage()) for t in tensor_leaves(x if x is not None else batch)}
     # torchtitan's op-level checkpointing as executor.op_sac runs it: the outputs its policy saves,
     # the checkpoint's input (a batch tensor only where the plain forward saves it, as saved_bytes
     # counts it) and the forward FLOPs its recompute re-runs (executor.op_sac.Mirror)
     mirror = op_sac.Mirror(param_keys)
-    with ((sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()), mirror,
-          torch.autograd.graph.saved_tensors_hooks(mirror.pack, lambda t: t)):
+    with _kernel(attention), mirror, torch.autograd.graph.saved_tensors_hooks(mirror.pack, lambda t: t):
         out_sac = module(x, batch)
     del out_sac
     sac_held = {**mirror.saved, **{StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes()
-                                   for t in _tensors(x)},
+                                   for t in tensor_leaves(x)},
                 **{k: n for k, n in saved.items() if x is None and k in in_keys}}
     stats = {
         "params": sum(p.numel() for p in module.parameters()),
@@ -396,7 +394,7 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
                                                        if p.requires_grad), default=0)),
         # the first layer's input is the batch (token ids, images): what it saves of it
         "saves_input": any(StorageWeakRef(t.untyped_storage()) in saved
-                           for t in _tensors(x if x is not None else batch)),
+                           for t in tensor_leaves(x if x is not None else batch)),
         # each storage once: a batch may hand one tensor under two keys (HF's input_ids and labels)
         "input_bytes": 0 if x is not None else sum(saved.get(k, 0) for k in in_keys),
         "saves_output": any(key in saved for key in out_keys),
@@ -414,8 +412,10 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
     return stats, out
 
 
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+def _kernel(attention: str):
+    """The SDPA backend every pass of a trace runs under: the math path where ``attention`` says
+    so (its scores and softmax materialised), torch's default kernel otherwise."""
+    return sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
 
 
 def _boundary(out) -> tuple:

@@ -30,7 +30,8 @@ _NO_TRAFFIC = frozenset(getattr(_aten, n) for n in (
     "_local_scalar_dense") if hasattr(_aten, n))
 
 
-def _tensors(tree) -> list[torch.Tensor]:
+def tensor_leaves(tree) -> list[torch.Tensor]:
+    """The tensors of a pytree (a layer's output, an operator's arguments)."""
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
@@ -56,9 +57,9 @@ class Traffic(TorchDispatchMode):
         if (func.namespace != "aten" or func.is_view or func._overloadpacket in _NO_TRAFFIC
                 or func._overloadpacket in flop_counter.flop_registry):
             return out
-        outs = _tensors(out)
+        outs = tensor_leaves(out)
         if any(StorageWeakRef(t.untyped_storage()) in self.grads for t in outs):
             return out  # a weight gradient added into its .grad buffer
-        ins = [t for t in _tensors((args, kwargs)) if StorageWeakRef(t.untyped_storage()) not in self.params]
+        ins = [t for t in tensor_leaves((args, kwargs)) if StorageWeakRef(t.untyped_storage()) not in self.params]
         self.bytes += sum(_nbytes(t) for t in (*ins, *outs))
         return out

@@ -13,12 +13,13 @@ import torch
 import yaml
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 from costs.families import parse_model_config
 from executor import op_sac, user_model
 from executor.models import make_batch
 from executor.profile_symbolic import LiveBytes, profile_model
+from executor.traffic import tensor_leaves
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "docs" / "examples"
 B = 2
@@ -36,17 +37,13 @@ def _cfg(name: str):
     return parse_model_config(yaml.safe_load((EXAMPLES / "model" / f"{name}.yaml").read_text()))
 
 
-def _tensors(tree) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
 def _storages(tensors, only=None) -> int:
     found = {StorageWeakRef(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
     return sum(n for k, n in found.items() if only is None or k in only)
 
 
 def _backward(y) -> None:
-    diff = [t for t in _tensors(y) if t.requires_grad]
+    diff = [t for t in tensor_leaves(y) if t.requires_grad]
     torch.autograd.backward(diff, [torch.ones_like(t) for t in diff])
 
 
@@ -57,7 +54,7 @@ def _measured(mod, x, batch) -> tuple[int, float]:
     tracker = LiveBytes()
     with tracker:
         y = op_sac.run(mod, x, batch)
-    held = tracker.current - _storages(_tensors(y), only=tracker.live) + _storages(_tensors(x))
+    held = tracker.current - _storages(tensor_leaves(y), only=tracker.live) + _storages(tensor_leaves(x))
     del y
     flops = []
     # forward and backward both under the counter: it decomposes operators it has no formula for,

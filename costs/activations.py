@@ -58,6 +58,22 @@ def op_sac_held_per_sample(layer: LayerSpec, tp: int, sp: bool) -> float:
     return whole + split / tp + boundary
 
 
+def op_sac_remade_bytes(layer: LayerSpec, samples: int, tp: int, sp: bool) -> int:
+    """What an ``op_sac`` layer's backward holds beyond what the policy held: the kept layer's saved
+    set, re-made, less what the policy saved of it. The policy's saved set is not a subset of
+    autograd's: what the re-run never reaches stays in SAC's cache through the backward
+    (``op_sac_extra_bytes_per_sample``: a LLaMA block's MLP output, which the residual add does not
+    save; at tp > 1 the row-parallel partial sum, whole; under sequence parallelism also that
+    matmul's reduce-scatter output, s/t; executor.op_sac.Mirror.extra_bytes), so kept minus saved
+    under-counts by it. Measured on a llama_tiny block (h 128, s 256, fp32, tp 1): keep holds
+    3,528,704 B at the start of its backward, op_sac 3,659,776 = keep + its MLP output (131,072 B)."""
+    extra = layer.op_sac_extra_bytes_per_sample
+    if tp > 1 and sp:  # the last row-parallel output's reduce-scatter, after the re-run's stop
+        extra += layer.output_bytes_per_sample / tp
+    kept = layer_saved_bytes(layer, samples, tp, sp=sp)
+    return max(kept - layer_saved_bytes(layer, samples, tp, sp=sp, op_sac=True) + math.ceil(samples * extra), 0)
+
+
 def seq_split(stage: StagePlan) -> int:
     """How many ways a sequence-sharded boundary is split on one rank: t under sequence
     parallelism (Korthikanti §4.2.2: each block's input and output are s/t of the sequence), else 1."""
@@ -266,8 +282,7 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
         elif action is MemoryAction.selective:
             need += math.ceil(b * spec.selective_bytes_per_sample / tp)
         elif action is MemoryAction.op_sac:  # the re-run forward re-makes what the policy did not save
-            sp = stage.sequence_parallel
-            need += max(layer_saved_bytes(spec, b, tp, sp=sp) - layer_saved_bytes(spec, b, tp, sp=sp, op_sac=True), 0)
+            need += op_sac_remade_bytes(spec, b, tp, stage.sequence_parallel)
         if n:
             need += layer_output_bytes(model, l, b, split)
         # cp > 1: the ring's K/V send-receive buffers live while the attention core runs, not beside

@@ -204,7 +204,8 @@ def op_sac_fields(s: int, h: int, a: int, g: int, f: int, flash: bool, act: int)
     held = split + 2 * s * h * act  # + the input and down's output
     gemms = [GemmSpec(name="k", m=s, n=g * d, k=h, tp_split="n"), GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
              GemmSpec(name="up", m=s, n=f, k=h, tp_split="n")]
-    return {"op_sac_bytes_per_sample": held, "op_sac_tp_sharded_bytes_per_sample": split, "op_sac_gemms": gemms}
+    return {"op_sac_bytes_per_sample": held, "op_sac_tp_sharded_bytes_per_sample": split, "op_sac_gemms": gemms,
+            "op_sac_extra_bytes_per_sample": s * h * act}  # down's output: the residual add saves nothing
 
 
 def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:

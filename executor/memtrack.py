@@ -8,6 +8,8 @@ of its release through a weakref finalizer on the storage (torch keeps one Pytho
 storage, so the finalizer fires when the memory is freed). Categories come from the phase the
 tensor was born in (forward/backward: activations, recv/send: buffers, optimizer step: optimizer)
 and are corrected by :meth:`tag` for parameters, gradients and optimizer state.
+A functional collective's output (DTensor's gathers and reductions) that gloo's worker thread
+frees after this thread let it go is counted as freed at its last use here (:meth:`_comm_freed`).
 DTensor ops are left to DTensor (the mode returns NotImplemented for them), so the local ops its
 sharding rules run, temporaries included, are counted on their local tensors (what the rank really
 holds).
@@ -40,6 +42,9 @@ HOST = "host"
 #: file-backed tensors (STRONGHOLD's NVMe tier, executor.window): neither device nor host RAM
 NVME = "nvme"
 _APART = (HOST, NVME)
+_CATEGORIES = tuple(CATEGORY_FIELDS)
+#: operator namespaces of torch's functional collectives (DTensor's redistributions run these)
+_COMM_NAMESPACES = ("_c10d_functional", "c10d_functional")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -82,8 +87,16 @@ class LiveTensorTracker(TorchDispatchMode):
         self._ids = itertools.count()
         self.totals = {c: 0 for c in CATEGORY_FIELDS}
         self.total_bytes = 0
-        self.peak_bytes = 0
-        self.peak_breakdown = dict(self.totals)
+        self._peak = (0, tuple(self.totals.values()))  # settled: (bytes, totals) at the peak
+        # functional collectives' outputs (executor.memtrack._comm_freed): key -> the allocation
+        # count at their last use on the owner thread; while any lives, every allocation's
+        # (total, totals) is kept in _hist (the first one is allocation number _hist_seq0)
+        self._owner = threading.get_ident()
+        self._comm: dict[int, int] = {}
+        self._hist: list[tuple[int, tuple]] = []
+        self._hist_seq0 = 0
+        self._seq = 0  # device allocations so far
+        self.comm_lag_bytes = 0  # the most a worker-thread free was moved back (diagnostic)
         self.category = "activations"
         self.host_bytes = 0  # live HOST-tagged bytes: counted apart, never against capacity_bytes
         self.host_peak_bytes = 0
@@ -109,6 +122,8 @@ class LiveTensorTracker(TorchDispatchMode):
             nbytes, cat = self._live.pop(key, (0, None))
             if self._log is not None and cat is not None:
                 self._write("-", key, nbytes, cat)
+            if key in self._comm:
+                self._comm_freed(key, nbytes, cat)
             if cat == HOST:
                 self.host_bytes -= nbytes
             elif cat == NVME:
@@ -116,6 +131,49 @@ class LiveTensorTracker(TorchDispatchMode):
             elif cat is not None:
                 self.totals[cat] -= nbytes
                 self.total_bytes -= nbytes
+
+    def _comm_freed(self, key: int, nbytes: int, cat) -> None:
+        """A functional collective's output is gone. gloo's worker thread holds a collective's
+        tensors until its run loop drops the finished work, after the caller's ``wait`` returned
+        (ProcessGroupGloo::runLoop resets ``workInProgress_`` under its lock, then the GIL is needed
+        to drop the storage's Python object), so a temporary the program let go at its last use
+        (DTensor's raw all-gather buffer, dropped once ``cat`` reordered it) can stay counted a few
+        milliseconds longer when that thread is not scheduled: seen on 4 ranks sharing 2 cores as a
+        random +128 KiB on one rank of pp 2 x tp 2 with sequence parallelism (3 of 416 gathers). The
+        program's memory is what the simulator predicts and what a rank holds when its
+        communication thread keeps up, so a free that comes from another thread is moved back to
+        the storage's last use on this one: every allocation recorded since then is lowered by its
+        bytes. A free on this thread is the program's own, counted where it happens."""
+        last = self._comm.pop(key)
+        if threading.get_ident() != self._owner and cat is not None and cat not in _APART:
+            i = _CATEGORIES.index(cat)
+            start = max(0, last + 1 - self._hist_seq0)
+            for j in range(start, len(self._hist)):
+                total, totals = self._hist[j]
+                self._hist[j] = (total - nbytes, totals[:i] + (totals[i] - nbytes,) + totals[i + 1:])
+            if start < len(self._hist):
+                self.comm_lag_bytes = max(self.comm_lag_bytes, nbytes)
+        if not self._comm:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Fold the kept allocations into the settled peak: no free can move before them now."""
+        for entry in self._hist:
+            if entry[0] > self._peak[0]:
+                self._peak = entry
+        self._hist = []
+
+    @property
+    def peak_bytes(self) -> int:
+        return max([self._peak[0]] + [e[0] for e in self._hist])
+
+    @property
+    def peak_breakdown(self) -> dict:
+        best = self._peak
+        for entry in self._hist:
+            if entry[0] > best[0]:
+                best = entry
+        return dict(zip(_CATEGORIES, best[1]))
 
     def tag(self, t: torch.Tensor | None, category: str, retag: bool = True) -> None:
         if t is None:
@@ -173,9 +231,13 @@ class LiveTensorTracker(TorchDispatchMode):
                 return
             self.totals[category] += nbytes
             self.total_bytes += nbytes
-            if self.total_bytes > self.peak_bytes:
-                self.peak_bytes = self.total_bytes
-                self.peak_breakdown = dict(self.totals)
+            self._seq += 1
+            if self._comm:  # a functional collective's output lives: kept until it is freed
+                if not self._hist:
+                    self._hist_seq0 = self._seq
+                self._hist.append((self.total_bytes, tuple(self.totals.values())))
+            elif self.total_bytes > self._peak[0]:
+                self._peak = (self.total_bytes, tuple(self.totals.values()))
             if self.capacity_bytes is not None and self.total_bytes > self.capacity_bytes:
                 raise MemoryBudgetExceeded(
                     f"live tensors {self.total_bytes} B exceed the device's memory_bytes {self.capacity_bytes} B "
@@ -192,8 +254,9 @@ class LiveTensorTracker(TorchDispatchMode):
                 entry[1] = category
 
     def reset_peak(self) -> None:
-        self.peak_bytes = self.total_bytes
-        self.peak_breakdown = dict(self.totals)
+        with self._lock:
+            self._hist = []
+            self._peak = (self.total_bytes, tuple(self.totals.values()))
         self.host_peak_bytes = self.host_bytes
         self.nvme_peak_bytes = self.nvme_bytes
         if self._log is not None:
@@ -218,11 +281,24 @@ class LiveTensorTracker(TorchDispatchMode):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
         self._op = str(func) if self._log is not None else ""
-        if func.is_view:  # a view allocates nothing: its storage is counted where it was made, or,
-            return out    # made before tracking (the host-side global batch a rank slices), not at all
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.tag(t, self.category, retag=False)
+        if not func.is_view:  # a view allocates nothing: its storage is counted where it was made,
+            # or, made before tracking (the host-side global batch a rank slices), not at all
+            comm = func.namespace in _COMM_NAMESPACES
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.tag(t, self.category, retag=False)
+                    if comm and t.device.type == "cpu":  # NCCL: max_memory_allocated is the measure
+                        with self._lock:
+                            key = self._keys.get(t.untyped_storage())
+                            if key is not None and key in self._live:
+                                self._comm.setdefault(key, self._seq)
+        if self._comm:  # a live collective output used here: alive up to this op's allocations
+            with self._lock:  # (see _comm_freed)
+                for t in tree_flatten((args, kwargs))[0]:
+                    if isinstance(t, torch.Tensor):
+                        key = self._keys.get(_local(t).untyped_storage())
+                        if key in self._comm:
+                            self._comm[key] = self._seq
         return out
 
 

@@ -64,8 +64,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: 8 = identical blocks of a user's split model share one trace (executor.structure_key; the
 #: representative's saved-tensor names are reused, issue 26), 9 = what torchtitan's op-level
 #: checkpointing holds and re-runs (``op_sac_bytes``, ``op_sac_rerun_flops``, issue 27), 10 = the
-#: memory-bound operators' traffic of each pass (``fwd_mem_bytes``, ``bwd_mem_bytes``: executor.traffic)
-PROFILE_REVISION = 10
+#: memory-bound operators' traffic of each pass (``fwd_mem_bytes``, ``bwd_mem_bytes``: executor.traffic),
+#: 11 = what op-level checkpointing saves that autograd alone does not (``op_sac_extra_bytes``)
+PROFILE_REVISION = 11
 
 # ---- FLOP formulas FlopCounterMode lacks: CPU flash attention (same math as the CUDA one) ----
 _aten = torch.ops.aten
@@ -405,6 +406,7 @@ def _trace_layer(module: nn.Module, x: torch.Tensor | None, batch: dict, dtype: 
         "bwd_mem_bytes": bwd_traffic.bytes,
         "op_sac_bytes": sum(sac_held.values()),
         "op_sac_rerun_flops": mirror.rerun_flops,
+        "op_sac_extra_bytes": mirror.extra_bytes,
         "fwd_ops": fwd_ops.ops,
         # the in-place add of each weight gradient into its .grad buffer is among them (see above)
         "bwd_ops": bwd_ops.ops,

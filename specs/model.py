@@ -181,6 +181,11 @@ class LayerSpec(Spec):
         description="of op_sac_bytes_per_sample, what tensor parallelism divides by t (the saved column-parallel "
                     "outputs and the attention kernel's); the rest is the checkpoint's input and the saved "
                     "row-parallel outputs (costs.activations.op_sac_held_per_sample)")
+    op_sac_extra_bytes_per_sample: int = Field(
+        0, ge=0, le=MAX_LAYER_BYTES,
+        description="of op_sac_bytes_per_sample, what a kept layer's autograd does not save (a LLaMA block's MLP "
+                    "output before the residual add): its backward's re-run re-makes the kept layer's saved "
+                    "bytes less op-level SAC's plus these (costs.activations.backward_workspace_bytes)")
     op_sac_gemms: list[GemmSpec] = Field(
         default_factory=list, max_length=64,
         description="the matmuls whose outputs op-level SAC does not save, re-run before the layer's backward with "

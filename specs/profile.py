@@ -91,6 +91,8 @@ class LayerProfile(Spec):
     op_sac_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="what torchtitan's op-level checkpointing "
                               "(executor.op_sac) holds from the forward to the backward: the outputs its policy saves "
                               "(every other aten.mm, the attention kernel) and the checkpoint's input")
+    op_sac_extra_bytes: int = Field(0, ge=0, le=MAX_BYTES, description="of op_sac_bytes, what the plain "
+                                    "forward's autograd does not save (executor.op_sac.Mirror.extra_bytes)")
     op_sac_rerun_flops: float = Field(0.0, ge=0, le=1e24, allow_inf_nan=False,
                                       description="forward FLOPs its recompute re-runs: the unsaved operators' "
                                       "before the forward's last saved-tensor pack (the checkpoint's early stop)")
@@ -226,6 +228,7 @@ def model_from_profile(profile: Profile) -> ModelSpec:
                         bwd_mem_bytes_per_sample=profile.per_sample(p.bwd_mem_bytes),
                         # torchtitan's op-level checkpointing as measured (MemoryAction.op_sac, tp 1)
                         op_sac_bytes_per_sample=profile.per_sample(p.op_sac_bytes),
+                        op_sac_extra_bytes_per_sample=profile.per_sample(p.op_sac_extra_bytes),
                         op_sac_rerun_flops_per_sample=p.op_sac_rerun_flops / profile.microbatch,
                         tp_sharded_param_fraction=0.0, tp_sharded_saved_fraction=0.0, max_tp=1)
               for p in profile.layers]

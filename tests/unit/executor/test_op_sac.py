@@ -84,3 +84,27 @@ def test_gradients_are_autograds(fused):
         wrap(blk, x).square().sum().backward()
         grads.append([x.grad, *(p.grad for p in blk.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_backward_holds_the_kept_block_plus_the_extra(fused):
+    """At its backward's peak a block under the policy holds what the kept block holds there plus
+    ``op_sac_extra_bytes_per_sample`` (down's output, which the re-run never reaches and SAC's cache
+    keeps: costs.activations.op_sac_remade_bytes), as the executor's tracker counts it."""
+    from executor.memtrack import LiveTensorTracker
+
+    cfg, blk = _block(fused)
+    spec = build_model(cfg, 4).layers[1]
+    x = torch.randn(B, cfg.seq_len, cfg.hidden, requires_grad=True)
+    peak = {}
+    for name, run in (("op_sac", lambda: op_sac.run(blk, x, {})), ("keep", lambda: blk(x, {}))):
+        tracker = LiveTensorTracker()
+        with tracker:
+            y = run()
+            grad = torch.ones_like(y)
+            tracker.reset_peak()
+            y.backward(grad)
+        peak[name] = tracker.peak_bytes
+        del y, grad
+    assert spec.op_sac_extra_bytes_per_sample > 0
+    assert peak["op_sac"] - peak["keep"] == B * spec.op_sac_extra_bytes_per_sample

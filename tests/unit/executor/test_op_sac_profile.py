@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map
 
 from costs.families import parse_model_config
 from executor import op_sac, user_model
+from executor.memtrack import LiveTensorTracker
 from executor.models import make_batch
 from executor.profile_symbolic import LiveBytes, profile_model
 from executor.traffic import tensor_leaves
@@ -103,3 +104,39 @@ def test_mirror_counts_the_forwards_flops():
         mod(x, batch)
     assert mirror.flops == count.get_total_flops() > 0
     assert 0 < mirror.rerun_flops < mirror.flops
+
+
+def _backward_peak(fwd) -> int:
+    """Live bytes at the peak of a layer's backward over those before its forward (fp32, real
+    tensors), as the executor's tracker counts them (what mode=compare measures)."""
+    tracker = LiveTensorTracker()
+    with tracker:
+        y = fwd()
+        grads = [torch.ones_like(t) for t in tensor_leaves(y) if t.requires_grad]
+        tracker.reset_peak()
+        torch.autograd.backward([t for t in tensor_leaves(y) if t.requires_grad], grads)
+    return tracker.peak_bytes
+
+
+@pytest.mark.parametrize("name", ["whole", "layered", "hf_llama", "hf_gpt2"])
+def test_extra_bytes_are_what_the_backward_holds_beyond_the_kept_layer(name):
+    """``op_sac_extra_bytes``: the saved outputs the re-run never reaches stay in SAC's cache through
+    the layer's backward, so a layer's forward + backward under the policy peaks that much above the
+    same layer kept (costs.activations.op_sac_remade_bytes). A LLaMA block's is its down projection's
+    output; a head's logits, re-read by its loss, are freed during the re-run (0)."""
+    cfg = _cfg(name)
+    prof = profile_model(cfg, microbatch=B, dtype="fp32")
+    batch = make_batch(cfg, B, 0)
+    x = None
+    seen = 0
+    for (_, lname, mod), lp in zip(user_model.build(cfg, None, B, "cpu", 0, torch.float32), prof.layers):
+        if x is not None and lp.op_sac_bytes:
+            sac, keep = _backward_peak(lambda: op_sac.run(mod, x, batch)), _backward_peak(lambda: mod(x, batch))
+            assert sac - keep == lp.op_sac_extra_bytes, lname
+            seen += lp.op_sac_extra_bytes > 0
+        with torch.no_grad():
+            y = mod(x, batch)
+        x = tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t,
+                     y)
+    if name.startswith("hf_llama"):
+        assert seen  # every block but the last (whose re-run reaches down, the final norm saving its sum)

@@ -251,7 +251,8 @@ def stage_activation_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
     return total + held_input + output
 
 
-def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan,
+                             retained: dict[int, int] | None = None) -> int:
     """Largest excess over the held microbatches during one backward of ``stage``, walking its
     layers last to first: a layer's backward scratch (``workspace_bytes_per_sample``: weight-
     gradient and intermediate gradients; for a head under tp > 1 at least its vocabulary-parallel
@@ -259,7 +260,12 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
     the gradient flowing in from the layer above (the top layer's is the receive buffer), less what
     the layers above have already freed. A ``selective`` layer re-makes its attention core's
     tensors (Korthikanti §5) for its backward; with sequence parallelism the recomputed and the
-    flowing tensors are split as the stage holds them."""
+    flowing tensors are split as the stage holds them.
+
+    ``retained`` (layer -> bytes): a zero-bubble B (simulator.stagecost.split_b_workspace_bytes),
+    which frees nothing as it goes (its graph is retained for W) and keeps each layer's weight ops'
+    output gradients: those of the layers above and of the layer itself are added instead of the
+    freed activations being subtracted."""
     b, tp, split = samples_per_replica(plan, stage), stage.tp, seq_split(stage)
     best = freed = 0
     zero3 = zero3_backward_bytes(model, plan, stage)  # ZeRO-3's unsharded weights and buffers, per layer
@@ -291,8 +297,17 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> 
         # ring buffers freed; costs.context_parallel.ring_workspace_bytes)
         need += max(0, ring_workspace_bytes(spec, b, tp, stage.cp) - scratch)
         need += zero2_layer_grad_bytes(model, plan, stage, l) + zero3.get(l, 0)  # costs.sharded_dp
+        # B: the layer's own gradients stored by its scratch's peak, except a recomputed layer's,
+        # which peaks as its backward starts, on its re-made activations (measured: executor
+        # SplitBackward, tests/unit/simulator/test_zero_bubble.py)
+        own = retained is not None and action is not MemoryAction.recompute
+        if own:
+            freed -= retained.get(l, 0)
         best = max(best, need - freed)
-        freed += layer_freed_bytes(model, stage, l, b)
+        if retained is None:
+            freed += layer_freed_bytes(model, stage, l, b)
+        elif not own:
+            freed -= retained.get(l, 0)
     return best
 
 

@@ -72,8 +72,11 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
     for i, st in enumerate(plan.stages):
         bad = sorted({item.action.value for item in st.memory if item.action not in _RUNS})
         if bad:
+            why = (" (op_sac: torch's selective checkpoint hands its cached outputs to one recompute only, "
+                   "'Trying to backward an extra time', and W's unpacks need a second; use recompute full "
+                   "or selective)") if MemoryAction.op_sac.value in bad else ""
             out.append(f"stages[{i}].memory: schedule {kind} splits the backward into B and W; the executor runs "
-                       f"layers kept or recomputed there, got {bad}")
+                       f"layers kept or recomputed there, got {bad}{why}")
         if st.streamed_layers or st.offload.weight_swap_layers or st.offload.optimizer_swap:
             out.append(f"stages[{i}].offload: schedule {kind} (split backward) runs without STRONGHOLD windows, "
                        "weight swaps or optimizer swaps in the executor")

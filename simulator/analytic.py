@@ -16,7 +16,7 @@ import costs.static
 from costs.activations import split_peak
 from costs.window import group_workspace_bytes, grouped_plan, plan_streams
 from simulator.sharded import sharded_stage
-from simulator.stagecost import host_link, split_bytes, wgrad_s
+from simulator.stagecost import host_link, split_b_workspace_bytes, split_bytes, wgrad_s
 from simulator.stash_peak import PeakParts, max_stashed_versions, pipedream_peak
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -90,6 +90,8 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
         sent[i] = max(costs.activations.sent_output_bytes(model, plan, v) for v in variants)
         work[i], swap_in[i] = (max(x) for x in zip(*(costs.activations.backward_transient_bytes(model, plan, v) for v in variants)))
         work[i] = group_work.get(i, work[i])
+        if plan.schedule.kind in SPLIT_BACKWARD:  # a zero-bubble B frees nothing as it goes
+            work[i] = split_b_workspace_bytes(model, plan, stage)
         allreduce[i] = costs.buffers.allreduce_buffer_bytes(model, plan, stage)
     # zero bubble: recomputed activations held from B to W, W's scratch (stagecost.StageCost)
     w_bytes = ({i: split_bytes(model, plan, st) for i, st in enumerate(plan.stages)}

@@ -300,14 +300,10 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan,
         # B: the layer's own gradients stored by its scratch's peak, except a recomputed layer's,
         # which peaks as its backward starts, on its re-made activations (measured: executor
         # SplitBackward, tests/unit/simulator/test_zero_bubble.py)
-        own = retained is not None and action is not MemoryAction.recompute
-        if own:
-            freed -= retained.get(l, 0)
-        best = max(best, need - freed)
-        if retained is None:
-            freed += layer_freed_bytes(model, stage, l, b)
-        elif not own:
-            freed -= retained.get(l, 0)
+        stored = 0 if retained is None else retained.get(l, 0)
+        own = 0 if action is MemoryAction.recompute else stored
+        best = max(best, need - freed + own)
+        freed += layer_freed_bytes(model, stage, l, b) if retained is None else -stored
     return best
 
 

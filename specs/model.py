@@ -183,9 +183,9 @@ class LayerSpec(Spec):
                     "row-parallel outputs (costs.activations.op_sac_held_per_sample)")
     op_sac_extra_bytes_per_sample: int = Field(
         0, ge=0, le=MAX_LAYER_BYTES,
-        description="of op_sac_bytes_per_sample, what a kept layer's autograd does not save (a LLaMA block's MLP "
-                    "output before the residual add): its backward's re-run re-makes the kept layer's saved "
-                    "bytes less op-level SAC's plus these (costs.activations.backward_workspace_bytes)")
+        description="of op_sac_bytes_per_sample, what a kept layer's autograd does not save and the backward's "
+                    "re-run never reaches (a LLaMA block's MLP output before the residual add), so SAC's cache "
+                    "holds it through the backward (costs.activations.op_sac_remade_bytes)")
     op_sac_gemms: list[GemmSpec] = Field(
         default_factory=list, max_length=64,
         description="the matmuls whose outputs op-level SAC does not save, re-run before the layer's backward with "
@@ -217,6 +217,11 @@ class LayerSpec(Spec):
             raise ValueError(f"selective_bytes_per_sample: layer {self.name!r} drops {self.selective_bytes_per_sample} "
                              f"B per sample, more than its tensor-parallel-split saved bytes "
                              f"({self.saved_bytes_per_sample * self.tp_sharded_saved_fraction:.0f})")
+        parts = self.op_sac_tp_sharded_bytes_per_sample + self.op_sac_extra_bytes_per_sample
+        if parts > self.op_sac_bytes_per_sample:
+            raise ValueError(f"op_sac_extra_bytes_per_sample: layer {self.name!r}'s op_sac_tp_sharded_bytes_per_sample "
+                             f"plus op_sac_extra_bytes_per_sample ({parts}) exceed op_sac_bytes_per_sample "
+                             f"({self.op_sac_bytes_per_sample}), of which both are parts")
         return self
 
     @property

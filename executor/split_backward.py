@@ -175,32 +175,33 @@ class SplitBackward:
         st = self.st
         groups = self.pending.pop(k)
         with loss_context(st.vocab_parallel):
-            # linears' and norms' weight gradients directly (as the engine would), from the output
-            # down, as the engine frees: a node done goes once no group above it holds it. One
-            # GraphExecGroup: a recomputed layer's saved tensors, unpacked here outside a graph task,
-            # are re-made once for W (each unpack would otherwise re-run the layer's forward under
-            # a fresh id, every copy kept until the layer's nodes go: 4.5 layers' activations
-            # measured on gpt_tiny); the engine's groups below share it (its id)
+            # from the output down, as the engine frees: linears' and norms' weight gradients
+            # directly (as the engine would), any other group through the engine
+            # (torch's stage_backward_weight) in its turn, so that a layer's graph (and a recomputed
+            # layer's re-made tensors no direct group unpacks: attention's, an RMSNorm's) goes once
+            # its groups are done, before the layer below is re-made. With those groups left to one
+            # engine call at the end, llama_tiny's re-made blocks piled up: a 3-block stage's W
+            # peaked 23 KiB above one block re-made (simulator.stagecost.w_scratch_bytes's walk).
+            # One GraphExecGroup: a recomputed layer's saved tensors, unpacked here outside a graph
+            # task, are re-made once for W (each unpack would otherwise re-run the layer's forward
+            # under a fresh id, every copy kept until the layer's nodes go: 4.5 layers' activations
+            # measured on gpt_tiny); the engine's groups share it (its id)
             once = GraphExecGroup()
-            rest = []
-            with torch.no_grad(), once:
-                for group in reversed(groups):
-                    if _direct_weight_grads(group):
+            with once:
+                while groups:
+                    group = groups.pop()
+                    with torch.no_grad():
+                        direct = _direct_weight_grads(group)
+                    if direct:
                         self._ready(acc.variable for acc in group["params"])
-                    else:
-                        rest.append(group)
-            del groups
-            rest.reverse()
-            for group in rest:  # an intermediate B did not reach carries no gradient
-                group["grads"] = [g if g is not None else () for g in group["grads"]]
-            # other groups: the engine from their intermediates (torch's stage_backward_weight); one
-            # call per group when its buckets are told as each group's gradients are done
-            for part in ([[group] for group in rest] if self.ready is not None else [rest] if rest else []):
-                reached = [acc.variable for group in part for acc in group["params"]
-                           if any(g is not None for gs in group["grads"] for g in gs)]
-                with once:
-                    stage_backward_weight(iter(self.weights), part)
-                self._ready(reached)
+                        continue
+                    # an intermediate B did not reach carries no gradient
+                    group["grads"] = [g if g is not None else () for g in group["grads"]]
+                    reached = [acc.variable for acc in group["params"]
+                               if any(g is not None for gs in group["grads"] for g in gs)]
+                    stage_backward_weight(iter(self.weights), [group])
+                    self._ready(reached)
+                    del group
         for p in self.weights:  # accumulation may have replaced a grad tensor: keep it filed
             st.tracker.tag(p.grad, "gradients")
         self.w_passes += 1

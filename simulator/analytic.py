@@ -16,7 +16,7 @@ import costs.static
 from costs.activations import split_peak
 from costs.window import group_workspace_bytes, grouped_plan, plan_streams
 from simulator.sharded import sharded_stage
-from simulator.stagecost import host_link, split_b_workspace_bytes, split_bytes, wgrad_s
+from simulator.stagecost import host_link, split_b_workspace_bytes, split_bytes, w_rerun_s, wgrad_s
 from simulator.stash_peak import PeakParts, max_stashed_versions, pipedream_peak
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
@@ -384,8 +384,9 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         fwd, bwd = fwd + gather_f + z3_f + send_f, bwd + gather_b + z3_b + send_b
         work[plan.device_group_of(i)] += fwd + bwd
         if kind_split:
-            w_s = wgrad_s(model, plan, hardware, stage)
-            passes[i] = (fwd, max(bwd - w_s, 0.0), w_s)
+            w_s, rerun = wgrad_s(model, plan, hardware, stage), w_rerun_s(model, plan, hardware, stage)
+            work[plan.device_group_of(i)] += rerun  # W re-runs recomputed layers (stagecost.w_rerun_s)
+            passes[i] = (fwd, max(bwd - w_s, 0.0), w_s + rerun)
         if i + 1 < len(plan.stages):
             nxt = plan.stages[i + 1]
             nbytes = costs.buffers.boundary_send_bytes(model, plan, stage)[0]  # s/t per rank under SP

@@ -209,9 +209,10 @@ class ScheduleWalk:
         env = self.env
         t0 = env.now
         w.mem.add(t0, ACTS, sc.w_scratch_bytes)
-        yield env.timeout(sc.wgrad_ns)
+        dur = sc.wgrad_ns + sc.w_rerun_ns  # its GEMMs, and recomputed layers' forwards run again
+        yield env.timeout(dur)
         self.events += 1
-        w.busy += sc.wgrad_ns
+        w.busy += dur
         w.mem.add(env.now, ACTS, -(sc.w_scratch_bytes + sc.act_bytes + sc.w_held_bytes))
         self.trace.slice(w.rep, "compute", f"W s{s} mb{k}", t0, env.now - t0, "backward")
         if self.overlap_dp_allreduce and sc.dp_allreduce_ns:

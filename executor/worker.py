@@ -3,6 +3,7 @@
 a report (or the error) on the parent's queue."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -51,6 +52,10 @@ def main(rank: int, world: int, port: int, plan_json: str, cfg_json: str, opts_j
     """Process entry point (``torch.multiprocessing`` spawn target); never raises. The rank dies
     with ``launcher_pid`` and beats into ``heartbeats`` (see :mod:`executor.liveness`)."""
     die_with(launcher_pid)
+    # a rank a native crash kills (SIGSEGV, SIGABRT) sends no report: its threads' Python stacks go
+    # to stderr instead (seen once in CI and three times in ~30 loaded local runs of llama_tiny tp 2
+    # x dp 2 SP op_sac: a heap corruption glibc caught in a gloo worker's malloc, cause not found)
+    faulthandler.enable(all_threads=True)
     exiting = threading.Lock()
 
     def fail(message: str) -> None:

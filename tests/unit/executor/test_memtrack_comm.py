@@ -87,3 +87,26 @@ def test_a_collective_output_in_use_is_never_moved(group_name):
         t.join()
         del y, z
     assert tracker.peak_bytes == 4 * N * (1 + 3 + 1)
+
+
+def test_a_collective_output_used_through_its_views_is_never_moved(group_name):
+    """DTensor's all-gather along a non-leading dimension chunks the raw buffer and cats the chunks:
+    a use through a view is a use of the buffer. Freed by another thread after the cat, which ran
+    after z was made, it counted beside z and the cat's output (the tracker matches inputs by
+    their tensor objects, a view registered when it is made; a revert to matching the buffer
+    itself only would move the free back to the chunk, before z, and fail here)."""
+    tracker = LiveTensorTracker()
+    held = []
+    with tracker:
+        g = _gathered(group_name)
+        held.append(g)
+        a, b = g.chunk(2)
+        z = torch.ones(3 * N)
+        y = torch.cat([b, a])  # last use, through the views, after z
+        del g, a, b
+        t = threading.Thread(target=held.clear)
+        t.start()
+        t.join()
+        del y, z
+    assert tracker.peak_bytes == 4 * N * (1 + 3 + 1)
+    assert tracker.comm_lag_bytes == 0

@@ -5,10 +5,12 @@ What differs from GPT (costs.family_transformer): pre-normalisation with RMSNorm
 2019: one h-vector, no bias), rotary position embeddings (Su et al. 2021) instead of a position
 table, grouped-query attention (Ainslie et al. 2023: ``kv_heads`` key/value heads shared by the
 ``heads`` query heads), the SwiGLU FFN (Shazeer 2020: three bias-free h x f matrices), no biases
-anywhere, no dropout, and an untied LM head.
+anywhere, no dropout, and an untied LM head. Two fields cover the LLaMA-architecture models that
+differ only there: ``head_dim`` (d given, a·d ≠ h: Mistral NeMo, Gemma, Qwen3) and ``qkv_bias``
+(biases on q, k and v: Qwen2/2.5).
 
-Symbols: s sequence, h hidden, a heads, g kv_heads, d = h/a head size, f ffn_hidden, V vocabulary,
-act bytes per activation element. Costs per sample (one sequence).
+Symbols: s sequence, h hidden, a heads, g kv_heads, d head size (h/a unless ``head_dim``),
+f ffn_hidden, V vocabulary, act bytes per activation element. Costs per sample (one sequence).
 
 Saved activations: Korthikanti et al. 2022 §4.1's tensor-by-tensor list, adapted. No dropout
 (no masks, no dropout output); K and V are s·g·d; SwiGLU keeps its input, the gate and up
@@ -20,7 +22,7 @@ per-sample tensor (its cos/sin tables are constants) and Q, K are kept after it.
 §2.4, "not storing the attention weights"; Megatron-Core's --use-flash-attn, torchtitan's SDPA)
 the attention core keeps its output (the projection's input) and the fp32 log-sum-exp a·s instead
 of the a·s² softmax. Normalisation statistics (s floats) are left out, as Korthikanti leaves out
-layernorm's. In fp16 bytes per block:
+layernorm's. In fp16 bytes per block (d = h/a):
     flash: sh·(12 + 4g/a + 8f/h) + 4as      math: sh·(12 + 4g/a + 8f/h) + 2as²
 (8f/h: four f-wide tensors; 6f/h with ``fused_swiglu``), of which everything but the two norm
 inputs, the QKV input and the SwiGLU input (8sh) is split by tensor parallelism (Korthikanti eq. 2's rule).
@@ -56,6 +58,11 @@ LLAMA_BLOCK_OPS = (72, 108)
 #: backward operators ``fused_swiglu`` adds: the silu it recomputes (executor.models.SiluMul: silu,
 #: then the up gradient's mul and silu_backward, where autograd ran mul, mul, silu_backward)
 FUSED_SWIGLU_BWD_OPS = 1
+#: (forward, backward) operators each biased Linear (``qkv_bias``: q, k, v) adds: its forward is
+#: addmm over the flattened rows, whose result is a view, where a bias-free Linear's mm ends in an
+#: _unsafe_view (one counted operator fewer); its backward sums the bias gradient and detaches it
+#: into the accumulator (two more)
+BIASED_LINEAR_OPS = (-1, 2)
 LLAMA_EMBED_OPS = (4, 2)
 LLAMA_HEAD_OPS = (15, 25)
 #: in 2-byte precision each RMSNorm computes in fp32: a cast in and out forward, three more backward
@@ -91,12 +98,22 @@ class LlamaConfig(Spec):
                                                   "outputs and recomputes silu in its backward (Megatron-Core's "
                                                   "bias_swiglu_fusion); false: autograd's silu and mul, which "
                                                   "also keep silu's output (torch eager, torchtitan, HF)")
+    head_dim: int | None = Field(None, gt=0, le=1 << 14,
+                                 description="per-head width d; null: hidden/heads (Llama). Set where heads x d "
+                                             "is not hidden (Mistral NeMo 128 at hidden 5120, Gemma, Qwen3)")
+    qkv_bias: bool = Field(False, description="q, k and v projections with biases (Qwen2/2.5); false: "
+                                              "bias-free, as every Llama")
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
-        """Leave ``fused_swiglu`` out of a dump at its default (false), so that dumps and profile
-        cache keys of every existing config stay what they were."""
-        return omit_unset(self, handler(self), ("fused_swiglu",))
+        """Leave ``fused_swiglu``, ``head_dim`` and ``qkv_bias`` out of a dump at their defaults, so
+        that dumps and profile cache keys of every existing config stay what they were."""
+        return omit_unset(self, handler(self), ("fused_swiglu", "head_dim", "qkv_bias"))
+
+    @property
+    def d(self) -> int:
+        """The head size: ``head_dim``, else hidden/heads."""
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def ffn_width(self) -> int:
@@ -105,27 +122,31 @@ class LlamaConfig(Spec):
 
     @model_validator(mode="after")
     def _shapes(self):
-        if self.hidden % self.heads:
-            raise ValueError(f"heads: {self.heads} does not divide hidden {self.hidden}")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(f"heads: {self.heads} does not divide hidden {self.hidden} (set head_dim where "
+                             "heads x head size is not hidden)")
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads: {self.kv_heads} does not divide heads {self.heads} (grouped-query "
                              "attention shares each kv head among heads/kv_heads query heads)")
-        if (self.hidden // self.heads) % 2:
-            raise ValueError(f"heads: head size {self.hidden // self.heads} is odd (rotary embeddings rotate pairs)")
+        if self.d % 2:
+            field = "head_dim" if self.head_dim else "heads"
+            raise ValueError(f"{field}: head size {self.d} is odd (rotary embeddings rotate pairs)")
         return self
 
 
-def attention_saved(s: int, h: int, a: int, g: int, flash: bool) -> Saved:
+def attention_saved(s: int, h: int, a: int, g: int, flash: bool, d: int | None = None) -> Saved:
     """What GQA attention with its RMSNorm saves, in forward order (fp16 bytes per sample): the
-    norm input 2sh (the block's input), the QKV input 2sh, rotated Q 2sh, rotated K and V 2s·g·d
-    each, then the core: flash keeps its output 2sh (the projection's input) and the fp32
+    norm input 2sh (the block's input), the QKV input 2sh, rotated Q 2s·a·d, rotated K and V
+    2s·g·d each, then the core: flash keeps its output 2s·a·d (the projection's input) and the fp32
     log-sum-exp 4as; the unfused core its softmax output 2as² (for softmax and attention·V) and
-    the projection input 2sh. TP splits everything from Q on (heads split whole)."""
-    sh, skv = s * h, s * g * (h // a)
-    core = ([("attn.output", 2 * sh, True), ("attn.logsumexp", LSE_BYTES * a * s, True)] if flash else
-            [("attn.softmax_output", 2 * a * s * s, True), ("attn.proj_input", 2 * sh, True)])
+    the projection input 2s·a·d. TP splits everything from Q on (heads split whole). ``d``: the
+    head size (h/a when None; a·d = h then)."""
+    d = d or h // a
+    sh, sq, skv = s * h, s * a * d, s * g * d
+    core = ([("attn.output", 2 * sq, True), ("attn.logsumexp", LSE_BYTES * a * s, True)] if flash else
+            [("attn.softmax_output", 2 * a * s * s, True), ("attn.proj_input", 2 * sq, True)])
     return [("attn.norm_input", 2 * sh, False), ("attn.qkv_input", 2 * sh, False),
-            ("attn.q", 2 * sh, True), ("attn.k", 2 * skv, True), ("attn.v", 2 * skv, True), *core]
+            ("attn.q", 2 * sq, True), ("attn.k", 2 * skv, True), ("attn.v", 2 * skv, True), *core]
 
 
 def mlp_saved(s: int, h: int, f: int, fused: bool = False) -> Saved:
@@ -142,32 +163,36 @@ def mlp_saved(s: int, h: int, f: int, fused: bool = False) -> Saved:
             *silu, ("mlp.down_input", 2 * sf, True)]
 
 
-def block_params(h: int, a: int, g: int, f: int) -> tuple[int, int]:
-    """(params, tp-sharded params) of one block: q and proj h² each, k and v h·g·d each, gate,
-    up, down h·f each, two RMSNorm weights h; no biases. Everything but the norms is sharded."""
-    matrices = 2 * h * h + 2 * h * g * (h // a) + 3 * h * f
+def block_params(h: int, a: int, g: int, f: int, d: int | None = None, qkv_bias: bool = False) -> tuple[int, int]:
+    """(params, tp-sharded params) of one block: q and proj h·a·d each (h² when a·d = h), k and v
+    h·g·d each, gate, up, down h·f each, two RMSNorm weights h; with ``qkv_bias`` q's, k's and v's
+    biases a·d + 2g·d (column-parallel: split with their matrices). Everything but the norms is
+    sharded."""
+    d = d or h // a
+    matrices = 2 * h * a * d + 2 * h * g * d + 3 * h * f + (a * d + 2 * g * d) * qkv_bias
     return matrices + 2 * h, matrices
 
 
-def block_gemms(s: int, h: int, a: int, g: int, f: int, flash_tile: int = 0) -> list[GemmSpec]:
+def block_gemms(s: int, h: int, a: int, g: int, f: int, flash_tile: int = 0, d: int | None = None) -> list[GemmSpec]:
     """The block's matmuls per sample (Megatron §3 splits): q and k/v column-parallel (GQA: k and
     v are g·d wide), scores QKᵀ and attention·V one product per query head, proj row-parallel,
     gate/up column-parallel (fused: 2f wide), down row-parallel. ``flash_tile`` > 0: the core is
     one causal flash kernel with that tile (``GemmSpec.flash_tile``; costs/gemm.py times only its
     unmasked tiles at the attention curve, and its backward re-runs QKᵀ: ``bwd_recompute``); 0: two
-    dense products over the whole s x s square (the unfused core)."""
-    d = h // a
+    dense products over the whole s x s square (the unfused core). ``d``: the head size (h/a when
+    None); q is a·d wide and proj reads a·d."""
+    d = d or h // a
     core = {"flash_tile": flash_tile} if flash_tile else {}
-    return [GemmSpec(name="q", m=s, n=h, k=h, tp_split="n"),
+    return [GemmSpec(name="q", m=s, n=a * d, k=h, tp_split="n"),
             GemmSpec(name="kv", m=s, n=2 * g * d, k=h, tp_split="n", weights=2),  # k, v: two Linears
             GemmSpec(name="scores", m=s, n=s, k=d, batch=a, tp_split="batch", bwd_recompute=bool(flash_tile), **core),
             GemmSpec(name="attn_v", m=s, n=d, k=s, batch=a, tp_split="batch", **core),
-            GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
+            GemmSpec(name="proj", m=s, n=h, k=a * d, tp_split="k"),
             GemmSpec(name="gate_up", m=s, n=2 * f, k=h, tp_split="n", weights=2),  # gate, up: two Linears
             GemmSpec(name="down", m=s, n=h, k=f, tp_split="k")]
 
 
-def core_selective(s: int, h: int, a: int, flash: bool, act: int) -> dict:
+def core_selective(s: int, h: int, a: int, flash: bool, act: int, d: int | None = None) -> dict:
     """LayerSpec fields of selective recompute (Korthikanti §5: checkpoint the attention core,
     Megatron-Core's ``recompute_modules=["core_attn"]``), derived from what *this* core saves
     (:func:`attention_saved`). The checkpoint keeps the core's inputs Q, K, V (already in the
@@ -178,15 +203,18 @@ def core_selective(s: int, h: int, a: int, flash: bool, act: int) -> dict:
     dropout in LLaMA). The backward re-runs QKᵀ and attention·V, plus the unfused softmax's a·s²
     in/out (a flash core's softmax stays on chip, as the forward prices it); a flash core re-runs
     its causal forward kernel (:data:`FLASH_TILE`). One operator (one scaled_dot_product_attention
-    call)."""
+    call). ``d``: the head size (h/a when None)."""
+    d = d or h // a
     if flash:
-        return flash_core_selective(s, h, a)
-    gemms = [g for g in block_gemms(s, h, a, a, 1) if g.name in ("scores", "attn_v")]
+        return {**flash_core_selective(s, h, a),  # its two products at this head size:
+                "selective_gemms": [g for g in block_gemms(s, h, a, a, 1, FLASH_TILE, d) if g.name in ("scores", "attn_v")]}
+    gemms = [g for g in block_gemms(s, h, a, a, 1, 0, d) if g.name in ("scores", "attn_v")]
     return {"selective_bytes_per_sample": 2 * a * s * s * act // 2, "selective_gemms": gemms,
             "selective_mem_bytes_per_sample": 2 * a * s * s * act, "selective_ops": 1}
 
 
-def op_sac_fields(s: int, h: int, a: int, g: int, f: int, flash: bool, act: int) -> dict:
+def op_sac_fields(s: int, h: int, a: int, g: int, f: int, flash: bool, act: int, d: int | None = None,
+                  qkv_bias: bool = False) -> dict:
     """LayerSpec fields of torchtitan's op-level selective checkpointing (executor.op_sac): the
     block's seven matmuls run q, k, v, proj, gate, up, down (torchtitan's wq, wk, wv, wo, w1, w3,
     w2), so the odd-numbered ones' outputs are saved, q 2sh, v 2s·g·d, gate 2sf and down's 2sh (the
@@ -196,37 +224,39 @@ def op_sac_fields(s: int, h: int, a: int, g: int, f: int, flash: bool, act: int)
     Under tensor parallelism q, v, the kernel's outputs and gate are split by t
     (``op_sac_tp_sharded_bytes_per_sample``), down's output is the row-parallel partial sum, whole
     on every rank (costs.activations.op_sac_held_per_sample).
-    Empty for the unfused core: its products are batched matmuls the policy does not save."""
-    if not flash:
+    Empty for the unfused core: its products are batched matmuls the policy does not save, and
+    with ``qkv_bias``: a Linear with a bias runs ``addmm``, not the ``mm`` torchtitan's policy
+    alternates over, so which outputs it keeps is not this list (not modelled; refused by name)."""
+    if not flash or qkv_bias:
         return {}
-    d = h // a
-    split = (2 * s * h + s * g * d + s * f) * act + LSE_BYTES * a * s  # q, v, kernel output + lse, gate
+    d = d or h // a
+    split = (2 * s * a * d + s * g * d + s * f) * act + LSE_BYTES * a * s  # q, v, kernel output + lse, gate
     held = split + 2 * s * h * act  # + the input and down's output
-    gemms = [GemmSpec(name="k", m=s, n=g * d, k=h, tp_split="n"), GemmSpec(name="proj", m=s, n=h, k=h, tp_split="k"),
+    gemms = [GemmSpec(name="k", m=s, n=g * d, k=h, tp_split="n"), GemmSpec(name="proj", m=s, n=h, k=a * d, tp_split="k"),
              GemmSpec(name="up", m=s, n=f, k=h, tp_split="n")]
     return {"op_sac_bytes_per_sample": held, "op_sac_tp_sharded_bytes_per_sample": split, "op_sac_gemms": gemms,
             "op_sac_extra_bytes_per_sample": s * h * act}  # down's output: the residual add saves nothing
 
 
 def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
-    """One LLaMA block. FLOPs per sample = its GEMMs: 4sh² + 4sh·g·d + 4s²h + 6shf (GQA's k/v
-    g·d wide, SwiGLU's three h x f products; the QKᵀ and attention·V terms counted over the whole
-    s x s square, as Narayanan et al. 2021 §5.1 count GPT's: the model FLOPs MFU reports). With
+    """One LLaMA block. FLOPs per sample = its GEMMs: 4sh·a·d + 4sh·g·d + 4s²·a·d + 6shf (4sh² and
+    4s²h where a·d = h; GQA's k/v g·d wide, SwiGLU's three h x f products; the QKᵀ and attention·V
+    terms counted over the whole s x s square, as Narayanan et al. 2021 §5.1 count GPT's: the model FLOPs MFU reports). With
     ``flash_attention`` the *time* of that core is the causal flash kernel's (about s(s + 128)/2
     of the square at the attention curve, :data:`FLASH_TILE`, costs/gemm.py); unfused, both
     products run dense over the whole square."""
-    s, h, a, g, f = cfg.seq_len, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden
-    saved = at_precision([*attention_saved(s, h, a, g, cfg.flash_attention),
+    s, h, a, g, f, d = cfg.seq_len, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, cfg.d
+    saved = at_precision([*attention_saved(s, h, a, g, cfg.flash_attention, d),
                           *mlp_saved(s, h, f, cfg.fused_swiglu)], act)
     saved_bytes, sharded_bytes = _totals(saved)
-    params, sharded_params = block_params(h, a, g, f)
-    gemms = block_gemms(s, h, a, g, f, FLASH_TILE if cfg.flash_attention else 0)
-    skv = s * g * (h // a)
+    params, sharded_params = block_params(h, a, g, f, d, cfg.qkv_bias)
+    gemms = block_gemms(s, h, a, g, f, FLASH_TILE if cfg.flash_attention else 0, d)
+    sq, skv = s * a * d, s * g * d
     # non-GEMM traffic of a forward (read + write): two RMSNorms 2sh each, the rotation of q and k,
     # silu·up (2sf in, sf out, fused; ``fused_swiglu``'s backward re-reads the gate output for its
     # silu, inside BWD_MEM_FACTOR's estimate), two residual adds 3sh each; the unfused core adds its
     # softmax a·s² in/out (a flash core's softmax stays on chip)
-    mem = (4 * s * h + 2 * (s * h + skv) + 3 * s * f + 6 * s * h) * act
+    mem = (4 * s * h + 2 * (sq + skv) + 3 * s * f + 6 * s * h) * act
     if not cfg.flash_attention:
         mem += 2 * a * s * s * act
     return LayerSpec(
@@ -245,15 +275,16 @@ def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
         # 8sh, Korthikanti §4.2.2's rule) and the block's output along the sequence
         sp_sharded_saved_fraction=(saved_bytes - sharded_bytes) / saved_bytes, sp_shards_output=True,
         sp_allgathers_per_pass=2,  # before q/k/v and before gate/up
-        **core_selective(s, h, a, cfg.flash_attention, act),
-        **op_sac_fields(s, h, a, g, f, cfg.flash_attention, act),
+        **core_selective(s, h, a, cfg.flash_attention, act, d),
+        **op_sac_fields(s, h, a, g, f, cfg.flash_attention, act, d, cfg.qkv_bias),
         tp_allreduces_per_pass=2,  # after proj and after down (Megatron §3)
         max_tp=g,  # Megatron-Core: tp must divide num_query_groups (kv heads split whole)
         norm_modules=2,  # the attention and MLP RMSNorms
         gemms=gemms,
         fwd_mem_bytes_per_sample=mem,
         saved_tensors=saved_specs(saved, lambda n: n, skip=1),  # the norm input is the block's input
-        **_ops((LLAMA_BLOCK_OPS[0], LLAMA_BLOCK_OPS[1] + cfg.fused_swiglu * FUSED_SWIGLU_BWD_OPS),
+        **_ops((LLAMA_BLOCK_OPS[0] + 3 * cfg.qkv_bias * BIASED_LINEAR_OPS[0],
+                LLAMA_BLOCK_OPS[1] + cfg.fused_swiglu * FUSED_SWIGLU_BWD_OPS + 3 * cfg.qkv_bias * BIASED_LINEAR_OPS[1]),
                norms=2, casts=0, act=act),
     )
 

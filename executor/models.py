@@ -165,14 +165,16 @@ class Rotary(nn.Module):
 
 class LlamaAttention(nn.Module):
     """Causal grouped-query attention (Ainslie et al. 2023): ``heads`` query heads share
-    ``kv_heads`` key/value heads; bias-free q, k, v, proj; rotary q and k. Column-parallel q, k, v
-    split whole heads when tp divides kv_heads (Megatron-Core refuses other tp)."""
+    ``kv_heads`` key/value heads of ``head_dim`` each (h/heads when None); bias-free q, k, v
+    unless ``qkv_bias`` (Qwen2), bias-free proj; rotary q and k. Column-parallel q, k, v split
+    whole heads when tp divides kv_heads (Megatron-Core refuses other tp)."""
 
-    def __init__(self, h: int, heads: int, kv_heads: int, s: int, theta: float):
+    def __init__(self, h: int, heads: int, kv_heads: int, s: int, theta: float, head_dim: int | None = None,
+                 qkv_bias: bool = False):
         super().__init__()
-        self.head_dim = d = h // heads
-        self.q, self.proj = nn.Linear(h, h, bias=False), nn.Linear(h, h, bias=False)
-        self.k, self.v = nn.Linear(h, kv_heads * d, bias=False), nn.Linear(h, kv_heads * d, bias=False)
+        self.head_dim = d = head_dim or h // heads
+        self.q, self.proj = nn.Linear(h, heads * d, bias=qkv_bias), nn.Linear(heads * d, h, bias=False)
+        self.k, self.v = nn.Linear(h, kv_heads * d, bias=qkv_bias), nn.Linear(h, kv_heads * d, bias=qkv_bias)
         self.rotary = Rotary(s, d, theta)
         self.ring = None  # context parallelism (executor.context_parallel); the rotary tables then hold its positions
 
@@ -227,11 +229,13 @@ class LlamaBlock(Block):
     the tensor-parallel bookkeeping (its ``attn`` and ``mlp`` are the sharded scopes, as in
     executor.profile_symbolic), with its own modules and DTensor plan (executor.megatron_tp)."""
 
-    def __init__(self, h: int, heads: int, kv_heads: int, f: int, s: int, theta: float, fused_swiglu: bool = False):
+    def __init__(self, h: int, heads: int, kv_heads: int, f: int, s: int, theta: float, fused_swiglu: bool = False,
+                 head_dim: int | None = None, qkv_bias: bool = False):
         nn.Module.__init__(self)  # not Block's LayerNorm/GeLU modules
         self.pre_ln = True
         self.ln1, self.ln2 = nn.RMSNorm(h, eps=RMS_EPS), nn.RMSNorm(h, eps=RMS_EPS)
-        self.attn, self.mlp = LlamaAttention(h, heads, kv_heads, s, theta), SwiGLU(h, f, fused_swiglu)
+        self.attn = LlamaAttention(h, heads, kv_heads, s, theta, head_dim, qkv_bias)
+        self.mlp = SwiGLU(h, f, fused_swiglu)
 
     def forward(self, x, batch):
         x = x + self.attn(self.ln1(x))
@@ -339,7 +343,7 @@ def _transformer_layers(cfg, kind: str) -> list[tuple[str, nn.Module]]:
 def _llama_layers(cfg) -> list[tuple[str, nn.Module]]:
     h, s, V = cfg.hidden, cfg.seq_len, cfg.vocab
     blocks = [(f"block_{i:02d}", LlamaBlock(h, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, s, cfg.rope_theta,
-                                            cfg.fused_swiglu))
+                                            cfg.fused_swiglu, cfg.head_dim, cfg.qkv_bias))
               for i in range(cfg.num_layers)]
     return [("embed", TokenEmbedding(V, s, h, positions=False)), *blocks, ("head", LMHead(h, V, "llama"))]
 

@@ -137,7 +137,8 @@ def longest_reduction(cfg, training: TrainingSpec, model=None) -> int:
         widest = cfg.base_channels * 2 ** (len(cfg.blocks_per_stage) - 1)
         return max(9 * widest * cfg.width_factor, 4 * widest, training.global_batch * (cfg.image_size // 2) ** 2)
     f = cfg.ffn_width if hasattr(cfg, "ffn_width") else cfg.ffn_mult * cfg.hidden  # MoE: ffn_mult
-    return max(f, cfg.vocab, training.global_batch * cfg.seq_len)
+    heads_width = cfg.heads * cfg.d if hasattr(cfg, "d") else 0  # LLaMA's proj reads a·d (head_dim)
+    return max(f, heads_width, cfg.vocab, training.global_batch * cfg.seq_len)
 
 
 def _op_graphs(cfg, training: TrainingSpec, model) -> tuple[list, int]:

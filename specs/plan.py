@@ -289,7 +289,7 @@ def _check_selective(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
 
 def _check_op_sac(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
     """torchtitan's op-level checkpointing (MemoryAction.op_sac) is priced for layers that give its
-    costs (``LayerSpec.has_op_sac``: LLaMA blocks with flash attention, a profiled user model's
+    costs (``LayerSpec.has_op_sac``: LLaMA blocks with flash attention and no qkv_bias, a profiled user model's
     layers) and at cp 1: what the ring attention's blocks leave saved under it is not modelled."""
     for j, item in enumerate(stage.memory):
         if item.action is not MemoryAction.op_sac or not stage.layer_start <= item.layer < stage.layer_stop:
@@ -297,8 +297,8 @@ def _check_op_sac(i: int, stage: StagePlan, model: ModelSpec, err) -> None:
         layer = model.layers[item.layer]
         if not layer.has_op_sac:
             err(f"stages[{i}].memory[{j}].action", f"op_sac: layer {item.layer} ({layer.name!r}, {layer.kind.value}) "
-                "has no op-level checkpointing costs (LLaMA blocks with flash attention and a user model's profiled "
-                "layers have them); allowed there: "
+                "has no op-level checkpointing costs (LLaMA blocks with flash attention and bias-free q, k, v and a "
+                "user model's profiled layers have them); allowed there: "
                 "keep, recompute, selective, swaps")
         elif stage.cp > 1:
             err(f"stages[{i}].memory[{j}].action", f"op_sac: with cp {stage.cp}; op-level checkpointing is modelled "

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from costs.families import build_model, parse_model_config, published_params
+from executor.models import layer_names_and_params
 from executor.profile_symbolic import profile_model
 from specs.model import LayerKind
 from tests.conftest import conf
@@ -17,7 +18,10 @@ from tests.unit.test_saved_tensors_profile import real_walk
 #: published sizes: Llama 2 paper Table 1 / model cards (6.74B, 13.0B, 69.0B as the HF model
 #: cards give them), Llama 3 model cards (8.03B, 70.6B) and Dubey et al. 2024 (405B)
 PUBLISHED = {"llama2_7b": 6.74e9, "llama2_13b": 13.0e9, "llama2_70b": 69.0e9,
-             "llama3_8b": 8.03e9, "llama3_70b": 70.6e9, "llama3_405b": 405e9}
+             "llama3_8b": 8.03e9, "llama3_70b": 70.6e9, "llama3_405b": 405e9,
+             # LLaMA-architecture models of other makers (model cards): biased q, k, v (Qwen2.5) and
+             # heads narrower than hidden/heads (Mistral Small 3: 32 x 128 = 4096 at hidden 5120)
+             "qwen2_5_7b": 7.61e9, "mistral_small_24b": 23.6e9}
 
 
 def _cfg(name: str, **update):
@@ -39,15 +43,18 @@ def test_gqa_and_untied_head_are_what_the_sizes_need():
     assert abs(tied / PUBLISHED["llama2_7b"] - 1) > 0.01
 
 
-@pytest.mark.parametrize("name", ["llama2_7b", "llama2_70b", "llama3_405b", "llama_tiny"])
+@pytest.mark.parametrize("name", ["llama2_7b", "llama2_70b", "llama3_405b", "llama_tiny", "qwen2_5_7b",
+                                  "mistral_small_24b"])
 def test_block_flops_are_two_per_weight_plus_attention(name):
     """Forward FLOPs per block = 2 per matrix weight per token (q, k, v, proj, gate, up, down:
-    the block's params less its two norm vectors) + 4·s²·h for QKᵀ and attention·V."""
+    the block's params less its two norm vectors and any q, k, v biases) + 4·s²·a·d for QKᵀ and
+    attention·V (4·s²·h where a·d = h)."""
     cfg = _cfg(name)
-    s, h = cfg.seq_len, cfg.hidden
+    s, h, a, g, d = cfg.seq_len, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.d
     block = build_model(cfg, 2).layers[1]
     assert block.kind is LayerKind.transformer_block
-    assert block.fwd_flops_per_sample == 2 * s * (block.params - 2 * h) + 4 * s * s * h
+    biases = (a * d + 2 * g * d) * cfg.qkv_bias
+    assert block.fwd_flops_per_sample == 2 * s * (block.params - 2 * h - biases) + 4 * s * s * a * d
     head = build_model(cfg, 2).layers[-1]
     assert head.fwd_flops_per_sample == 2 * s * h * cfg.vocab
 
@@ -87,7 +94,8 @@ def test_block_sharding_and_tp_limit():
 
 
 @pytest.mark.parametrize("update,field", [({"kv_heads": 3}, "kv_heads"), ({"heads": 6}, "heads"),
-                                          ({"hidden": 60, "heads": 20, "kv_heads": 5}, "heads")])
+                                          ({"hidden": 60, "heads": 20, "kv_heads": 5}, "heads"),
+                                          ({"head_dim": 7}, "head_dim"), ({"head_dim": 0}, "head_dim")])
 def test_bad_shapes_name_the_field(update, field):
     with pytest.raises(pydantic.ValidationError, match=field):
         _cfg("llama_tiny", **update)
@@ -99,10 +107,17 @@ def test_every_preset_validates_and_builds():
         assert model.family == "llama" and len(model.layers) == _cfg(name).num_layers + 2
 
 
+#: LLaMA-architecture variants beside llama_tiny's own shape: a head size that is not hidden/heads
+#: (Mistral NeMo, Gemma, Qwen3: a·d = 96 at hidden 64) and biased q, k, v (Qwen2)
+VARIANTS = {"plain": {}, "head_dim": {"head_dim": 24}, "qkv_bias": {"qkv_bias": True},
+            "both": {"head_dim": 24, "qkv_bias": True}}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype,act", [("fp32", 4), ("bf16", 2)])
-def test_closed_form_op_counts_equal_the_profilers(dtype, act, fused):
-    cfg = _cfg("llama_tiny", fused_swiglu=fused)
+def test_closed_form_op_counts_equal_the_profilers(dtype, act, fused, variant):
+    cfg = _cfg("llama_tiny", fused_swiglu=fused, **VARIANTS[variant])
     prof = profile_model(cfg, microbatch=2, dtype=dtype)
     assert [(layer.name, layer.fwd_ops, layer.bwd_ops) for layer in build_model(cfg, act).layers] == \
         [(p.name, p.fwd_ops, p.bwd_ops) for p in prof.layers]
@@ -120,14 +135,16 @@ def _norm_extras(layer) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("fused", [False, True])
-def test_closed_form_list_is_a_real_forwards_saved_tensors(fused):
+def test_closed_form_list_is_a_real_forwards_saved_tensors(fused, variant):
     """The block's closed-form list against a REAL fp32 forward of executor.models.LlamaBlock
     under saved_tensors_hooks: the same tensors, byte for byte, once the unfused RMSNorm's
     statistics and x·rstd are set aside (Megatron's fused RMSNorm keeps only its input). The
     symbolic profile, which the executor's compare predicts from, sees the real list exactly;
-    with ``fused_swiglu`` one f-wide tensor fewer (silu's output)."""
-    cfg = _cfg("llama_tiny", fused_swiglu=fused)
+    with ``fused_swiglu`` one f-wide tensor fewer (silu's output); ``head_dim`` and ``qkv_bias``
+    variants (VARIANTS) likewise."""
+    cfg = _cfg("llama_tiny", fused_swiglu=fused, **VARIANTS[variant])
     micro = 2
     real = real_walk(cfg, torch.float32)
     prof = profile_model(cfg, microbatch=micro, dtype="fp32")
@@ -179,3 +196,28 @@ def test_fused_swiglu_gradients_are_autograds_bitwise():
         (y0, dg0, du0, n0), (y1, dg1, du1, n1) = outs
         assert torch.equal(y0, y1) and torch.equal(dg0, dg1) and torch.equal(du0, du1)
         assert (n0, n1) == (3, 2)
+
+
+#: tiny shapes of the two variants in Hugging Face's own classes: Qwen2 (biased q, k, v; bias-free
+#: o) and Mistral with an explicit head_dim (a·d = 96 at hidden 64)
+HF_TWINS = {"qwen2": ({"qkv_bias": True}, "Qwen2"), "mistral": ({"head_dim": 24}, "Mistral")}
+
+
+@pytest.mark.parametrize("twin", sorted(HF_TWINS))
+def test_variants_count_the_parameters_of_hugging_faces_models(twin):
+    """The closed form's parameter count of a ``qkv_bias`` / ``head_dim`` LLaMA equals the
+    parameter count of transformers' Qwen2ForCausalLM / MistralForCausalLM of the same shape
+    (random init, nothing downloaded), and the executor's modules hold the same weights; without
+    the field the count is off by the biases (q, k, v: a·d + 2g·d per block) or by the heads' width."""
+    transformers = pytest.importorskip("transformers")
+    update, arch = HF_TWINS[twin]
+    cfg = _cfg("llama_tiny", **update)
+    hf_cfg = getattr(transformers, f"{arch}Config")(
+        hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden, num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads, num_hidden_layers=cfg.num_layers, vocab_size=cfg.vocab,
+        tie_word_embeddings=False, max_position_embeddings=cfg.seq_len, **({"head_dim": cfg.head_dim} if cfg.head_dim else {}))
+    hf = getattr(transformers, f"{arch}ForCausalLM")(hf_cfg)
+    count = sum(p.numel() for p in hf.parameters())
+    assert published_params(cfg) == count
+    assert sum(n for _, n in layer_names_and_params(cfg)) == count
+    assert published_params(_cfg("llama_tiny")) != count

@@ -23,7 +23,9 @@ TOLERANCE = {"gpt": 0.03, "bert": 0.03, "moe": 0.05, "wresnet": 0.05,
              "llama": 0.04}
 # BERT-large's shape is fixed (L24 h1024 a16): 335M counted the usual way, which MPress calls
 # 0.35B and Devlin et al. 340M.
-TOLERANCE_EXCEPTIONS = {"bert_0b35": 0.05}
+TOLERANCE_EXCEPTIONS = {"bert_0b35": 0.05,
+                        # Qwen names its 7.61B "7B" (8.8 %); test_llama.py checks the 7.61B within 1 %
+                        "qwen2_5_7b": 0.09}
 
 
 def composed(name: str, config_name: str | None = None) -> dict:

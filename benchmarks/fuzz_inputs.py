@@ -89,6 +89,8 @@ CHOICE_FIELDS = {
     "policy.recompute_num_layers": ["1", "2", "0", "null"],
     "policy.recompute_every": ["1", "2", "0", "null"],
     "model.fused_swiglu": ["true", "false", "maybe"],
+    "model.head_dim": ["null", "8", "16", "7", "0", "-2", "1e9"],
+    "model.qkv_bias": ["true", "false", "maybe"],
 }
 ODD_ARGS = ["+hardware=null", "+hardware=nope", "foo=[", "+foo=1", "hardware=null", "+model=null",
             "training='${oops}'", "hardware.device=3", "mode=nope"]

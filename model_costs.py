@@ -256,7 +256,7 @@ def capture_profiling_runs(cfg: RunConfig, outdir: Path):
     or the simulator -> a specs.profile.CaptureProfile. Resumable: each finished run is appended
     to ``<outdir>/capture_runs.jsonl`` and a rerun skips the runs recorded there."""
     from planners import PlanningError
-    from planners.capture.profile import profile_capture
+    from planners.capture.profile import profile_capture, runnable_scenarios
     from reports import profile_io
     from specs.plan import validate_plan
 
@@ -283,7 +283,10 @@ def capture_profiling_runs(cfg: RunConfig, outdir: Path):
     done = {r["key"]: r["peaks"] for r in profile_io.read_records(log) if r.get("fingerprint") == fingerprint}
     if done:
         print(f"[capture] resuming: {len(done)} runs already recorded in {log}")
-    print(f"[capture] backend {backend_name}; scenarios {', '.join(pol.scenarios)}", flush=True)
+    kept, dropped = runnable_scenarios(model, list(pol.scenarios))
+    print(f"[capture] backend {backend_name}; scenarios {', '.join(kept)}"
+          + (f" ({', '.join(dropped)} left out: above a layer's max tensor-parallel degree, "
+             f"{min(l.max_tp for l in model.layers if l.max_tp is not None)})" if dropped else ""), flush=True)
 
     from reports.progress import interactive, task
 

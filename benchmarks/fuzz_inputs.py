@@ -91,6 +91,7 @@ CHOICE_FIELDS = {
     "model.fused_swiglu": ["true", "false", "maybe"],
     "model.head_dim": ["null", "8", "16", "7", "0", "-2", "1e9"],
     "model.qkv_bias": ["true", "false", "maybe"],
+    "model.qk_norm": ["true", "false", "maybe"],
 }
 ODD_ARGS = ["+hardware=null", "+hardware=nope", "foo=[", "+foo=1", "hardware=null", "+model=null",
             "training='${oops}'", "hardware.device=3", "mode=nope"]

@@ -5,9 +5,10 @@ What differs from GPT (costs.family_transformer): pre-normalisation with RMSNorm
 2019: one h-vector, no bias), rotary position embeddings (Su et al. 2021) instead of a position
 table, grouped-query attention (Ainslie et al. 2023: ``kv_heads`` key/value heads shared by the
 ``heads`` query heads), the SwiGLU FFN (Shazeer 2020: three bias-free h x f matrices), no biases
-anywhere, no dropout, and an untied LM head. Two fields cover the LLaMA-architecture models that
-differ only there: ``head_dim`` (d given, a·d ≠ h: Mistral NeMo, Gemma, Qwen3) and ``qkv_bias``
-(biases on q, k and v: Qwen2/2.5).
+anywhere, no dropout, and an untied LM head. Three fields cover the LLaMA-architecture models
+that differ only there: ``head_dim`` (d given, a·d ≠ h: Mistral NeMo / Small 3, Qwen3),
+``qkv_bias`` (biases on q, k and v: Qwen2/2.5) and ``qk_norm`` (an RMSNorm over each head's d
+of q and k before the rotation: Qwen3).
 
 Symbols: s sequence, h hidden, a heads, g kv_heads, d head size (h/a unless ``head_dim``),
 f ffn_hidden, V vocabulary, act bytes per activation element. Costs per sample (one sequence).
@@ -63,6 +64,10 @@ FUSED_SWIGLU_BWD_OPS = 1
 #: _unsafe_view (one counted operator fewer); its backward sums the bias gradient and detaches it
 #: into the accumulator (two more)
 BIASED_LINEAR_OPS = (-1, 2)
+#: (forward, backward) operators of one fp32 nn.RMSNorm as costs.op_counts counts them (torch's
+#: CPU RMSNorm decomposes into pow, mean, add, rsqrt, mul, mul; ``qk_norm`` adds two a block;
+#: tests/unit/costs/test_llama.py checks them against the symbolic profiler)
+RMSNORM_OPS = (7, 16)
 LLAMA_EMBED_OPS = (4, 2)
 LLAMA_HEAD_OPS = (15, 25)
 #: in 2-byte precision each RMSNorm computes in fp32: a cast in and out forward, three more backward
@@ -103,12 +108,14 @@ class LlamaConfig(Spec):
                                              "is not hidden (Mistral NeMo 128 at hidden 5120, Gemma, Qwen3)")
     qkv_bias: bool = Field(False, description="q, k and v projections with biases (Qwen2/2.5); false: "
                                               "bias-free, as every Llama")
+    qk_norm: bool = Field(False, description="RMSNorm over each head's d of q and of k before the rotation "
+                                             "(Qwen3); false: none, as every Llama")
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
-        """Leave ``fused_swiglu``, ``head_dim`` and ``qkv_bias`` out of a dump at their defaults, so
+        """Leave ``fused_swiglu``, ``head_dim``, ``qkv_bias`` and ``qk_norm`` out of a dump at their defaults, so
         that dumps and profile cache keys of every existing config stay what they were."""
-        return omit_unset(self, handler(self), ("fused_swiglu", "head_dim", "qkv_bias"))
+        return omit_unset(self, handler(self), ("fused_swiglu", "head_dim", "qkv_bias", "qk_norm"))
 
     @property
     def d(self) -> int:
@@ -134,18 +141,20 @@ class LlamaConfig(Spec):
         return self
 
 
-def attention_saved(s: int, h: int, a: int, g: int, flash: bool, d: int | None = None) -> Saved:
+def attention_saved(s: int, h: int, a: int, g: int, flash: bool, d: int | None = None, qk_norm: bool = False) -> Saved:
     """What GQA attention with its RMSNorm saves, in forward order (fp16 bytes per sample): the
     norm input 2sh (the block's input), the QKV input 2sh, rotated Q 2s·a·d, rotated K and V
     2s·g·d each, then the core: flash keeps its output 2s·a·d (the projection's input) and the fp32
     log-sum-exp 4as; the unfused core its softmax output 2as² (for softmax and attention·V) and
     the projection input 2s·a·d. TP splits everything from Q on (heads split whole). ``d``: the
-    head size (h/a when None; a·d = h then)."""
+    head size (h/a when None; a·d = h then). ``qk_norm``: the per-head RMSNorms of q and k keep
+    their inputs (the q and k projections' outputs, 2s·a·d and 2s·g·d) before the rotated Q, K."""
     d = d or h // a
     sh, sq, skv = s * h, s * a * d, s * g * d
+    norms = [("attn.q_norm_input", 2 * sq, True), ("attn.k_norm_input", 2 * skv, True)] if qk_norm else []
     core = ([("attn.output", 2 * sq, True), ("attn.logsumexp", LSE_BYTES * a * s, True)] if flash else
             [("attn.softmax_output", 2 * a * s * s, True), ("attn.proj_input", 2 * sq, True)])
-    return [("attn.norm_input", 2 * sh, False), ("attn.qkv_input", 2 * sh, False),
+    return [("attn.norm_input", 2 * sh, False), ("attn.qkv_input", 2 * sh, False), *norms,
             ("attn.q", 2 * sq, True), ("attn.k", 2 * skv, True), ("attn.v", 2 * skv, True), *core]
 
 
@@ -163,14 +172,15 @@ def mlp_saved(s: int, h: int, f: int, fused: bool = False) -> Saved:
             *silu, ("mlp.down_input", 2 * sf, True)]
 
 
-def block_params(h: int, a: int, g: int, f: int, d: int | None = None, qkv_bias: bool = False) -> tuple[int, int]:
+def block_params(h: int, a: int, g: int, f: int, d: int | None = None, qkv_bias: bool = False,
+                 qk_norm: bool = False) -> tuple[int, int]:
     """(params, tp-sharded params) of one block: q and proj h·a·d each (h² when a·d = h), k and v
     h·g·d each, gate, up, down h·f each, two RMSNorm weights h; with ``qkv_bias`` q's, k's and v's
-    biases a·d + 2g·d (column-parallel: split with their matrices). Everything but the norms is
-    sharded."""
+    biases a·d + 2g·d (column-parallel: split with their matrices); with ``qk_norm`` two d-vectors
+    (replicated, as the block's norms). Everything but the norms is sharded."""
     d = d or h // a
     matrices = 2 * h * a * d + 2 * h * g * d + 3 * h * f + (a * d + 2 * g * d) * qkv_bias
-    return matrices + 2 * h, matrices
+    return matrices + 2 * h + 2 * d * qk_norm, matrices
 
 
 def block_gemms(s: int, h: int, a: int, g: int, f: int, flash_tile: int = 0, d: int | None = None) -> list[GemmSpec]:
@@ -246,17 +256,18 @@ def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
     of the square at the attention curve, :data:`FLASH_TILE`, costs/gemm.py); unfused, both
     products run dense over the whole square."""
     s, h, a, g, f, d = cfg.seq_len, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, cfg.d
-    saved = at_precision([*attention_saved(s, h, a, g, cfg.flash_attention, d),
+    saved = at_precision([*attention_saved(s, h, a, g, cfg.flash_attention, d, cfg.qk_norm),
                           *mlp_saved(s, h, f, cfg.fused_swiglu)], act)
     saved_bytes, sharded_bytes = _totals(saved)
-    params, sharded_params = block_params(h, a, g, f, d, cfg.qkv_bias)
+    params, sharded_params = block_params(h, a, g, f, d, cfg.qkv_bias, cfg.qk_norm)
     gemms = block_gemms(s, h, a, g, f, FLASH_TILE if cfg.flash_attention else 0, d)
     sq, skv = s * a * d, s * g * d
-    # non-GEMM traffic of a forward (read + write): two RMSNorms 2sh each, the rotation of q and k,
+    # non-GEMM traffic of a forward (read + write): two RMSNorms 2sh each, the rotation of q and k
+    # (and with qk_norm their per-head RMSNorms, as much again),
     # silu·up (2sf in, sf out, fused; ``fused_swiglu``'s backward re-reads the gate output for its
     # silu, inside BWD_MEM_FACTOR's estimate), two residual adds 3sh each; the unfused core adds its
     # softmax a·s² in/out (a flash core's softmax stays on chip)
-    mem = (4 * s * h + 2 * (sq + skv) + 3 * s * f + 6 * s * h) * act
+    mem = (4 * s * h + 2 * (sq + skv) * (1 + cfg.qk_norm) + 3 * s * f + 6 * s * h) * act
     if not cfg.flash_attention:
         mem += 2 * a * s * s * act
     return LayerSpec(
@@ -283,9 +294,10 @@ def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
         gemms=gemms,
         fwd_mem_bytes_per_sample=mem,
         saved_tensors=saved_specs(saved, lambda n: n, skip=1),  # the norm input is the block's input
-        **_ops((LLAMA_BLOCK_OPS[0] + 3 * cfg.qkv_bias * BIASED_LINEAR_OPS[0],
-                LLAMA_BLOCK_OPS[1] + cfg.fused_swiglu * FUSED_SWIGLU_BWD_OPS + 3 * cfg.qkv_bias * BIASED_LINEAR_OPS[1]),
-               norms=2, casts=0, act=act),
+        **_ops((LLAMA_BLOCK_OPS[0] + 3 * cfg.qkv_bias * BIASED_LINEAR_OPS[0] + 2 * cfg.qk_norm * RMSNORM_OPS[0],
+                LLAMA_BLOCK_OPS[1] + cfg.fused_swiglu * FUSED_SWIGLU_BWD_OPS + 3 * cfg.qkv_bias * BIASED_LINEAR_OPS[1]
+                + 2 * cfg.qk_norm * RMSNORM_OPS[1]),
+               norms=2 + 2 * cfg.qk_norm, casts=0, act=act),
     )
 
 

@@ -49,7 +49,7 @@ def tensor_parallel(layers, group, device_type: str, sequence_parallel: bool = F
     Returns True when the stage's loss is vocab-parallel (backward must run under loss_parallel)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     if mesh is None:
         mesh = DeviceMesh.from_group(group, device_type)
@@ -64,7 +64,12 @@ def tensor_parallel(layers, group, device_type: str, sequence_parallel: bool = F
             if mod.attn.k.out_features // mod.attn.head_dim % mesh.size():
                 raise ValueError(f"tp {mesh.size()} does not divide the {mod.attn.k.out_features // mod.attn.head_dim} "
                                  "kv heads (Megatron-Core refuses it too: num_query_groups % tp)")
-            parallelize_module(mod, mesh, {**attn, "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+            # qk_norm (Qwen3): each rank normalises its own heads, (b, s, heads/t, d); the weight is
+            # replicated and its gradient summed over the tp group (torchtitan's qwen3 plan:
+            # SequenceParallel on the heads dim)
+            qk = ({n: SequenceParallel(sequence_dim=2, use_local_output=True) for n in ("attn.q_norm", "attn.k_norm")}
+                  if mod.attn.q_norm is not None else {})
+            parallelize_module(mod, mesh, {**attn, **qk, "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
                                            "mlp.down": RowwiseParallel(output_layouts=out)})
         elif isinstance(mod, Block):
             parallelize_module(mod, mesh, {**attn, "mlp.fc1": ColwiseParallel(),

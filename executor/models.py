@@ -166,22 +166,30 @@ class Rotary(nn.Module):
 class LlamaAttention(nn.Module):
     """Causal grouped-query attention (Ainslie et al. 2023): ``heads`` query heads share
     ``kv_heads`` key/value heads of ``head_dim`` each (h/heads when None); bias-free q, k, v
-    unless ``qkv_bias`` (Qwen2), bias-free proj; rotary q and k. Column-parallel q, k, v split
+    unless ``qkv_bias`` (Qwen2), bias-free proj; with ``qk_norm`` (Qwen3) an RMSNorm over each
+    head's d of q and of k before the rotation; rotary q and k. Column-parallel q, k, v split
     whole heads when tp divides kv_heads (Megatron-Core refuses other tp)."""
 
     def __init__(self, h: int, heads: int, kv_heads: int, s: int, theta: float, head_dim: int | None = None,
-                 qkv_bias: bool = False):
+                 qkv_bias: bool = False, qk_norm: bool = False):
         super().__init__()
         self.head_dim = d = head_dim or h // heads
         self.q, self.proj = nn.Linear(h, heads * d, bias=qkv_bias), nn.Linear(heads * d, h, bias=False)
         self.k, self.v = nn.Linear(h, kv_heads * d, bias=qkv_bias), nn.Linear(h, kv_heads * d, bias=qkv_bias)
+        self.q_norm, self.k_norm = (nn.RMSNorm(d, eps=RMS_EPS), nn.RMSNorm(d, eps=RMS_EPS)) if qk_norm else (None, None)
         self.rotary = Rotary(s, d, theta)
         self.ring = None  # context parallelism (executor.context_parallel); the rotary tables then hold its positions
+
+    def _rotated(self, proj: nn.Module, norm: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+        """(b, heads, s, d): ``proj(x)`` split into heads, normalised per head (qk_norm), rotated."""
+        b, s, _ = x.shape
+        t = proj(x).view(b, s, -1, self.head_dim)
+        return self.rotary((t if norm is None else norm(t)).transpose(1, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         split = lambda t: t.view(b, s, -1, self.head_dim).transpose(1, 2)  # noqa: E731
-        q, k = self.rotary(split(self.q(x))), self.rotary(split(self.k(x)))
+        q, k = self._rotated(self.q, self.q_norm, x), self._rotated(self.k, self.k_norm, x)
         if self.ring is not None:  # K and V travel the ring on their kv heads (grouped-query attention)
             y = ring_attention(q, k, split(self.v(x)), self.ring, True)
         else:
@@ -230,11 +238,11 @@ class LlamaBlock(Block):
     executor.profile_symbolic), with its own modules and DTensor plan (executor.megatron_tp)."""
 
     def __init__(self, h: int, heads: int, kv_heads: int, f: int, s: int, theta: float, fused_swiglu: bool = False,
-                 head_dim: int | None = None, qkv_bias: bool = False):
+                 head_dim: int | None = None, qkv_bias: bool = False, qk_norm: bool = False):
         nn.Module.__init__(self)  # not Block's LayerNorm/GeLU modules
         self.pre_ln = True
         self.ln1, self.ln2 = nn.RMSNorm(h, eps=RMS_EPS), nn.RMSNorm(h, eps=RMS_EPS)
-        self.attn = LlamaAttention(h, heads, kv_heads, s, theta, head_dim, qkv_bias)
+        self.attn = LlamaAttention(h, heads, kv_heads, s, theta, head_dim, qkv_bias, qk_norm)
         self.mlp = SwiGLU(h, f, fused_swiglu)
 
     def forward(self, x, batch):
@@ -343,7 +351,7 @@ def _transformer_layers(cfg, kind: str) -> list[tuple[str, nn.Module]]:
 def _llama_layers(cfg) -> list[tuple[str, nn.Module]]:
     h, s, V = cfg.hidden, cfg.seq_len, cfg.vocab
     blocks = [(f"block_{i:02d}", LlamaBlock(h, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, s, cfg.rope_theta,
-                                            cfg.fused_swiglu, cfg.head_dim, cfg.qkv_bias))
+                                            cfg.fused_swiglu, cfg.head_dim, cfg.qkv_bias, cfg.qk_norm))
               for i in range(cfg.num_layers)]
     return [("embed", TokenEmbedding(V, s, h, positions=False)), *blocks, ("head", LMHead(h, V, "llama"))]
 

@@ -188,6 +188,16 @@ def extract(num_layers: int, peaks: dict[tuple[int, int], int]) -> list[tuple[in
     return out
 
 
+def runnable_scenarios(model: ModelSpec, scenarios: list[str]) -> tuple[list[str], list[str]]:
+    """(kept, dropped): a tp scenario runs every layer at its degree, so one above a layer's
+    ``max_tp`` (a LLaMA block's kv heads: Megatron-Core refuses tp that splits one) cannot run;
+    the planner prices such stages as outside its space anyway (planner.predict: inf)."""
+    cap = min((layer.max_tp for layer in model.layers if layer.max_tp is not None), default=None)
+    dropped = [sc for sc in scenarios
+               if cap is not None and SCENARIO_DEGREES[sc][0] == "tp" and SCENARIO_DEGREES[sc][1] > cap]
+    return [sc for sc in scenarios if sc not in dropped], dropped
+
+
 def planned_runs(model: ModelSpec, hardware: HardwareSpec, scenarios: list[str],
                  batches: dict[str, list[int]]) -> list[ProfilingRun]:
     runs = []
@@ -212,7 +222,7 @@ def profile_capture(model: ModelSpec, hardware: HardwareSpec, training: Training
 
     ``on_run(run, peaks, i, n)`` is called after each new run (to log it and show progress)."""
     capture_schedule_check(schedule)
-    scenarios = scenarios or list(SCENARIO_DEGREES)
+    scenarios, _ = runnable_scenarios(model, scenarios or list(SCENARIO_DEGREES))
     batches, m = profiling_batches(batch_sizes, num_microbatches, training, scenarios)
     runs = planned_runs(model, hardware, scenarios, batches)
     done = dict(done or {})

@@ -79,14 +79,18 @@ def test_op_sac_plan_matches_single_process_reference(reference, policy):
     assert_matches(out, reference, reorder_rtol(longest_reduction(CFG, CPU_TRAINING)))
 
 
-def test_head_dim_and_qkv_bias_plan_matches_single_process_reference():
-    """model.head_dim (a·d = 96 at hidden 64: Mistral NeMo's / Small's narrower-than-hidden heads,
-    here wider) with Qwen2's biased q, k, v under pp 2 x tp 2 (the biases column-parallel with
-    their weights, DTensor) and sequence parallelism: float64 losses, gradients and weights equal
-    the single-process reference of the same model."""
-    cfg = parse_model_config({**conf("model", "llama_tiny"), "head_dim": 24, "qkv_bias": True})
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp-sp"])
+def test_head_dim_qkv_bias_and_qk_norm_plan_matches_single_process_reference(sp):
+    """model.head_dim (a·d = 96 at hidden 64: Mistral's / Qwen3's heads are not hidden/heads wide;
+    here wider) with Qwen2's biased q, k, v and Qwen3's per-head q/k RMSNorms under pp 2 x tp 2
+    (the biases column-parallel with their weights; each rank normalises its own heads and the
+    norms' replicated weights sum their gradients over tp, executor.megatron_tp), with and without
+    sequence parallelism: float64 losses, gradients and weights equal the single-process reference
+    of the same model (a norm weight's gradient left as one rank's partial sum fails here; the
+    loss alone would not show it at Adam's first steps)."""
+    cfg = parse_model_config({**conf("model", "llama_tiny"), "head_dim": 24, "qkv_bias": True, "qk_norm": True})
     spec = build_model(cfg, 4)
-    plan = make_plan(parse_policy({"kind": "even", "pp": 2, "tp": 2, "sequence_parallel": True}), spec, LOCAL_CPU,
+    plan = make_plan(parse_policy({"kind": "even", "pp": 2, "tp": 2, "sequence_parallel": sp}), spec, LOCAL_CPU,
                      CPU_TRAINING, ScheduleSpec(kind="1f1b"))
     out = run_plan_float64(plan, cfg, iterations=STEPS)
     assert_matches(out, train_reference(cfg, CPU_TRAINING, STEPS, dtype=torch.float64),
@@ -124,9 +128,14 @@ def test_tp_that_splits_a_kv_head_is_refused():
                                     # and Qwen2's biased q, k, v, column-parallel with their biases, under
                                     # SP and selective recompute: measured 2026-11-28 -1.3 / -0.1 %
                                     ["policy=manual", "policy.pp=2", "policy.tp=2", "policy.sequence_parallel=true",
-                                     "policy.recompute=selective", "model.head_dim=24", "model.qkv_bias=true"]],
+                                     "policy.recompute=selective", "model.head_dim=24", "model.qkv_bias=true"],
+                                    # Qwen3's per-head q/k RMSNorms (model.qk_norm) under tp 2 with SP:
+                                    # measured 2026-11-28 -0.8 / -0.1 %
+                                    ["policy=manual", "policy.pp=2", "policy.tp=2", "policy.sequence_parallel=true",
+                                     "model.head_dim=24", "model.qk_norm=true"]],
                          ids=["balanced", "manual-pp2-tp2", "fused-swiglu-pp2-dp2", "recompute-every-2",
-                              "op-sac-pp2-dp2", "op-sac-fsdp-dp4", "op-sac-tp2-dp2-sp", "head-dim-qkv-bias-pp2-tp2-sp"])
+                              "op-sac-pp2-dp2", "op-sac-fsdp-dp4", "op-sac-tp2-dp2-sp", "head-dim-qkv-bias-pp2-tp2-sp",
+                              "qk-norm-pp2-tp2-sp"])
 def test_compare_numerics_pass_and_memory_per_rank(policy, tmp_path):
     """mode=compare predicts from the symbolic profile of the same modules: per-rank peak memory
     within issue 27's 5 % (measured 2026-11-27 on this 2-core box: balanced max 1.1 %, pp2 x tp2

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planners.capture.profile import extract, partitionings, profile_capture, profiling_hardware
+from planners.capture.profile import (SCENARIO_DEGREES, extract, partitionings, profile_capture, profiling_hardware,
+                                       runnable_scenarios)
 from specs.result import DeviceResult, Result
 from specs.plan import ScheduleSpec
 from specs.training import TrainingSpec
@@ -99,3 +100,18 @@ def test_default_profiling_batches_are_the_papers_half_and_quarter_when_whole():
     table1 = TrainingSpec(global_batch=1024, num_microbatches=32)  # CAPTURE Table I, GPT-3 6.7B
     batches, m = profiling_batches(None, None, table1, ["pp", "dp2", "dp4", "tp2", "tp4"])
     assert m == 32 and all(b == [512, 256] for b in batches.values())
+
+
+def test_tp_scenarios_above_a_layers_max_tp_are_not_run():
+    """A tp scenario runs every layer at its degree: with blocks capped at tp 2 (a LLaMA block's
+    2 kv heads) the tp4 runs are left out (the executor refuses them: "tp 4 does not divide the 2
+    kv heads"), tp2 and the rest are profiled, and the planner prices tp 4 as outside its space."""
+    model = make_model(num_layers=6)
+    capped = model.model_copy(update={"layers": [layer.model_copy(update={"max_tp": 2}) for layer in model.layers]})
+    hw, training = make_hardware(devices=4), TrainingSpec(global_batch=64, microbatch_size=2)
+    assert runnable_scenarios(model, list(SCENARIO_DEGREES)) == (list(SCENARIO_DEGREES), [])
+    assert runnable_scenarios(capped, list(SCENARIO_DEGREES)) == (["pp", "dp2", "dp4", "tp2"], ["tp4"])
+    calls: list = []
+    prof = profile_capture(capped, hw, training, ScheduleSpec(), additive_backend([1] * 6, calls), "fake")
+    assert max(p.stages[0].tp for p in calls) == 2
+    assert {s.scenario for s in prof.scenarios} == {"pp", "dp2", "dp4", "tp2"}

@@ -19,9 +19,10 @@ from tests.unit.test_saved_tensors_profile import real_walk
 #: cards give them), Llama 3 model cards (8.03B, 70.6B) and Dubey et al. 2024 (405B)
 PUBLISHED = {"llama2_7b": 6.74e9, "llama2_13b": 13.0e9, "llama2_70b": 69.0e9,
              "llama3_8b": 8.03e9, "llama3_70b": 70.6e9, "llama3_405b": 405e9,
-             # LLaMA-architecture models of other makers (model cards): biased q, k, v (Qwen2.5) and
-             # heads narrower than hidden/heads (Mistral Small 3: 32 x 128 = 4096 at hidden 5120)
-             "qwen2_5_7b": 7.61e9, "mistral_small_24b": 23.6e9}
+             # LLaMA-architecture models of other makers (model cards): biased q, k, v (Qwen2.5),
+             # heads narrower than hidden/heads (Mistral Small 3: 32 x 128 = 4096 at hidden 5120),
+             # per-head q/k RMSNorms (Qwen3)
+             "qwen2_5_7b": 7.61e9, "mistral_small_24b": 23.6e9, "qwen3_8b": 8.2e9}
 
 
 def _cfg(name: str, **update):
@@ -44,17 +45,17 @@ def test_gqa_and_untied_head_are_what_the_sizes_need():
 
 
 @pytest.mark.parametrize("name", ["llama2_7b", "llama2_70b", "llama3_405b", "llama_tiny", "qwen2_5_7b",
-                                  "mistral_small_24b"])
+                                  "mistral_small_24b", "qwen3_8b"])
 def test_block_flops_are_two_per_weight_plus_attention(name):
     """Forward FLOPs per block = 2 per matrix weight per token (q, k, v, proj, gate, up, down:
-    the block's params less its two norm vectors and any q, k, v biases) + 4·s²·a·d for QKᵀ and
+    the block's params less its norm vectors and any q, k, v biases) + 4·s²·a·d for QKᵀ and
     attention·V (4·s²·h where a·d = h)."""
     cfg = _cfg(name)
     s, h, a, g, d = cfg.seq_len, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.d
     block = build_model(cfg, 2).layers[1]
     assert block.kind is LayerKind.transformer_block
-    biases = (a * d + 2 * g * d) * cfg.qkv_bias
-    assert block.fwd_flops_per_sample == 2 * s * (block.params - 2 * h - biases) + 4 * s * s * a * d
+    vectors = (a * d + 2 * g * d) * cfg.qkv_bias + 2 * d * cfg.qk_norm  # biases, q/k norm weights
+    assert block.fwd_flops_per_sample == 2 * s * (block.params - 2 * h - vectors) + 4 * s * s * a * d
     head = build_model(cfg, 2).layers[-1]
     assert head.fwd_flops_per_sample == 2 * s * h * cfg.vocab
 
@@ -110,7 +111,8 @@ def test_every_preset_validates_and_builds():
 #: LLaMA-architecture variants beside llama_tiny's own shape: a head size that is not hidden/heads
 #: (Mistral NeMo, Gemma, Qwen3: a·d = 96 at hidden 64) and biased q, k, v (Qwen2)
 VARIANTS = {"plain": {}, "head_dim": {"head_dim": 24}, "qkv_bias": {"qkv_bias": True},
-            "both": {"head_dim": 24, "qkv_bias": True}}
+            "both": {"head_dim": 24, "qkv_bias": True}, "qk_norm": {"qk_norm": True},
+            "qwen3": {"head_dim": 24, "qk_norm": True}}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -129,7 +131,7 @@ def _norm_extras(layer) -> list[int]:
     out, seen = [], set()
     for t in layer.saved_tensors:
         norm = t.name.split(":")[0]
-        if norm in ("ln1", "ln2", "ln") and t.name.endswith(("rsqrt", "mul")) and (norm, t.name) not in seen:
+        if norm in ("ln1", "ln2", "ln", "attn.q_norm", "attn.k_norm") and t.name.endswith(("rsqrt", "mul")) and (norm, t.name) not in seen:
             seen.add((norm, t.name))  # the first mul is x·rstd; the second (·weight) is the next input
             out.append(t.size_bytes)
     return out
@@ -198,15 +200,16 @@ def test_fused_swiglu_gradients_are_autograds_bitwise():
         assert (n0, n1) == (3, 2)
 
 
-#: tiny shapes of the two variants in Hugging Face's own classes: Qwen2 (biased q, k, v; bias-free
-#: o) and Mistral with an explicit head_dim (a·d = 96 at hidden 64)
-HF_TWINS = {"qwen2": ({"qkv_bias": True}, "Qwen2"), "mistral": ({"head_dim": 24}, "Mistral")}
+#: tiny shapes of the variants in Hugging Face's own classes: Qwen2 (biased q, k, v; bias-free o),
+#: Mistral with an explicit head_dim (a·d = 96 at hidden 64) and Qwen3 (head_dim and per-head q/k norms)
+HF_TWINS = {"qwen2": ({"qkv_bias": True}, "Qwen2"), "mistral": ({"head_dim": 24}, "Mistral"),
+            "qwen3": ({"head_dim": 24, "qk_norm": True}, "Qwen3")}
 
 
 @pytest.mark.parametrize("twin", sorted(HF_TWINS))
 def test_variants_count_the_parameters_of_hugging_faces_models(twin):
-    """The closed form's parameter count of a ``qkv_bias`` / ``head_dim`` LLaMA equals the
-    parameter count of transformers' Qwen2ForCausalLM / MistralForCausalLM of the same shape
+    """The closed form's parameter count of a ``qkv_bias`` / ``head_dim`` / ``qk_norm`` LLaMA equals
+    the parameter count of transformers' Qwen2 / Mistral / Qwen3ForCausalLM of the same shape
     (random init, nothing downloaded), and the executor's modules hold the same weights; without
     the field the count is off by the biases (q, k, v: a·d + 2g·d per block) or by the heads' width."""
     transformers = pytest.importorskip("transformers")

@@ -291,6 +291,7 @@ def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
         tp_allreduces_per_pass=2,  # after proj and after down (Megatron §3)
         max_tp=g,  # Megatron-Core: tp must divide num_query_groups (kv heads split whole)
         norm_modules=2,  # the attention and MLP RMSNorms
+        head_norm_width=(a + g) * d * cfg.qk_norm,  # qk_norm's per-head q and k RMSNorms
         gemms=gemms,
         fwd_mem_bytes_per_sample=mem,
         saved_tensors=saved_specs(saved, lambda n: n, skip=1),  # the norm input is the block's input

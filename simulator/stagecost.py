@@ -343,7 +343,8 @@ def w_grad_inputs_bytes(model: ModelSpec, plan: Plan, stage, layer: int) -> int:
     ``get_param_groups`` "intermediates"; executor.split_backward keeps their gradients with a
     pre-hook). Each weight GEMM's dY, b·m·n (n split over t when the GEMM is column-parallel),
     which W's dW = dYᵀ·X reads (Qi et al. 2024 §2); each normalisation module's (:func:`norm_modules`),
-    b·s·h (split over t under sequence parallelism). The first stage's first layer has none: its
+    b·s·h (split over t under sequence parallelism), and per-head norms' (``LayerSpec.head_norm_width``,
+    split over t with the heads). The first stage's first layer has none: its
     weights are B's own sources (executor.split_backward). Measured on gpt_tiny: 11 s·h per block
     (q, k, v, projection, fc2 1 each, fc1 4, the two layernorms 1 each)."""
     if layer == 0:
@@ -359,6 +360,8 @@ def w_grad_inputs_bytes(model: ModelSpec, plan: Plan, stage, layer: int) -> int:
     if norms and model.seq_len and model.hidden:
         per_norm = b * model.seq_len * model.hidden * dt
         total += norms * math.ceil(per_norm / costs.activations.seq_split(stage))
+    if spec.head_norm_width and model.seq_len:  # per-head q/k norms (Qwen3): the whole sequence, heads split
+        total += math.ceil(b * model.seq_len * spec.head_norm_width * dt / tp)
     return total
 
 

@@ -130,6 +130,12 @@ class LayerSpec(Spec):
                     "gradients (s·h each) are what a zero-bubble B stores for W besides the weight GEMMs' "
                     "(simulator.stagecost.norm_modules); 0: none, or not known (a profiled layer's saved "
                     "tensors then name them)")
+    head_norm_width: int = Field(
+        0, ge=0, le=1 << 24,
+        description="elements per token of the outputs of per-head normalisation modules, beside "
+                    "norm_modules' h-wide ones (Qwen3's q and k RMSNorms: (heads + kv_heads)·head_dim), split "
+                    "by tp with the heads: their output gradients are also stored by a zero-bubble B for W "
+                    "(simulator.stagecost.w_grad_inputs_bytes); 0: none")
     # ---- time-model inputs (issue #11) ----
     gemms: list[GemmSpec] = Field(
         default_factory=list, max_length=4096,

@@ -349,14 +349,16 @@ def test_v_peaks_per_position(kind, p, m, recompute):
 
 @functools.lru_cache(maxsize=None)
 def _profiled(name: str):
-    """gpt_tiny / llama_tiny / bert_tiny / moe_tiny with their symbolic profile's costs (the spec a compare run
-    plans with, model_costs=auto), at 2 samples per microbatch in float32."""
+    """gpt_tiny / llama_tiny / bert_tiny / moe_tiny (llama_qk: llama_tiny with qk_norm, head_dim 24)
+    with their symbolic profile's costs (the spec a compare run plans with, model_costs=auto), at
+    2 samples per microbatch in float32."""
     from costs.families import build_model, parse_model_config
     from executor.profile_symbolic import profile_model
     from specs.profile import apply_profile
     from tests.conftest import conf
 
-    cfg = parse_model_config(conf("model", name))
+    extra = {"llama_qk": {"qk_norm": True, "head_dim": 24}}.get(name)  # Qwen3's per-head q/k norms
+    cfg = parse_model_config({**conf("model", "llama_tiny"), **extra} if extra else conf("model", name))
     return cfg, apply_profile(build_model(cfg, 4), profile_model(cfg, microbatch=2, dtype="fp32"))
 
 
@@ -432,7 +434,7 @@ def _executor_split_bytes(cfg, owned: range, recompute: bool) -> dict:
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
 @pytest.mark.parametrize("where", ["first", "middle", "last", "middle3", "last3"])
-@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "bert_tiny"])
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "bert_tiny", "llama_qk"])
 def test_split_bytes_are_the_executors(name, where, recompute):
     """StageCost.w_held_bytes is exactly what the executor's B adds for W: its stored output
     gradients (the top one is the received gradient, already live; the sent input gradient is the
@@ -446,7 +448,9 @@ def test_split_bytes_are_the_executors(name, where, recompute):
     w_scratch_bytes): a revert to one layer's scratch over everything held (high by 98 KiB under a
     recomputed head), or to the executor's W leaving the engine's groups (LLaMA's RMSNorm weights)
     to the end, which kept every re-made block's unpacked tensors (low by 23 KiB on 3 blocks), fails
-    here, the 3-layer stages being where the second shows."""
+    here, the 3-layer stages being where the second shows. ``llama_qk`` (Qwen3's per-head q/k
+    RMSNorms, head_dim 24): B also stores their output gradients, (heads + kv_heads)·d per token
+    (``LayerSpec.head_norm_width``; without it held is 24 KiB low a block)."""
     cfg, model = _profiled(name)
     n = model.num_layers
     owned = {"first": range(0, 2), "middle": range(1, 3), "last": range(n - 2, n),

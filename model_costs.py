@@ -285,8 +285,8 @@ def capture_profiling_runs(cfg: RunConfig, outdir: Path):
         print(f"[capture] resuming: {len(done)} runs already recorded in {log}")
     kept, dropped = runnable_scenarios(model, list(pol.scenarios))
     print(f"[capture] backend {backend_name}; scenarios {', '.join(kept)}"
-          + (f" ({', '.join(dropped)} left out: above a layer's max tensor-parallel degree, "
-             f"{min(l.max_tp for l in model.layers if l.max_tp is not None)})" if dropped else ""), flush=True)
+          + (f" ({', '.join(dropped)} left out: above a layer's max tensor-parallel degree)" if dropped else ""),
+          flush=True)
 
     from reports.progress import interactive, task
 

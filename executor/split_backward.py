@@ -201,7 +201,6 @@ class SplitBackward:
                                if any(g is not None for gs in group["grads"] for g in gs)]
                     stage_backward_weight(iter(self.weights), [group])
                     self._ready(reached)
-                    del group
         for p in self.weights:  # accumulation may have replaced a grad tensor: keep it filed
             st.tracker.tag(p.grad, "gradients")
         self.w_passes += 1

@@ -105,8 +105,9 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
                             f"{policy.recompute!r}")
     if policy.recompute == "op_sac" and not any(layer.has_op_sac for layer in model.layers):
         raise PlanningError(f"policy.recompute: op_sac (torchtitan's op-level selective AC) is priced for LLaMA "
-                            f"blocks with flash attention and bias-free q, k, v (not model.qkv_bias) and a user model's (family torch_module) profiled layers; "
-                            f"model {model.name!r} has none: use full or selective")
+                            f"blocks with flash attention and bias-free q, k, v (not model.qkv_bias) and a user "
+                            f"model's (family torch_module) profiled layers; model {model.name!r} has none: use "
+                            f"full or selective")
     if policy.recompute == "op_sac" and policy.cp > 1:
         raise PlanningError(f"policy.recompute: op_sac is modelled at cp 1 (what the ring attention's blocks leave "
                             f"saved under it is not); got cp {policy.cp}")

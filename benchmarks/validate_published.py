@@ -1,6 +1,6 @@
 """Benchmark (not a test): memwall against published training runs of systems it was never fitted
 on -- Llama 3 405B on 8k/16k H100 (Meta), torchtitan's Llama 3.1 8B FSDP on H100 and Llama 2/3 13B-70B FSDP on
-A100, BLOOM 176B with
+A100, BLOOM 176B and Megatron-Turing NLG 530B with
 Megatron-DeepSpeed on A100, MosaicML's MPT 7B-70B FSDP at 2k-64k tokens on H100 and A100 -- each a
 ``conf/experiment/published_*.yaml`` preset that cites its source and marks what it assumes
 (docs/validation_published.md has the table and the reasons).
@@ -17,7 +17,8 @@ s x s square, no recompute: costs.layer_time.model_flops_per_iteration); the sou
 how it counts, so ``causal`` also gives the time with the attention core's FLOPs halved (a causal
 mask's half), the other end of what it may mean;
 ``eq3``: Narayanan et al. SC'21 eq. (3), 96·B·s·l·h²·(1 + s/6h + V/16lh) (full recompute counted),
-what Megatron-DeepSpeed logged for BLOOM.
+what Megatron-DeepSpeed logged for BLOOM;
+``seconds``: the source's own seconds per iteration (MT-NLG).
 """
 from __future__ import annotations
 
@@ -63,6 +64,12 @@ PUBLISHED = [
      "torchtitan docs/performance.md (2024-07) Llama 3 table"),
     ("published_bloom_176b", "Megatron-DeepSpeed", 384, "eq3", 150.0, 60.0 * 1e9 / GIB,
      "BigScience 176B page (about 150 TFLOPs, 60 GB per GPU); tr11-176B-ml.slurm"),
+    ("published_mtnlg_530b_280n", "Megatron-DeepSpeed", 2240, "seconds", 60.1, None,
+     "Smith et al. 2022 (arXiv 2201.11990) §2.4: 60.1 s per iteration at batch 1,920 on 280 nodes"),
+    ("published_mtnlg_530b_350n", "Megatron-DeepSpeed", 2800, "seconds", 50.2, None,
+     "Smith et al. 2022 §2.4: 50.2 s on 350 nodes"),
+    ("published_mtnlg_530b_420n", "Megatron-DeepSpeed", 3360, "seconds", 44.4, None,
+     "Smith et al. 2022 §2.4: 44.4 s on 420 nodes"),
     # MosaicML llm-foundry's MPT benchmark tables (scripts/train/benchmarking/README.md, commit
     # 061f2c7ce64e6551), Throughput (T/s/GPU) of BF16 FSDP rows; MPT as a gpt model with
     # flash_attention (the presets' headers say what differs)
@@ -100,6 +107,13 @@ STAND_INS = {
     "published_torchtitan_8b_fsdp8": ["policy.recompute=full"],
     "published_torchtitan_8b_fsdp128": ["policy.recompute=full"],
 }
+#: a setting the source does not publish, at other values than the preset assumes (they fit):
+#: MT-NLG's micro-batch (the presets take 1 per replica) at 2 and 4 per replica
+UNPUBLISHED = {
+    "published_mtnlg_530b_280n": ["training.microbatch_size=16", "training.microbatch_size=32"],
+    "published_mtnlg_530b_350n": ["training.microbatch_size=20", "training.microbatch_size=40"],
+    "published_mtnlg_530b_420n": ["training.microbatch_size=24", "training.microbatch_size=48"],
+}
 
 
 def load(preset: str, *overrides: str):
@@ -136,7 +150,9 @@ def published_time_s(kind: str, rate: float, cfg, model, plan, causal: bool = Fa
         h, l, s, v = m.hidden, m.num_layers, m.seq_len, m.vocab
         flops = 96 * t.global_batch * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
         return flops / (rate * 1e12 * gpus)
-    raise ValueError(f"published rate kind: {kind!r}, expected tokens, tflops or eq3")
+    if kind == "seconds":
+        return rate
+    raise ValueError(f"published rate kind: {kind!r}, expected tokens, tflops, eq3 or seconds")
 
 
 def why(model, plan, hardware) -> dict[str, float]:
@@ -257,7 +273,7 @@ def main() -> None:
     for preset, _system, _gpus, kind, rate, pub_gib, _source in PUBLISHED:
         err, _ = run_row(preset, kind, rate, pub_gib, simulate_too=not args.fast, show_why=args.why)
         errs.append(abs(err))
-        for extra in STAND_INS.get(preset, []) + BRACKETS.get(preset, []):
+        for extra in STAND_INS.get(preset, []) + BRACKETS.get(preset, []) + UNPUBLISHED.get(preset, []):
             first = extra.split()[0]  # a bracket may be several overrides, space-separated
             run_row(preset, kind, rate, pub_gib, extra.split(), show_why=args.why,
                     label=f"  {first.split('=')[0].split('.')[-1]}={first.split('=')[1]}")

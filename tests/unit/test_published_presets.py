@@ -28,7 +28,10 @@ TOKENS = {"published_llama3_405b_8k": 1 << 24, "published_llama3_405b_16k": 1 <<
           "published_mpt_7b_h100_2k": 98304, "published_mpt_13b_h100_32k": 786432,
           "published_mpt_30b_h100_2k": 1032192, "published_mpt_30b_h100_8k": 1376256,
           "published_mpt_70b_h100_64": 4194304, "published_mpt_7b_a100_64k": 1048576,
-          "published_mpt_30b_a100_2k": 1032192}
+          "published_mpt_30b_a100_2k": 1032192,
+          # MT-NLG: global batch 1,920 sequences of 2,048 tokens (Smith et al. 2022 §2.4)
+          "published_mtnlg_530b_280n": 1920 * 2048, "published_mtnlg_530b_350n": 1920 * 2048,
+          "published_mtnlg_530b_420n": 1920 * 2048}
 
 #: llm-foundry's "NumParams" of each MPT row (scripts/train/benchmarking/README.md, commit 061f2c7ce64e6551)
 MPT_NUM_PARAMS = {"published_mpt_7b_h100_2k": 6658859008, "published_mpt_13b_h100_32k": 13011240960,

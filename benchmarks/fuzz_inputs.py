@@ -69,6 +69,7 @@ NUMBER_FIELDS = {
     "policy.dp": ["1", "2", "4"],
     "policy.pp": ["1", "2", "4", "8"],
     "schedule.virtual_stages": ["1", "2", "4"],
+    "schedule.weight_store": ["true", "false", "maybe"],
 }
 CHOICE_FIELDS = {
     "training.precision": ["fp32", "fp16", "bf16", "fp8"],

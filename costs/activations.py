@@ -252,7 +252,8 @@ def stage_activation_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> in
 
 
 def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan,
-                             retained: dict[int, int] | None = None) -> int:
+                             retained: dict[int, int] | None = None,
+                             kept: dict[int, int] | None = None) -> int:
     """Largest excess over the held microbatches during one backward of ``stage``, walking its
     layers last to first: a layer's backward scratch (``workspace_bytes_per_sample``: weight-
     gradient and intermediate gradients; for a head under tp > 1 at least its vocabulary-parallel
@@ -265,7 +266,11 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan,
     ``retained`` (layer -> bytes): a zero-bubble B (simulator.stagecost.split_b_workspace_bytes),
     which frees nothing as it goes (its graph is retained for W) and keeps each layer's weight ops'
     output gradients: those of the layers above and of the layer itself are added instead of the
-    freed activations being subtracted."""
+    freed activations being subtracted. ``kept`` (layer -> bytes): a weight-store B
+    (``schedule.weight_store``, simulator.stagecost.stored_bytes), which frees each layer as this
+    walk does but keeps its Linears' inputs and output gradients for W: the layers' above, less
+    what they freed (measured on gpt/bert/llama tiny stages: within one output gradient of SwiGLU's
+    low on LLaMA, where the up projection's dY is stored while gate's backward still runs)."""
     b, tp, split = samples_per_replica(plan, stage), stage.tp, seq_split(stage)
     best = freed = 0
     zero3 = zero3_backward_bytes(model, plan, stage)  # ZeRO-3's unsharded weights and buffers, per layer
@@ -300,10 +305,12 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan,
         # B: the layer's own gradients stored by its scratch's peak, except a recomputed layer's,
         # which peaks as its backward starts, on its re-made activations (measured: executor
         # SplitBackward, tests/unit/simulator/test_zero_bubble.py)
-        stored = 0 if retained is None else retained.get(l, 0)
+        stored = retained.get(l, 0) if retained is not None else 0
         own = 0 if action is MemoryAction.recompute else stored
+        if kept is not None:  # a weight store: its dY are the backward's own gradients, counted in the
+            stored, own = kept.get(l, 0), 0  # scratch; they and X stay after it (measured, test_zero_bubble)
         best = max(best, need - freed + own)
-        freed += layer_freed_bytes(model, stage, l, b) if retained is None else -stored
+        freed += layer_freed_bytes(model, stage, l, b) - stored if retained is None else -stored
     return best
 
 

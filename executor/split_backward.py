@@ -83,6 +83,15 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
         if st.sharding:
             out.append(f"stages[{i}].sharding: schedule {kind} (split backward) runs Megatron-style stages; "
                        "MAP stages are not split")
+        if plan.schedule.weight_store and st.tp > 1:
+            out.append(f"stages[{i}].tp: schedule.weight_store: the stored W is written for plain tensors; "
+                       f"tensor-parallel Linears are DTensors; use tp 1 or weight_store false (got tp {st.tp})")
+    family = getattr(model_cfg, "family", None)
+    stored = ("gpt", "bert", "llama")  # families whose weights W computes from stored Linear inputs
+    if plan.schedule.weight_store and family not in (None, "torch_module", *stored):
+        out.append(f"model.family: schedule.weight_store defers only nn.Linear weight gradients "
+                   f"(executor.weight_store); allowed families: {', '.join(stored)}, got {family} (moe routes "
+                   "tokens to expert weights that are not Linears, wresnet's are convolutions); use weight_store false")
     return out
 
 

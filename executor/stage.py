@@ -215,9 +215,14 @@ class StageRuntime(StagePasses, StageGrads, StageComm):
             if self.swapper is not None:
                 ws.swapper = self.swapper
                 self.swapper.param_pack = lambda t, prev=self.swapper.param_pack: ws.pack_or(t, prev)
-        # zero-bubble schedules: backward actions are B, backward_weight actions W (executor.split_backward)
+        # zero-bubble schedules: backward actions are B, backward_weight actions W (executor.split_backward;
+        # schedule.weight_store: the paper's WeightGradStore, executor.weight_store)
         self.split = None
-        if plan.schedule.kind in SPLIT_BACKWARD:
+        if plan.schedule.kind in SPLIT_BACKWARD and plan.schedule.weight_store:
+            from executor.weight_store import WeightStore
+
+            self.split = WeightStore(self)
+        elif plan.schedule.kind in SPLIT_BACKWARD:
             from executor.split_backward import SplitBackward
 
             self.split = SplitBackward(self)

@@ -298,8 +298,53 @@ def split_bytes(model: ModelSpec, plan: Plan, stage) -> tuple[int, int]:
 
     ``held`` is what B's end adds to the microbatch's activations (which stay booked until W):
     the stored output gradients less what B frees; W's end frees it with the activations."""
+    if plan.schedule.weight_store:
+        return store_split_bytes(model, plan, stage)
     held = sum(w_grad_inputs_bytes(model, plan, stage, l) for l in stage.layers)
     return held - freed_at_b_bytes(model, plan, stage), w_scratch_bytes(model, plan, stage)
+
+
+def store_split_bytes(model: ModelSpec, plan: Plan, stage) -> tuple[int, int]:
+    """(held, scratch) with ``schedule.weight_store`` (the Zero Bubble paper's own B and W, its
+    Megatron-LM WeightGradStore; executor/weight_store.py): B is the whole backward but for the
+    Linears' weight gradients, so it frees the microbatch's activations as 1F1B's backward does and
+    keeps each Linear's input and output gradient (:func:`stored_bytes`) until W. ``held`` is what
+    B's end adds to the booked activations: the store less the activations (negative when the
+    store is smaller, as it is for a transformer block); W's end frees the store. ``scratch``: W
+    makes one weight gradient at a time (none when accumulation is fused into the wgrad GEMM) and
+    re-runs nothing (B's recompute made the stored inputs)."""
+    store = sum(stored_bytes(model, plan, stage, l) for l in stage.layers)
+    act = costs.activations.stage_activation_bytes(model, plan, stage)
+    scratch = 0
+    if costs.layer_time.accumulate_bytes_per_param(plan):
+        g_bytes = plan.training.bytes_per_param()[1]
+        sizes = [_weight_size(g, stage.tp) for l in stage.layers for g in _weight_gemms(model.layers[l])]
+        scratch = max(sizes, default=0) * g_bytes
+    return store - act, scratch
+
+
+def _weight_size(g, tp: int) -> int:
+    """Elements of one Linear's weight of GEMM ``g`` on a device (a fused GEMM joins ``g.weights``)."""
+    return -(-g.k * (g.n // g.weights) // tp) if g.tp_split in ("n", "k") else g.k * (g.n // g.weights)
+
+
+def stored_bytes(model: ModelSpec, plan: Plan, stage, layer: int, inputs: bool = True) -> int:
+    """What a weight-store B keeps of ``layer`` for W (one microbatch, one device): each weight GEMM's
+    output gradient dY, b·m·n (n split over t when column-parallel), and its input X, b·m·k (k split
+    over t when row-parallel), the input once where Linears read one tensor: a GEMM fusing several
+    Linears (GPT's qkv) is one input, and a weight GEMM right after another with the same m and k,
+    both column-parallel, reads the same one (LLaMA's q and kv, Megatron's fused linear_qkv). The
+    norms' weight gradients are B's (nothing stored). ``inputs=False``: the output gradients only."""
+    b, tp = costs.params.samples_per_replica(plan, stage), stage.tp
+    dt = costs.gemm.elem_bytes(costs.layer_time.compute_dtype(plan))
+    total, prev = 0, None
+    for g in _weight_gemms(model.layers[layer]):
+        total += math.ceil(b * g.m * (-(-g.n // tp) if g.tp_split == "n" else g.n) * dt)
+        shared = prev is not None and g.tp_split == prev.tp_split == "n" and (g.m, g.k) == (prev.m, prev.k)
+        if inputs and not shared:
+            total += math.ceil(b * g.m * (-(-g.k // tp) if g.tp_split == "k" else g.k) * dt)
+        prev = g
+    return total
 
 
 def split_b_workspace_bytes(model: ModelSpec, plan: Plan, stage) -> int:
@@ -310,6 +355,9 @@ def split_b_workspace_bytes(model: ModelSpec, plan: Plan, stage) -> int:
     first norm backward, both blocks' gradients stored, five s·h temporaries of RMSNorm's backward
     on top; booked as 1F1B's backward (which frees each layer's activations as it goes) the
     prediction was 4.8 % low there, 6.1 % on stage 1."""
+    if plan.schedule.weight_store:  # B frees each layer as 1F1B does, keeping what W reads
+        kept = {l: stored_bytes(model, plan, stage, l) for l in stage.layers}
+        return costs.activations.backward_workspace_bytes(model, plan, stage, kept=kept)
     stored = {l: w_grad_inputs_bytes(model, plan, stage, l) for l in stage.layers}
     return costs.activations.backward_workspace_bytes(model, plan, stage, retained=stored)
 
@@ -452,7 +500,10 @@ def w_rerun_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> fl
     stage is B's (its weights are B's sources) and is not re-run. Measured (gpt_tiny pp 2 x tp 2
     zbv, full recompute, local_cpu): W 20.7 / 21.6 ms a microbatch against forwards of 26.8 / 22.4
     ms, where the wgrad GEMMs alone are priced 0.2 ms. A schedule that kept B's re-made tensors
-    for W (more memory) would not pay this."""
+    for W (more memory) would not pay this; nor does ``schedule.weight_store``, whose W reads the
+    inputs B stored (:func:`store_split_bytes`)."""
+    if plan.schedule.weight_store:
+        return 0.0
     total = 0.0
     for l in stage.layers:
         if l != 0 and stage.action_of(l).action is MemoryAction.recompute:

@@ -72,6 +72,17 @@ class ScheduleSpec(Spec):
     kind: ScheduleKind = ScheduleKind.one_f_one_b
     virtual_stages: int = Field(1, ge=1, le=1024, description="model chunks per device (interleaved_1f1b; "
                                                               "2 for zbv and dualpipev, set when left out)")
+    weight_store: bool = Field(
+        False, description="a split backward's W as the Zero Bubble paper's own implementation runs it (Qi et al. "
+        "2024; its Megatron-LM WeightGradStore): B is the whole backward except the Linear layers' weight "
+        "gradients, frees the graph and keeps each Linear's input and output gradient, from which W computes "
+        "dW = dY^T X. false (omitted in JSON): torch.distributed.pipelining's B (stage_backward_input), whose "
+        "retained graph keeps every activation until W. Needs zb_h1, zbv or dualpipev")
+
+    @model_serializer(mode="wrap")
+    def _omit_default_store(self, handler):
+        """A schedule without the weight store dumps as before the field existed."""
+        return omit_unset(self, handler(self), ("weight_store",))
 
     @model_validator(mode="before")
     @classmethod
@@ -92,6 +103,9 @@ class ScheduleSpec(Spec):
                 f"schedule.virtual_stages: {self.virtual_stages} needs kind interleaved_1f1b (or 2 with zbv, "
                 f"dualpipev), got {self.kind.value}"
             )
+        if self.weight_store and self.kind not in SPLIT_BACKWARD:
+            raise ValueError(f"schedule.weight_store: stores the weight gradients' inputs from B for W; "
+                             f"needs a split backward (zb_h1, zbv, dualpipev), got {self.kind.value}")
         return self
 
 
@@ -227,9 +241,31 @@ def validate_plan(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> Plan:
         _check_streams(plan, err)
         _check_targets(plan, hardware, err)
     _check_stages(plan, model, hardware, layers_ok, err)
+    if plan.schedule.weight_store and layers_ok:
+        _check_weight_store(plan, model, err)
     if errors:
         raise PlanError(errors)
     return plan
+
+
+#: layer kinds whose weights a weight-store W computes from stored Linear inputs (the others'
+#: weights are not Linears: a MoE block routes tokens to experts, a residual block convolves)
+WEIGHT_STORE_KINDS = ("embedding", "transformer_block", "head")
+
+
+def _check_weight_store(plan: Plan, model: ModelSpec, err) -> None:
+    """``schedule.weight_store`` (executor/weight_store.py, simulator.stagecost.store_split_bytes):
+    Linear layers on plain tensors only, so no tensor parallelism (DTensor weights) and no layer
+    whose weights are not Linears."""
+    for i, st in enumerate(plan.stages):
+        if st.tp > 1:
+            err(f"stages[{i}].tp", f"schedule.weight_store stores plain tensors' Linear inputs; tensor-parallel "
+                f"Linears are DTensors: use tp 1 or weight_store false (got tp {st.tp})")
+        bad = [l for l in range(st.layer_start, st.layer_stop) if model.layers[l].kind.value not in WEIGHT_STORE_KINDS]
+        if bad:
+            err(f"stages[{i}]", f"schedule.weight_store computes W from stored Linear inputs; layer {bad[0]} "
+                f"({model.layers[bad[0]].name!r}) is a {model.layers[bad[0]].kind.value}, allowed: "
+                f"{', '.join(WEIGHT_STORE_KINDS)}; use weight_store false")
 
 
 def _check_made_for(plan: Plan, model: ModelSpec, hardware: HardwareSpec, err) -> None:

@@ -63,7 +63,9 @@ def techniques(plan: Plan) -> list[str]:
         found.add("p2p_scatter_gather")
     if plan.schedule.kind.value in ("zb_h1", "zbv", "dualpipev") and plan.pipeline_depth > 1:
         found.add(plan.schedule.kind.value)
-    order = ["pipeline", "zb_h1", "zbv", "dualpipev", "dp", "cp", "tp", "sequence_parallel", "zero1", "zero2",
+        if plan.schedule.weight_store:
+            found.add("weight_store")
+    order = ["pipeline", "zb_h1", "zbv", "dualpipev", "weight_store", "dp", "cp", "tp", "sequence_parallel", "zero1", "zero2",
              "zero3", "overlap_grad_reduce", "overlap_param_gather", "p2p_scatter_gather", "recompute", "selective", "cpu_swap", "d2d_swap",
              "nvme",
              "window", "optimizer_swap", "optimizer_on_cpu", "stash_swap", "weight_swap", "map_sharding",
@@ -72,7 +74,8 @@ def techniques(plan: Plan) -> list[str]:
 
 
 #: techniques that are not memory actions: a plan "combines" when it has ≥ 2 of the others or mixes
-LAYOUT_ONLY = {"pipeline", "dp", "tp", "cp", "zb_h1", "zbv", "dualpipev", "overlap_grad_reduce", "overlap_param_gather",
+LAYOUT_ONLY = {"pipeline", "dp", "tp", "cp", "zb_h1", "zbv", "dualpipev", "weight_store", "overlap_grad_reduce",
+               "overlap_param_gather",
                "p2p_scatter_gather"}
 
 
@@ -106,6 +109,7 @@ def knobs(plan: Plan, model=None) -> dict:
 def knobs_text(plan: Plan, model=None) -> str:
     k = knobs(plan, model)
     return (f"schedule {k['schedule']}" + (f" v={k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+            + (" with weight_store" if plan.schedule.weight_store else "")
             + f", sequence_parallel {'on' if k['sequence_parallel'] else 'off'}, recompute {k['recompute']}"
             + f", zero_stage {k['zero_stage']}, overlap_grad_reduce {'on' if k['overlap_grad_reduce'] else 'off'}"
             + (", overlap_param_gather on" if k["overlap_param_gather"] else "") + f", cp {k['cp']}"

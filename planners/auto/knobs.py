@@ -39,7 +39,9 @@ from planners.auto.realise import simulated_candidate
 from planners.layout import SELECTIVE_KINDS, PlanningError
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import LayerMemory, MemoryAction, Plan, PlanError, ScheduleKind, ScheduleSpec
+from specs.plan import (
+    SPLIT_BACKWARD, WEIGHT_STORE_KINDS, LayerMemory, MemoryAction, Plan, PlanError, ScheduleKind, ScheduleSpec,
+)
 
 #: context parallelism is tried from this sequence length on (Megatron-Core enables CP for long
 #: contexts; below it the ring's exchanges cost more than the activations they split save)
@@ -117,6 +119,20 @@ def zb_h1(plan: Plan) -> Plan | None:
     if plan.pipeline_depth < 2 or plan.schedule.kind is not ScheduleKind.one_f_one_b or _has_op_sac(plan):
         return None
     return plan.model_copy(update={"schedule": ScheduleSpec(kind="zb_h1")})
+
+
+def weight_store(model: ModelSpec) -> Move:
+    """A split backward's W from stored Linear inputs (the Zero Bubble paper's own implementation,
+    ``schedule.weight_store``): B frees the graph, so the microbatches between B and W hold only
+    what W reads. None unless the schedule splits, every stage is tp 1 and every layer is a
+    Linear layer (specs.plan.WEIGHT_STORE_KINDS)."""
+    def move(plan: Plan) -> Plan | None:
+        if (plan.schedule.kind not in SPLIT_BACKWARD or plan.schedule.weight_store
+                or any(st.tp > 1 for st in plan.stages)
+                or any(layer.kind.value not in WEIGHT_STORE_KINDS for layer in model.layers)):
+            return None
+        return plan.model_copy(update={"schedule": plan.schedule.model_copy(update={"weight_store": True})})
+    return move
 
 
 def zbv(model: ModelSpec, plan_hw: HardwareSpec) -> Move:
@@ -245,6 +261,7 @@ def moves(plan: Plan, model: ModelSpec, plan_hw: HardwareSpec) -> Iterator[tuple
     yield "distributed optimizer (ZeRO-1), overlap_grad_reduce", distributed_optimizer
     yield "zb_h1", zb_h1
     yield "zbv", zbv(model, plan_hw)
+    yield "zero-bubble weight store (W from stored Linear inputs)", weight_store(model)
     if (model.seq_len or 0) >= CP_MIN_SEQ_LEN:
         yield "context parallel 2", context_parallel
 

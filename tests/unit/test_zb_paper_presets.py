@@ -29,7 +29,7 @@ def test_preset_is_the_papers_setup(preset, name, gpus, mbs, counts, chunks):
     assert set(blocks[1:-1]) == {middle} and blocks[0] == blocks[-1] == middle - 1
 
 
-@pytest.mark.parametrize("schedule", sorted(MEMORY_GB))
+@pytest.mark.parametrize("schedule", [*sorted(MEMORY_GB), "ZB-1p torch"])
 @pytest.mark.parametrize("preset, name, gpus, mbs, counts, chunks", SETUPS)
 def test_every_schedule_fits_at_every_count(preset, name, gpus, mbs, counts, chunks, schedule):
     for m in (counts[0], counts[-1]):

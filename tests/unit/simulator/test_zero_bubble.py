@@ -9,6 +9,7 @@ the papers' closed forms; an independent unit-time walk of the Action lists writ
 from __future__ import annotations
 
 import functools
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -540,3 +541,95 @@ def test_norm_modules_field_wins_and_fused_weights_divide_n():
     assert GemmSpec(m=1, n=6, k=1, weights=3).weights == 3
     with pytest.raises(ValueError, match="weights: 4 does not divide n 6"):
         GemmSpec(m=1, n=6, k=1, weights=4)
+
+
+def _executor_store_bytes(cfg, owned: range, recompute: bool) -> dict:
+    """As :func:`_executor_split_bytes`, through executor.weight_store.WeightStore (``schedule.
+    weight_store``): B is the stage's ordinary backward (executor.stage_passes) with each Linear's
+    (X, dY) kept for W."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from executor.memtrack import LiveTensorTracker
+    from executor.models import build_layers, make_batch, output_shapes
+    from executor.stage_passes import StagePasses
+    from executor.weight_store import WeightStore
+
+    n = len(output_shapes(cfg))
+    first, last = owned.start == 0, owned.stop == n
+    layers = build_layers(cfg, owned, "cpu", 0, torch.float32)
+    params = list({id(q): q for _, _, mod in layers for q in mod.parameters()}.values())
+    tracker = LiveTensorTracker()
+    for q in params:
+        q.grad = torch.zeros_like(q)
+        tracker.tag(q, "parameters")
+        tracker.tag(q.grad, "gradients")
+
+    class Stage(StagePasses):  # the runtime's attributes StagePasses.backward reads
+        workers = swapper = pipedream = weight_swap = window = bounds = zero1 = plan = None
+        vocab_parallel = release_outputs = False
+
+    st = Stage()
+    st.outputs, st.inputs, st.first, st.last, st.params, st.layers, st.tracker, st.index = (
+        {}, {}, first, last, params, layers, tracker, 1)
+    store = WeightStore(st)
+    batch = make_batch(cfg, 2, 0, 0, torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    with tracker:
+        shape = output_shapes(cfg)[owned.start - 1] if not first else None
+        x = None if first else torch.randn((2, *shape), generator=gen).requires_grad_(True)
+        y = x
+        for _, _, mod in layers:
+            y = checkpoint(mod, y, batch, use_reentrant=False) if recompute else mod(y, batch)
+        grad = None if last else torch.randn(y.shape, generator=gen)
+        out = {"received": 0 if grad is None else grad.untyped_storage().nbytes(),
+               "output": y.untyped_storage().nbytes(),
+               "input": 0 if x is None else x.untyped_storage().nbytes()}
+        st.outputs[0], st.inputs[0] = y, x
+        del x, y
+        before = tracker.total_bytes
+        tracker.reset_peak()
+        store.input_pass(0, grad)
+        out["b_excess"] = tracker.peak_bytes - before
+        del grad
+        sent = st.grad_to_send
+        out["sent"] = 0 if sent is None else sent.untyped_storage().nbytes()
+        out["b_adds"] = tracker.total_bytes - before
+        tracker.reset_peak()
+        after_b = tracker.total_bytes
+        store.weight_pass(0)
+        out["w_excess"] = tracker.peak_bytes - after_b
+        out["w_frees"] = after_b - tracker.total_bytes
+    return out
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
+@pytest.mark.parametrize("where", ["first", "middle", "last", "middle3"])
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "bert_tiny"])
+def test_weight_store_bytes_are_the_executors(name, where, recompute):
+    """``schedule.weight_store`` (the Zero Bubble paper's WeightGradStore): what the executor's B
+    leaves for W is each Linear's X and dY (simulator.stagecost.stored_bytes, q/k/v's one input
+    held once), everything else the microbatch held being freed as in 1F1B's backward; W frees
+    exactly that and peaks at one weight's gradient. A revert to torch's retained graph (the
+    activations held until W) or to X counted per Linear fails here."""
+    from simulator.stagecost import stored_bytes
+
+    cfg, model = _profiled(name)
+    n = model.num_layers
+    owned = {"first": range(0, 2), "middle": range(1, 3), "last": range(n - 2, n), "middle3": range(1, 4)}[where]
+    plan, s = _slice_plan(model, owned, recompute)
+    plan = plan.model_copy(update={"schedule": ScheduleSpec(kind="zb_h1", weight_store=True)})
+    stage = plan.stages[s]
+    sc = stage_costs(plan, model, fast_hardware(len(plan.stages)))[s]
+    got = _executor_store_bytes(cfg, owned, recompute)
+    store = sum(stored_bytes(model, plan, stage, l) for l in stage.layers)
+    assert got["w_frees"] == store, got
+    assert sc.w_held_bytes + sc.act_bytes == store
+    assert got["w_excess"] == sc.w_scratch_bytes, got
+    # B's peak (costs.activations.backward_workspace_bytes with ``kept``): within one weight GEMM's
+    # output gradient either way (LLaMA's up projection's dY, stored while gate's backward runs, is
+    # the low side; a revert to adding each layer's own store at its peak is high by 95-160 KiB)
+    dy = max(stored_bytes(model, plan, stage, l, inputs=False) for l in stage.layers)
+    one = max(math.ceil(2 * g.m * g.n * 4 / g.weights) for l in stage.layers for g in model.layers[l].gemms
+              if g.batch == 1)
+    assert dy > 0 and abs(got["b_excess"] - sc.workspace_bytes) <= one, got

@@ -156,10 +156,10 @@ class WeightStore:
         self.w_passes += 1
 
     def check_done(self) -> None:
-        """Every B met its W before the gradients are reduced."""
-        if self.pending:
-            raise RuntimeError(f"stage {self.st.index}: B without W for microbatches {sorted(self.pending)} "
-                               "before allreduce_grads (the schedule must run every W first)")
+        """Every B met its W before the gradients are reduced (executor.split_backward's check)."""
+        from executor.split_backward import SplitBackward
+
+        SplitBackward.check_done(self)
 
 
 def _weight_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:

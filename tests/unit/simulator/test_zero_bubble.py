@@ -378,19 +378,20 @@ def _slice_plan(model: ModelSpec, owned: range, recompute: bool) -> tuple[Plan, 
     return plan, cuts.index(owned.start)
 
 
-def _executor_split_bytes(cfg, owned: range, recompute: bool) -> dict:
-    """One microbatch of 2 samples through the executor's SplitBackward on layers ``owned``, float32,
-    counted by executor.memtrack.LiveTensorTracker (the compare's measured memory): what B's end
-    adds over the tensors live when B starts, with the bytes of the received gradient, the output
-    B releases and the input gradient it sends; and W's peak over what B left."""
-    import types
-
+def _executor_split_bytes(cfg, owned: range, recompute: bool, store: bool = False) -> dict:
+    """One microbatch of 2 samples through the executor's SplitBackward (``store``: WeightStore,
+    ``schedule.weight_store``) on layers ``owned``, float32, counted by executor.memtrack.
+    LiveTensorTracker (the compare's measured memory): what B's end adds over the tensors live when
+    B starts, with the bytes of the received gradient, the output B releases and the input
+    gradient it sends; W's peak over what B left, and what W frees."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
     from executor.memtrack import LiveTensorTracker
     from executor.models import build_layers, make_batch, output_shapes
     from executor.split_backward import SplitBackward
+    from executor.stage_passes import StagePasses
+    from executor.weight_store import WeightStore
 
     n = len(output_shapes(cfg))
     first, last = owned.start == 0, owned.stop == n
@@ -401,10 +402,15 @@ def _executor_split_bytes(cfg, owned: range, recompute: bool) -> dict:
         q.grad = torch.zeros_like(q)
         tracker.tag(q, "parameters")
         tracker.tag(q.grad, "gradients")
-    st = types.SimpleNamespace(outputs={}, inputs={}, first=first, last=last, params=params, layers=layers,
-                               vocab_parallel=False, release_outputs=False, tracker=tracker, bounds=None,
-                               workers=None, pipedream=None, index=1, plan=None)
-    sb = SplitBackward(st)
+
+    class Stage(StagePasses):  # the runtime's attributes the splitters and StagePasses.backward read
+        workers = swapper = pipedream = weight_swap = window = bounds = zero1 = plan = None
+        vocab_parallel = release_outputs = False
+
+    st = Stage()
+    st.outputs, st.inputs, st.first, st.last, st.params, st.layers, st.tracker, st.index = (
+        {}, {}, first, last, params, layers, tracker, 1)
+    sb = WeightStore(st) if store else SplitBackward(st)
     batch = make_batch(cfg, 2, 0, 0, torch.float32)
     gen = torch.Generator().manual_seed(0)
     with tracker:
@@ -430,8 +436,8 @@ def _executor_split_bytes(cfg, owned: range, recompute: bool) -> dict:
         after_b = tracker.total_bytes
         sb.weight_pass(0)
         out["w_excess"] = tracker.peak_bytes - after_b
+        out["w_frees"] = after_b - tracker.total_bytes
     return out
-
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
 @pytest.mark.parametrize("where", ["first", "middle", "last", "middle3", "last3"])
@@ -543,66 +549,6 @@ def test_norm_modules_field_wins_and_fused_weights_divide_n():
         GemmSpec(m=1, n=6, k=1, weights=4)
 
 
-def _executor_store_bytes(cfg, owned: range, recompute: bool) -> dict:
-    """As :func:`_executor_split_bytes`, through executor.weight_store.WeightStore (``schedule.
-    weight_store``): B is the stage's ordinary backward (executor.stage_passes) with each Linear's
-    (X, dY) kept for W."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    from executor.memtrack import LiveTensorTracker
-    from executor.models import build_layers, make_batch, output_shapes
-    from executor.stage_passes import StagePasses
-    from executor.weight_store import WeightStore
-
-    n = len(output_shapes(cfg))
-    first, last = owned.start == 0, owned.stop == n
-    layers = build_layers(cfg, owned, "cpu", 0, torch.float32)
-    params = list({id(q): q for _, _, mod in layers for q in mod.parameters()}.values())
-    tracker = LiveTensorTracker()
-    for q in params:
-        q.grad = torch.zeros_like(q)
-        tracker.tag(q, "parameters")
-        tracker.tag(q.grad, "gradients")
-
-    class Stage(StagePasses):  # the runtime's attributes StagePasses.backward reads
-        workers = swapper = pipedream = weight_swap = window = bounds = zero1 = plan = None
-        vocab_parallel = release_outputs = False
-
-    st = Stage()
-    st.outputs, st.inputs, st.first, st.last, st.params, st.layers, st.tracker, st.index = (
-        {}, {}, first, last, params, layers, tracker, 1)
-    store = WeightStore(st)
-    batch = make_batch(cfg, 2, 0, 0, torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    with tracker:
-        shape = output_shapes(cfg)[owned.start - 1] if not first else None
-        x = None if first else torch.randn((2, *shape), generator=gen).requires_grad_(True)
-        y = x
-        for _, _, mod in layers:
-            y = checkpoint(mod, y, batch, use_reentrant=False) if recompute else mod(y, batch)
-        grad = None if last else torch.randn(y.shape, generator=gen)
-        out = {"received": 0 if grad is None else grad.untyped_storage().nbytes(),
-               "output": y.untyped_storage().nbytes(),
-               "input": 0 if x is None else x.untyped_storage().nbytes()}
-        st.outputs[0], st.inputs[0] = y, x
-        del x, y
-        before = tracker.total_bytes
-        tracker.reset_peak()
-        store.input_pass(0, grad)
-        out["b_excess"] = tracker.peak_bytes - before
-        del grad
-        sent = st.grad_to_send
-        out["sent"] = 0 if sent is None else sent.untyped_storage().nbytes()
-        out["b_adds"] = tracker.total_bytes - before
-        tracker.reset_peak()
-        after_b = tracker.total_bytes
-        store.weight_pass(0)
-        out["w_excess"] = tracker.peak_bytes - after_b
-        out["w_frees"] = after_b - tracker.total_bytes
-    return out
-
-
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
 @pytest.mark.parametrize("where", ["first", "middle", "last", "middle3"])
 @pytest.mark.parametrize("name", ["gpt_tiny", "llama_tiny", "bert_tiny"])
@@ -621,7 +567,7 @@ def test_weight_store_bytes_are_the_executors(name, where, recompute):
     plan = plan.model_copy(update={"schedule": ScheduleSpec(kind="zb_h1", weight_store=True)})
     stage = plan.stages[s]
     sc = stage_costs(plan, model, fast_hardware(len(plan.stages)))[s]
-    got = _executor_store_bytes(cfg, owned, recompute)
+    got = _executor_split_bytes(cfg, owned, recompute, store=True)
     store = sum(stored_bytes(model, plan, stage, l) for l in stage.layers)
     assert got["w_frees"] == store, got
     assert sc.w_held_bytes + sc.act_bytes == store

@@ -458,8 +458,7 @@ def w_scratch_bytes(model: ModelSpec, plan: Plan, stage) -> int:
         if fresh:
             gemms = _weight_gemms(spec)
             if gemms:
-                largest = max(-(-g.k * (g.n // g.weights) // tp) if g.tp_split in ("n", "k")
-                              else g.k * (g.n // g.weights) for g in gemms)
+                largest = max(_weight_size(g, tp) for g in gemms)
             else:
                 largest = costs.params.layer_params_on_device(spec, tp)
             need = largest * g_bytes

@@ -23,18 +23,14 @@ is computed from its profiled pass times, not measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import pathlib
 import statistics
 import sys
-import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planning import plan_for  # noqa: E402
-from runconfig import compose  # noqa: E402
+from benchmarks.validate_published import load  # noqa: E402
 from simulator import simulate, size_problem  # noqa: E402
 from simulator.analytic import estimate  # noqa: E402
 
@@ -90,10 +86,7 @@ def bubble_rate(trace: dict) -> float:
 
 def row(preset: str, extra: list[str], fast: bool):
     """(analytic s, simulated s or None, peak GB, bubble rate or None) of ``preset`` + ``extra``."""
-    cfg = compose(f"experiment={preset}", *extra)
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):
-        model, plan = plan_for(cfg, pathlib.Path(tmp))
+    cfg, model, plan = load(preset, *extra)
     est = estimate(plan, model, cfg.hardware)
     peak_gb = max(d.peak_bytes for d in est.devices) / 1e9
     if fast or size_problem(plan) is not None:

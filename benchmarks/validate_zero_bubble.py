@@ -63,8 +63,9 @@ BUBBLE = {"1F1B": {"1.5B": (0.2431, 0.1985, 0.1240), "6.2B": (0.2347, 0.1898, 0.
 def overrides(schedule: str, m: int, mbs: int, chunks: int) -> list[str]:
     """memwall's overrides for the paper's ``schedule`` at ``m`` micro-batches of ``mbs``."""
     knobs = [f"training.global_batch={m * mbs}"]
-    if schedule == "1F1B":
+    if schedule == "1F1B":  # the presets' p2p_blocking: Megatron's non-interleaved p2p (their headers)
         return knobs + ["schedule=1f1b"]
+    knobs.append("policy.p2p_blocking=false")  # the paper's interleaved 1F1B and ZB schedules overlap sends
     if schedule == "ZB-1p":
         return knobs + ["schedule=zb_h1", "schedule.weight_store=true"]
     if schedule == "ZB-1p torch":

@@ -307,8 +307,10 @@ def backward_workspace_bytes(model: ModelSpec, plan: Plan, stage: StagePlan,
         # SplitBackward, tests/unit/simulator/test_zero_bubble.py)
         stored = retained.get(l, 0) if retained is not None else 0
         own = 0 if action is MemoryAction.recompute else stored
-        if kept is not None:  # a weight store: its dY are the backward's own gradients, counted in the
-            stored, own = kept.get(l, 0), 0  # scratch; they and X stay after it (measured, test_zero_bubble)
+        # a weight store: the layer's dY are its backward's own gradients, already in its scratch;
+        # they and its X stay after it (measured: tests/unit/simulator/test_zero_bubble.py)
+        if kept is not None:
+            stored, own = kept.get(l, 0), 0
         best = max(best, need - freed + own)
         freed += layer_freed_bytes(model, stage, l, b) - stored if retained is None else -stored
     return best

@@ -92,9 +92,7 @@ class WeightStore:
         self.pending: dict[int, list] = {}  # microbatch -> [(Linear, X, dY)] in B's order (top layer first)
         self.w_passes = 0
         self.current: list | None = None  # B's list while input_pass runs
-        self.linears = list({id(m): m for _, _, mod in st.layers for m in mod.modules()
-                             if isinstance(m, nn.Linear)}.values())
-        for lin in self.linears:
+        for lin in {id(m): m for _, _, mod in st.layers for m in mod.modules() if isinstance(m, nn.Linear)}.values():
             _install(lin, self)
         zero1 = getattr(st, "zero1", None)
         self.ready = zero1.grad_ready if zero1 is not None and zero1.overlap_grad else None

@@ -110,3 +110,22 @@ def deadline(seconds: float, what: str = "it"):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def run_layers(layers, y, batch: dict, recompute: str = "none"):
+    """Forward of executor.models.build_layers' ``layers`` from ``y`` on ``batch``, each layer kept,
+    recomputed (``"full"``: torch.utils.checkpoint, non-reentrant) or with its attention core
+    recomputed (``"selective"``: executor.selective.SelectiveCore), as executor.stage_passes runs them."""
+    from torch.utils.checkpoint import checkpoint
+
+    from executor.selective import SelectiveCore
+
+    for _, _, mod in layers:
+        if recompute == "full":
+            y = checkpoint(mod, y, batch, use_reentrant=False)
+        elif recompute == "selective":
+            with SelectiveCore():
+                y = mod(y, batch)
+        else:
+            y = mod(y, batch)
+    return y

@@ -19,19 +19,19 @@ import types
 import numpy as np
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from costs.families import build_model
 from executor.memtrack import NullTracker
 from executor.models import build_layers, make_batch, output_shapes
 from executor.reference import train_reference
-from executor.selective import SelectiveCore
 from executor.split_backward import SplitBackward, unsupported
 from planners import make_plan, parse_policy
 from specs.plan import SPLIT_BACKWARD, LayerMemory, MemoryAction, ScheduleSpec
 from specs.schedule import ActionKind, build_schedule
 from specs.hardware import HardwareSpec
-from tests.conftest import CPU_TRAINING, GPT_TINY, conf, longest_reduction, reorder_rtol, run_plan_float64
+from tests.conftest import (
+    CPU_TRAINING, GPT_TINY, conf, longest_reduction, reorder_rtol, run_layers, run_plan_float64,
+)
 
 CFG, TRAINING = GPT_TINY, CPU_TRAINING
 HW = HardwareSpec.model_validate({**conf("hardware", "local_cpu"), "devices_per_node": 2})  # 2 ranks
@@ -76,15 +76,7 @@ def _one_stage(split: bool, recompute, where: str, m: int = 3, ready: dict | Non
     for k in range(m):
         x = None if first else torch.randn((2, *shape), generator=gen, dtype=F64).requires_grad_(True)
         mb = {key: v[2 * k:2 * k + 2] for key, v in batch.items()}
-        y = x
-        for _, _, mod in layers:
-            if recompute == "full":
-                y = checkpoint(mod, y, mb, use_reentrant=False)
-            elif recompute == "selective":
-                with SelectiveCore():
-                    y = mod(y, mb)
-            else:
-                y = mod(y, mb)
+        y = run_layers(layers, x, mb, recompute)
         grad = None if last else torch.randn(y.shape, generator=gen, dtype=F64)
         if split:
             st.outputs[k], st.inputs[k] = y, x

@@ -18,19 +18,17 @@ import types
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from costs.families import build_model, parse_model_config
 from executor.memtrack import LiveTensorTracker, NullTracker
 from executor.models import build_layers, make_batch, output_shapes
-from executor.selective import SelectiveCore
 from executor.split_backward import unsupported
 from executor.stage_passes import StagePasses
 from executor.weight_store import WeightStore
 from planners import make_plan, parse_policy
 from specs.hardware import HardwareSpec
 from specs.plan import ScheduleSpec
-from tests.conftest import CPU_TRAINING, conf
+from tests.conftest import CPU_TRAINING, conf, run_layers
 
 F64 = torch.float64
 CFGS = {name: parse_model_config(conf("model", name)) for name in ("gpt_tiny", "llama_tiny", "bert_tiny")}
@@ -61,15 +59,7 @@ def _forward(st, cfg, owned, recompute: str, k: int, batch, gen):
     x = None if st.first else torch.randn((2, *output_shapes(cfg)[owned.start - 1]), generator=gen,
                                           dtype=F64).requires_grad_(True)
     mb = {key: v[2 * k:2 * k + 2] for key, v in batch.items()}
-    y = x
-    for _, _, mod in st.layers:
-        if recompute == "full":
-            y = checkpoint(mod, y, mb, use_reentrant=False)
-        elif recompute == "selective":
-            with SelectiveCore():
-                y = mod(y, mb)
-        else:
-            y = mod(y, mb)
+    y = run_layers(st.layers, x, mb, recompute)
     grad = None if st.last else torch.randn(y.shape, generator=gen, dtype=F64)
     st.outputs[k], st.inputs[k] = y, x
     return grad

@@ -385,13 +385,12 @@ def _executor_split_bytes(cfg, owned: range, recompute: bool, store: bool = Fals
     B starts, with the bytes of the received gradient, the output B releases and the input
     gradient it sends; W's peak over what B left, and what W frees."""
     import torch
-    from torch.utils.checkpoint import checkpoint
-
     from executor.memtrack import LiveTensorTracker
     from executor.models import build_layers, make_batch, output_shapes
     from executor.split_backward import SplitBackward
     from executor.stage_passes import StagePasses
     from executor.weight_store import WeightStore
+    from tests.conftest import run_layers
 
     n = len(output_shapes(cfg))
     first, last = owned.start == 0, owned.stop == n
@@ -416,9 +415,7 @@ def _executor_split_bytes(cfg, owned: range, recompute: bool, store: bool = Fals
     with tracker:
         shape = output_shapes(cfg)[owned.start - 1] if not first else None
         x = None if first else torch.randn((2, *shape), generator=gen).requires_grad_(True)
-        y = x
-        for _, _, mod in layers:
-            y = checkpoint(mod, y, batch, use_reentrant=False) if recompute else mod(y, batch)
+        y = run_layers(layers, x, batch, "full" if recompute else "none")
         grad = None if last else torch.randn(y.shape, generator=gen)
         out = {"received": 0 if grad is None else grad.untyped_storage().nbytes(),
                "output": y.untyped_storage().nbytes()}

@@ -52,6 +52,9 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
             capture_space_check(model, cfg.hardware)
         profile = capture_profile_for(cfg, outdir) if cfg.policy.kind == "capture" else None
         with after("planning") as progress:  # a bar only if the search runs past ~2 s
+            from planners.zero_bubble.order import refuse_zb_auto
+
+            refuse_zb_auto(cfg.policy.kind, cfg.schedule)
             if cfg.policy.kind == "mpress":
                 return model, _plan_mpress(cfg, model, outdir, progress)
             if cfg.policy.kind == "stronghold":

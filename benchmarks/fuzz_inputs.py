@@ -70,11 +70,12 @@ NUMBER_FIELDS = {
     "policy.pp": ["1", "2", "4", "8"],
     "schedule.virtual_stages": ["1", "2", "4"],
     "schedule.weight_store": ["true", "false", "maybe"],
+    "schedule.zb_memory_limit": ["1", "2", "0.1", "0", "-1", "1e9", "null", "x"],
 }
 CHOICE_FIELDS = {
     "training.precision": ["fp32", "fp16", "bf16", "fp8"],
     "policy": ["even", "balanced", "manual"],
-    "schedule": ["gpipe", "1f1b", "pipedream_async", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "nope"],
+    "schedule": ["gpipe", "1f1b", "pipedream_async", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "zb_1p", "zb_2p", "nope"],
     "policy.recompute": ["none", "full", "half", "selective", "op_sac"],
     "estimator": ["analytic", "simulator"],
     "training.optimizer": ["adam", "sgd"],
@@ -434,7 +435,7 @@ def mutate_plan(rng: random.Random, plan: dict, hardware) -> tuple[dict, str | N
 
 def _mutate_once(rng: random.Random, p: dict, n: int) -> None:
     """One random mutation of the plan dict ``p`` in place (n: the hardware's device count)."""
-    kind = rng.randrange(11)
+    kind = rng.randrange(12)
     leaves = [(path, v) for path, v in _paths(p) if path and not isinstance(v, (dict, list))]
     lists = [(path, v) for path, v in _paths(p) if path and isinstance(v, list) and v]
     if kind == 0 and leaves:  # a leaf to an absurd value
@@ -484,6 +485,17 @@ def _mutate_once(rng: random.Random, p: dict, n: int) -> None:
             entry["layer"] = rng.choice([entry["layer"] + 1, -1, 2**40, st["layer_stop"]])
         else:
             st["sharding"].append(copy.deepcopy(entry))
+    elif kind == 11:  # a zb_auto order: shuffled, short, one position missing, foreign letters
+        m = max(1, int(p["training"].get("num_microbatches") or 4))
+        order = ["".join(rng.sample("FBW" * m, 3 * m)) for _ in p["stages"]]
+        what = rng.randrange(4)
+        if what == 1:
+            order[0] = order[0][:-1]
+        elif what == 2:
+            order = order[1:]
+        elif what == 3:
+            order[-1] = "FBX" * m
+        p["schedule"] = {"kind": "zb_auto", "zb_memory_limit": rng.choice([1, 2]), "order": order}
     elif kind == 10:  # per-layer checkpointing (MAP/rotor) or STRONGHOLD's resident layers
         st = p["stages"][rng.randrange(len(p["stages"]))]
         key = rng.choice(["checkpoint", "offload"])

@@ -28,7 +28,12 @@ def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, tr
     """Run the planner ``policy.kind`` and validate its plan against the model and hardware.
     ``profile`` (a specs.profile.Profile) feeds profile-driven planners (CAPTURE). ``progress``
     (done, total) is called by searches that can take seconds (the shell may draw a bar).
-    When no plan fits, the planner returns its closest one; :func:`verdict` says so."""
+    When no plan fits, the planner returns its closest one; :func:`verdict` says so.
+    schedule=zb_auto: the planner partitions, then the pass order is searched for its plan
+    (planners.zero_bubble.with_zb_order, Qi et al. 2024 §3.1)."""
+    from planners.zero_bubble.order import refuse_zb_auto, with_zb_order  # imports the simulator's pricing
+
+    refuse_zb_auto(policy.kind, schedule)
     if policy.kind == "capture":
         plan = plan_capture(policy, model, hardware, training, schedule, profile)
     elif policy.kind == "throughput":
@@ -51,7 +56,7 @@ def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, tr
         plan = plan_map(policy, model, hardware, training, schedule)
     else:
         plan = PLANNERS[policy.kind](policy, model, hardware, training, schedule)
-    return validate_plan(plan, model, hardware)
+    return validate_plan(with_zb_order(plan, model, hardware), model, hardware)
 
 
 def verdict(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,

@@ -249,7 +249,7 @@ def split_pipe_s(plan: Plan, pass_s: dict[int, tuple[float, float, float]], hop_
 
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     last = len(plan.stages) - 1
-    orders = [compute_order(plan.schedule.kind, p, m, v, i) for i in range(p)]
+    orders = [compute_order(plan.schedule.kind, p, m, v, i, plan.schedule.order) for i in range(p)]
     nxt, clock, end = [0] * p, [0.0] * p, {}
     left = sum(len(o) for o in orders)
     while left:
@@ -375,28 +375,14 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
     p2p = [0.0] * p
     sharded = _sharded(plan, model, hardware)
     for i, stage in enumerate(plan.stages):
-        # a MAP stage: rotor's walk (its backward includes the recomputed forwards)
-        fwd, bwd = ((sharded[i].run.fwd_s, sharded[i].run.bwd_s) if i in sharded
-                    else costs.layer_time.stage_pass_times_s(model, plan, hardware, stage))
-        gather_f, gather_b = costs.layer_time.p2p_gather_s(model, plan, hardware, stage)  # Narayanan §4.1
-        z3_f, z3_b = costs.layer_time.sharded_dp_comm_s(model, plan, hardware, stage)  # ZeRO-2/3, FSDP
-        send_f, send_b = costs.layer_time.blocking_send_s(model, plan, hardware, stage)  # plan.p2p_blocking
-        fwd, bwd = fwd + gather_f + z3_f + send_f, bwd + gather_b + z3_b + send_b
+        fwd, bwd = _stage_pass_s(model, plan, hardware, stage, sharded.get(i))
         work[plan.device_group_of(i)] += fwd + bwd
         if kind_split:
-            w_s, rerun = wgrad_s(model, plan, hardware, stage), w_rerun_s(model, plan, hardware, stage)
-            work[plan.device_group_of(i)] += rerun  # W re-runs recomputed layers (stagecost.w_rerun_s)
-            passes[i] = (fwd, max(bwd - w_s, 0.0), w_s + rerun)
+            passes[i] = _split_pass_s(model, plan, hardware, stage, fwd, bwd)
+            work[plan.device_group_of(i)] += w_rerun_s(model, plan, hardware, stage)  # W re-runs recomputed layers
         if i + 1 < len(plan.stages):
-            nxt = plan.stages[i + 1]
-            nbytes = costs.buffers.boundary_send_bytes(model, plan, stage)[0]  # s/t per rank under SP
-            src, dst = stage.devices[0], nxt.devices[0]
-            # with plan.p2p_blocking the transfer is in the sender's passes (blocking_send_s): it
-            # arrives as they end
-            hop = (costs.collectives.transfer_s(nbytes, hardware.link(src, dst))
-                   if src != dst and not plan.p2p_blocking else 0.0)
-            p2p[plan.device_group_of(i)] += 2 * hop
-            hops[i] = hop
+            hops[i] = _hop_s(model, plan, hardware, i)
+            p2p[plan.device_group_of(i)] += 2 * hops[i]
     kind = plan.schedule.kind
     stepped = kind is ScheduleKind.pipedream_async
     if stepped:  # an update after every backward (a STRONGHOLD window steps once, at the end)
@@ -430,6 +416,61 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         for d in stage.devices:
             per_device_sync[d] = per_device_sync.get(d, 0.0) + t
     return pipe + max(per_device_sync.values())
+
+
+def _stage_pass_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage, sharded=None) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch on ``stage``, with what its passes wait for:
+    the p2p all-gather (Narayanan §4.1), ZeRO-2/3 / FSDP collectives, blocking sends. A MAP stage
+    (``sharded``, simulator.sharded): rotor's walk, its backward with the recomputed forwards."""
+    fwd, bwd = ((sharded.run.fwd_s, sharded.run.bwd_s) if sharded is not None
+                else costs.layer_time.stage_pass_times_s(model, plan, hardware, stage))
+    gather_f, gather_b = costs.layer_time.p2p_gather_s(model, plan, hardware, stage)  # Narayanan §4.1
+    z3_f, z3_b = costs.layer_time.sharded_dp_comm_s(model, plan, hardware, stage)  # ZeRO-2/3, FSDP
+    send_f, send_b = costs.layer_time.blocking_send_s(model, plan, hardware, stage)  # plan.p2p_blocking
+    return fwd + gather_f + z3_f + send_f, bwd + gather_b + z3_b + send_b
+
+
+def _split_pass_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage, fwd: float, bwd: float
+                  ) -> tuple[float, float, float]:
+    """(F, B, W) seconds of a split backward (Qi et al. 2024 §2): W the weight gradients plus the
+    re-run of recomputed layers (stagecost.w_rerun_s), B the rest of the backward."""
+    w_s, rerun = wgrad_s(model, plan, hardware, stage), w_rerun_s(model, plan, hardware, stage)
+    return fwd, max(bwd - w_s, 0.0), w_s + rerun
+
+
+def _hop_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, i: int) -> float:
+    """One boundary transfer from stage ``i`` to ``i + 1`` (s/t per rank under SP); 0 with
+    ``plan.p2p_blocking``, whose transfer is in the sender's passes (blocking_send_s) and arrives as
+    they end, and between chunks on one device."""
+    stage, nxt = plan.stages[i], plan.stages[i + 1]
+    nbytes = costs.buffers.boundary_send_bytes(model, plan, stage)[0]
+    src, dst = stage.devices[0], nxt.devices[0]
+    return (costs.collectives.transfer_s(nbytes, hardware.link(src, dst))
+            if src != dst and not plan.p2p_blocking else 0.0)
+
+
+def split_pass_costs(plan: Plan, model: ModelSpec, hardware: HardwareSpec
+                     ) -> tuple[dict[int, tuple[float, float, float]], dict[int, float]]:
+    """A split-backward plan's (F, B, W) seconds per stage and one boundary hop per stage, as
+    :func:`iteration_time_s` walks them (:func:`split_pipe_s`): what the zero-bubble schedule search
+    (planners.zero_bubble, Qi et al. 2024 §3.1: T_F, T_B, T_W, T_comm) is given. Needs no pass order."""
+    sharded = _sharded(plan, model, hardware)
+    passes = {i: _split_pass_s(model, plan, hardware, st, *_stage_pass_s(model, plan, hardware, st, sharded.get(i)))
+              for i, st in enumerate(plan.stages)}
+    return passes, {i: _hop_s(model, plan, hardware, i) for i in range(len(plan.stages) - 1)}
+
+
+def split_pass_bytes(plan: Plan, model: ModelSpec) -> dict[int, tuple[int, int]]:
+    """Per stage (a microbatch's activations held from its F, what its B's end adds until its W's
+    end): the memory deltas of F, B and W (W frees both) that the zero-bubble search's memory limit
+    counts (Qi et al. 2024 §3: M_B, M_W), as :func:`device_memory`'s walk (costs.activations.split_peak)
+    books them."""
+    out = {}
+    for i, stage in enumerate(plan.stages):
+        variants = _variants(plan, stage)
+        acts = -(-sum(costs.activations.stage_activation_bytes(model, plan, v) for v in variants) // len(variants))
+        out[i] = (acts, split_bytes(model, plan, stage)[0])
+    return out
 
 
 def _dp_sync_exposed_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> float:

@@ -25,6 +25,7 @@ from pydantic import Field, field_validator, model_serializer, model_validator
 from specs._base import Spec, omit_unset
 from specs.hardware import MAX_DEVICES, HardwareSpec
 from specs.model import ModelSpec
+from specs.pass_order import order_problem
 from specs.plan_memory import D2DTarget, LayerMemory, MemoryAction, OffloadPolicy
 from specs.plan_sharding import CheckpointSegment, LayerSharding, NodeGroup, NodeSharding, check_stage_sharding
 from specs.plan_stage import StagePlan, stage_for_microbatch
@@ -52,10 +53,14 @@ class ScheduleKind(str, Enum):
     zb_h1 = "zb_h1"
     zbv = "zbv"
     dualpipev = "dualpipev"
+    # zb_auto: the paper's automatically searched schedule (§3.1 heuristic) under an activation memory
+    # limit of schedule.zb_memory_limit x p x M_B (ZB-1p: 1, ZB-2p: 2; §5.1), one chunk per device; the
+    # planner searches it from the plan's stage costs and writes it into schedule.order
+    zb_auto = "zb_auto"
 
 
 #: schedules whose backward is split into B (input gradients) and W (weight gradients) passes
-SPLIT_BACKWARD = frozenset({ScheduleKind.zb_h1, ScheduleKind.zbv, ScheduleKind.dualpipev})
+SPLIT_BACKWARD = frozenset({ScheduleKind.zb_h1, ScheduleKind.zbv, ScheduleKind.dualpipev, ScheduleKind.zb_auto})
 #: schedules placing two chunks per device in a V (stage s and 2p-1-s on one position)
 V_SHAPED = frozenset({ScheduleKind.zbv, ScheduleKind.dualpipev})
 
@@ -77,19 +82,29 @@ class ScheduleSpec(Spec):
         "2024; its Megatron-LM WeightGradStore): B is the whole backward except the Linear layers' weight "
         "gradients, frees the graph and keeps each Linear's input and output gradient, from which W computes "
         "dW = dY^T X. false (omitted in JSON): torch.distributed.pipelining's B (stage_backward_input), whose "
-        "retained graph keeps every activation until W. Needs zb_h1, zbv or dualpipev")
+        "retained graph keeps every activation until W. Needs zb_h1, zbv, dualpipev or zb_auto")
+    zb_memory_limit: float | None = Field(
+        None, gt=0, le=64, description="zb_auto's activation memory limit in units of p x M_B, one microbatch's "
+        "activations of a stage times the pipeline depth (Qi et al. 2024 §5.1: ZB-1p = 1, 1F1B's memory; ZB-2p = 2, "
+        "near zero bubble; Figure 7 sweeps it); 2 when left out with zb_auto; only with zb_auto")
+    order: list[str] | None = Field(
+        None, max_length=1024, description="zb_auto's pass order, one string per pipeline position over 'F', 'B', "
+        "'W' (the k-th F, B, W of a position is microbatch k), searched by the planner (planners/zero_bubble) from "
+        "the stage costs (Qi et al. 2024 §3.1); validate_plan checks it is complete and cannot deadlock")
 
     @model_serializer(mode="wrap")
     def _omit_default_store(self, handler):
-        """A schedule without the weight store dumps as before the field existed."""
-        return omit_unset(self, handler(self), ("weight_store",))
+        """A schedule without the weight store or a searched order dumps as before those fields existed."""
+        return omit_unset(self, handler(self), ("weight_store", "zb_memory_limit", "order"))
 
     @model_validator(mode="before")
     @classmethod
     def _v_default(cls, data):
-        if isinstance(data, dict) and data.get("virtual_stages") is None \
-                and str(getattr(data.get("kind"), "value", data.get("kind"))) in ("zbv", "dualpipev"):
+        kind = str(getattr(data.get("kind"), "value", data.get("kind"))) if isinstance(data, dict) else None
+        if kind in ("zbv", "dualpipev") and data.get("virtual_stages") is None:
             data = {**data, "virtual_stages": 2}
+        if kind == "zb_auto" and data.get("zb_memory_limit") is None:
+            data = {**data, "zb_memory_limit": 2.0}  # ZB-2p, the paper's zero-bubble setting (§5.1)
         return data
 
     @model_validator(mode="after")
@@ -105,7 +120,15 @@ class ScheduleSpec(Spec):
             )
         if self.weight_store and self.kind not in SPLIT_BACKWARD:
             raise ValueError(f"schedule.weight_store: stores the weight gradients' inputs from B for W; "
-                             f"needs a split backward (zb_h1, zbv, dualpipev), got {self.kind.value}")
+                             f"needs a split backward (zb_h1, zbv, dualpipev, zb_auto), got {self.kind.value}")
+        for name in ("zb_memory_limit", "order"):
+            if getattr(self, name) is not None and self.kind is not ScheduleKind.zb_auto:
+                raise ValueError(f"schedule.{name}: only with kind zb_auto (the searched zero-bubble schedule), "
+                                 f"got kind {self.kind.value}")
+        if self.order is not None and any(set(o) - set("FBW") for o in self.order):
+            bad = next(o for o in self.order if set(o) - set("FBW"))
+            raise ValueError(f"schedule.order: one string per position over 'F', 'B', 'W'; got characters "
+                             f"{sorted(set(bad) - set('FBW'))[:5]}")
         return self
 
 
@@ -115,6 +138,13 @@ V_BLOCKING_WHY = ("a V places both neighbours of a chunk on one peer device, so 
                   "after the peer's next pass; the V schedules' own implementations (torch.distributed.pipelining's "
                   "ScheduleZBVZeroBubble and ScheduleDualPipeV, DeepSeek's DualPipe) overlap their sends: use "
                   "p2p_blocking false, or schedule 1f1b / interleaved_1f1b / zb_h1 / gpipe")
+
+
+#: why plan.p2p_blocking is refused with zb_auto
+ZB_AUTO_BLOCKING_WHY = ("zb_auto's searched order runs a position several forwards ahead of its neighbour "
+                        "(up to 2p in flight at ZB-2p), so a send waited before the next pass can wait on a receive "
+                        "listed after the peer's next pass; the paper's runtime (Qi et al. 2024's Megatron-LM "
+                        "zerobubble runtime) overlaps its sends: use p2p_blocking false, or schedule zb_h1")
 
 
 class Plan(Spec):
@@ -162,6 +192,8 @@ class Plan(Spec):
                              f"zero_stage >= 1, got {self.zero_stage}")
         if self.p2p_blocking and self.schedule.kind in V_SHAPED:
             raise ValueError(f"p2p_blocking: {V_BLOCKING_WHY}; schedule {self.schedule.kind.value}")
+        if self.p2p_blocking and self.schedule.kind is ScheduleKind.zb_auto:
+            raise ValueError(f"p2p_blocking: {ZB_AUTO_BLOCKING_WHY}")
         for i, st in enumerate(self.stages):
             if st.offload.stash_swap_layers and self.schedule.kind is not ScheduleKind.pipedream_async:
                 raise ValueError(f"stages[{i}].offload.stash_swap_layers: only PipeDream's asynchronous schedule "
@@ -421,6 +453,12 @@ def _check_split_backward(plan: Plan, m: int, err) -> None:
     ScheduleDualPipeV refuses fewer); the simulator prices whole-stage passes, so swaps, windows,
     weight swap, multi-stream groups and MAP stages are refused by name (not modelled with B/W)."""
     kind, p = plan.schedule.kind.value, plan.pipeline_depth
+    if plan.schedule.kind is ScheduleKind.zb_auto:
+        problem = ("is missing: zb_auto's pass order is searched from the plan's stage costs (Qi et al. 2024 "
+                   "§3.1) by the planner (planners.make_plan, planners.zero_bubble.order.with_zb_order)"
+                   if plan.schedule.order is None else order_problem(plan.schedule.order, p, m))
+        if problem:
+            err("schedule.order", problem)
     if plan.schedule.kind is ScheduleKind.dualpipev and m < 2 * p:
         err("training.num_microbatches", f"dualpipev needs at least 2 x pipeline depth ({2 * p}) microbatches, "
             f"got {m}")

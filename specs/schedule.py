@@ -44,6 +44,7 @@ from enum import Enum
 from pydantic import Field
 
 from specs._base import Spec
+from specs.pass_order import listed_order
 from specs.plan import MemoryAction, Plan, ScheduleKind, stage_for_microbatch
 
 SWAPS = (MemoryAction.cpu_swap, MemoryAction.d2d_swap, MemoryAction.nvme)
@@ -75,14 +76,23 @@ class Action(Spec):
     peer_stage: int | None = Field(None, ge=0)
 
 
-def compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int) -> list[tuple[str, int, int]]:
+def compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int,
+                  order: list[str] | None = None) -> list[tuple[str, int, int]]:
     """Order of passes on position ``i`` of ``p``: [("F"|"B"|"W", stage, microbatch), ...] (a list of
-    2·m·v passes, 3·m·v with a split backward, "W" only then; :func:`iter_compute_order` yields the same without holding them)."""
-    return list(iter_compute_order(kind, p, m, v, i))
+    2·m·v passes, 3·m·v with a split backward, "W" only then; :func:`iter_compute_order` yields the same without holding them).
+    ``order`` is the plan's ``schedule.order`` (zb_auto's searched order; None for the other kinds)."""
+    return list(iter_compute_order(kind, p, m, v, i, order))
 
 
-def iter_compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int) -> Iterator[tuple[str, int, int]]:
+def iter_compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int,
+                       order: list[str] | None = None) -> Iterator[tuple[str, int, int]]:
     """:func:`compute_order`, lazily: O(1) memory however many microbatches."""
+    if kind is ScheduleKind.zb_auto:
+        if order is None:
+            raise ValueError("schedule.order: zb_auto's pass order is searched by the planner "
+                             "(planners.zero_bubble.with_zb_order); this plan has none")
+        yield from listed_order(order[i], i)
+        return
     if kind is ScheduleKind.gpipe:
         # GPipe §2.2: all forwards, then all backwards, then one flush.
         for k in range(m):
@@ -295,7 +305,7 @@ def position_steps(plan: Plan, i: int) -> Iterator[Step]:
     layer_actions = _LayerActions(plan)
     prev: list[Step] | None = None  # one group per pass (its recvs, itself, its sends), held one pass
     prev_pass = None                # back: a backward may prefetch its swap-ins into it
-    for pass_ in iter_compute_order(plan.schedule.kind, p, m, v, i):
+    for pass_ in iter_compute_order(plan.schedule.kind, p, m, v, i, plan.schedule.order):
         kind, s, k = pass_
         swapped, swapped_rev, recomputed = layer_actions(s, k)
         group: list[Step] = []

@@ -61,11 +61,11 @@ def techniques(plan: Plan) -> list[str]:
         found.add("overlap_param_gather")
     if plan.p2p_scatter_gather and any(p2p_split(plan, a, b) > 1 for a, b in zip(plan.stages, plan.stages[1:])):
         found.add("p2p_scatter_gather")
-    if plan.schedule.kind.value in ("zb_h1", "zbv", "dualpipev") and plan.pipeline_depth > 1:
+    if plan.schedule.kind.value in ("zb_h1", "zbv", "dualpipev", "zb_auto") and plan.pipeline_depth > 1:
         found.add(plan.schedule.kind.value)
         if plan.schedule.weight_store:
             found.add("weight_store")
-    order = ["pipeline", "zb_h1", "zbv", "dualpipev", "weight_store", "dp", "cp", "tp", "sequence_parallel", "zero1", "zero2",
+    order = ["pipeline", "zb_h1", "zbv", "dualpipev", "zb_auto", "weight_store", "dp", "cp", "tp", "sequence_parallel", "zero1", "zero2",
              "zero3", "overlap_grad_reduce", "overlap_param_gather", "p2p_scatter_gather", "recompute", "selective", "cpu_swap", "d2d_swap",
              "nvme",
              "window", "optimizer_swap", "optimizer_on_cpu", "stash_swap", "weight_swap", "map_sharding",
@@ -74,7 +74,7 @@ def techniques(plan: Plan) -> list[str]:
 
 
 #: techniques that are not memory actions: a plan "combines" when it has ≥ 2 of the others or mixes
-LAYOUT_ONLY = {"pipeline", "dp", "tp", "cp", "zb_h1", "zbv", "dualpipev", "weight_store", "overlap_grad_reduce",
+LAYOUT_ONLY = {"pipeline", "dp", "tp", "cp", "zb_h1", "zbv", "dualpipev", "zb_auto", "weight_store", "overlap_grad_reduce",
                "overlap_param_gather",
                "p2p_scatter_gather"}
 
@@ -109,6 +109,7 @@ def knobs(plan: Plan, model=None) -> dict:
 def knobs_text(plan: Plan, model=None) -> str:
     k = knobs(plan, model)
     return (f"schedule {k['schedule']}" + (f" v={k['virtual_stages']}" if k["virtual_stages"] > 1 else "")
+            + (f" (ZB-{plan.schedule.zb_memory_limit:g}p)" if plan.schedule.zb_memory_limit else "")
             + (" with weight_store" if plan.schedule.weight_store else "")
             + f", sequence_parallel {'on' if k['sequence_parallel'] else 'off'}, recompute {k['recompute']}"
             + f", zero_stage {k['zero_stage']}, overlap_grad_reduce {'on' if k['overlap_grad_reduce'] else 'off'}"

@@ -18,7 +18,8 @@ whose cost model prices it as a no-op (or a loss) is simply not kept.
   user model's profiled layers) on the stages at cp 1, where memwall models it;
 * **distributed optimizer** (ZeRO-1 over each stage's dp group, Megatron's
   --use-distributed-optimizer) with overlap_grad_reduce, where some stage has dp > 1;
-* **zero-bubble schedules** (Qi et al. 2024): zb_h1 on a 1F1B pipeline (1F1B's memory, §3.1), and
+* **zero-bubble schedules** (Qi et al. 2024): zb_h1 on a 1F1B pipeline (1F1B's memory, §3.1), the
+  searched ZB-1p and ZB-2p orders (zb_auto, §3.1 / §5.1: 1F1B's and twice its activation memory) and
   zbv (two chunks per device in a V, §6) on a uniform pipeline whose 2p chunks fit the layers;
 * **context parallelism** (ring attention; Megatron-Core, torchtitan) for long sequences only
   (model seq_len ≥ CP_MIN_SEQ_LEN): half of a stage's dp group becomes a cp group of 2.
@@ -37,6 +38,7 @@ from costs.buffers import scatterable
 from planners.auto.candidate import Candidate
 from planners.auto.realise import simulated_candidate
 from planners.layout import SELECTIVE_KINDS, PlanningError
+from planners.zero_bubble.order import with_zb_order
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import (
@@ -121,17 +123,34 @@ def zb_h1(plan: Plan) -> Plan | None:
     return plan.model_copy(update={"schedule": ScheduleSpec(kind="zb_h1")})
 
 
-def weight_store(model: ModelSpec) -> Move:
+def zb_auto(model: ModelSpec, plan_hw: HardwareSpec, limit: float) -> Move:
+    """ZB-1p / ZB-2p (Qi et al. 2024 §3.1, §5.1; ``limit`` 1 or 2) in place of a 1F1B or ZB-H1
+    pipeline of p > 1 stages: the pass order searched from the plan's stage costs under limit x p x
+    M_B (planners.zero_bubble), the weight store kept as the plan had it. Sends overlap the next
+    pass, as the paper's runtime runs them (a blocking plan is left alone)."""
+    def move(plan: Plan) -> Plan | None:
+        if (plan.pipeline_depth < 2 or plan.schedule.kind not in (ScheduleKind.one_f_one_b, ScheduleKind.zb_h1)
+                or _has_op_sac(plan) or plan.p2p_blocking or len(plan.stages) != plan.pipeline_depth):
+            return None
+        schedule = ScheduleSpec(kind="zb_auto", zb_memory_limit=limit, weight_store=plan.schedule.weight_store)
+        return with_zb_order(plan.model_copy(update={"schedule": schedule}), model, plan_hw)
+    return move
+
+
+def weight_store(model: ModelSpec, plan_hw: HardwareSpec) -> Move:
     """A split backward's W from stored Linear inputs (the Zero Bubble paper's own implementation,
     ``schedule.weight_store``): B frees the graph, so the microbatches between B and W hold only
     what W reads. None unless the schedule splits, every stage is tp 1 and every layer is a
-    Linear layer (specs.plan.WEIGHT_STORE_KINDS)."""
+    Linear layer (specs.plan.WEIGHT_STORE_KINDS). A zb_auto order is searched again: what B's end
+    holds until W is what its memory limit counts."""
     def move(plan: Plan) -> Plan | None:
         if (plan.schedule.kind not in SPLIT_BACKWARD or plan.schedule.weight_store
                 or any(st.tp > 1 for st in plan.stages)
                 or any(layer.kind.value not in WEIGHT_STORE_KINDS for layer in model.layers)):
             return None
-        return plan.model_copy(update={"schedule": plan.schedule.model_copy(update={"weight_store": True})})
+        stored = plan.model_copy(update={"schedule": plan.schedule.model_copy(update={"weight_store": True,
+                                                                                     "order": None})})
+        return with_zb_order(stored, model, plan_hw)
     return move
 
 
@@ -260,8 +279,10 @@ def moves(plan: Plan, model: ModelSpec, plan_hw: HardwareSpec) -> Iterator[tuple
         yield "op-level selective checkpointing instead of full (torchtitan)", op_sac(model)
     yield "distributed optimizer (ZeRO-1), overlap_grad_reduce", distributed_optimizer
     yield "zb_h1", zb_h1
+    yield "ZB-1p (searched zero-bubble order, 1F1B's memory)", zb_auto(model, plan_hw, 1.0)
+    yield "ZB-2p (searched zero-bubble order, twice 1F1B's memory)", zb_auto(model, plan_hw, 2.0)
     yield "zbv", zbv(model, plan_hw)
-    yield "zero-bubble weight store (W from stored Linear inputs)", weight_store(model)
+    yield "zero-bubble weight store (W from stored Linear inputs)", weight_store(model, plan_hw)
     if (model.seq_len or 0) >= CP_MIN_SEQ_LEN:
         yield "context parallel 2", context_parallel
 

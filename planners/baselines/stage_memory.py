@@ -47,6 +47,8 @@ class StageMemory:
         m = self._m
         if self._kind is ScheduleKind.zb_h1:  # Qi et al. 2024 §2.1: every position holds min(p, m) until W
             return min(p, m)
+        if self._kind is ScheduleKind.zb_auto:  # §5.1: the searched order holds up to limit x p (ZB-2p: 2p)
+            return min(math.ceil(self._zb_limit * p), m)
         return m if self._kind is ScheduleKind.gpipe else min(p - i, m)
 
     def _act_peak(self, n: int, act: int, transient: int, grad: int, flat: int) -> int:

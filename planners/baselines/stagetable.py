@@ -52,6 +52,7 @@ class StageTable(StageMemory, StageTiming):
         self._group_links: dict[tuple, tuple] = {}
         self._tp_bad: dict[int, list[int]] = {}
         self._m, self._kind = training.microbatches, schedule.kind
+        self._zb_limit = schedule.zb_memory_limit  # zb_auto's memory limit, x p microbatches
         self._bytes_per_param = training.bytes_per_param()
         self._out_bytes = [layer.output_bytes_per_sample for layer in model.layers]
         self.signature = [layer_signature(model, i, recompute) for i in range(model.num_layers)]

@@ -147,6 +147,31 @@ def test_zero_bubble_moves_keep_the_layout(v_shaped):
     assert zb_h1(got.model_copy(update={"schedule": ScheduleSpec(kind="gpipe")})) is None
 
 
+@pytest.mark.parametrize("limit", [1.0, 2.0])
+def test_zb_auto_move_searches_the_order_on_the_same_stages(limit):
+    """ZB-1p / ZB-2p (planners/auto/knobs.py zb_auto): 1F1B's stages, the order searched for them and
+    validated; ZB-2p's flushed iteration no slower than zb_h1's (both simulated afresh); the weight
+    store move searches the order again."""
+    from planners.auto.knobs import weight_store, zb_auto
+    from planners.baselines.partition import plan_balanced
+    from planners.policy import BalancedPolicy
+    from simulator import simulate
+    from specs.plan import validate_plan
+
+    model = spec("gpt_5b3", MB2)
+    plan = plan_balanced(BalancedPolicy(pp=4, dp=2), model, DGX1, MB2, ONE_F_ONE_B)
+    got = validate_plan(zb_auto(model, DGX1, limit)(plan), model, DGX1)
+    assert got.schedule.kind.value == "zb_auto" and got.schedule.zb_memory_limit == limit
+    assert [st.devices for st in got.stages] == [st.devices for st in plan.stages]
+    assert len(got.schedule.order) == 4
+    t = lambda p: simulate(p, model, DGX1, trace=False).result.iteration_time_s  # noqa: E731
+    assert t(got) <= t(zb_h1(plan)) * (1 + 1e-9) or limit == 1.0
+    stored = weight_store(model, DGX1)(got)
+    assert stored.schedule.weight_store and stored.schedule.order is not None
+    validate_plan(stored, model, DGX1)
+    assert zb_auto(model, DGX1, limit)(got) is None  # only from 1F1B / ZB-H1
+
+
 if __name__ == "__main__":  # pragma: no cover - what the cases pick, for a reader
     for args in (("gpt_10b3", MB4, 30.0), ("gpt_5b3", MB2, 24.0)):
         _, o = _search(*args, **({"zero_stages": [0]} if args[1] is MB4 else {}))

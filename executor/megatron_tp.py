@@ -111,8 +111,8 @@ def _sequence_parallel(layers, mesh, split_in: bool = False, split_out: bool = F
         return
     gather_in = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
                                    use_local_output=True)
-    split_in = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
-                                  use_local_output=True)
+    split_local = PrepareModuleInput(input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None),
+                                     use_local_output=True)
     norms = {n: SequenceParallel(use_local_output=True) for n in SP_NORMS}
     gather_sub = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                     use_local_output=True)
@@ -128,7 +128,7 @@ def _sequence_parallel(layers, mesh, split_in: bool = False, split_out: bool = F
                 plan["mlp"] = gather_sub
             parallelize_module(mod, mesh, plan)
             if not sharded:  # a received boundary (whole): keep this rank's chunk
-                parallelize_module(mod, mesh, split_in)
+                parallelize_module(mod, mesh, split_local)
             sharded = True
         elif isinstance(mod, TokenEmbedding):
             parallelize_module(mod, mesh, PrepareModuleOutput(output_layouts=Replicate(),

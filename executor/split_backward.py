@@ -83,9 +83,6 @@ def unsupported(plan: Plan, model_cfg=None) -> list[str]:
         if st.sharding:
             out.append(f"stages[{i}].sharding: schedule {kind} (split backward) runs Megatron-style stages; "
                        "MAP stages are not split")
-        if plan.schedule.weight_store and st.tp > 1:
-            out.append(f"stages[{i}].tp: schedule.weight_store: the stored W is written for plain tensors; "
-                       f"tensor-parallel Linears are DTensors; use tp 1 or weight_store false (got tp {st.tp})")
     family = getattr(model_cfg, "family", None)
     stored = ("gpt", "bert", "llama")  # families whose weights W computes from stored Linear inputs
     if plan.schedule.weight_store and family not in (None, "torch_module", *stored):

@@ -34,6 +34,13 @@ non-reentrant) re-run the Function in B's unpack; the X stored is then the recom
 only it outlives the layer's recompute. executor.selective's attention core is checkpointed
 inside the layer; the Linears around it are plain Function calls.
 
+Tensor parallelism (executor.megatron_tp, DTensor Linears): the Function runs on the DTensors the
+TP styles hand it; dX and the bias gradient are DTensor ops (a column-parallel dX Partial, reduced
+by its input style's backward, as in DTensor's own linear), and each rank stores its local X and dY:
+column-parallel, the whole X (all-gathered under sequence parallelism) and its dY shard;
+row-parallel, its X shard and the whole dY. W's ``dY^T X`` is then local, no communication, and has
+the weight's placements (Shard(0) / Shard(1)); simulator.stagecost.stored_bytes counts the same.
+
 With ``overlap_grad_reduce`` (executor.zero1) each weight gradient W sums is reported
 (``Zero1.grad_ready``) as its post-accumulate hook would be; what B sums goes through autograd's
 AccumulateGrad and its hook. A V placement's embedding/head shared by the first and last stage
@@ -70,7 +77,9 @@ class _StoredLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dy_flat = dy.reshape(-1, dy.shape[-1])
         # the engine's own formulas for addmm/mm (mm_mat1_backward: grad.mm(mat2.t()), mat2 = w.t();
-        # the bias: sum_to of the expanded bias, a sum over the flattened rows)
+        # the bias: sum_to of the expanded bias, a sum over the flattened rows). Under tensor
+        # parallelism (DTensors) these are DTensor's ops, so the placements are its own: a
+        # column-parallel dX is Partial (its input style reduces it), a row-parallel one Shard(-1)
         dx = dy_flat.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
         db = dy_flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         # detached: a stored X with its grad_fn would keep the graph's nodes, and through their edges
@@ -112,7 +121,7 @@ class WeightStore:
             self.current.append((module, x, dy))
         else:
             with torch.no_grad():
-                self._add(module.weight, _weight_grad(x, dy))
+                self._add(module.weight, _weight_grad(x, dy, module.weight))
 
     def _add(self, p, grad: torch.Tensor) -> None:
         """``p.grad += grad`` in place (the stage's gradient buffer, a bucket's view with
@@ -144,7 +153,7 @@ class WeightStore:
         with torch.no_grad():
             while stored:
                 mod, x, dy = stored.pop()
-                dw = _weight_grad(x, dy)
+                dw = _weight_grad(x, dy, mod.weight)
                 del x, dy
                 self._add(mod.weight, dw)
                 del dw
@@ -160,10 +169,18 @@ class WeightStore:
         SplitBackward.check_done(self)
 
 
-def _weight_grad(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+def _weight_grad(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """``dY_flat^T X_flat``: the engine's weight gradient of a linear (mm_mat2_backward's
-    column-major branch ``grad.t().mm(mat1)`` after TBackward0), leading dims flattened."""
-    return dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+    column-major branch ``grad.t().mm(mat1)`` after TBackward0), leading dims flattened. Tensor
+    parallel (DTensor X, dY): local GEMMs with no communication, column-parallel dY Shard(-1)
+    times the replicated X gives Shard(0), replicated dY times the row-parallel X's Shard(-1)
+    gives Shard(1): the weight's own placements, as autograd's would be (checked against
+    ``weight``'s, so a layout this does not know fails rather than redistributes)."""
+    dw = dy.reshape(-1, dy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+    if weight is not None and getattr(weight, "placements", None) != getattr(dw, "placements", None):
+        raise RuntimeError(f"weight_store: a stored Linear's dW has placements {getattr(dw, 'placements', None)}, "
+                           f"its weight {getattr(weight, 'placements', None)}")
+    return dw
 
 
 def _install(lin: nn.Linear, store: WeightStore) -> None:

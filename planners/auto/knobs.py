@@ -140,12 +140,11 @@ def zb_auto(model: ModelSpec, plan_hw: HardwareSpec, limit: float) -> Move:
 def weight_store(model: ModelSpec, plan_hw: HardwareSpec) -> Move:
     """A split backward's W from stored Linear inputs (the Zero Bubble paper's own implementation,
     ``schedule.weight_store``): B frees the graph, so the microbatches between B and W hold only
-    what W reads. None unless the schedule splits, every stage is tp 1 and every layer is a
-    Linear layer (specs.plan.WEIGHT_STORE_KINDS). A zb_auto order is searched again: what B's end
+    what W reads. None unless the schedule splits and every layer is a Linear layer
+    (specs.plan.WEIGHT_STORE_KINDS; tensor-parallel Linears store their local shards). A zb_auto order is searched again: what B's end
     holds until W is what its memory limit counts."""
     def move(plan: Plan) -> Plan | None:
         if (plan.schedule.kind not in SPLIT_BACKWARD or plan.schedule.weight_store
-                or any(st.tp > 1 for st in plan.stages)
                 or any(layer.kind.value not in WEIGHT_STORE_KINDS for layer in model.layers)):
             return None
         stored = plan.model_copy(update={"schedule": plan.schedule.model_copy(update={"weight_store": True,

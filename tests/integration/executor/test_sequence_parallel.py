@@ -51,6 +51,24 @@ def test_sequence_parallel_matches_single_process_reference(name):
     assert_matches(out, reference, reorder_rtol(longest_reduction(cfg, CPU_TRAINING)))
 
 
+@pytest.mark.parametrize("model", ["llama", "gpt"])
+def test_sequence_parallel_stage_splits_a_whole_received_boundary(model):
+    """Stage 0 plain TP, stage 1 sequence parallel: the boundary arrives whole (executor.megatron_tp.
+    boundary_split is False), so stage 1's first block keeps its rank's sequence chunk before its
+    norms (until 2026-11-29 a shadowed name made every stage take its input as already split: LLaMA
+    failed in the rotary embedding, 64 positions against 32)."""
+    from executor.megatron_tp import boundary_split
+
+    plan = planned(model, pp=2, tp=2, sequence_parallel=True)
+    plan = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"sequence_parallel": False}),
+                                              plan.stages[1]]})
+    assert not boundary_split(plan, 0, 1) and plan.stages[1].sequence_parallel
+    cfg = CFGS[model]
+    reference = train_reference(cfg, CPU_TRAINING, STEPS, dtype=torch.float64)
+    out = run_plan_float64(plan, cfg, iterations=STEPS, timeout_s=180)
+    assert_matches(out, reference, reorder_rtol(longest_reduction(cfg, CPU_TRAINING)))
+
+
 def test_sequence_parallel_holds_less_activation_memory_than_plain_tp():
     """Same plan, sequence_parallel off and on: each block's layer-norm inputs (and their
     statistics) are kept for s/t positions instead of s, so every rank holds fewer activation

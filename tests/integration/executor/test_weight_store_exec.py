@@ -9,7 +9,9 @@ gradient deferred, W computes dW = dY^T X from the stored pairs.
   llama_tiny pp 2 zbv (a V: chunks 0 and 3 on rank 0, handed over in memory on rank 1) with one
   recomputed layer; gpt_tiny pp 2 zb_h1 and dualpipev; gpt_tiny pp 2 x dp 2 with
   overlap_grad_reduce under zb_h1 (buckets reduced as W completes them; also with the distributed
-  optimizer) and zbv (the V's shared embedding/head reduced at the flush, after both stages' sums).
+  optimizer) and zbv (the V's shared embedding/head reduced at the flush, after both stages' sums);
+  pp 2 x tp 2 (DTensor Linears): gpt_tiny zb_h1 and zbv, llama_tiny zb_h1 with sequence parallelism.
+- the bytes a tp 2 stage's B leaves for W, on each TP rank (gloo), are simulator.stagecost's.
 """
 from __future__ import annotations
 
@@ -66,8 +68,8 @@ def _check_run(plan, cfg, reference, what: str = "grads") -> None:
         scale = max(float(np.abs(v).max()) for v in reference[kind].values())
         for key, want in reference[kind].items():
             np.testing.assert_allclose(got[key], want, rtol=tol, atol=tol * scale, err_msg=f"{kind} {key}")
-    # every B had its W: one W pass per stage, microbatch and iteration on each replica
-    replicas = plan.stages[0].dp
+    # every B had its W: one W pass per stage, microbatch and iteration on each replica and tp rank
+    replicas = plan.stages[0].dp * plan.stages[0].tp
     assert sum(rep["w_passes"] for rep in out.reports.values()) == \
         STEPS * len(plan.stages) * TRAINING.microbatches * replicas
 
@@ -98,6 +100,21 @@ def test_llama_zbv_with_a_recomputed_layer_matches_reference():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name,schedule,sp", [("gpt_tiny", "zb_h1", False), ("llama_tiny", "zb_h1", True),
+                                              ("gpt_tiny", "zbv", False)])
+def test_pp2_tp2_matches_reference(name, schedule, sp, gpt_reference):
+    """Megatron TP (executor.megatron_tp, DTensor Linears), with sequence parallelism for llama:
+    each TP rank stores its local X and dY (column-parallel: the whole, under sequence parallelism
+    all-gathered, X and its dY shard; row-parallel: its X shard and the whole dY) and W makes its
+    weight's own shard; dX and the biases' gradients are DTensor's ops, with DTensor's placements."""
+    cfg = GPT_TINY if name == "gpt_tiny" else LLAMA_TINY
+    plan = _plan(cfg, schedule, hw=HW4, tp=2, **({"sequence_parallel": True} if sp else {}))
+    assert all(st.tp == 2 and st.sequence_parallel == sp for st in plan.stages)
+    reference = gpt_reference if cfg is GPT_TINY else train_reference(cfg, TRAINING, STEPS, dtype=F64)
+    _check_run(plan, cfg, reference)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,zero1", [("zb_h1", False), ("zbv", False), ("zb_h1", True)],
                          ids=["zb_h1", "zbv", "zb_h1-zero1"])
 def test_gpt_pp2_dp2_overlapped_reduction_matches_reference(schedule, zero1, gpt_reference):
@@ -106,3 +123,63 @@ def test_gpt_pp2_dp2_overlapped_reduction_matches_reference(schedule, zero1, gpt
     plan = _plan(GPT_TINY, schedule, hw=HW4, dp=2, overlap_grad_reduce=True, distributed_optimizer=zero1)
     assert plan.overlap_grad_reduce and len(plan.used_devices()) == 4 and (plan.zero_stage == 1) == zero1
     _check_run(plan, GPT_TINY, gpt_reference, what="params" if zero1 else "grads")
+
+
+def _bytes_rank(rank: int, world: int, port: int, queue, name: str, owned: range, sp: bool) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from tests.unit.simulator.test_zero_bubble import _executor_split_bytes, _profiled
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        cfg, _ = _profiled(name)
+        queue.put((rank, _executor_split_bytes(cfg, owned, False, store=True, tp=True, sequence_parallel=sp)))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        queue.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,where,sp", [("gpt_tiny", "first", False), ("gpt_tiny", "last", False),
+                                           ("llama_tiny", "middle", True), ("llama_tiny", "last", True)])
+def test_tp2_held_bytes_are_the_simulated_ones(name, where, sp):
+    """What a tp 2 stage's B leaves for W on each TP rank (gloo, executor.memtrack.LiveTensorTracker,
+    float32, 2 samples; the harness of tests/unit/simulator/test_zero_bubble.py) is byte for byte
+    simulator.stagecost.stored_bytes (column-parallel dY and row-parallel X split over t, the
+    column-parallel X whole: under sequence parallelism the all-gathered sequence), which
+    store_split_bytes adds less the activations; W frees exactly that."""
+    import torch.multiprocessing as mp
+
+    from executor.launch import free_port
+    from simulator.stagecost import store_split_bytes, stored_bytes
+    from costs.activations import stage_activation_bytes
+    from tests.unit.simulator.test_zero_bubble import _profiled, _slice_plan
+
+    _, model = _profiled(name)
+    n = model.num_layers
+    owned = {"first": range(0, 2), "middle": range(1, 3), "last": range(n - 2, n)}[where]
+    plan, s = _slice_plan(model, owned, False, tp=2, sequence_parallel=sp)
+    plan = plan.model_copy(update={"schedule": ScheduleSpec(kind="zb_h1", weight_store=True)})
+    stage = plan.stages[s]
+    store = sum(stored_bytes(model, plan, stage, l) for l in stage.layers)
+    held, scratch = store_split_bytes(model, plan, stage)
+    assert held + stage_activation_bytes(model, plan, stage) == store
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_bytes_rank, args=(r, 2, port, queue, name, owned, sp)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for r in range(2):
+        assert isinstance(got[r], dict), got[r]
+        assert (got[r]["stored"], got[r]["w_frees"], got[r]["w_excess"]) == (store, store, scratch), (r, got[r])  # one weight's local dW at a time

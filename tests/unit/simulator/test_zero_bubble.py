@@ -363,27 +363,33 @@ def _profiled(name: str):
     return cfg, apply_profile(build_model(cfg, 4), profile_model(cfg, microbatch=2, dtype="fp32"))
 
 
-def _slice_plan(model: ModelSpec, owned: range, recompute: bool) -> tuple[Plan, int]:
-    """A zb_h1 plan whose stage ``owned`` is the measured one (float32, 2 samples per microbatch)."""
+def _slice_plan(model: ModelSpec, owned: range, recompute: bool, tp: int = 1,
+                sequence_parallel: bool = False) -> tuple[Plan, int]:
+    """A zb_h1 plan whose stage ``owned`` is the measured one (float32, 2 samples per microbatch);
+    every stage ``tp``-way tensor parallel (with ``sequence_parallel``)."""
     n = model.num_layers
     cuts = sorted({0, owned.start, owned.stop, n})
-    stages = [StagePlan(layer_start=a, layer_stop=b, devices=[i],
+    stages = [StagePlan(layer_start=a, layer_stop=b, devices=list(range(i * tp, (i + 1) * tp)), tp=tp,
+                        sequence_parallel=sequence_parallel,
                         memory=[LayerMemory(layer=l, action=MemoryAction.recompute) for l in range(a, b)]
                         if recompute and a == owned.start else [])
               for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
     p = len(stages)
-    plan = Plan(planner="test", model=model.name, hardware="toyhw", num_devices=p,
+    plan = Plan(planner="test", model=model.name, hardware="toyhw", num_devices=p * tp,
                 training=TrainingSpec(global_batch=2 * p, microbatch_size=2, precision="fp32"),
                 schedule=ScheduleSpec(kind="zb_h1"), stages=stages)
     return plan, cuts.index(owned.start)
 
 
-def _executor_split_bytes(cfg, owned: range, recompute: bool, store: bool = False) -> dict:
+def _executor_split_bytes(cfg, owned: range, recompute: bool, store: bool = False, tp: bool = False,
+                          sequence_parallel: bool = False) -> dict:
     """One microbatch of 2 samples through the executor's SplitBackward (``store``: WeightStore,
     ``schedule.weight_store``) on layers ``owned``, float32, counted by executor.memtrack.
     LiveTensorTracker (the compare's measured memory): what B's end adds over the tensors live when
     B starts, with the bytes of the received gradient, the output B releases and the input
-    gradient it sends; W's peak over what B left, and what W frees."""
+    gradient it sends; W's peak over what B left, and what W frees. ``tp``: the layers Megatron
+    tensor-parallel over the default process group (executor.megatron_tp, with
+    ``sequence_parallel``; the stage's boundaries whole), this rank's bytes."""
     import torch
     from executor.memtrack import LiveTensorTracker
     from executor.models import build_layers, make_batch, output_shapes
@@ -395,6 +401,13 @@ def _executor_split_bytes(cfg, owned: range, recompute: bool, store: bool = Fals
     n = len(output_shapes(cfg))
     first, last = owned.start == 0, owned.stop == n
     layers = build_layers(cfg, owned, "cpu", 0, torch.float32)
+    vocab_parallel = False
+    if tp:
+        import torch.distributed as dist
+
+        from executor.megatron_tp import tensor_parallel
+        vocab_parallel = tensor_parallel(layers, dist.group.WORLD, "cpu", sequence_parallel,
+                                         split_in=sequence_parallel, split_out=sequence_parallel)
     params = list({id(q): q for _, _, mod in layers for q in mod.parameters()}.values())
     tracker = LiveTensorTracker()
     for q in params:
@@ -407,6 +420,7 @@ def _executor_split_bytes(cfg, owned: range, recompute: bool, store: bool = Fals
         vocab_parallel = release_outputs = False
 
     st = Stage()
+    st.vocab_parallel = vocab_parallel
     st.outputs, st.inputs, st.first, st.last, st.params, st.layers, st.tracker, st.index = (
         {}, {}, first, last, params, layers, tracker, 1)
     sb = WeightStore(st) if store else SplitBackward(st)
@@ -414,6 +428,8 @@ def _executor_split_bytes(cfg, owned: range, recompute: bool, store: bool = Fals
     gen = torch.Generator().manual_seed(0)
     with tracker:
         shape = output_shapes(cfg)[owned.start - 1] if not first else None
+        if tp and sequence_parallel and not first:  # a sequence-split boundary: this rank's s/t positions
+            shape = (shape[0] // dist.get_world_size(), *shape[1:])
         x = None if first else torch.randn((2, *shape), generator=gen).requires_grad_(True)
         y = run_layers(layers, x, batch, "full" if recompute else "none")
         grad = None if last else torch.randn(y.shape, generator=gen)
@@ -429,12 +445,32 @@ def _executor_split_bytes(cfg, owned: range, recompute: bool, store: bool = Fals
         sent = st.grad_to_send
         out["sent"] = 0 if sent is None else sent.untyped_storage().nbytes()
         out["b_adds"] = tracker.total_bytes - before
+        if tp:
+            _settle(tracker)
+            # the store's own storages (X and dY, local shards under tp), each counted once
+            local = [getattr(t, "_local_tensor", t) for _, x, dy in sb.pending[0] for t in (x, dy)]
+            held = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in local}
+            out["stored"] = sum(held.values())
+            del local  # W frees them
         tracker.reset_peak()
         after_b = tracker.total_bytes
         sb.weight_pass(0)
         out["w_excess"] = tracker.peak_bytes - after_b
         out["w_frees"] = after_b - tracker.total_bytes
     return out
+
+def _settle(tracker, quiet: int = 4, tick_s: float = 0.005, limit_s: float = 5.0) -> None:
+    """Wait until gloo's worker thread has let go of the collectives' tensors this thread dropped
+    (executor.memtrack.LiveTensorTracker._comm_freed: it frees them a few milliseconds late when
+    not scheduled, e.g. loss_parallel's 64-token all-reduce): the total unchanged ``quiet`` ticks."""
+    import time
+
+    end, last, still = time.monotonic() + limit_s, tracker.total_bytes, 0
+    while still < quiet and time.monotonic() < end:
+        time.sleep(tick_s)
+        still = still + 1 if tracker.total_bytes == last else 0
+        last = tracker.total_bytes
+
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["keep", "recompute"])
 @pytest.mark.parametrize("where", ["first", "middle", "last", "middle3", "last3"])

@@ -104,7 +104,7 @@ def spans(trace: dict) -> tuple[float, float, float]:
     last: dict[int, float] = {}
     last_any: dict[int, float] = {}
     for e in trace.get("traceEvents", []):
-        if e.get("ph") != "X":
+        if "dur" not in e or e.get("ph", "X") != "X":  # complete events only (not metadata)
             continue
         end, pid = e["ts"] + e["dur"], e["pid"]
         last_any[pid] = max(last_any.get(pid, 0.0), end)

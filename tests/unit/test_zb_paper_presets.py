@@ -40,8 +40,17 @@ def test_every_schedule_fits_at_every_count(preset, name, gpus, mbs, counts, chu
 
 
 def test_bubble_rate_is_the_papers_definition():
-    """(cost - busiest device's passes) / cost, cost = the last pass's end (§5.3)."""
+    """(cost - busiest device's passes) / cost, cost = the longest device span of its passes, first
+    start to last end (§5.3, "the largest execution time of all stages"); the steady-state time is
+    the longest span with the device's other events (its step)."""
+    from benchmarks.validate_zero_bubble import spans
+
     ev = [{"cat": "forward", "pid": 0, "ts": 0.0, "dur": 1.0}, {"cat": "backward", "pid": 0, "ts": 3.0, "dur": 2.0},
           {"cat": "forward", "pid": 1, "ts": 1.0, "dur": 1.0}, {"cat": "backward", "pid": 1, "ts": 2.0, "dur": 2.0},
-          {"cat": "optimizer_step", "pid": 0, "ts": 5.0, "dur": 9.0}]
+          {"cat": "optimizer_step", "pid": 0, "ts": 5.0, "dur": 9.0}, {"ph": "M", "pid": 0, "name": "process_name"}]
     assert bubble_rate({"traceEvents": ev}) == pytest.approx(1 - 3.0 / 5.0)
+    assert spans({"traceEvents": ev}) == pytest.approx((3e-6, 5e-6, 14e-6))
+    # a parallelogram (ZB-2p): device 1 starts and ends one unit later; each span is 5, the makespan 6
+    shifted = [{**e, "ts": e["ts"] + 1.0} if e.get("pid") == 1 else e for e in ev[:4]]
+    shifted[3]["ts"] = 5.0
+    assert bubble_rate({"traceEvents": shifted}) == pytest.approx(1 - 3.0 / 5.0)

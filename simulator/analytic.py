@@ -86,7 +86,7 @@ def device_memory(plan: Plan, model: ModelSpec, hardware: HardwareSpec | None = 
         # actions with a microbatch_period apply to some microbatches: the mean activation bytes
         # over one period (the simulator walks each microbatch's own), the worst transient
         variants = _variants(plan, stage)
-        acts[i] = -(-sum(costs.activations.stage_activation_bytes(model, plan, v) for v in variants) // len(variants))
+        acts[i] = _mean_activation_bytes(model, plan, variants)
         sent[i] = max(costs.activations.sent_output_bytes(model, plan, v) for v in variants)
         work[i], swap_in[i] = (max(x) for x in zip(*(costs.activations.backward_transient_bytes(model, plan, v) for v in variants)))
         work[i] = group_work.get(i, work[i])
@@ -465,12 +465,14 @@ def split_pass_bytes(plan: Plan, model: ModelSpec) -> dict[int, tuple[int, int]]
     end): the memory deltas of F, B and W (W frees both) that the zero-bubble search's memory limit
     counts (Qi et al. 2024 §3: M_B, M_W), as :func:`device_memory`'s walk (costs.activations.split_peak)
     books them."""
-    out = {}
-    for i, stage in enumerate(plan.stages):
-        variants = _variants(plan, stage)
-        acts = -(-sum(costs.activations.stage_activation_bytes(model, plan, v) for v in variants) // len(variants))
-        out[i] = (acts, split_bytes(model, plan, stage)[0])
-    return out
+    return {i: (_mean_activation_bytes(model, plan, _variants(plan, stage)), split_bytes(model, plan, stage)[0])
+            for i, stage in enumerate(plan.stages)}
+
+
+def _mean_activation_bytes(model: ModelSpec, plan: Plan, variants: list) -> int:
+    """A stage's activation bytes per microbatch, the mean (rounded up) over one period of its
+    actions (:func:`_variants`: actions with a microbatch_period apply to some microbatches)."""
+    return -(-sum(costs.activations.stage_activation_bytes(model, plan, v) for v in variants) // len(variants))
 
 
 def _dp_sync_exposed_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage) -> float:

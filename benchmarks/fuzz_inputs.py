@@ -71,6 +71,7 @@ NUMBER_FIELDS = {
     "schedule.virtual_stages": ["1", "2", "4"],
     "schedule.weight_store": ["true", "false", "maybe"],
     "schedule.zb_memory_limit": ["1", "2", "0.1", "0", "-1", "1e9", "null", "x"],
+    "schedule.microbatch_group_size": ["1", "2", "3", "5", "8", "0", "-1", "1e9", "null", "x"],
 }
 CHOICE_FIELDS = {
     "training.precision": ["fp32", "fp16", "bf16", "fp8"],
@@ -461,6 +462,8 @@ def _mutate_once(rng: random.Random, p: dict, n: int) -> None:
         st["memory"] = [{"layer": layer, "action": "d2d_swap", "targets": targets}]
     elif kind == 4:
         p["schedule"] = {"kind": "interleaved_1f1b", "virtual_stages": rng.choice([2, 3, len(p["stages"]) + 1])}
+        if rng.random() < 0.5:  # Megatron-Core's microbatch groups: valid, out of range, a short last group
+            p["schedule"]["microbatch_group_size"] = rng.choice([1, 2, 3, 5, 7, len(p["stages"]), 2**40, 0])
     elif kind == 5:
         p["schema_version"] = rng.choice([0, 1, 2, 999])
     elif kind == 6:

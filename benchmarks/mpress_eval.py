@@ -166,7 +166,7 @@ def stale_versions(plan, s: int) -> int:
         return 0
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     held, stale = 0, 0
-    for pass_, stage, _ in iter_compute_order(plan.schedule.kind, p, m, v, plan.device_group_of(s), plan.schedule.order):
+    for pass_, stage, _ in iter_compute_order(plan.schedule.kind, p, m, v, plan.device_group_of(s), plan.schedule.order, plan.schedule.microbatch_group_size):
         if stage != s:
             continue
         if pass_ == "F":

@@ -2,6 +2,7 @@
 
     /work/venv/bin/python benchmarks/zero_bubble_bubble.py                  # 1f1b vs zb_h1, 8 rounds
     /work/venv/bin/python benchmarks/zero_bubble_bubble.py --schedules 1f1b,zb_h1,zbv --hidden 64 --seq 512
+    /work/venv/bin/python benchmarks/zero_bubble_bubble.py --schedules 1f1b,zb_h1,zb_2p   # the searched ZB-2p too
     /work/venv/bin/python benchmarks/zero_bubble_bubble.py --load runs.json   # summarize a --save file
 
 The plan: a GPT (conf/model/gpt_tiny.yaml with ``--hidden``, ``--heads``, ``--seq`` and ``--layers``
@@ -10,7 +11,9 @@ planner over pp = 2 gloo ranks on the host's 2 cores (dp 1), ``--microbatches`` 
 (m >= 2p), fp32, Adam, 1 intra-op thread per rank. A round is one launch in which 1F1B and zb_h1
 alternate iteration by iteration on the same ranks and stages (executor.worker's ``alternate``
 option; the order flips every other round), then ``--iterations`` timed iterations of each after
-one warm-up cycle; a V schedule (zbv: the same 2 ranks hold 4 chunks) gets its own launch. The host
+one warm-up cycle; a V schedule (zbv: the same 2 ranks hold 4 chunks) gets its own launch. ``zb_1p``
+/ ``zb_2p`` (Qi et al. 2024 §3.1's searched order, schedule kind zb_auto, at most one per run) is
+searched by the planner for this plan and alternated with the others on its ranks. The host
 is shared and drifts 2x within a minute: schedules timed in separate launches (as before) compared
 minutes apart and the drift hid the gain; alternated, both see the same host.
 
@@ -56,6 +59,16 @@ from specs.plan import SPLIT_BACKWARD, V_SHAPED, ScheduleKind, ScheduleSpec  # n
 from specs.training import TrainingSpec  # noqa: E402
 
 PASSES = {"forward": "F", "backward": "B", "backward_weight": "W"}
+#: the searched zero-bubble schedules (conf/schedule/zb_1p.yaml, zb_2p.yaml): zb_auto's memory limit
+SEARCHED = {"zb_1p": 1.0, "zb_2p": 2.0}
+
+
+def _kind(name: str) -> ScheduleKind:
+    return ScheduleKind.zb_auto if name in SEARCHED else ScheduleKind(name)
+
+
+def _schedule(name: str) -> ScheduleSpec:
+    return ScheduleSpec(kind="zb_auto", zb_memory_limit=SEARCHED[name]) if name in SEARCHED else ScheduleSpec(kind=name)
 WARMUP = 1  # cycles of the alternated schedules before the timed ones
 MICROBATCH = 2
 
@@ -102,7 +115,7 @@ def _plan(kind: str, args):
     training = TrainingSpec(global_batch=MICROBATCH * args.microbatches, microbatch_size=MICROBATCH,
                             precision="fp32")
     return make_plan(parse_policy({"kind": "even", "pp": 2}), build_model(cfg, training.microbatch_size), hw,
-                     training, ScheduleSpec(kind=kind)), cfg
+                     training, _schedule(kind)), cfg
 
 
 def run_round(scheds: list[str], args) -> dict[str, dict]:
@@ -110,16 +123,19 @@ def run_round(scheds: list[str], args) -> dict[str, dict]:
     same ranks (executor.worker's ``alternate`` option, on the plan built for the split one), one
     launch per V schedule (zbv: its own stages). Per schedule: :func:`analyse` of its timed
     iterations (the first cycle is the warm-up)."""
-    flat = [s for s in scheds if ScheduleKind(s) not in V_SHAPED]
+    if sum(s in SEARCHED for s in scheds) > 1:
+        raise SystemExit(f"--schedules: at most one of {sorted(SEARCHED)} per run (each is the plan's own order)")
+    flat = [s for s in scheds if _kind(s) not in V_SHAPED]
     groups = ([flat] if flat else []) + [[s] for s in scheds if s not in flat]
     out = {}
     for kinds in groups:
-        own = next((k for k in kinds if ScheduleKind(k) in SPLIT_BACKWARD), kinds[0])
+        own = next((k for k in kinds if k in SEARCHED), None) or next(
+            (k for k in kinds if _kind(k) in SPLIT_BACKWARD), kinds[0])
         plan, cfg = _plan(own, args)
         n = len(kinds)
         opts = {"iterations": n * (WARMUP + args.iterations), "collect": False, "memory_iteration": None,
                 "track_memory": False, "fault": None, "seed": 0, "device": "cpu", "threads": 1,
-                "capacity_bytes": None, "alternate": kinds if n > 1 else None}
+                "capacity_bytes": None, "alternate": [_kind(k).value for k in kinds] if n > 1 else None}
         run = launch(plan, cfg, opts, timeout_s=900)
         if run.failure is not None:
             raise RuntimeError(f"{kinds}: {run.failure}")

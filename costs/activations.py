@@ -393,7 +393,7 @@ def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None 
     now = best = grads = best_grads = 0
     best_held = dict(held)
     graded: set[int] = set()
-    for pass_, s, _ in compute_order(plan.schedule.kind, p, m, v, position, plan.schedule.order):
+    for pass_, s, _ in compute_order(plan.schedule.kind, p, m, v, position, plan.schedule.order, plan.schedule.microbatch_group_size):
         a = act_bytes[s] if act_bytes is not None else 1
         if pass_ == "F":
             held[s] += 1
@@ -437,7 +437,7 @@ def split_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = Non
     now = best = grads = best_grads = 0
     best_held = dict(held)
     graded: set[int] = set()
-    for pass_, s, _ in iter_compute_order(plan.schedule.kind, p, m, v, position, plan.schedule.order):
+    for pass_, s, _ in iter_compute_order(plan.schedule.kind, p, m, v, position, plan.schedule.order, plan.schedule.microbatch_group_size):
         a = act_bytes[s] if act_bytes is not None else 1
         if pass_ == "F":
             held[s] += 1

@@ -293,8 +293,12 @@ def _alternate(plan: Plan, position: int, kinds: list[str] | None) -> list[tuple
         own = plan.schedule.kind
         if kind in V_SHAPED or own in V_SHAPED or (kind in SPLIT_BACKWARD and own not in SPLIT_BACKWARD):
             raise ValueError(f"alternate: {kind.value} cannot run on a plan built for {own.value}; allowed: "
-                             "one-chunk-per-rank kinds, split ones only on a split plan (zb_h1)")
-        as_kind = plan.model_copy(update={"schedule": ScheduleSpec(kind=kind)})
+                             "one-chunk-per-rank kinds, split ones only on a split plan (zb_h1, zb_auto)")
+        if kind is ScheduleKind.zb_auto and own is not ScheduleKind.zb_auto:
+            raise ValueError("alternate: zb_auto runs the plan's own searched order (schedule.order); "
+                             f"this plan is {own.value}")
+        # the plan's own kind keeps its schedule (zb_auto: its searched order, limit)
+        as_kind = plan.model_copy(update={"schedule": plan.schedule if kind is own else ScheduleSpec(kind=kind)})
         out.append((kind in SPLIT_BACKWARD, group_actions(as_kind, position)))
     return out
 

@@ -219,27 +219,34 @@ def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None 
       pair on, so it offers the same candidate peaks as the second pair, and the walk keeps the first
       strictly larger one; the cool-down starts from that state too. m' = 4p microbatches
       (>= warm-up + 2 pairs on every position) walk the same candidates minus repeats.
-    * Interleaved 1F1B (m % p == 0): the steady state is periodic over p·v pairs (each chunk runs p
-      forwards and p backwards per period, and every chunk has had its first backward by the end of
-      the first period), so from the second period on every period repeats the second; m' = 4p keeps
-      m - m' a multiple of p (the same partial period and cool-down) and at least two full periods.
+    * Interleaved 1F1B with microbatch groups of n (p unless ``schedule.microbatch_group_size``,
+      Megatron-Core's; the last group of tail = 1..n): over the full groups the steady state is
+      periodic over n·v pairs (each chunk runs n forwards and n backwards per period, and every chunk
+      has had its first backward by the end of the first period, n >= p), so from the second period
+      on every period repeats the second; m' = tail + 3n keeps m - m' a multiple of n (the same last
+      group and cool-down) and at least two full periods (n = p, m % p == 0: m' = 4p).
     * GPipe holds all m: :func:`_gpipe_peak`, the walk's closed form.
     Exact either way: integers, the same comparisons in the same order; up to 4p microbatches the
     walk itself runs. tests/unit/simulator/test_scale.py checks both against the full walk."""
     p, m, kind = plan.pipeline_depth, plan.training.microbatches, plan.schedule.kind
     if kind in SPLIT_BACKWARD:
         return split_peak(plan, position, act_bytes, transient_bytes, sent_bytes, grad_bytes, w_bytes)
-    if m > 4 * p and not (kind is ScheduleKind.interleaved_1f1b and m % p):
+    short = 4 * p
+    if kind is ScheduleKind.interleaved_1f1b:  # microbatch groups of n (p unless set), the last of tail
+        n = plan.schedule.microbatch_group_size or p
+        short = m - ((m - 1) // n) * n + 3 * n
+    if m > short:
         if kind is ScheduleKind.gpipe:
             return _gpipe_peak(plan, position, act_bytes, transient_bytes, sent_bytes, grad_bytes)
-        training = plan.training.model_copy(update={"num_microbatches": 4 * p, "microbatch_size": None})
+        training = plan.training.model_copy(update={"num_microbatches": short, "microbatch_size": None})
         plan = plan.model_copy(update={"training": training})  # only its pass order is walked
     return costs.activations.activation_peak(plan, position, act_bytes, transient_bytes, sent_bytes, grad_bytes)
 
 
 
 def split_pipe_s(plan: Plan, pass_s: dict[int, tuple[float, float, float]], hop_s: dict[int, float]) -> float:
-    """Pipeline time of a zero-bubble order (zb_h1, zbv, dualpipev) with no contention: every pass
+    """Pipeline time of a zero-bubble order (zb_h1, zbv, dualpipev, zb_auto; and of interleaved 1F1B's
+    microbatch groups, :func:`grouped_interleaved_pipe_s`) with no contention: every pass
     starts when the one before it on its position has ended and its input is there: F(s, k) after
     F(s-1, k) + ``hop_s[s-1]``, B(s, k) after B(s+1, k) + ``hop_s[s]`` (the last stage's after its
     own F), W(s, k) after B(s, k). ``pass_s[s]`` = (F, B, W) seconds of stage s. The closed forms
@@ -249,7 +256,7 @@ def split_pipe_s(plan: Plan, pass_s: dict[int, tuple[float, float, float]], hop_
 
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     last = len(plan.stages) - 1
-    orders = [compute_order(plan.schedule.kind, p, m, v, i, plan.schedule.order) for i in range(p)]
+    orders = [compute_order(plan.schedule.kind, p, m, v, i, plan.schedule.order, plan.schedule.microbatch_group_size) for i in range(p)]
     nxt, clock, end = [0] * p, [0.0] * p, {}
     left = sum(len(o) for o in orders)
     while left:
@@ -274,6 +281,38 @@ def split_pipe_s(plan: Plan, pass_s: dict[int, tuple[float, float, float]], hop_
         if not moved:
             raise ValueError(f"{plan.schedule.kind.value}: the pass orders deadlock (p {p}, m {m})")
     return max(clock)
+
+
+#: passes past which grouped_interleaved_pipe_s takes the closed form instead of walking
+GROUPED_WALK_PASSES = 1_000_000
+
+
+def grouped_interleaved_pipe_s(plan: Plan, pass_s: dict[int, tuple[float, float, float]], hop_s: dict[int, float],
+                               closed_s: float) -> float:
+    """Pipeline time of interleaved 1F1B with Megatron-Core's microbatch groups of N != p
+    (``schedule.microbatch_group_size``; specs.schedule._interleaved): Narayanan et al.'s closed form
+    (m + (p-1)/v)·slowest holds for N = p only, so the passes are walked as :func:`split_pipe_s`
+    walks them (each pass after its position's previous one and its input's hop). The walk's time
+    grows by the same amount with every full group (its extra bubble is the fill and drain's, set by
+    p, v, N and the last group), so past two full groups it walks the last group plus one and two
+    full groups and adds the difference once per further group: exact, in O(N·v·p) passes. A walk
+    past :data:`GROUPED_WALK_PASSES` passes falls back to ``closed_s``, the N = p form. At N = p
+    the walk is within 0.5 % of the closed form (tests/unit/simulator/test_microbatch_group.py)."""
+    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+    n = plan.schedule.microbatch_group_size
+    tail = m - ((m - 1) // n) * n  # the last group's microbatches
+    short = min(m, tail + 2 * n)
+    if 2 * short * v * p > GROUPED_WALK_PASSES:
+        return closed_s
+
+    def walk(count: int) -> float:
+        training = plan.training.model_copy(update={"num_microbatches": count, "microbatch_size": None})
+        return split_pipe_s(plan.model_copy(update={"training": training}), pass_s, hop_s)
+
+    if m == short:
+        return walk(m)
+    one, two = walk(tail + n), walk(tail + 2 * n)
+    return two + (m - tail - 2 * n) // n * (two - one)
 
 
 def _gpipe_peak(plan: Plan, position: int, act_bytes, transient_bytes, sent_bytes, grad_bytes
@@ -380,6 +419,8 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
         if kind_split:
             passes[i] = _split_pass_s(model, plan, hardware, stage, fwd, bwd)
             work[plan.device_group_of(i)] += w_rerun_s(model, plan, hardware, stage)  # W re-runs recomputed layers
+        else:
+            passes[i] = (fwd, bwd, 0.0)  # walked by grouped_interleaved_pipe_s
         if i + 1 < len(plan.stages):
             hops[i] = _hop_s(model, plan, hardware, i)
             p2p[plan.device_group_of(i)] += 2 * hops[i]
@@ -396,6 +437,8 @@ def iteration_time_s(plan: Plan, model: ModelSpec, hardware: HardwareSpec) -> fl
     slowest = max(work)
     if kind is ScheduleKind.pipedream_async:
         pipe = m * slowest
+    elif kind is ScheduleKind.interleaved_1f1b and plan.schedule.microbatch_group_size not in (None, p):
+        pipe = grouped_interleaved_pipe_s(plan, passes, hops, (m + (p - 1) / v) * slowest + sum(p2p))
     elif kind is ScheduleKind.interleaved_1f1b:
         pipe = (m + (p - 1) / v) * slowest + sum(p2p)
     elif kind_split:  # no closed form for unequal F, B, W: walk the orders (split_pipe_s)

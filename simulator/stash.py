@@ -88,7 +88,7 @@ class StashEvents:
         if self._stash_swap:  # the pass after the current one, per position (a prefetch point)
             p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
             for pos in range(p):
-                order = iter_compute_order(plan.schedule.kind, p, m, v, pos, plan.schedule.order)
+                order = iter_compute_order(plan.schedule.kind, p, m, v, pos, plan.schedule.order, plan.schedule.microbatch_group_size)
                 next(order, None)  # the first pass is the current one when the walk starts
                 self._upcoming.append(order)
 

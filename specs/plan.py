@@ -91,11 +91,19 @@ class ScheduleSpec(Spec):
         None, max_length=1024, description="zb_auto's pass order, one string per pipeline position over 'F', 'B', "
         "'W' (the k-th F, B, W of a position is microbatch k), searched by the planner (planners/zero_bubble) from "
         "the stage costs (Qi et al. 2024 §3.1); validate_plan checks it is complete and cannot deadlock")
+    microbatch_group_size: int | None = Field(
+        None, ge=1, le=1_000_000, description="interleaved_1f1b's contiguous microbatches per model chunk, N "
+        "(Megatron-Core's --microbatch-group-size-per-virtual-pipeline-stage; Llama 3 §3.3.2's tunable N): each "
+        "chunk runs N microbatches before the next chunk takes them, and the first position's warm-up is "
+        "2(p-1) + (v-1)N chunk passes. From p to the microbatch count, with a last group of 0 or at least p "
+        "microbatches (Megatron-Core's checks); lets interleaving run a microbatch count that p does not "
+        "divide. p when left out (Narayanan et al. 2021's schedule); only with interleaved_1f1b")
 
     @model_serializer(mode="wrap")
     def _omit_default_store(self, handler):
-        """A schedule without the weight store or a searched order dumps as before those fields existed."""
-        return omit_unset(self, handler(self), ("weight_store", "zb_memory_limit", "order"))
+        """A schedule without the weight store, a searched order or a microbatch group dumps as before
+        those fields existed."""
+        return omit_unset(self, handler(self), ("weight_store", "zb_memory_limit", "order", "microbatch_group_size"))
 
     @model_validator(mode="before")
     @classmethod
@@ -125,6 +133,9 @@ class ScheduleSpec(Spec):
             if getattr(self, name) is not None and self.kind is not ScheduleKind.zb_auto:
                 raise ValueError(f"schedule.{name}: only with kind zb_auto (the searched zero-bubble schedule), "
                                  f"got kind {self.kind.value}")
+        if self.microbatch_group_size is not None and self.kind is not ScheduleKind.interleaved_1f1b:
+            raise ValueError(f"schedule.microbatch_group_size: only with kind interleaved_1f1b (Megatron-Core's "
+                             f"microbatch groups of its interleaved schedule), got kind {self.kind.value}")
         if self.order is not None and any(set(o) - set("FBW") for o in self.order):
             bad = next(o for o in self.order if set(o) - set("FBW"))
             raise ValueError(f"schedule.order: one string per position over 'F', 'B', 'W'; got characters "
@@ -438,11 +449,38 @@ def _check_batch(plan: Plan, err) -> None:
         if per_mb % stage.dp:
             err(f"stages[{i}].dp", f"{stage.dp} does not divide the microbatch of {per_mb} samples")
     m = plan.training.microbatches
-    if plan.schedule.kind is ScheduleKind.interleaved_1f1b and m % plan.pipeline_depth:
-        err("training.num_microbatches",
-            f"interleaved_1f1b needs microbatches ({m}) divisible by pipeline depth ({plan.pipeline_depth})")
+    if plan.schedule.kind is ScheduleKind.interleaved_1f1b:
+        _check_microbatch_group(plan, m, err)
     if plan.schedule.kind in SPLIT_BACKWARD:
         _check_split_backward(plan, m, err)
+
+
+def _check_microbatch_group(plan: Plan, m: int, err) -> None:
+    """Megatron-Core's checks of its interleaved schedule's microbatch groups
+    (forward_backward_pipelining_with_interleaving): p <= N <= m, and the last group 0 or at least p
+    microbatches (fewer would leave dependency bubbles), N = p when left out."""
+    p, n = plan.pipeline_depth, plan.schedule.microbatch_group_size
+    if n is None:
+        if m % p:
+            hint = (f"; or set schedule.microbatch_group_size (Megatron-Core's microbatch groups), e.g. "
+                    f"{smallest_microbatch_group(m, p)}" if smallest_microbatch_group(m, p) else "")
+            err("training.num_microbatches",
+                f"interleaved_1f1b needs microbatches ({m}) divisible by pipeline depth ({p}){hint}")
+        return
+    if not p <= n <= m:
+        err("schedule.microbatch_group_size",
+            f"{n} is outside [{p}, {m}]: from the pipeline depth to the microbatch count (Megatron-Core's range)")
+    elif 0 < m % n < p:
+        good = smallest_microbatch_group(m, p)
+        err("schedule.microbatch_group_size",
+            f"{m} microbatches in groups of {n} leave a last group of {m % n}, fewer than the pipeline depth "
+            f"({p}); allowed: a group size whose last group is 0 or at least {p}" + (f", e.g. {good}" if good else ""))
+
+
+def smallest_microbatch_group(m: int, p: int) -> int | None:
+    """The smallest interleaved microbatch group N (schedule.microbatch_group_size) Megatron-Core runs
+    with ``m`` microbatches on ``p`` positions (p <= N <= m, m mod N 0 or >= p), None if m < p."""
+    return next((n for n in range(p, m + 1) if m % n == 0 or m % n >= p), None)
 
 
 def _check_split_backward(plan: Plan, m: int, err) -> None:

@@ -77,15 +77,16 @@ class Action(Spec):
 
 
 def compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int,
-                  order: list[str] | None = None) -> list[tuple[str, int, int]]:
+                  order: list[str] | None = None, group: int | None = None) -> list[tuple[str, int, int]]:
     """Order of passes on position ``i`` of ``p``: [("F"|"B"|"W", stage, microbatch), ...] (a list of
     2·m·v passes, 3·m·v with a split backward, "W" only then; :func:`iter_compute_order` yields the same without holding them).
-    ``order`` is the plan's ``schedule.order`` (zb_auto's searched order; None for the other kinds)."""
-    return list(iter_compute_order(kind, p, m, v, i, order))
+    ``order`` is the plan's ``schedule.order`` (zb_auto's searched order; None for the other kinds),
+    ``group`` its ``schedule.microbatch_group_size`` (interleaved_1f1b's N; None: p)."""
+    return list(iter_compute_order(kind, p, m, v, i, order, group))
 
 
 def iter_compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int,
-                       order: list[str] | None = None) -> Iterator[tuple[str, int, int]]:
+                       order: list[str] | None = None, group: int | None = None) -> Iterator[tuple[str, int, int]]:
     """:func:`compute_order`, lazily: O(1) memory however many microbatches."""
     if kind is ScheduleKind.zb_auto:
         if order is None:
@@ -101,7 +102,7 @@ def iter_compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int,
             yield ("B", i, k)
         return
     if kind is ScheduleKind.interleaved_1f1b:
-        yield from _interleaved(p, m, v, i)
+        yield from _interleaved(p, m, v, i, group or p)
         return
     if kind in _SPLIT_ORDERS:
         yield from _SPLIT_ORDERS[kind](p, m, i)
@@ -119,15 +120,34 @@ def iter_compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int,
         yield ("B", i, k)
 
 
-def _interleaved(p: int, m: int, v: int, i: int) -> Iterator[tuple[str, int, int]]:
-    """Megatron's interleaved 1F1B (Narayanan et al. 2021 §2.2): virtual microbatch u runs chunk
-    (u // p) % v forward (v - 1 - that backward) on microbatch (u // pv)·p + u % p; warm-up is
-    (p - i - 1)·2 + (v - 1)·p virtual microbatches. Needs m % p == 0 (validate_plan checks)."""
+def _interleaved(p: int, m: int, v: int, i: int, n: int) -> Iterator[tuple[str, int, int]]:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021 §2.2) with Megatron-Core's microbatch
+    groups of ``n`` (its get_schedule_table; Llama 3 §3.3.2's N): virtual microbatch u forwards the
+    u-th entry of the table that runs each group of n microbatches through chunk 0, then chunk 1, ...
+    (the last group takes what is left), and backwards the u-th entry with the chunk mirrored
+    (v - 1 - c); warm-up is (p - i - 1)·2 + (v - 1)·n virtual microbatches. n = p is the paper's
+    schedule: chunk (u // p) % v on microbatch (u // pv)·p + u % p. validate_plan checks p <= n <= m
+    and a last group of 0 or >= p microbatches (Megatron-Core's checks)."""
     total = m * v
-    mb = lambda u: (u // (p * v)) * p + u % p  # noqa: E731
-    fwd = lambda u: ("F", ((u // p) % v) * p + i, mb(u))  # noqa: E731
-    bwd = lambda u: ("B", (v - 1 - (u // p) % v) * p + i, mb(u))  # noqa: E731
-    warm = min((p - i - 1) * 2 + (v - 1) * p, total)
+    tail = m - ((m - 1) // n) * n  # the last group: m - start of the last group (range(0, m, n))
+    last = m - tail
+
+    def entry(u: int) -> tuple[int, int]:  # (chunk, microbatch) of virtual microbatch u, O(1)
+        if u < last * v:
+            g, r = divmod(u, n * v)
+            return r // n, g * n + r % n
+        r = u - last * v
+        return r // tail, last + r % tail
+
+    def fwd(u: int) -> tuple[str, int, int]:
+        c, k = entry(u)
+        return "F", c * p + i, k
+
+    def bwd(u: int) -> tuple[str, int, int]:
+        c, k = entry(u)
+        return "B", (v - 1 - c) * p + i, k
+
+    warm = min((p - i - 1) * 2 + (v - 1) * n, total)
     for u in range(warm):
         yield fwd(u)
     for u in range(total - warm):
@@ -305,7 +325,7 @@ def position_steps(plan: Plan, i: int) -> Iterator[Step]:
     layer_actions = _LayerActions(plan)
     prev: list[Step] | None = None  # one group per pass (its recvs, itself, its sends), held one pass
     prev_pass = None                # back: a backward may prefetch its swap-ins into it
-    for pass_ in iter_compute_order(plan.schedule.kind, p, m, v, i, plan.schedule.order):
+    for pass_ in iter_compute_order(plan.schedule.kind, p, m, v, i, plan.schedule.order, plan.schedule.microbatch_group_size):
         kind, s, k = pass_
         swapped, swapped_rev, recomputed = layer_actions(s, k)
         group: list[Step] = []

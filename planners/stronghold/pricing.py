@@ -39,7 +39,7 @@ def _passes(plan: Plan, s: int) -> list[tuple[str, int]]:
     # the compute order alone (what build_schedule's forwards and backwards follow), without
     # building every position's Action objects: 175B on Selene spent 60 s there
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
-    return [(kind, k) for kind, st, k in iter_compute_order(plan.schedule.kind, p, m, v, plan.device_group_of(s), plan.schedule.order)
+    return [(kind, k) for kind, st, k in iter_compute_order(plan.schedule.kind, p, m, v, plan.device_group_of(s), plan.schedule.order, plan.schedule.microbatch_group_size)
             if st == s]
 
 

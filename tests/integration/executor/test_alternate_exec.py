@@ -70,3 +70,24 @@ def test_alternate_refuses_a_split_kind_on_an_unsplit_plan():
     """A 1F1B plan's stages hold no B/W state: zb_h1 in the list is refused, naming the option."""
     with pytest.raises(ValueError, match="alternate: zb_h1"):
         _alternate(_plan("1f1b"), 0, KINDS)
+
+
+def test_alternate_keeps_a_searched_plans_own_order():
+    """A zb_auto plan (ZB-2p, benchmarks/zero_bubble_bubble.py --schedules 1f1b,zb_2p) alternates with
+    1F1B: its own iterations walk the plan's searched order (schedule.order), the 1F1B ones 1F1B's."""
+    from executor.worker import group_actions
+
+    plan = make_plan(parse_policy({"kind": "even", "pp": 2}), SPEC, HW, TRAINING,
+                     ScheduleSpec(kind="zb_auto", zb_memory_limit=2.0))
+    assert plan.schedule.order is not None
+    for pos in range(2):
+        (split_1f1b, acts_1f1b), (split_zb, acts_zb) = _alternate(plan, pos, ["1f1b", "zb_auto"])
+        assert (split_1f1b, split_zb) == (False, True)
+        assert acts_zb == group_actions(plan, pos)
+        one = plan.model_copy(update={"schedule": ScheduleSpec(kind="1f1b")})
+        assert acts_1f1b == group_actions(one, pos)
+
+
+def test_alternate_refuses_zb_auto_on_a_plan_without_its_order():
+    with pytest.raises(ValueError, match="alternate: zb_auto runs the plan's own searched order"):
+        _alternate(_plan("zb_h1"), 0, ["zb_h1", "zb_auto"])

@@ -163,3 +163,23 @@ def test_interleaved_variants_of_the_fastest_uniform_layouts_are_simulated():
             assert st.devices == c.plan.stages[j % p].devices
         assert "interleaved 1F1B" in c.how and c.result.iteration_time_s > 0
     assert {any(st.memory for st in c.plan.stages) for c in inter} == {False, True}  # none and full recompute
+
+
+def test_interleaving_a_microbatch_count_the_depth_does_not_divide_takes_megatron_cores_groups():
+    """5 microbatches: no pipeline depth > 1 of local_cpu divides them, so Narayanan et al.'s
+    interleaving cannot run; Megatron-Core's microbatch groups can (schedule.microbatch_group_size,
+    the smallest it runs: 3 for p = 2, 5 for p = 4), and auto simulates those candidates."""
+    from specs import TrainingSpec
+    from specs.plan import smallest_microbatch_group, validate_plan
+
+    training = TrainingSpec(global_batch=10, microbatch_size=2, precision="fp32")
+    model = spec("gpt_tiny", training)
+    out = auto_search(AutoPolicy(singles=[]), model, LOCAL_CPU, training, ONE_F_ONE_B)
+    inter = [c for c in out.candidates if c.plan.schedule.kind.value == "interleaved_1f1b"]
+    assert inter
+    for c in inter:
+        p = c.plan.pipeline_depth
+        assert c.plan.schedule.microbatch_group_size == smallest_microbatch_group(5, p) != p
+        assert f"microbatch groups of {c.plan.schedule.microbatch_group_size}" in c.how
+        validate_plan(c.plan, model, LOCAL_CPU)
+        assert c.result.iteration_time_s > 0

@@ -11,7 +11,8 @@ import pytest
 
 import costs.activations
 from simulator import simulate
-from simulator.analytic import activation_peak, estimate, grouped_interleaved_pipe_s, iteration_time_s, split_pipe_s
+from simulator.analytic import activation_peak, estimate, iteration_time_s
+from simulator.pipe_walk import grouped_interleaved_pipe_s, split_pipe_s
 from specs import PlanError, ScheduleSpec, validate_plan
 from specs.plan import ScheduleKind, smallest_microbatch_group
 from specs.schedule import compute_order

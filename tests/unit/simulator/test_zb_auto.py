@@ -14,7 +14,8 @@ from planners.layout import PlanningError
 from planners.zero_bubble.heuristic import order_makespan, zb_orders
 from planners.zero_bubble.order import search_inputs, with_zb_order
 from simulator import simulate
-from simulator.analytic import estimate, split_pass_costs, split_pipe_s
+from simulator.analytic import estimate, split_pass_costs
+from simulator.pipe_walk import split_pipe_s
 from specs import Plan, ScheduleSpec
 from specs.plan import PlanError, validate_plan
 from specs.pass_order import order_problem

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from simulator import simulate
-from simulator.analytic import estimate, split_peak, split_pipe_s
+from simulator.analytic import estimate, split_peak
+from simulator.pipe_walk import split_pipe_s
 from simulator.stagecost import stage_costs
 from specs import (
     DeviceSpec, HardwareSpec, HostSpec, LayerKind, LayerSpec, LinkKind, LinkSpec, ModelSpec,
@@ -187,7 +188,7 @@ def test_bubble_closed_forms(p, m, f, b, w):
     """Iteration = m(F+B+W) + bubble: 1F1B (p-1)(F+B+W); ZB-H1 (p-1)(F+B-W) (Qi et al. §2.1,
     there for F = B = W; holds here whenever W <= B); ZB-V and DualPipeV with per-chunk F = B = W
     only the last position's start-up, (p-1)F, for m >= 2p. Checked on the unit-time walk of the
-    Action lists and on simulator.analytic.split_pipe_s, which walks the orders."""
+    Action lists and on simulator.pipe_walk.split_pipe_s, which walks the orders."""
     def bubble(kind, f=f, b=b, w=w):
         plan = make_plan(kind, p, m)
         finish, _ = unit_walk(plan, f, b, w)

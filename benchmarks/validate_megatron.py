@@ -67,6 +67,10 @@ KORTHIKANTI = [
 #: ``validation/seqsel/tab5/*_seqsel.json`` differ from ``*_full.json`` only in recompute
 #: ``attn_only`` and TP communication ``rs_ag``); the full-recompute column there equals ours.
 KORTHIKANTI_SEQSEL = {"22B": 1.10, "175B": 13.75, "530B": 37.83, "1T": 71.49}
+#: Korthikanti et al. 2022 Table 4: one transformer layer of the 22B model (Table 3's setup: t 8,
+#: micro-batch 4, seq 2048), forward and backward ms per variant (policy.recompute, sequence parallel)
+KORTHIKANTI_TABLE4 = {("none", False): (7.7, 11.9), ("none", True): (7.2, 11.8), ("full", False): (7.7, 19.5),
+                      ("selective", False): (7.7, 13.2), ("selective", True): (7.2, 13.1)}
 
 
 def published_time_s(heads, hidden, layers, gpus, batch, tflops) -> float:
@@ -151,6 +155,7 @@ def main() -> None:
         rows.append((name, tp, pp, gpus, KORTHIKANTI_SEQSEL[name], build(row, mb, v, 18, "selective", True)))
     report("Korthikanti et al. 2022 Table 5, sequence parallel + selective recompute (present work)", rows, args.fast)
     speedups()
+    table4()
 
 
 def korthikanti_rows(recompute: str, sequence_parallel: bool):
@@ -171,6 +176,33 @@ def speedups() -> None:
         pub = 100 * (pub_full / pub_sel - 1)
         got = 100 * (full[name] / iteration_time_s(plan, model, hardware) - 1)
         print(f"{name:>8} {pub:>9.1f} {got:>8.1f} {got - pub:>+6.1f}")
+
+
+def table4_rows():
+    """(recompute, sequence_parallel, published (fwd, bwd) ms, memwall (fwd, bwd) ms) of one middle
+    block of the 22B setup: costs.layer_time.layer_pass_times_s, the recompute's forward in the
+    backward (as Table 4 times it)."""
+    from costs.layer_time import layer_pass_times_s
+
+    name, heads, hidden, layers, tp, pp, gpus, batch, mb, v, _ = KORTHIKANTI[0]
+    for (recompute, sp), pub in KORTHIKANTI_TABLE4.items():
+        model, hardware, plan = build((name, heads, hidden, layers, tp, pp, gpus, batch, 0), mb, v, 18, recompute, sp)
+        stage = plan.stages[0]
+        f, b, rc = layer_pass_times_s(model, plan, hardware, stage, stage.layers[len(stage.layers) // 2])
+        yield recompute, sp, pub, (1e3 * f, 1e3 * (b + rc))
+
+
+def table4() -> None:
+    """Korthikanti et al. 2022 Table 4 (per-layer times and overheads over no recompute) beside memwall's."""
+    print("Korthikanti et al. 2022 Table 4, one 22B layer (ms): forward, backward, combined, overhead")
+    print(f"{'recompute':>10} {'SP':>5} {'published':>24} {'memwall':>24} {'err':>6}")
+    base = None
+    for recompute, sp, (pf, pb), (mf, mb) in table4_rows():
+        if base is None:
+            base = (pf + pb, mf + mb)
+        pub = f"{pf:.1f} {pb:.1f} {pf + pb:.1f} {100 * ((pf + pb) / base[0] - 1):+3.0f}%"
+        got = f"{mf:.2f} {mb:.2f} {mf + mb:.2f} {100 * ((mf + mb) / base[1] - 1):+5.1f}%"
+        print(f"{recompute:>10} {str(sp):>5} {pub:>24} {got:>24} {100 * ((mf + mb) / (pf + pb) - 1):+5.1f}%")
 
 
 if __name__ == "__main__":

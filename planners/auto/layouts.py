@@ -110,7 +110,8 @@ def variants(policy, training: TrainingSpec, schedule: ScheduleSpec) -> tuple[li
         left_out.append("pipedream_async: it changes the optimisation (stale weights); policy.allow_async=true adds it")
     left_out.append("interleaved 1F1B: not in the layout table (it prices non-interleaved pipelines); tried after "
                     "the search on the fastest uniform layouts (v = 2, 3, 4, balanced chunks, no action or full "
-                    "recompute: per-layer actions and windows take no interleaved plan)")
+                    "recompute: per-layer actions and windows take no interleaved plan; Megatron-Core's smallest "
+                    "microbatch group where the depth does not divide the microbatches)")
     if any(z > 1 for z in policy.zero_stages):
         left_out.append("ZeRO > 1 is searched for simulation (the executor runs ZeRO-2 and ZeRO-3 on stages "
                         "without tp/cp or offload, ZeRO-3 with no weight tied over stages: executor.zero2, "

@@ -384,32 +384,66 @@ def activation_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None 
     GPipe holds all m; 1F1B and PipeDream min(p - i, m) (PipeDream-2BW §3); interleaved 1F1B the
     Megatron warm-up count min((p-i-1)·2 + (v-1)·p + 1, m·v) of chunk-microbatches, unevenly over
     the chunks (Narayanan et al. 2021 §2.2: p=8, v=3, i=0 holds 31 = 15 + 8 + 8)."""
-    from specs.schedule import compute_order  # specs.schedule imports specs.plan only
+    from specs.schedule import interleaved_runs, iter_compute_order  # specs.schedule imports specs.plan only
 
     if plan.schedule.kind in SPLIT_BACKWARD:  # zero-bubble: held until W (Qi et al. 2024)
         return split_peak(plan, position, act_bytes, transient_bytes, sent_bytes, grad_bytes)
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+    sch = plan.schedule
+    if sch.kind is ScheduleKind.interleaved_1f1b:  # runs of the same chunks: O(v·m/N) however large N
+        runs = interleaved_runs(p, m, v, position, sch.microbatch_group_size)
+    else:
+        runs = ((((kind, s),), 1) for kind, s, _ in iter_compute_order(sch.kind, p, m, v, position, sch.order))
     held: dict[int, int] = {s: 0 for s in range(position, len(plan.stages), p)}
-    now = best = grads = best_grads = 0
-    best_held = dict(held)
+    return _walk_runs(runs, held, act_bytes, transient_bytes, sent_bytes, grad_bytes)
+
+
+def _walk_runs(runs, held: dict[int, int], act_bytes, transient_bytes, sent_bytes, grad_bytes
+               ) -> tuple[int, dict[int, int], int]:
+    """:func:`activation_peak`'s walk over ``runs`` = [(steps, count)]: ``steps`` (("F"|"B", stage),
+    ...) repeated ``count`` times. A run of more than three repetitions walks its first two and its
+    last and adds the middle ones' net effect (each repetition moves the held bytes by the same d,
+    and its candidate peaks with them): past the first repetition (which may add a stage's
+    sent-gradient buffer) every candidate is its predecessor's plus d, so if d <= 0 none in the
+    middle exceeds its counterpart in the second repetition, which came first, and if d > 0 each is
+    below its counterpart in the last; either way the first occurrence of the largest value, where
+    the walk records the peak and its held counts, is in a repetition walked. The same integers as
+    walking every pass (tests/unit/simulator/test_microbatch_group.py)."""
+    state = {"now": 0, "best": 0, "grads": 0, "best_grads": 0, "best_held": dict(held)}
     graded: set[int] = set()
-    for pass_, s, _ in compute_order(plan.schedule.kind, p, m, v, position, plan.schedule.order, plan.schedule.microbatch_group_size):
+
+    def step(kind: str, s: int) -> None:
         a = act_bytes[s] if act_bytes is not None else 1
-        if pass_ == "F":
+        if kind == "F":
             held[s] += 1
-            now += a
-            if sent_bytes is not None and now + grads + sent_bytes[s] > best:
-                best, best_held, best_grads = now + grads + sent_bytes[s], dict(held), grads
-            continue
-        peak = now + grads + (transient_bytes[s] if transient_bytes is not None else 0)
-        if peak > best:
-            best, best_held, best_grads = peak, dict(held), grads
+            state["now"] += a
+            if sent_bytes is not None and state["now"] + state["grads"] + sent_bytes[s] > state["best"]:
+                state.update(best=state["now"] + state["grads"] + sent_bytes[s], best_held=dict(held),
+                             best_grads=state["grads"])
+            return
+        peak = state["now"] + state["grads"] + (transient_bytes[s] if transient_bytes is not None else 0)
+        if peak > state["best"]:
+            state.update(best=peak, best_held=dict(held), best_grads=state["grads"])
         held[s] -= 1
-        now -= a
+        state["now"] -= a
         if grad_bytes is not None and s not in graded:
             graded.add(s)
-            grads += grad_bytes[s]
-    return best, best_held, best_grads
+            state["grads"] += grad_bytes[s]
+
+    for steps, count in runs:
+        for _ in range(count if count <= 3 else 2):
+            for kind, s in steps:
+                step(kind, s)
+        if count <= 3:
+            continue
+        skip = count - 3
+        for kind, s in steps:  # the middle repetitions' net effect: no candidate there is the first maximum
+            sign = 1 if kind == "F" else -1
+            held[s] += sign * skip
+            state["now"] += sign * skip * (act_bytes[s] if act_bytes is not None else 1)
+        for kind, s in steps:
+            step(kind, s)
+    return state["best"], state["best_held"], state["best_grads"]
 
 
 def in_flight_microbatches(plan: Plan, stage_index: int) -> int:

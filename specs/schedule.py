@@ -157,6 +157,52 @@ def _interleaved(p: int, m: int, v: int, i: int, n: int) -> Iterator[tuple[str, 
         yield bwd(u)
 
 
+def interleaved_runs(p: int, m: int, v: int, i: int, n: int | None = None
+                     ) -> list[tuple[tuple[tuple[str, int], ...], int]]:
+    """:func:`_interleaved`'s order on position ``i`` run-length encoded: [(steps, count), ...],
+    ``steps`` one repetition's (kind, stage) passes — ("F", a) in the warm-up, ("F", a), ("B", b)
+    in the steady state, ("B", b) in the cool-down — repeated ``count`` times in a row (the
+    microbatch indices left out). O(v · m / n) runs, however long each group: what
+    costs.activations.activation_peak walks in O(runs) for large groups. Expanded, it is
+    :func:`compute_order`'s passes, stage for stage (tests/unit/simulator/test_microbatch_group.py)."""
+    n = n or p
+    table: list[tuple[int, int]] = []  # (chunk, entries) runs of Megatron-Core's schedule table
+    for start in range(0, m, n):
+        size = m - start if start + n >= m else n
+        table += [(c, size) for c in range(v)]
+    total = m * v
+    warm = min((p - i - 1) * 2 + (v - 1) * n, total)
+
+    def entries(first: int, last: int):
+        """(chunk, count) runs of table entries first .. last - 1."""
+        at = 0
+        for c, size in table:
+            lo, hi = max(first, at), min(last, at + size)
+            if lo < hi:
+                yield c, hi - lo
+            at += size
+
+    fwd = lambda c: ("F", c * p + i)  # noqa: E731
+    bwd = lambda c: ("B", (v - 1 - c) * p + i)  # noqa: E731
+    runs = [((fwd(c),), k) for c, k in entries(0, warm)]
+    f_runs, b_runs = list(entries(warm, total)), list(entries(0, total - warm))
+    fi = bi = 0
+    f_left = f_runs[0][1] if f_runs else 0
+    b_left = b_runs[0][1] if b_runs else 0
+    while fi < len(f_runs):
+        k = min(f_left, b_left)
+        runs.append(((fwd(f_runs[fi][0]), bwd(b_runs[bi][0])), k))
+        f_left, b_left = f_left - k, b_left - k
+        if not f_left:
+            fi += 1
+            f_left = f_runs[fi][1] if fi < len(f_runs) else 0
+        if not b_left:
+            bi += 1
+            b_left = b_runs[bi][1] if bi < len(b_runs) else 0
+    runs += [((bwd(c),), k) for c, k in entries(total - warm, total)]
+    return runs
+
+
 def _zb_h1(p: int, m: int, i: int) -> Iterator[tuple[str, int, int]]:
     """ZB-H1 (Qi et al. 2024 §2.1): 1F1B's p - i - 1 warm-up forwards and F/B pairs, the backward
     split into B (input gradients) and W (weight gradients); position i runs its first i W passes

@@ -186,3 +186,67 @@ def test_activation_peak_shortcut_is_the_full_walk(p, v, n):
             for args in ((None, None, None, None), (act, work, sent, grads), (act, None, sent, None)):
                 for pos in range(p):
                     assert activation_peak(plan, pos, *args) == costs.activations.activation_peak(plan, pos, *args)
+
+
+def _pass_by_pass(plan, position, act, transient, sent, grads):
+    """The peak walk written out pass by pass over compute_order (no run-length compression): the
+    reference costs.activations.activation_peak's runs walk must equal."""
+    sch = plan.schedule
+    p, m, v = plan.pipeline_depth, plan.training.microbatches, sch.virtual_stages
+    held = {s: 0 for s in range(position, len(plan.stages), p)}
+    now = best = g = best_g = 0
+    best_held, graded = dict(held), set()
+    for kind, s, _ in compute_order(sch.kind, p, m, v, position, sch.order, sch.microbatch_group_size):
+        a = act[s] if act is not None else 1
+        if kind == "F":
+            held[s] += 1
+            now += a
+            if sent is not None and now + g + sent[s] > best:
+                best, best_held, best_g = now + g + sent[s], dict(held), g
+            continue
+        peak = now + g + (transient[s] if transient is not None else 0)
+        if peak > best:
+            best, best_held, best_g = peak, dict(held), g
+        held[s] -= 1
+        now -= a
+        if grads is not None and s not in graded:
+            graded.add(s)
+            g += grads[s]
+    return best, best_held, best_g
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (2, 3), (4, 2), (4, 3)])
+def test_run_length_walk_is_the_pass_by_pass_walk(p, v):
+    """costs.activations.activation_peak walks interleaved orders as runs (specs.schedule.interleaved_runs,
+    the middle of long runs as their net effect): the same peak, held counts and gradient bytes as
+    the walk of every pass, with ties (zero and equal bytes) and long groups."""
+    rng = random.Random(7 * p + v)
+    base, _, _ = _plan(p, 4 * p, v, None, layers=p * v * 2)
+    stages = len(base.stages)
+    for m, n in ((4 * p, None), (4 * p, 2 * p), (9, p + 1), (25, 12), (40, 40), (37, 9), (64, 13)):
+        if n is not None and not valid(p, m, n) or n is None and m % p:
+            continue
+        training = base.training.model_copy(update={"num_microbatches": m, "microbatch_size": None})
+        plan = base.model_copy(update={"training": training,
+                                       "schedule": base.schedule.model_copy(update={"microbatch_group_size": n})})
+        for trial in range(12):
+            pick = (lambda: rng.choice([0, 1, 5])) if trial % 3 == 0 else (lambda: rng.randrange(1, 1000))
+            act, work, sent, grads = ({s: pick() for s in range(stages)} for _ in range(4))
+            for args in ((None, None, None, None), (act, work, sent, grads), (act, None, sent, None),
+                         (act, work, None, grads)):
+                for pos in range(p):
+                    assert costs.activations.activation_peak(plan, pos, *args) == _pass_by_pass(plan, pos, *args), \
+                        (m, n, pos, args)
+
+
+def test_a_million_microbatch_group_is_estimated_at_once():
+    """N = 10^6 (one group of 10^6 microbatches per chunk): the estimate's peak walks O(v) runs, not
+    the 4·10^6 passes per position (it took a minute before the runs), and its time falls back to the
+    closed form beyond the walk budget (no timing here: a finite answer that holds the warm-up)."""
+    p, v, n = 2, 2, 10 ** 6
+    plan, model, hw = _plan(p, n, v, n, layers=p * v * 2)
+    plan = validate_plan(plan, model, hw)
+    counts = costs.activations.activation_peak(plan, 0)[1]
+    assert sum(counts.values()) == 2 * (p - 1) + (v - 1) * n + 1
+    res = estimate(plan, model, hw)
+    assert res.iteration_time_s > 0 and all(d.peak_bytes > 0 for d in res.devices)

@@ -160,13 +160,12 @@ def stale_versions(plan, s: int) -> int:
     forward that runs while another microbatch is in flight there (that microbatch's update
     comes before this one's backward), walked in the schedule's own pass order, as the simulator
     stashes (simulator/walk.py); 0 for flushing schedules."""
-    from specs.schedule import iter_compute_order
+    from specs.schedule import plan_order
 
     if costs.activations.stashed_versions(plan, s) == 0:
         return 0
-    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     held, stale = 0, 0
-    for pass_, stage, _ in iter_compute_order(plan.schedule.kind, p, m, v, plan.device_group_of(s), plan.schedule.order, plan.schedule.microbatch_group_size):
+    for pass_, stage, _ in plan_order(plan, plan.device_group_of(s)):
         if stage != s:
             continue
         if pass_ == "F":

@@ -464,14 +464,13 @@ def split_peak(plan: Plan, position: int, act_bytes: dict[int, int] | None = Non
     = (held, scratch): what B's end adds until W's end (the weight ops' stored output gradients,
     less a head's logits B frees), and W's own scratch (one weight's gradient, a recomputed layer
     re-made) (simulator.stagecost.split_bytes, measured on the executor), as the simulator books them."""
-    from specs.schedule import iter_compute_order
+    from specs.schedule import plan_order
 
-    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     held = {s: 0 for s in range(len(plan.stages)) if plan.device_group_of(s) == position}
     now = best = grads = best_grads = 0
     best_held = dict(held)
     graded: set[int] = set()
-    for pass_, s, _ in iter_compute_order(plan.schedule.kind, p, m, v, position, plan.schedule.order, plan.schedule.microbatch_group_size):
+    for pass_, s, _ in plan_order(plan, position):
         a = act_bytes[s] if act_bytes is not None else 1
         if pass_ == "F":
             held[s] += 1

@@ -6,7 +6,7 @@ and contention (simulator.walk)."""
 from __future__ import annotations
 
 from specs.plan import Plan
-from specs.schedule import compute_order
+from specs.schedule import plan_order
 
 
 def split_pipe_s(plan: Plan, pass_s: dict[int, tuple[float, float, float]], hop_s: dict[int, float]) -> float:
@@ -17,10 +17,9 @@ def split_pipe_s(plan: Plan, pass_s: dict[int, tuple[float, float, float]], hop_
     own F), W(s, k) after B(s, k). ``pass_s[s]`` = (F, B, W) seconds of stage s. The closed forms
     of Qi et al. 2024 (ZB-H1's bubble (p-1)(F+B-W) for F = B = W) are this walk's uniform case
     (tests/unit/simulator/test_zero_bubble.py). Raises ValueError if the orders deadlock."""
-    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
+    p, m = plan.pipeline_depth, plan.training.microbatches
     last = len(plan.stages) - 1
-    sch = plan.schedule
-    orders = [compute_order(sch.kind, p, m, v, i, sch.order, sch.microbatch_group_size) for i in range(p)]
+    orders = [list(plan_order(plan, i)) for i in range(p)]
     nxt, clock, end = [0] * p, [0.0] * p, {}
     left = sum(len(o) for o in orders)
     while left:

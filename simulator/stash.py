@@ -45,7 +45,7 @@ from __future__ import annotations
 from costs.static import stash_stripes
 from simulator.memory import BUFFERS, STASHED, SWAPPED
 from simulator.stagecost import StageCost
-from specs.schedule import iter_compute_order
+from specs.schedule import plan_order
 
 
 def _ws_weights(sc: StageCost) -> int:
@@ -86,9 +86,8 @@ class StashEvents:
             self._tied_msg_bytes = -(-costs.buffers.tied_sync_buffer_bytes(self.model, plan, plan.stages[0])
                                      // plan.stages[0].tp)
         if self._stash_swap:  # the pass after the current one, per position (a prefetch point)
-            p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
-            for pos in range(p):
-                order = iter_compute_order(plan.schedule.kind, p, m, v, pos, plan.schedule.order, plan.schedule.microbatch_group_size)
+            for pos in range(plan.pipeline_depth):
+                order = plan_order(plan, pos)
                 next(order, None)  # the first pass is the current one when the walk starts
                 self._upcoming.append(order)
 

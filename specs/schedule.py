@@ -85,6 +85,14 @@ def compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int,
     return list(iter_compute_order(kind, p, m, v, i, order, group))
 
 
+def plan_order(plan: Plan, i: int) -> Iterator[tuple[str, int, int]]:
+    """:func:`iter_compute_order` of position ``i`` of ``plan``: its kind, depth, microbatches,
+    chunks, searched order (zb_auto) and microbatch group (interleaved_1f1b)."""
+    sch = plan.schedule
+    return iter_compute_order(sch.kind, plan.pipeline_depth, plan.training.microbatches, sch.virtual_stages, i,
+                              sch.order, sch.microbatch_group_size)
+
+
 def iter_compute_order(kind: ScheduleKind, p: int, m: int, v: int, i: int,
                        order: list[str] | None = None, group: int | None = None) -> Iterator[tuple[str, int, int]]:
     """:func:`compute_order`, lazily: O(1) memory however many microbatches."""
@@ -363,7 +371,6 @@ class _LayerActions:
 def position_steps(plan: Plan, i: int) -> Iterator[Step]:
     """Position ``i``'s action list as compact :data:`Step` tuples, lazily (O(1) memory in the
     microbatch count): what :func:`build_schedule` turns into Actions, and what the simulator walks."""
-    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     last = len(plan.stages) - 1
     # V-shaped schedules: chunks p-1 and p share position p-1, which hands the activation (and the
     # gradient back) to itself in process, so no send/recv pair there (torch's stage-to-rank map)
@@ -371,7 +378,7 @@ def position_steps(plan: Plan, i: int) -> Iterator[Step]:
     layer_actions = _LayerActions(plan)
     prev: list[Step] | None = None  # one group per pass (its recvs, itself, its sends), held one pass
     prev_pass = None                # back: a backward may prefetch its swap-ins into it
-    for pass_ in iter_compute_order(plan.schedule.kind, p, m, v, i, plan.schedule.order, plan.schedule.microbatch_group_size):
+    for pass_ in plan_order(plan, i):
         kind, s, k = pass_
         swapped, swapped_rev, recomputed = layer_actions(s, k)
         group: list[Step] = []

@@ -13,7 +13,7 @@ from planners.verdict import peaks
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import Plan
-from specs.schedule import iter_compute_order
+from specs.schedule import plan_order
 
 #: a window within this fraction of the best fitting window's time is on the plateau (Fig. 9):
 #: STRONGHOLD §V-D measures run-to-run variance "less than 3%", so a smaller gain is not measurable
@@ -38,9 +38,7 @@ def _passes(plan: Plan, s: int) -> list[tuple[str, int]]:
     """Stage ``s``'s forwards and backwards in its device's schedule order."""
     # the compute order alone (what build_schedule's forwards and backwards follow), without
     # building every position's Action objects: 175B on Selene spent 60 s there
-    p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
-    return [(kind, k) for kind, st, k in iter_compute_order(plan.schedule.kind, p, m, v, plan.device_group_of(s), plan.schedule.order, plan.schedule.microbatch_group_size)
-            if st == s]
+    return [(kind, k) for kind, st, k in plan_order(plan, plan.device_group_of(s)) if st == s]
 
 
 def price(plan: Plan, model: ModelSpec, hardware: HardwareSpec, s: int, base=None,

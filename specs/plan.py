@@ -157,6 +157,14 @@ ZB_AUTO_BLOCKING_WHY = ("zb_auto's searched order runs a position several forwar
                         "listed after the peer's next pass; the paper's runtime (Qi et al. 2024's Megatron-LM "
                         "zerobubble runtime) overlaps its sends: use p2p_blocking false, or schedule zb_h1")
 
+#: why plan.p2p_blocking is refused with interleaved microbatch groups larger than the depth
+GROUPED_BLOCKING_WHY = ("with microbatch groups larger than the pipeline depth a position runs N forwards of one "
+                        "chunk while its neighbour already sends the next chunk's input back to it, so both wait "
+                        "on sends whose receives are listed after their next pass (found on gloo: pp 2, v 2, N 3 "
+                        "and 4 deadlock); Megatron-Core pairs each send with the receives it needs in one "
+                        "batch_isend_irecv, which memwall's executor does one pass ahead only: use p2p_blocking "
+                        "false, or schedule.microbatch_group_size equal to the pipeline depth")
+
 
 class Plan(Spec):
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -205,6 +213,9 @@ class Plan(Spec):
             raise ValueError(f"p2p_blocking: {V_BLOCKING_WHY}; schedule {self.schedule.kind.value}")
         if self.p2p_blocking and self.schedule.kind is ScheduleKind.zb_auto:
             raise ValueError(f"p2p_blocking: {ZB_AUTO_BLOCKING_WHY}")
+        if self.p2p_blocking and self.schedule.microbatch_group_size not in (None, self.pipeline_depth):
+            raise ValueError(f"p2p_blocking: {GROUPED_BLOCKING_WHY} ({self.pipeline_depth}), got "
+                             f"{self.schedule.microbatch_group_size}")
         for i, st in enumerate(self.stages):
             if st.offload.stash_swap_layers and self.schedule.kind is not ScheduleKind.pipedream_async:
                 raise ValueError(f"stages[{i}].offload.stash_swap_layers: only PipeDream's asynchronous schedule "

@@ -250,3 +250,25 @@ def test_a_million_microbatch_group_is_estimated_at_once():
     assert sum(counts.values()) == 2 * (p - 1) + (v - 1) * n + 1
     res = estimate(plan, model, hw)
     assert res.iteration_time_s > 0 and all(d.peak_bytes > 0 for d in res.devices)
+
+
+def test_blocking_sends_are_refused_with_groups_larger_than_the_depth():
+    """p2p_blocking with N > p deadlocked the executor on gloo (pp 2, v 2, N 3 and 4: both neighbours
+    waiting on sends whose receives come after their next pass): refused by the plan and by the
+    planners, naming the field and what works; N = p runs blocking as before."""
+    from planners import make_plan, parse_policy
+    from specs.plan import GROUPED_BLOCKING_WHY
+    from tests.conftest import GPT_TINY, conf
+    from costs.families import build_model
+    from specs import HardwareSpec, TrainingSpec
+
+    plan, model, hw = _plan(p=2, m=8, v=2, n=4)
+    with pytest.raises(ValueError, match="p2p_blocking: with microbatch groups larger than the pipeline depth"):
+        type(plan).model_validate({**plan.model_dump(), "p2p_blocking": True})
+    same = plan.model_copy(update={"schedule": plan.schedule.model_copy(update={"microbatch_group_size": 2})})
+    validate_plan(type(same).model_validate({**same.model_dump(), "p2p_blocking": True}), model, hw)
+    hw2 = HardwareSpec.model_validate({**conf("hardware", "local_cpu"), "devices_per_node": 2})
+    training = TrainingSpec(global_batch=10, microbatch_size=2, precision="fp32")
+    with pytest.raises(Exception, match="policy.p2p_blocking: " + GROUPED_BLOCKING_WHY[:40]):
+        make_plan(parse_policy({"kind": "manual", "pp": 2, "p2p_blocking": True}), build_model(GPT_TINY, 2), hw2,
+                  training, ScheduleSpec(kind="interleaved_1f1b", virtual_stages=2, microbatch_group_size=3))

@@ -473,8 +473,9 @@ def _check_microbatch_group(plan: Plan, m: int, err) -> None:
     p, n = plan.pipeline_depth, plan.schedule.microbatch_group_size
     if n is None:
         if m % p:
-            hint = (f"; or set schedule.microbatch_group_size (Megatron-Core's microbatch groups), e.g. "
-                    f"{smallest_microbatch_group(m, p)}" if smallest_microbatch_group(m, p) else "")
+            good = smallest_microbatch_group(m, p)
+            hint = (f"; or set schedule.microbatch_group_size (Megatron-Core's microbatch groups), e.g. {good}"
+                    if good else "")
             err("training.num_microbatches",
                 f"interleaved_1f1b needs microbatches ({m}) divisible by pipeline depth ({p}){hint}")
         return

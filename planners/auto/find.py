@@ -10,8 +10,11 @@
   hidden size in steps of 64 × heads, as the family's presets grow) that trains on this hardware.
   Sizes double from the configured one until a search fails, then bisect.
 
-Each probe runs the whole fastest-plan search (auto_search); the outcome returned is the answer's,
-with the probes in its notes. ``grow(size) -> ModelSpec`` comes from the shell (it builds model specs
+Each probe runs the fastest-plan search (auto_search) without MPress's improve rounds: those take
+only candidates that already fit and make them faster (search._improve), so a probe's verdict (fits
+or not) is the same without them, and on long models they are most of a search (a 384-layer BERT:
+62 of 73 s). The answer's size is then searched whole, improve rounds included; that outcome is
+returned, with the probes in its notes. ``grow(size) -> ModelSpec`` comes from the shell (it builds model specs
 from configs), so this module stays pure.
 """
 from __future__ import annotations
@@ -45,7 +48,8 @@ def _frontier(probe: Callable[[int], AutoOutcome | None], start: int, limit: int
             cache[n] = probe(n)
             out = cache[n]
             notes.append(f"{n}: " + ("cannot be built" if out is None else
-                                     f"fits, {out.winner.time_s:.3f} s per iteration" if out.fits else
+                                     f"fits, {out.winner.time_s:.3f} s per iteration (before improve rounds)"
+                                     if out.fits else
                                      f"does not fit (closest peak {size_text(out.winner.peak)})"))
         return cache[n] is not None and cache[n].fits
 
@@ -96,6 +100,7 @@ def find(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
     # the probes leave out the singles that need the shell's per-model inputs (CAPTURE's profile,
     # MAP's operator graphs: planning.PROBE_SKIPS); the joint search and the other singles run
     quiet = policy.model_copy(update={"singles": [s for s in policy.singles if s not in ("capture", "map")]})
+    probing = quiet.model_copy(update={"improve_layouts": 0})  # the verdict without the rounds (module doc)
     if policy.find == "fewest_nodes":
         def probe(n: int) -> AutoOutcome | None:
             try:
@@ -103,7 +108,7 @@ def find(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
             except ValueError:
                 return None  # a one-node spec without inter_node links cannot grow
             start = time.perf_counter()
-            out = auto_search(quiet, model, hw, training, schedule, None, progress, None)
+            out = auto_search(probing, model, hw, training, schedule, None, progress, None)
             say(f"fewest_nodes: {n} node(s) {_verdict(out, 'fit', 'do not fit')}", time.perf_counter() - start)
             return out
 
@@ -121,7 +126,7 @@ def find(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
             except ValueError:
                 return None
             start = time.perf_counter()
-            out = auto_search(quiet, m, hardware, training, schedule, None, progress, None)
+            out = auto_search(probing, m, hardware, training, schedule, None, progress, None)
             say(f"largest_model: {policy.scale}={n} {_verdict(out, 'fits', 'does not fit')}",
                 time.perf_counter() - start)
             return out
@@ -133,6 +138,10 @@ def find(policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpe
                 f"the configured model ({start} {unit}) already does not fit")
     if outcome is None:  # nothing could be probed: the configured inputs' own search, reported as such
         outcome = auto_search(quiet, model, hardware, training, schedule, None, progress, phase)
+    elif outcome.fits and policy.improve_layouts:  # the answer's size searched whole (module doc)
+        t0 = time.perf_counter()
+        outcome = auto_search(quiet, outcome.model, outcome.hardware, training, schedule, None, progress, None)
+        say(f"{policy.find}: the answer's search with MPress's improve rounds", time.perf_counter() - t0)
     outcome.notes += [what] + [f"probe {n}" for n in notes]
     outcome.find_answer = what
     return outcome

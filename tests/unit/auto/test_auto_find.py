@@ -5,7 +5,7 @@ step smaller (nodes) or larger (layers) does not.
 The hardware is conftest's toy cluster: one device per node, ib between nodes, and 1–2 MiB of
 host RAM per node so that STRONGHOLD windows and host swaps cannot hold a whole model's state
 (with a full host any model fits one device, streamed). The model is the tiny GPT (fp32), so each
-probe (a whole auto search) takes a fraction of a second.
+probe (an auto search without MPress's improve rounds) takes a fraction of a second.
 """
 from __future__ import annotations
 
@@ -59,3 +59,29 @@ def test_largest_model_fits_and_one_layer_more_does_not():
     fits, _, _ = simulated_fit(out.plan, out.model, hw, out.capacity_bytes)
     assert fits
     assert not fits_on(policy, gpt(blocks + 1), hw), f"{blocks + 1} layers fit too"
+
+
+def test_probes_skip_the_improve_rounds_without_changing_a_verdict(monkeypatch):
+    """The probes run without MPress's improve rounds (they only speed up plans that already fit);
+    each probed size's verdict equals the whole search's, and the answer is the whole search's."""
+    import planners.auto.find as find_module
+
+    calls = []
+
+    def spy(policy, model, hw, *args, **kwargs):
+        out = auto_search(policy, model, hw, *args, **kwargs)
+        calls.append((policy, model, hw, out))
+        return out
+
+    monkeypatch.setattr(find_module, "auto_search", spy)
+    hw = cluster(device_mib=2.5, host_mib=2, nodes=4)
+    policy = AutoPolicy(find="largest_model", singles=sorted(SINGLES))
+    assert policy.improve_layouts > 0
+    out = find(policy, gpt(4), hw, CPU_TRAINING, ONE_F_ONE_B, grow=(4, gpt))
+    *probes, answer = calls
+    assert len(probes) >= 3 and all(p.improve_layouts == 0 for p, _, _, _ in probes)
+    assert answer[0].improve_layouts == policy.improve_layouts and answer[3] is out
+    assert answer[1].num_layers == out.model.num_layers and out.fits
+    whole = policy.model_copy(update={"singles": answer[0].singles})
+    for _, model, probe_hw, got in probes:
+        assert auto_search(whole, model, probe_hw, CPU_TRAINING, ONE_F_ONE_B).fits == got.fits, model.num_layers

@@ -166,6 +166,19 @@ GROUPED_BLOCKING_WHY = ("with microbatch groups larger than the pipeline depth a
                         "false, or schedule.microbatch_group_size equal to the pipeline depth")
 
 
+
+def blocking_refusal(schedule: ScheduleSpec, depth: int) -> str | None:
+    """Why ``p2p_blocking`` cannot run ``schedule`` at pipeline ``depth`` (the plan's field, the
+    planners' ``policy.p2p_blocking``), or None when it can."""
+    if schedule.kind in V_SHAPED:
+        return f"{V_BLOCKING_WHY}; schedule {schedule.kind.value}"
+    if schedule.kind is ScheduleKind.zb_auto:
+        return ZB_AUTO_BLOCKING_WHY
+    if schedule.microbatch_group_size not in (None, depth):
+        return f"{GROUPED_BLOCKING_WHY} ({depth}), got {schedule.microbatch_group_size}"
+    return None
+
+
 class Plan(Spec):
     schema_version: int = PLAN_SCHEMA_VERSION
     planner: str
@@ -209,13 +222,9 @@ class Plan(Spec):
         if self.overlap_param_gather and self.zero_stage < 1:
             raise ValueError("overlap_param_gather: gathers the parameter shards of a distributed optimizer; needs "
                              f"zero_stage >= 1, got {self.zero_stage}")
-        if self.p2p_blocking and self.schedule.kind in V_SHAPED:
-            raise ValueError(f"p2p_blocking: {V_BLOCKING_WHY}; schedule {self.schedule.kind.value}")
-        if self.p2p_blocking and self.schedule.kind is ScheduleKind.zb_auto:
-            raise ValueError(f"p2p_blocking: {ZB_AUTO_BLOCKING_WHY}")
-        if self.p2p_blocking and self.schedule.microbatch_group_size not in (None, self.pipeline_depth):
-            raise ValueError(f"p2p_blocking: {GROUPED_BLOCKING_WHY} ({self.pipeline_depth}), got "
-                             f"{self.schedule.microbatch_group_size}")
+        why = blocking_refusal(self.schedule, self.pipeline_depth) if self.p2p_blocking else None
+        if why:
+            raise ValueError(f"p2p_blocking: {why}")
         for i, st in enumerate(self.stages):
             if st.offload.stash_swap_layers and self.schedule.kind is not ScheduleKind.pipedream_async:
                 raise ValueError(f"stages[{i}].offload.stash_swap_layers: only PipeDream's asynchronous schedule "

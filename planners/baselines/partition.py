@@ -10,7 +10,7 @@ from costs.context_parallel import sequence_split_error
 from planners.policy import BalancedPolicy, EvenPolicy, ManualPolicy
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
-from specs.plan import GROUPED_BLOCKING_WHY, V_BLOCKING_WHY, V_SHAPED, Plan, ScheduleSpec
+from specs.plan import blocking_refusal, Plan, ScheduleSpec
 from specs.training import TrainingSpec
 
 
@@ -117,11 +117,9 @@ def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, tra
     if policy.recompute_every is not None and policy.recompute_num_layers is not None:
         raise PlanningError("policy.recompute_every: picks the recomputed blocks model-wide; "
                             "policy.recompute_num_layers picks them per stage: set one of the two")
-    if policy.p2p_blocking and schedule.kind in V_SHAPED:
-        raise PlanningError(f"policy.p2p_blocking: {V_BLOCKING_WHY}; schedule {schedule.kind.value}")
-    if policy.p2p_blocking and schedule.microbatch_group_size not in (None, pp):
-        raise PlanningError(f"policy.p2p_blocking: {GROUPED_BLOCKING_WHY} ({pp}), got "
-                            f"{schedule.microbatch_group_size}")
+    why = blocking_refusal(schedule, pp) if policy.p2p_blocking else None
+    if why:
+        raise PlanningError(f"policy.p2p_blocking: {why}")
     zero_stage = policy.zero_stage or (1 if policy.distributed_optimizer else 0)
     if policy.overlap_param_gather and zero_stage < 1:
         raise PlanningError("policy.overlap_param_gather: gathers a distributed optimizer's parameter shards; set "

@@ -65,8 +65,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: representative's saved-tensor names are reused, issue 26), 9 = what torchtitan's op-level
 #: checkpointing holds and re-runs (``op_sac_bytes``, ``op_sac_rerun_flops``, issue 27), 10 = the
 #: memory-bound operators' traffic of each pass (``fwd_mem_bytes``, ``bwd_mem_bytes``: executor.traffic),
-#: 11 = what op-level checkpointing saves that autograd alone does not (``op_sac_extra_bytes``)
-PROFILE_REVISION = 11
+#: 11 = what op-level checkpointing saves that autograd alone does not (``op_sac_extra_bytes``),
+#: 12 = ``_unsafe_view`` moves no bytes (executor.traffic: a batched Linear's output was counted twice)
+PROFILE_REVISION = 12
 
 # ---- FLOP formulas FlopCounterMode lacks: CPU flash attention (same math as the CUDA one) ----
 _aten = torch.ops.aten

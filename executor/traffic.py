@@ -12,7 +12,8 @@ It moves its tensor operands and its outputs, whole (numel x element size), exce
   norm's weight is small beside its activations;
 - the accumulation of a weight gradient into its ``.grad`` buffer, priced per parameter by
   ``costs.layer_time.accumulate_bytes_per_param``;
-- allocations that move nothing (``empty`` and kin).
+- allocations that move nothing (``empty`` and kin), and ``_unsafe_view`` (a view the dispatcher
+  does not mark as one: the reshape of a batched Linear's output).
 Why not torch.utils.flop_counter or torch.distributed._tools: neither counts bytes moved; the
 roofline counter in torch's benchmarks (``torch._inductor`` estimates) prices compiled kernels.
 """
@@ -25,9 +26,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 _aten = torch.ops.aten
+#: operators that move no bytes though the dispatcher does not call them views: allocations,
+#: ``alias``/``detach``, and ``_unsafe_view``, the reshape ``matmul``/``linear`` apply to a batched
+#: input's GEMM output (the output of every Linear on a 3-D activation), which shares its input's
+#: storage (found 2026-11-29: each Linear output was counted as read and written once more)
 _NO_TRAFFIC = frozenset(getattr(_aten, n) for n in (
     "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach", "alias",
-    "_local_scalar_dense") if hasattr(_aten, n))
+    "_unsafe_view", "_local_scalar_dense") if hasattr(_aten, n))
 
 
 def tensor_leaves(tree) -> list[torch.Tensor]:

@@ -39,6 +39,23 @@ def test_forward_traffic_by_hand():
     assert traffic.bytes == (2 + 4) * N + (4 + 4) * N + (4 + 2) * N + (2 + 2 + 2) * N
 
 
+def test_a_linear_on_a_batched_activation_moves_nothing():
+    """F.linear on a 3-D input runs view, mm and ``_unsafe_view`` (the GEMM's output reshaped back,
+    sharing its storage): a GEMM, priced by FLOPs, and no bytes of traffic; its backward likewise
+    (mm for the input and the weight gradients, views), the weight gradient's add into .grad aside."""
+    mod = nn.Linear(8, 8, bias=False)
+    mod.weight.grad = torch.zeros_like(mod.weight)
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    fwd = Traffic(_keys(mod.parameters()), _keys([mod.weight.grad]))
+    with fwd:
+        y = mod(x)
+    assert fwd.bytes == 0
+    grad, bwd = torch.ones_like(y), Traffic(_keys(mod.parameters()), _keys([mod.weight.grad]))
+    with bwd:
+        y.backward(grad)
+    assert bwd.bytes == 0 and mod.weight.grad.abs().sum() > 0
+
+
 def test_grad_accumulation_and_parameters_are_not_traffic():
     """The backward of a scale by a parameter (fp32, N elements): what its operators move, less the
     add of the weight's gradient into its pre-allocated .grad buffer and the parameter operand."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.validate_published import BRACKETS, PUBLISHED, load, published_time_s
+from benchmarks.validate_published import BRACKETS, EAGER, EXAMPLES, PUBLISHED, load, published_time_s
 from simulator import simulate, size_problem
 from simulator.analytic import estimate
 from specs.model import LayerKind
@@ -107,3 +107,25 @@ def test_mpt_attention_is_the_triton_kernel_derived_not_fitted(name):
             assert len(got) == len(want), (field, dtype)
             for (gx, gy), (wx, wy) in zip(got, want):
                 assert gx == pytest.approx(wx, rel=5e-3) and gy == pytest.approx(wy, abs=5e-5), (field, dtype)
+
+
+@pytest.mark.parametrize("name", sorted(EAGER))
+def test_the_eager_bracket_is_the_presets_model(name):
+    """benchmarks/validate_published.py prints each torchtitan row again with the model swapped for
+    torchtitan's eager code (docs/examples/torchtitan_llama.py): the same model, parameter for
+    parameter, as the preset's llama family (built on the meta device: no memory, no tracing)."""
+    import sys
+
+    import torch
+
+    from runconfig import compose
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import torchtitan_llama
+
+    _, model, _ = load(name)
+    cfg = compose(f"experiment={name}", *EAGER[name].split())
+    with torch.device("meta"):
+        layers, _ = torchtitan_llama.build(**cfg.model.kwargs)
+    assert sum(p.numel() for _, layer in layers for p in layer.parameters()) == model.total_params

@@ -121,7 +121,7 @@ UNPUBLISHED = {
 #: closed form prices as fused); printed beside each preset, never in its place (the preset is the
 #: configuration as memwall's own model family writes it)
 EXAMPLES = ROOT / "docs" / "examples"
-_TT = "hydra.searchpath=[file://{}] model=torchtitan_llama".format(EXAMPLES)
+_TT = "hydra.searchpath=[file://{}] model=torchtitan_llama ~model.eager_elementwise".format(EXAMPLES)
 
 
 def _tt(n_layer, hidden, heads, kv_heads, vocab, seq, ffn, theta):

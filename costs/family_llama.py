@@ -110,12 +110,17 @@ class LlamaConfig(Spec):
                                               "bias-free, as every Llama")
     qk_norm: bool = Field(False, description="RMSNorm over each head's d of q and of k before the rotation "
                                              "(Qwen3); false: none, as every Llama")
+    eager_elementwise: bool = Field(
+        False, description="the memory-bound traffic of PyTorch eager without torch.compile, as torchtitan's Llama "
+                           "runs with compile = false (RMSNorm and rotary through fp32, repeat_kv copies: "
+                           "eager_block_traffic); false: fused kernels, one read and one write per RMSNorm, "
+                           "rotary, SwiGLU and residual add (Megatron-Core, torch.compile)")
 
     @model_serializer(mode="wrap")
     def _dump(self, handler):
-        """Leave ``fused_swiglu``, ``head_dim``, ``qkv_bias`` and ``qk_norm`` out of a dump at their defaults, so
-        that dumps and profile cache keys of every existing config stay what they were."""
-        return omit_unset(self, handler(self), ("fused_swiglu", "head_dim", "qkv_bias", "qk_norm"))
+        """Leave ``fused_swiglu``, ``head_dim``, ``qkv_bias``, ``qk_norm`` and ``eager_elementwise`` out of a dump at
+        their defaults, so that dumps and profile cache keys of every existing config stay what they were."""
+        return omit_unset(self, handler(self), ("fused_swiglu", "head_dim", "qkv_bias", "qk_norm", "eager_elementwise"))
 
     @property
     def d(self) -> int:
@@ -138,6 +143,15 @@ class LlamaConfig(Spec):
         if self.d % 2:
             field = "head_dim" if self.head_dim else "heads"
             raise ValueError(f"{field}: head size {self.d} is odd (rotary embeddings rotate pairs)")
+        if self.eager_elementwise:
+            other = [name for name, on in (("head_dim", self.head_dim not in (None, self.hidden // self.heads)),
+                                           ("qkv_bias", self.qkv_bias), ("qk_norm", self.qk_norm),
+                                           ("fused_swiglu", self.fused_swiglu),
+                                           ("flash_attention", not self.flash_attention)) if on]
+            if other:
+                raise ValueError(f"eager_elementwise: true prices torchtitan's Llama block (flash attention, head "
+                                 f"size hidden/heads, no biases, no q/k norms, autograd's SwiGLU); {', '.join(other)} "
+                                 "is set otherwise (with those, eager_elementwise must be false)")
         return self
 
 
@@ -248,6 +262,43 @@ def op_sac_fields(s: int, h: int, a: int, g: int, f: int, flash: bool, act: int,
             "op_sac_extra_bytes_per_sample": s * h * act}  # down's output: the residual add saves nothing
 
 
+#: backward bytes per token of torchtitan's eager block, per activation size (bf16/fp16: 2, fp32: 4):
+#: coefficients of h, kv = g·d, f, h·[a > g], kv·[a > g] and 1, measured with executor.traffic on
+#: docs/examples/torchtitan_llama.py (its operators as torchtitan's llama/model.py and norms.py at
+#: 85f685329 dispatch them; fitted exactly, to the byte, over nine shapes; tests/unit/costs/
+#: test_llama_eager.py re-measures them). The forward is written out below; autograd's backward of
+#: the fp32 casts, pow/mean/rsqrt, complex multiplies and repeat_kv's sum is counted, not derived.
+EAGER_BWD_BYTES_PER_TOKEN = {2: (186.5, 75.5, 18.0, 59.5, -51.5, 72.0), 4: (197.0, 71.0, 36.0, 71.0, -55.0, 72.0)}
+
+
+def eager_norm_bytes_per_token(h: int, act: int) -> int:
+    """Forward bytes of torchtitan's eager RMSNorm per token (norms.py at 85f685329:
+    ``_norm(x.float()).type_as(x) * weight``): the cast up (act in, 4 out, not in fp32), pow (4, 4),
+    mean (4 in), the multiply (4, 4), the cast back (4, act), the weight (act, act), each an element;
+    and per row 24 bytes of fp32 statistics (the mean, + eps, rsqrt, read by the multiply)."""
+    cast = 2 * act + 8 if act < 4 else 0
+    return (20 + 2 * act + cast) * h + 24
+
+
+def eager_block_traffic(s: int, h: int, kv: int, f: int, repeat: bool, act: int) -> tuple[int, float]:
+    """(forward, backward) memory-bound bytes per sample of torchtitan's Llama block run eager (no
+    torch.compile), where the fused closed form moves one read and one write per op. Forward per token:
+    two eager RMSNorms; the rotation of q and of k through fp32 complex pairs (the cast up, a complex
+    multiply 4 + 4, the cast back: 8 + (2act + 8) bytes an element); ``repeat_kv``'s copies of k and v
+    to the query heads where grouped (``repeat``: 2·act an element of each copy, as executor.traffic
+    counts an expanded operand); two residual adds (3·act each); silu (2·act) and the product (3·act)
+    per SwiGLU element. The rotation's cos/sin table (s·d/2 complex, read per sequence, not per
+    sample) is left out: under 0.5 % at d 128. Backward: :data:`EAGER_BWD_BYTES_PER_TOKEN`."""
+    if act not in EAGER_BWD_BYTES_PER_TOKEN:
+        raise ValueError(f"eager_elementwise: eager traffic is measured for 2- and 4-byte activations, not {act}")
+    cast = 2 * act + 8 if act < 4 else 0
+    fwd = (2 * eager_norm_bytes_per_token(h, act) + (8 + cast) * (h + kv) + 4 * act * h * repeat
+           + 6 * act * h + 5 * act * f)
+    ch, ckv, cf, crh, crkv, c0 = EAGER_BWD_BYTES_PER_TOKEN[act]
+    bwd = ch * h + ckv * kv + cf * f + repeat * (crh * h + crkv * kv) + c0
+    return s * fwd, s * bwd
+
+
 def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
     """One LLaMA block. FLOPs per sample = its GEMMs: 4sh·a·d + 4sh·g·d + 4s²·a·d + 6shf (4sh² and
     4s²h where a·d = h; GQA's k/v g·d wide, SwiGLU's three h x f products; the QKᵀ and attention·V
@@ -270,6 +321,10 @@ def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
     mem = (4 * s * h + 2 * (sq + skv) * (1 + cfg.qk_norm) + 3 * s * f + 6 * s * h) * act
     if not cfg.flash_attention:
         mem += 2 * a * s * s * act
+    bwd_mem = 0  # 0: BWD_MEM_FACTOR x the forward's (costs.layer_time._mem_s)
+    if cfg.eager_elementwise:
+        mem, bwd = eager_block_traffic(s, h, skv // s, f, a > g, act)
+        bwd_mem = round(bwd)
     return LayerSpec(
         name=name,
         kind=LayerKind.transformer_block,
@@ -294,6 +349,7 @@ def block_layer(name: str, cfg: LlamaConfig, act: int) -> LayerSpec:
         head_norm_width=(a + g) * d * cfg.qk_norm,  # qk_norm's per-head q and k RMSNorms
         gemms=gemms,
         fwd_mem_bytes_per_sample=mem,
+        bwd_mem_bytes_per_sample=bwd_mem,
         saved_tensors=saved_specs(saved, lambda n: n, skip=1),  # the norm input is the block's input
         **_ops((LLAMA_BLOCK_OPS[0] + 3 * cfg.qkv_bias * BIASED_LINEAR_OPS[0] + 2 * cfg.qk_norm * RMSNORM_OPS[0],
                 LLAMA_BLOCK_OPS[1] + cfg.fused_swiglu * FUSED_SWIGLU_BWD_OPS + 3 * cfg.qkv_bias * BIASED_LINEAR_OPS[1]
@@ -326,6 +382,9 @@ def build_llama(cfg: LlamaConfig, act: int) -> ModelSpec:
                       saved_inputs=[("norm_input", s * h * act), ("decoder_input", s * h * act)],
                       tied_to="embed" if cfg.tie_embeddings else None, norms=1)  # the final RMSNorm
     head = head.model_copy(update=_ops(LLAMA_HEAD_OPS, norms=1, casts=1, act=act))  # the logits cast to fp32
+    if cfg.eager_elementwise:  # its final RMSNorm eager too (the fp32 loss is priced alike)
+        head = head.model_copy(update={"fwd_mem_bytes_per_sample": head.fwd_mem_bytes_per_sample
+                                       + s * (eager_norm_bytes_per_token(h, act) - 2 * h * act)})
     blocks = [block_layer(f"block_{i:02d}", cfg, act) for i in range(cfg.num_layers)]
     return ModelSpec(name=cfg.name, family=cfg.family, layers=[embedding_layer(s, h, V, act), *blocks, head],
                      act_dtype_bytes=act, seq_len=s, hidden=h, heads=cfg.heads)

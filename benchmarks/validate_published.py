@@ -116,28 +116,22 @@ UNPUBLISHED = {
 }
 
 #: the torchtitan rows ran eager PyTorch (compile = false, norm_type rmsnorm in every config they cite):
-#: the same runs with the model swapped for torchtitan's own code of that time, traced
-#: (docs/examples/torchtitan_llama.py: its profile measures the eager element-wise traffic the llama
-#: closed form prices as fused); printed beside each preset, never in its place (the preset is the
-#: configuration as memwall's own model family writes it)
+#: each is printed again with the model swapped for torchtitan's own code of that time, traced
+#: (docs/examples/torchtitan_llama.py, at the preset's llama shape: :func:`eager_overrides`), beside
+#: the preset's closed form (``model.eager_elementwise``), never in its place
 EXAMPLES = ROOT / "docs" / "examples"
-_TT = "hydra.searchpath=[file://{}] model=torchtitan_llama ~model.eager_elementwise".format(EXAMPLES)
+EAGER = ("published_torchtitan_8b_fsdp8", "published_torchtitan_8b_fsdp128", "published_torchtitan_a100_llama2_13b",
+         "published_torchtitan_a100_llama2_70b", "published_torchtitan_a100_llama3_70b")
 
 
-def _tt(n_layer, hidden, heads, kv_heads, vocab, seq, ffn, theta):
-    return (f"{_TT} model.kwargs.n_layer={n_layer} model.kwargs.hidden={hidden} model.kwargs.n_head={heads} "
-            f"model.kwargs.n_kv_head={kv_heads} model.kwargs.vocab_size={vocab} model.kwargs.seq_len={seq} "
-            f"+model.kwargs.ffn_hidden={ffn} +model.kwargs.rope_theta={theta}")
-
-
-_LLAMA31_8B = _tt(32, 4096, 32, 8, 128256, 8192, 14336, 500000.0)
-EAGER = {
-    "published_torchtitan_8b_fsdp8": _LLAMA31_8B,
-    "published_torchtitan_8b_fsdp128": _LLAMA31_8B,
-    "published_torchtitan_a100_llama2_13b": _tt(40, 5120, 40, 40, 32000, 4096, 13824, 10000.0),
-    "published_torchtitan_a100_llama2_70b": _tt(80, 8192, 64, 8, 32000, 4096, 28672, 10000.0),
-    "published_torchtitan_a100_llama3_70b": _tt(80, 8192, 64, 8, 128256, 8192, 28672, 500000.0),
-}
+def eager_overrides(model_cfg) -> list[str]:
+    """Overrides that swap a preset's llama model for torchtitan_llama at the same shape."""
+    m = model_cfg
+    return [f"hydra.searchpath=[file://{EXAMPLES}]", "model=torchtitan_llama", "~model.eager_elementwise",
+            f"model.kwargs.n_layer={m.num_layers}", f"model.kwargs.hidden={m.hidden}", f"model.kwargs.n_head={m.heads}",
+            f"model.kwargs.n_kv_head={m.kv_heads}", f"model.kwargs.vocab_size={m.vocab}",
+            f"model.kwargs.seq_len={m.seq_len}", f"+model.kwargs.ffn_hidden={m.ffn_hidden}",
+            f"+model.kwargs.rope_theta={m.rope_theta}"]
 
 
 def load(preset: str, *overrides: str):
@@ -226,8 +220,9 @@ def why(model, plan, hardware) -> dict[str, float]:
 
 def run_row(preset: str, kind: str, rate: float, pub_gib, overrides=(), simulate_too=False, show_why=False,
             label=None, pub_s: float | None = None):
-    """One printed row; ``pub_s``: the published seconds where the overrides swap the model for one
-    the rate cannot be converted with (a traced user model has no ``seq_len`` field)."""
+    """One printed row: (error %, OOM, published seconds, config). ``pub_s``: the published seconds where
+    the overrides swap the model for one the rate cannot be converted with (a traced user model has no
+    ``seq_len`` field)."""
     cfg, model, plan = load(preset, *overrides)
     est = estimate(plan, model, cfg.hardware)
     pub = pub_s if pub_s is not None else published_time_s(kind, rate, cfg, model, plan)
@@ -253,7 +248,7 @@ def run_row(preset: str, kind: str, rate: float, pub_gib, overrides=(), simulate
     if show_why:
         parts = why(model, plan, cfg.hardware)
         print("      " + "  ".join(f"{k} {v:.3f}s ({100 * v / est.iteration_time_s:.0f}%)" for k, v in parts.items()))
-    return err, oom
+    return err, oom, pub, cfg
 
 
 #: recompute settings of the sensitivity grid: none, the first 1 or 2 blocks of each chunk, every block
@@ -297,7 +292,7 @@ def main() -> None:
           f" {'peak_GiB':>8} {'':>4} {'pub_GiB':>7}")
     errs, eager_errs = [], []
     for preset, _system, _gpus, kind, rate, pub_gib, _source in PUBLISHED:
-        err, _ = run_row(preset, kind, rate, pub_gib, simulate_too=not args.fast, show_why=args.why)
+        err, _, pub, cfg = run_row(preset, kind, rate, pub_gib, simulate_too=not args.fast, show_why=args.why)
         errs.append(abs(err))
         eager_errs.append(abs(err))
         for extra in STAND_INS.get(preset, []) + BRACKETS.get(preset, []) + UNPUBLISHED.get(preset, []):
@@ -307,9 +302,8 @@ def main() -> None:
         if preset in EAGER:
             if str(EXAMPLES) not in sys.path:
                 sys.path.insert(0, str(EXAMPLES))  # the example's factory module
-            cfg, model, plan = load(preset)
-            err, _ = run_row(preset, kind, rate, pub_gib, EAGER[preset].split(), show_why=args.why,
-                             label="  torchtitan's eager code", pub_s=published_time_s(kind, rate, cfg, model, plan))
+            err, *_ = run_row(preset, kind, rate, pub_gib, eager_overrides(cfg.model), show_why=args.why,
+                              label="  torchtitan's eager code", pub_s=pub)
             eager_errs[-1] = abs(err)
     print(f"|err| over the {len(errs)} presets: median {statistics.median(errs):.1f} %  max {max(errs):.1f} %")
     print(f"|err| with the torchtitan rows as torchtitan's eager code: median {statistics.median(eager_errs):.1f} %  "

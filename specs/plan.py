@@ -166,7 +166,6 @@ GROUPED_BLOCKING_WHY = ("with microbatch groups larger than the pipeline depth a
                         "false, or schedule.microbatch_group_size equal to the pipeline depth")
 
 
-
 def blocking_refusal(schedule: ScheduleSpec, depth: int) -> str | None:
     """Why ``p2p_blocking`` cannot run ``schedule`` at pipeline ``depth`` (the plan's field, the
     planners' ``policy.p2p_blocking``), or None when it can."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.validate_published import BRACKETS, EAGER, EXAMPLES, PUBLISHED, load, published_time_s
+from benchmarks.validate_published import BRACKETS, EAGER, EXAMPLES, PUBLISHED, eager_overrides, load, published_time_s
 from simulator import simulate, size_problem
 from simulator.analytic import estimate
 from specs.model import LayerKind
@@ -124,8 +124,8 @@ def test_the_eager_bracket_is_the_presets_model(name):
         sys.path.insert(0, str(EXAMPLES))
     import torchtitan_llama
 
-    _, model, _ = load(name)
-    cfg = compose(f"experiment={name}", *EAGER[name].split())
+    preset, model, _ = load(name)
+    cfg = compose(f"experiment={name}", *eager_overrides(preset.model))
     with torch.device("meta"):
         layers, _ = torchtitan_llama.build(**cfg.model.kwargs)
     assert sum(p.numel() for _, layer in layers for p in layer.parameters()) == model.total_params

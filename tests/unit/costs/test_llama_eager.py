@@ -1,5 +1,5 @@
 """``eager_elementwise`` (torchtitan's Llama without torch.compile): the closed form's memory-bound
-bytes per token equal, to the byte, what executor.traffic measures on torchtitan's eager block
+bytes per token equal, to the byte, what the symbolic profiler (executor.traffic) measures on torchtitan's eager block
 (docs/examples/torchtitan_llama.py), forward and backward, grouped and not, bf16 and fp32 — at shapes
 other than the nine its backward coefficients were measured on; and the flag is refused by name where
 the block is not torchtitan's."""
@@ -9,54 +9,36 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import flop_counter
 
 from costs.families import build_model, parse_model_config
 from costs.family_llama import eager_block_traffic
-from executor.profile_symbolic import _fake_module
-from executor.traffic import Traffic
+from executor.profile_symbolic import profile_model
 from tests.conftest import conf
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "docs" / "examples"
 
 
 def _traced_bytes(h, a, g, f, s, samples, dtype):
+    """(forward, backward) traffic of block 0 of the example, as the symbolic profiler measures it."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
-    import torchtitan_llama
-
-    with torch.device("meta"):
-        block = torchtitan_llama.Block(h, a, g, f, s, 500000.0, 1e-5)
-    with FakeTensorMode():
-        block = _fake_module(block, dtype)
-        for p in block.parameters():
-            p.grad = torch.zeros_like(p)
-        params = {StorageWeakRef(p.untyped_storage()) for p in block.parameters()}
-        grads = {StorageWeakRef(p.grad.untyped_storage()) for p in block.parameters()}
-        x = torch.empty(samples, s, h, dtype=dtype, requires_grad=True)
-        fwd, bwd = Traffic(params, grads), Traffic(params, grads)
-        with flop_counter.FlopCounterMode(display=False), fwd:   # as executor.profile_symbolic traces
-            out = block(x, {})
-        grad = torch.empty_like(out)
-        with flop_counter.FlopCounterMode(display=False), bwd:
-            out.backward(grad)
-    return fwd.bytes, bwd.bytes
+    cfg = parse_model_config({"family": "torch_module", "name": "torchtitan_llama", "factory": "torchtitan_llama:build",
+                              "kwargs": {"n_layer": 1, "hidden": h, "n_head": a, "n_kv_head": g, "vocab_size": 256,
+                                         "seq_len": s, "ffn_hidden": f, "rope_theta": 500000.0}})
+    block = profile_model(cfg, microbatch=samples, dtype=dtype).layers[1]
+    return block.fwd_mem_bytes, block.bwd_mem_bytes
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype,act", [("bf16", 2), ("fp32", 4)], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(640, 10, 2, 1792), (384, 6, 6, 1024), (1024, 16, 4, 2816)],
                          ids=["gqa", "mha", "gqa-wide"])
-def test_closed_form_is_the_traced_eager_block(shape, dtype):
+def test_closed_form_is_the_traced_eager_block(shape, dtype, act):
     """Per sample and token: two samples' bytes less one's (the rotation's cos/sin table is made
     once per sequence, not per sample: the closed form leaves it out)."""
     h, a, g, f = shape
     s = 128
     f1, b1 = _traced_bytes(h, a, g, f, s, 1, dtype)
     f2, b2 = _traced_bytes(h, a, g, f, s, 2, dtype)
-    act = torch.empty(0, dtype=dtype).element_size()
     fwd, bwd = eager_block_traffic(s, h, g * (h // a), f, a > g, act)
     assert f2 - f1 == fwd and b2 - b1 == bwd
 

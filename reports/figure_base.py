@@ -64,27 +64,34 @@ def new_figure(width_in: float, height_in: float):
     return fig
 
 
-#: the rcParams at their defaults, under which ``Figure.savefig(path, format="png")`` of a figure from
-#: :func:`new_figure` is one draw of its Agg canvas + ``matplotlib.image.imsave`` (write_png)
+#: zlib level of the PNGs (PIL's default is 6): 3 encodes llama3_70b's timeline.png (1300 x 1600) in
+#: ~60 ms instead of ~100 ms for a file ~10 % larger; the pixels are the same at any level
+PNG_COMPRESS_LEVEL = 3
+#: what write_png passes to PIL, as savefig's ``pil_kwargs`` would
+PNG_KWARGS = {"compress_level": PNG_COMPRESS_LEVEL}
+
+#: the rcParams at their defaults, under which ``Figure.savefig(path, format="png", pil_kwargs=PNG_KWARGS)``
+#: of a figure from :func:`new_figure` is one draw of its Agg canvas + ``matplotlib.image.imsave`` (write_png)
 _PLAIN_SAVEFIG = {"savefig.dpi": "figure", "savefig.bbox": None, "savefig.facecolor": "auto",
                   "savefig.edgecolor": "auto", "savefig.transparent": False}
 
 
 def write_png(fig, path) -> None:
-    """Write ``fig`` as PNG: the bytes ``fig.savefig(path, format="png")`` writes, drawn once.
-    savefig first draws a figure that has a layout engine with drawing disabled (to run the
-    constrained layout), then draws it again for real; ``canvas.draw()`` runs the layout and draws
-    in one pass, and ``image.imsave`` is what savefig's Agg PNG writer calls on that buffer (a
-    tenth of a second less for llama3_70b's two figures). A canvas other than Agg or a
-    matplotlibrc that changes savefig's defaults goes through savefig itself."""
+    """Write ``fig`` as PNG: the bytes ``fig.savefig(path, format="png", pil_kwargs=PNG_KWARGS)``
+    writes, drawn once. savefig first draws a figure that has a layout engine with drawing
+    disabled (to run the constrained layout), then draws it again for real; ``canvas.draw()`` runs
+    the layout and draws in one pass, and ``image.imsave`` is what savefig's Agg PNG writer calls on
+    that buffer (a tenth of a second less for llama3_70b's two figures). A canvas other than Agg or
+    a matplotlibrc that changes savefig's defaults goes through savefig itself."""
     import matplotlib as mpl
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     if type(fig.canvas) is not FigureCanvasAgg or any(mpl.rcParams[k] != v for k, v in _PLAIN_SAVEFIG.items()):
-        fig.savefig(path, format="png")
+        fig.savefig(path, format="png", pil_kwargs=dict(PNG_KWARGS))
         return
     fig.canvas.draw()  # savefig marks the canvas as saving: that only matters to animated artists (none here)
-    mpl.image.imsave(path, fig.canvas.buffer_rgba(), format="png", origin="upper", dpi=fig.dpi)
+    mpl.image.imsave(path, fig.canvas.buffer_rgba(), format="png", origin="upper", dpi=fig.dpi,
+                     pil_kwargs=dict(PNG_KWARGS))
 
 
 def device_ranges(devices: list[int]) -> str:

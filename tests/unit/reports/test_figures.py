@@ -105,8 +105,8 @@ def test_timeline_has_a_lane_per_kind_of_work_and_a_legend(tmp_path):
     fig = timeline_figure(trace, make_result([1, 1, 1, 1, 1, 1, 1, 1]))
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert legend[:2] == ["forward", "backward"] and any("swap" in s for s in legend) and any("p2p" in s for s in legend)
-    ticks = [t.get_text() for t in fig.axes[0].get_yticklabels()]
-    assert ticks[0] == "dev 0 · stage 0 · ×4  compute" and ticks[1] == "comm"
+    rows = [t.get_text() for t in fig.axes[0].texts]  # one label per row (reports.figures_run._row_labels)
+    assert rows[0] == "dev 0 · stage 0 · ×4  compute" and rows[1] == "comm" and len(rows) == len(lanes)
     write_figures(tmp_path, make_result([1.0] * 8), trace)
     assert_picture(tmp_path / "timeline.png")
 

@@ -1,7 +1,8 @@
 """Benchmark (not a test): memwall against published training runs of systems it was never fitted
 on -- Llama 3 405B on 8k/16k H100 (Meta), torchtitan's Llama 3.1 8B FSDP on H100 and Llama 2/3 13B-70B FSDP on
 A100, BLOOM 176B and Megatron-Turing NLG 530B with
-Megatron-DeepSpeed on A100, MosaicML's MPT 7B-70B FSDP at 2k-64k tokens on H100 and A100 -- each a
+Megatron-DeepSpeed on A100, MosaicML's MPT 7B-70B FSDP at 2k-64k tokens on H100 and A100 and MPT
+1B-70B at 2k tokens on 128-512 H100 (llm-foundry's large-scale table) -- each a
 ``conf/experiment/published_*.yaml`` preset that cites its source and marks what it assumes
 (docs/validation_published.md has the table and the reasons).
 
@@ -87,6 +88,45 @@ PUBLISHED = [
      "llm-foundry benchmarking README, A100 80GB (1600 Gbps RoCE), 7b | 65536 | 8"),
     ("published_mpt_30b_a100_2k", "llm-foundry", 8, "tokens", 916.0, None,
      "llm-foundry benchmarking README, A100 80GB (1600 Gbps RoCE), 30b | 2048 | 8"),
+    # the same README at commit 5e85bd62d (2024-01-06), table "H100 80GB BF16 (Large Scale, >= 128 GPUs)",
+    # run by that commit's scripts/train/benchmarking/sweep.py (microbatch, ZeRO-2/3, recompute and
+    # attn_impl flash (FlashAttention-2) or triton per model: the presets' headers)
+    ("published_mpt_1b_h100_128", "llm-foundry", 128, "tokens", 44123.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 1b | 2048 | 128"),
+    ("published_mpt_1b_h100_256", "llm-foundry", 256, "tokens", 42555.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 1b | 2048 | 256"),
+    ("published_mpt_1b_h100_512", "llm-foundry", 512, "tokens", 39837.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 1b | 2048 | 512"),
+    ("published_mpt_3b_h100_128", "llm-foundry", 128, "tokens", 23422.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 3b | 2048 | 128"),
+    ("published_mpt_3b_h100_256", "llm-foundry", 256, "tokens", 22772.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 3b | 2048 | 256"),
+    ("published_mpt_3b_h100_512", "llm-foundry", 512, "tokens", 21664.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 3b | 2048 | 512"),
+    ("published_mpt_7b_h100_128", "llm-foundry", 128, "tokens", 10475.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 7b | 2048 | 128"),
+    ("published_mpt_7b_h100_256", "llm-foundry", 256, "tokens", 10119.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 7b | 2048 | 256"),
+    ("published_mpt_7b_h100_512", "llm-foundry", 512, "tokens", 9670.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 7b | 2048 | 512"),
+    ("published_mpt_13b_h100_128", "llm-foundry", 128, "tokens", 5080.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 13b | 2048 | 128"),
+    ("published_mpt_13b_h100_256", "llm-foundry", 256, "tokens", 4989.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 13b | 2048 | 256"),
+    ("published_mpt_13b_h100_512", "llm-foundry", 512, "tokens", 4952.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 13b | 2048 | 512"),
+    ("published_mpt_30b_h100_128", "llm-foundry", 128, "tokens", 2199.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 30b | 2048 | 128"),
+    ("published_mpt_30b_h100_256", "llm-foundry", 256, "tokens", 2148.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 30b | 2048 | 256"),
+    ("published_mpt_30b_h100_512", "llm-foundry", 512, "tokens", 2115.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 30b | 2048 | 512"),
+    ("published_mpt_70b_h100_128", "llm-foundry", 128, "tokens", 1058.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 70b | 2048 | 128"),
+    ("published_mpt_70b_h100_256", "llm-foundry", 256, "tokens", 1035.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 70b | 2048 | 256"),
+    ("published_mpt_70b_h100_512", "llm-foundry", 512, "tokens", 1007.0, None,
+     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 70b | 2048 | 512"),
 ]
 
 #: no recompute on a preset that recomputes the first N blocks (the count must go with it)
@@ -114,6 +154,16 @@ UNPUBLISHED = {
     "published_mtnlg_530b_350n": ["training.microbatch_size=20", "training.microbatch_size=40"],
     "published_mtnlg_530b_420n": ["training.microbatch_size=24", "training.microbatch_size=48"],
 }
+#: llm-foundry's large-scale rows ran Composer 0.17's FSDP mixed precision DEFAULT (the table's MP Mode;
+#: sweep.py's PURE never reaches the run config): param bf16, gradient reduce-scatter in **fp32**. The
+#: presets keep the other MPT presets' 16 B/param (bf16 gradient bytes on the wire); the 512-GPU rows are
+#: printed again at 18 B/param, memwall's fp32-gradient mode: the reduce-scatter at 4 B/param (what DEFAULT
+#: runs; ZeRO-2 also its parameter all-gather, which memwall prices at the gradient's bytes), 2 B/param more
+#: sharded state and no AccumulateGrad traffic (costs.layer_time.accumulate_bytes_per_param)
+FP32_REDUCE = {f"published_mpt_{m}_h100_512": ["training.mixed_bytes_per_param=18"]
+               for m in ("1b", "3b", "7b", "13b", "30b", "70b")}
+#: llm-foundry's "H100 80GB BF16 (Large Scale, >= 128 GPUs)" rows (commit 5e85bd62d), summarised apart
+LARGE_SCALE = [f"published_mpt_{m}_h100_{g}" for m in ("1b", "3b", "7b", "13b", "30b", "70b") for g in (128, 256, 512)]
 
 #: the torchtitan rows ran eager PyTorch (compile = false, norm_type rmsnorm in every config they cite):
 #: each is printed again with the model swapped for torchtitan's own code of that time, traced
@@ -290,12 +340,15 @@ def main() -> None:
           " causal% against the time with causal attention FLOPs)")
     print(f"{'run':<32} {'gpus':>6} {'pub_s':>9} {'memwall_s':>9} {'err%':>7} {'causal%':>7} {'sim_s (err%)':>16}"
           f" {'peak_GiB':>8} {'':>4} {'pub_GiB':>7}")
-    errs, eager_errs = [], []
+    errs, eager_errs, large = [], [], []
     for preset, _system, _gpus, kind, rate, pub_gib, _source in PUBLISHED:
         err, _, pub, cfg = run_row(preset, kind, rate, pub_gib, simulate_too=not args.fast, show_why=args.why)
         errs.append(abs(err))
+        if preset in LARGE_SCALE:
+            large.append(abs(err))
         eager_errs.append(abs(err))
-        for extra in STAND_INS.get(preset, []) + BRACKETS.get(preset, []) + UNPUBLISHED.get(preset, []):
+        for extra in (STAND_INS.get(preset, []) + BRACKETS.get(preset, []) + UNPUBLISHED.get(preset, [])
+                      + FP32_REDUCE.get(preset, [])):
             first = extra.split()[0]  # a bracket may be several overrides, space-separated
             run_row(preset, kind, rate, pub_gib, extra.split(), show_why=args.why,
                     label=f"  {first.split('=')[0].split('.')[-1]}={first.split('=')[1]}")
@@ -308,6 +361,9 @@ def main() -> None:
     print(f"|err| over the {len(errs)} presets: median {statistics.median(errs):.1f} %  max {max(errs):.1f} %")
     print(f"|err| with the torchtitan rows as torchtitan's eager code: median {statistics.median(eager_errs):.1f} %  "
           f"max {max(eager_errs):.1f} %")
+    if large:
+        print(f"|err| over the {len(large)} llm-foundry large-scale rows (128-512 H100): median "
+              f"{statistics.median(large):.1f} %  max {max(large):.1f} %")
     if args.sensitivity:
         sensitivity()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from costs.params import dp_grad_bytes, grad_reduce_ranks, layer_params_on_device, stage_holding, tied_copies
+from costs.params import dp_grad_bytes, dp_param_bytes, grad_reduce_ranks, layer_params_on_device, stage_holding, tied_copies
 from specs.hardware import HardwareSpec, LinkSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, StagePlan
@@ -81,23 +81,33 @@ def dp_reduce_gather_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, sta
     does, but no rank keeps a whole gradient across microbatches: each layer's is reduce-scattered in
     every microbatch's backward, costs.layer_time.sharded_dp_comm_s, none at the flush). ZeRO-3:
     (0, 0): its reduce-scatters run in every backward and its parameters are gathered layer by layer
-    in each pass (§5.3; FSDP), both in costs.layer_time.sharded_dp_comm_s."""
+    in each pass (§5.3; FSDP), both in costs.layer_time.sharded_dp_comm_s. The all-gather moves the
+    weights' bytes (:func:`costs.params.dp_param_bytes`: half the gradients' at 18 B/param)."""
     if grad_reduce_ranks(stage) == 1:  # dp x cp replicas (costs/context_parallel.py)
         return 0.0, 0.0
-    ranks = stage.devices[:: stage.tp]
-    t = ring_allreduce_s(dp_grad_bytes(model, plan, stage), grad_reduce_ranks(stage), allreduce_link(hardware, ranks))
+    n, link = grad_reduce_ranks(stage), allreduce_link(hardware, stage.devices[:: stage.tp])
+    t = ring_allreduce_s(dp_grad_bytes(model, plan, stage), n, link)
     if plan.zero_stage == 0:
         return t, 0.0
-    return (t / 2 if plan.zero_stage == 1 else 0.0), (t / 2 if plan.zero_stage in (1, 2) else 0.0)
+    gather = ring_allreduce_s(dp_param_bytes(model, plan, stage), n, link) / 2 if plan.zero_stage in (1, 2) else 0.0
+    return (t / 2 if plan.zero_stage == 1 else 0.0), gather
 
 
 def dp_param_gather_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec,
                               stage: StagePlan) -> list[float]:
     """ZeRO-1's (and ZeRO-2's) parameter all-gather split into one bucket per layer (stage order),
-    each half of that layer's all-reduce (its own latency); zeros for ZeRO-0 and ZeRO-3."""
+    each half of an all-reduce of that layer's weight bytes (its own latency); zeros for ZeRO-0 and
+    ZeRO-3, and for a window's streamed layers (gathered on the host). Until 2026-11-29 these were
+    :func:`dp_allreduce_buckets_s`, the gradients' buckets: at 18 B/param the gather was priced at
+    fp32 bytes, and under ZeRO-2 (no flush reduction, so zero buckets) an overlapped gather was free."""
     if plan.zero_stage not in (1, 2) or grad_reduce_ranks(stage) == 1:
         return [0.0] * len(stage.layers)
-    return dp_allreduce_buckets_s(model, plan, hardware, stage)  # ZeRO-1 buckets: reduce-scatter = all-gather
+    w_b, _, _ = plan.training.bytes_per_param()
+    link = allreduce_link(hardware, stage.devices[:: stage.tp])
+    streamed = set(stage.streamed_layers)
+    return [0.0 if i in streamed else
+            ring_allreduce_s(w_b * layer_params_on_device(model.layers[i], stage.tp), grad_reduce_ranks(stage), link) / 2
+            for i in stage.layers]
 
 
 def grad_reduce_exposed_s(bucket_s: list[float], layer_bwd_s: list[float]) -> float:

@@ -89,5 +89,21 @@ def dp_grad_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
     window's streamed layers are not among them: each is all-reduced on the host before its CPU
     step (costs.window.host_allreduce_s)."""
     _, g_b, _ = plan.training.bytes_per_param()
+    return g_b * dp_synced_params(model, plan, stage)
+
+
+def dp_param_bytes(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """Parameter bytes ZeRO-1/2 all-gathers after the step over the same replicas as
+    :func:`dp_grad_bytes`: the updated weights in the weight dtype (bf16/fp16 under mixed precision),
+    not the gradients' (fp32 main grads at 18 B/param): Megatron's distributed optimizer copies its
+    fp32 shard into the bf16 parameter buffer and gathers that (Megatron-LM
+    docs/source/api-guide/dist_optimizer.md), as DeepSpeed's ZeRO-1/2 and FSDP gather bf16 weights."""
+    w_b, _, _ = plan.training.bytes_per_param()
+    return w_b * dp_synced_params(model, plan, stage)
+
+
+def dp_synced_params(model: ModelSpec, plan: Plan, stage: StagePlan) -> int:
+    """Parameters of one device of ``stage`` synchronised over its dp replicas (its TP shard, less a
+    window's streamed layers, which are all-reduced on the host: costs.window.host_allreduce_s)."""
     streamed = sum(layer_params_on_device(model.layers[i], stage.tp) for i in stage.streamed_layers)
-    return g_b * (stage_params_on_device(model, plan, stage) - streamed)
+    return stage_params_on_device(model, plan, stage) - streamed

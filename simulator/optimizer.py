@@ -97,10 +97,9 @@ class OptimizerEvents:
                 gat = costs.collectives.param_gather_exposed_s(
                     costs.collectives.dp_param_gather_buckets_s(model, plan, hardware, stage),
                     [costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l)[0] for l in stage.layers])
-            w_b, g_b, _ = plan.training.bytes_per_param()
             self._dp_reduce_ns.append(ns(red))
             self._gather_ns.append(ns(gat))
-            shard = -(-costs.params.dp_grad_bytes(model, plan, stage) // g_b * w_b // costs.params.grad_reduce_ranks(stage))
+            shard = -(-costs.params.dp_param_bytes(model, plan, stage) // costs.params.grad_reduce_ranks(stage))
             self._gather_bytes.append(shard if gat else 0)
 
     def _param_gather(self, w, s: int):

@@ -73,20 +73,52 @@ def test_zero1_static_bytes_per_parameter_are_megatrons(precision, mixed, dp):
     assert (mem.parameters_bytes, mem.gradients_bytes) == (plain.parameters_bytes, plain.gradients_bytes)
 
 
-def test_reduce_scatter_plus_all_gather_is_one_all_reduce():
+@pytest.mark.parametrize("mixed", [16, 18])
+def test_reduce_scatter_plus_all_gather_is_one_all_reduce(mixed):
+    """16 B/param (gradients and weights both 2 bytes): reduce-scatter + all-gather are one
+    all-reduce. 18 B/param: the reduce-scatter is half the fp32 gradients' all-reduce and the
+    all-gather half an all-reduce of the 2-byte weights (Megatron gathers its bf16/fp16 parameter
+    buffer): its bandwidth term is half the reduce-scatter's, its latency term the same."""
     model, hw = gpt(), selene(nodes=2)
-    z0, z1 = make(model, hw, dp=16, zero=0), make(model, hw, dp=16, zero=1)
+    z0, z1 = make(model, hw, dp=16, zero=0, mixed=mixed), make(model, hw, dp=16, zero=1, mixed=mixed)
     ar, none = costs.collectives.dp_reduce_gather_s(model, z0, hw, z0.stages[0])
     rs, ag = costs.collectives.dp_reduce_gather_s(model, z1, hw, z1.stages[0])
-    assert none == 0.0 and rs == pytest.approx(ag)
-    assert rs + ag == pytest.approx(ar, rel=1e-12)
     link = costs.collectives.allreduce_link(hw, z0.stages[0].devices)
-    assert ar == pytest.approx(costs.collectives.ring_allreduce_s(
-        costs.params.dp_grad_bytes(model, z0, z0.stages[0]), 16, link), rel=1e-12)
+    grads = costs.params.dp_grad_bytes(model, z0, z0.stages[0])
+    assert ar == pytest.approx(costs.collectives.ring_allreduce_s(grads, 16, link), rel=1e-12)
+    assert none == 0.0 and rs == pytest.approx(ar / 2, rel=1e-12)
+    weights = costs.params.dp_param_bytes(model, z1, z1.stages[0])
+    assert weights * (4 if mixed == 18 else 2) == grads * 2
+    assert ag == pytest.approx(costs.collectives.ring_allreduce_s(weights, 16, link) / 2, rel=1e-12)
+    if mixed == 16:
+        assert rs + ag == pytest.approx(ar, rel=1e-12)
+    else:
+        lat = 15 * (link.collective_latency_s if link.collective_latency_s is not None else link.latency_s)
+        assert ag - lat == pytest.approx((rs - lat) / 2, rel=1e-12)
     # the step is 1/d of the replicated one
     step0 = costs.layer_time.optimizer_step_s(model, z0, hw, z0.stages[0])
     step1 = costs.layer_time.optimizer_step_s(model, z1, hw, z1.stages[0])
     assert step1 == pytest.approx(step0 / 16, rel=1e-3)
+
+
+def test_zero2_overlapped_parameter_gather_is_priced():
+    """ZeRO-2 gathers its updated weights after the step as ZeRO-1 does (Rajbhandari et al. §5.2);
+    with overlap_param_gather its per-layer buckets are the weights' (they were the gradient
+    reduction's buckets until 2026-11-29, all zero under ZeRO-2: the gather was free), and each
+    ZeRO-1/2 bucket is half an all-reduce of that layer's weight bytes."""
+    model, hw = gpt(), selene(nodes=2)
+    for zero in (1, 2):
+        plan = make(model, hw, dp=16, zero=zero, gather=True)
+        stage = plan.stages[0]
+        buckets = costs.collectives.dp_param_gather_buckets_s(model, plan, hw, stage)
+        link = costs.collectives.allreduce_link(hw, stage.devices[:: stage.tp])
+        w_b = plan.training.bytes_per_param()[0]
+        assert buckets == [pytest.approx(costs.collectives.ring_allreduce_s(
+            w_b * costs.params.layer_params_on_device(model.layers[i], stage.tp), 16, link) / 2, rel=1e-12)
+            for i in stage.layers]
+        assert all(b > 0 for b in buckets)
+        # under a forward too short to hide it, the overlapped gather is exposed (ZeRO-2's was 0)
+        assert costs.collectives.param_gather_exposed_s(buckets, [0.0] * len(buckets)) == pytest.approx(sum(buckets))
 
 
 def test_exposed_closed_forms():

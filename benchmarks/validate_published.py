@@ -46,6 +46,13 @@ ATTENTION_GEMMS = ("scores", "attn_v")
 
 #: (preset, system, GPUs, how the rate is defined, published rate, published peak GiB or None, source).
 #: Every number was read at its source; the presets' headers quote the configuration.
+#: llm-foundry's "H100 80GB BF16 (Large Scale, >= 128 GPUs)" table (commit 5e85bd62d): Throughput (T/s/GPU)
+#: of each model at 128, 256 and 512 GPUs
+LARGE_SCALE_GPUS = (128, 256, 512)
+LARGE_SCALE_RATES = {"1b": (44123.0, 42555.0, 39837.0), "3b": (23422.0, 22772.0, 21664.0),
+                     "7b": (10475.0, 10119.0, 9670.0), "13b": (5080.0, 4989.0, 4952.0),
+                     "30b": (2199.0, 2148.0, 2115.0), "70b": (1058.0, 1035.0, 1007.0)}
+
 PUBLISHED = [
     ("published_llama3_405b_8k", "Meta Llama 3", 8192, "tflops", 430.0, None,
      "Dubey et al. 2024 (arXiv 2407.21783) Table 4 row 1"),
@@ -91,42 +98,9 @@ PUBLISHED = [
     # the same README at commit 5e85bd62d (2024-01-06), table "H100 80GB BF16 (Large Scale, >= 128 GPUs)",
     # run by that commit's scripts/train/benchmarking/sweep.py (microbatch, ZeRO-2/3, recompute and
     # attn_impl flash (FlashAttention-2) or triton per model: the presets' headers)
-    ("published_mpt_1b_h100_128", "llm-foundry", 128, "tokens", 44123.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 1b | 2048 | 128"),
-    ("published_mpt_1b_h100_256", "llm-foundry", 256, "tokens", 42555.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 1b | 2048 | 256"),
-    ("published_mpt_1b_h100_512", "llm-foundry", 512, "tokens", 39837.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 1b | 2048 | 512"),
-    ("published_mpt_3b_h100_128", "llm-foundry", 128, "tokens", 23422.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 3b | 2048 | 128"),
-    ("published_mpt_3b_h100_256", "llm-foundry", 256, "tokens", 22772.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 3b | 2048 | 256"),
-    ("published_mpt_3b_h100_512", "llm-foundry", 512, "tokens", 21664.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 3b | 2048 | 512"),
-    ("published_mpt_7b_h100_128", "llm-foundry", 128, "tokens", 10475.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 7b | 2048 | 128"),
-    ("published_mpt_7b_h100_256", "llm-foundry", 256, "tokens", 10119.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 7b | 2048 | 256"),
-    ("published_mpt_7b_h100_512", "llm-foundry", 512, "tokens", 9670.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 7b | 2048 | 512"),
-    ("published_mpt_13b_h100_128", "llm-foundry", 128, "tokens", 5080.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 13b | 2048 | 128"),
-    ("published_mpt_13b_h100_256", "llm-foundry", 256, "tokens", 4989.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 13b | 2048 | 256"),
-    ("published_mpt_13b_h100_512", "llm-foundry", 512, "tokens", 4952.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 13b | 2048 | 512"),
-    ("published_mpt_30b_h100_128", "llm-foundry", 128, "tokens", 2199.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 30b | 2048 | 128"),
-    ("published_mpt_30b_h100_256", "llm-foundry", 256, "tokens", 2148.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 30b | 2048 | 256"),
-    ("published_mpt_30b_h100_512", "llm-foundry", 512, "tokens", 2115.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 30b | 2048 | 512"),
-    ("published_mpt_70b_h100_128", "llm-foundry", 128, "tokens", 1058.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 70b | 2048 | 128"),
-    ("published_mpt_70b_h100_256", "llm-foundry", 256, "tokens", 1035.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 70b | 2048 | 256"),
-    ("published_mpt_70b_h100_512", "llm-foundry", 512, "tokens", 1007.0, None,
-     "llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), 70b | 2048 | 512"),
+    *[(f"published_mpt_{m}_h100_{g}", "llm-foundry", g, "tokens", rate, None,
+       f"llm-foundry benchmarking README (5e85bd62d), H100 80GB BF16 (Large Scale), {m} | 2048 | {g}")
+      for m, rates in LARGE_SCALE_RATES.items() for g, rate in zip(LARGE_SCALE_GPUS, rates)],
 ]
 
 #: no recompute on a preset that recomputes the first N blocks (the count must go with it)
@@ -158,12 +132,10 @@ UNPUBLISHED = {
 #: sweep.py's PURE never reaches the run config): param bf16, gradient reduce-scatter in **fp32**. The
 #: presets keep the other MPT presets' 16 B/param (bf16 gradient bytes on the wire); the 512-GPU rows are
 #: printed again at 18 B/param, memwall's fp32-gradient mode: the reduce-scatter at 4 B/param (what DEFAULT
-#: runs; ZeRO-2 also its parameter all-gather, which memwall prices at the gradient's bytes), 2 B/param more
-#: sharded state and no AccumulateGrad traffic (costs.layer_time.accumulate_bytes_per_param)
-FP32_REDUCE = {f"published_mpt_{m}_h100_512": ["training.mixed_bytes_per_param=18"]
-               for m in ("1b", "3b", "7b", "13b", "30b", "70b")}
-#: llm-foundry's "H100 80GB BF16 (Large Scale, >= 128 GPUs)" rows (commit 5e85bd62d), summarised apart
-LARGE_SCALE = [f"published_mpt_{m}_h100_{g}" for m in ("1b", "3b", "7b", "13b", "30b", "70b") for g in (128, 256, 512)]
+#: runs), 2 B/param more sharded state and no AccumulateGrad traffic (costs.layer_time.accumulate_bytes_per_param)
+FP32_REDUCE = {f"published_mpt_{m}_h100_512": ["training.mixed_bytes_per_param=18"] for m in LARGE_SCALE_RATES}
+#: the large-scale rows, summarised apart
+LARGE_SCALE = [f"published_mpt_{m}_h100_{g}" for m in LARGE_SCALE_RATES for g in LARGE_SCALE_GPUS]
 
 #: the torchtitan rows ran eager PyTorch (compile = false, norm_type rmsnorm in every config they cite):
 #: each is printed again with the model swapped for torchtitan's own code of that time, traced

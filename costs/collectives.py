@@ -103,11 +103,7 @@ def dp_param_gather_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSp
     if plan.zero_stage not in (1, 2) or grad_reduce_ranks(stage) == 1:
         return [0.0] * len(stage.layers)
     w_b, _, _ = plan.training.bytes_per_param()
-    link = allreduce_link(hardware, stage.devices[:: stage.tp])
-    streamed = set(stage.streamed_layers)
-    return [0.0 if i in streamed else
-            ring_allreduce_s(w_b * layer_params_on_device(model.layers[i], stage.tp), grad_reduce_ranks(stage), link) / 2
-            for i in stage.layers]
+    return _layer_buckets_s(model, hardware, stage, w_b, 2)
 
 
 def grad_reduce_exposed_s(bucket_s: list[float], layer_bwd_s: list[float]) -> float:
@@ -165,9 +161,17 @@ def dp_allreduce_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec,
     if grad_reduce_ranks(stage) == 1 or plan.zero_stage >= 2:  # ZeRO-2/3: reduced in every backward
         return [0.0] * len(stage.layers)  # (costs.layer_time.sharded_dp_comm_s); no dp x cp replicas
     _, g_b, _ = plan.training.bytes_per_param()
+    return _layer_buckets_s(model, hardware, stage, g_b, 2 if plan.zero_stage >= 1 else 1)  # ZeRO >= 1: reduce-scatter
+
+
+def _layer_buckets_s(model: ModelSpec, hardware: HardwareSpec, stage: StagePlan, bytes_per_param: int,
+                     divisor: int) -> list[float]:
+    """One ring all-reduce over the stage's dp replicas per layer (stage order) of ``bytes_per_param``
+    x its parameters on the device, / ``divisor`` (2: a reduce-scatter or an all-gather, each its own
+    latency); 0 for a window's streamed layers, synchronised on the host (costs.window.host_allreduce_s)."""
     link = allreduce_link(hardware, stage.devices[:: stage.tp])
-    half = 2 if plan.zero_stage >= 1 else 1  # ZeRO >= 1 reduce-scatters its gradient buckets
-    streamed = set(stage.streamed_layers)  # a window's: all-reduced on the host (costs.window.host_allreduce_s)
+    streamed = set(stage.streamed_layers)
     return [0.0 if i in streamed else
-            ring_allreduce_s(g_b * layer_params_on_device(model.layers[i], stage.tp), grad_reduce_ranks(stage), link) / half
+            ring_allreduce_s(bytes_per_param * layer_params_on_device(model.layers[i], stage.tp),
+                             grad_reduce_ranks(stage), link) / divisor
             for i in stage.layers]

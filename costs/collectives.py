@@ -106,20 +106,36 @@ def dp_param_gather_buckets_s(model: ModelSpec, plan: Plan, hardware: HardwareSp
     return _layer_buckets_s(model, hardware, stage, w_b, 2)
 
 
-def grad_reduce_exposed_s(bucket_s: list[float], layer_bwd_s: list[float]) -> float:
+def grad_reduce_exposed_s(bucket_s: list[float], layer_bwd_s: list[float], slowdown: float = 0.0) -> float:
     """Seconds of an overlapped gradient reduction (``Plan.overlap_grad_reduce``) left after the
     last microbatch's backward: bucket j (stage order, one per layer) is issued when that
     backward has passed layer j (last layer first) and buckets run one after the other on the
     ring (PyTorch DDP, Li et al. VLDB'20 §3.2.3; Megatron-Core's overlap_grad_reduce). Never more
-    than the blocking sum(bucket_s): each bucket starts no later than in the blocking order."""
+    than the blocking sum(bucket_s): each bucket starts no later than in the blocking order.
+    With ``slowdown`` (``DeviceSpec.overlap_compute_slowdown``) the backward is longer by that
+    fraction of the time the buckets run beside it (:func:`contention_s`), and the position goes
+    on when both the longer backward and the buckets are done (simulator/optimizer.py alike)."""
     ready = end = 0.0
+    spans = []
     for dur, bwd in zip(reversed(bucket_s), reversed(layer_bwd_s)):
         ready += bwd
-        end = max(end, ready) + dur
-    return max(end - sum(layer_bwd_s), 0.0)
+        start = max(end, ready)
+        end = start + dur
+        spans.append((start, end))
+    total = sum(layer_bwd_s)
+    return max(end - total, contention_s(spans, 0.0, total, slowdown), 0.0)
 
 
-def param_gather_exposed_s(bucket_s: list[float], layer_fwd_s: list[float]) -> float:
+def contention_s(spans, begin: float, finish: float, slowdown: float) -> float:
+    """Seconds compute running from ``begin`` to ``finish`` is slowed by collectives busy over
+    ``spans`` ((start, end) pairs, not overlapping): ``slowdown`` x the time they overlap it
+    (``DeviceSpec.overlap_compute_slowdown``, first order)."""
+    if not slowdown:
+        return 0.0
+    return slowdown * sum(max(min(e, finish) - max(s, begin), 0.0) for s, e in spans)
+
+
+def param_gather_exposed_s(bucket_s: list[float], layer_fwd_s: list[float], slowdown: float = 0.0) -> float:
     """Seconds of ZeRO-1's parameter all-gather that the next iteration's forward does not hide
     (``Plan.overlap_param_gather``, Megatron-Core's overlap_param_gather). Steady-state model:
     after the step every bucket's all-gather is issued at once, queued on the ring in stage order;
@@ -127,13 +143,16 @@ def param_gather_exposed_s(bucket_s: list[float], layer_fwd_s: list[float]) -> f
     that microbatch hide the gathers up to j. The stall is max_j (gathers through j − forwards
     before j), at least 0 and at most sum(bucket_s): only the stage's first forward covers it
     (what a later stage gains from the pipeline fill is not counted: an upper bound). Charged at
-    the iteration's end, where in steady state it shifts the next iteration by the same amount."""
-    gathered = fwd = stall = 0.0
+    the iteration's end, where in steady state it shifts the next iteration by the same amount.
+    With ``slowdown`` (``DeviceSpec.overlap_compute_slowdown``) each of those forwards is longer by
+    that fraction of the time the gathers (busy from the step until the last bucket) run beside it."""
+    total = sum(bucket_s)
+    gathered = clock = 0.0
     for dur, f in zip(bucket_s, layer_fwd_s):
         gathered += dur
-        stall = max(stall, gathered - fwd)
-        fwd += f
-    return stall
+        start = max(clock, gathered)
+        clock = start + f + contention_s([(0.0, total)], start, start + f, slowdown)
+    return max(clock - sum(layer_fwd_s), 0.0)
 
 
 def embedding_group_allreduce_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stage: StagePlan) -> float:

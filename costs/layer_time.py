@@ -307,24 +307,30 @@ def sharded_dp_comm_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, stag
     reduces = [ring_allreduce_s(n * g_b, ranks, link) / 2 for n in params]
     passes = [layer_pass_times_s(model, plan, hardware, stage, l) for l in stage.layers]
     idx = list(range(len(params)))
-    fwd = _stream_exposed_s(idx, gathers, [0.0] * len(idx), [f for f, _, _ in passes])
-    bwd = _stream_exposed_s(idx[::-1], gathers, reduces, [b + rc for _, b, rc in passes])
+    slow = hardware.device.overlap_compute_slowdown
+    fwd = _stream_exposed_s(idx, gathers, [0.0] * len(idx), [f for f, _, _ in passes], slow)
+    bwd = _stream_exposed_s(idx[::-1], gathers, reduces, [b + rc for _, b, rc in passes], slow)
     return fwd, bwd
 
 
-def _stream_exposed_s(order: list[int], gathers: list[float], reduces: list[float], busy: list[float]) -> float:
+def _stream_exposed_s(order: list[int], gathers: list[float], reduces: list[float], busy: list[float],
+                      slowdown: float = 0.0) -> float:
     """Seconds a pass over the layers in ``order`` (compute ``busy`` each) is longer for one FIFO
     communication stream: layer j's gather must be done before its compute starts, the next layer's
     gather is issued when j's compute starts (prefetch one ahead), j's reduce-scatter when j's
-    compute ends; the pass is over when its compute and the stream are both done."""
+    compute ends; the pass is over when its compute and the stream are both done. Compute that
+    runs beside the stream is slower by ``slowdown`` of the time they overlap
+    (``DeviceSpec.overlap_compute_slowdown``; the stream's own times are left as they are)."""
     stream = gathers[order[0]]  # the first gather: nothing to hide it
     ready, clock = stream, 0.0
     for i, j in enumerate(order):
         start = max(clock, ready)
-        clock = start + busy[j]
         if i + 1 < len(order):
             stream = max(stream, start) + gathers[order[i + 1]]
             ready = stream
+        # the stream is busy from ``start`` (or earlier) until ``stream``: nothing new is issued
+        # while j computes, so the overlap is one interval
+        clock = start + busy[j] + slowdown * min(max(stream - start, 0.0), busy[j])
         stream = max(stream, clock) + reduces[j]
     return max(clock, stream) - sum(busy[j] for j in order)
 

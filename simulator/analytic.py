@@ -456,12 +456,13 @@ def _dp_sync_exposed_s(model: ModelSpec, plan: Plan, hardware: HardwareSpec, sta
     red, gat = costs.collectives.dp_reduce_gather_s(model, plan, hardware, stage)
     times = ([costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l) for l in stage.layers]
              if plan.overlap_grad_reduce or plan.overlap_param_gather else [])
+    slow = hardware.device.overlap_compute_slowdown
     if red and plan.overlap_grad_reduce:
         red = costs.collectives.grad_reduce_exposed_s(
-            costs.collectives.dp_allreduce_buckets_s(model, plan, hardware, stage), [b + rc for _, b, rc in times])
+            costs.collectives.dp_allreduce_buckets_s(model, plan, hardware, stage), [b + rc for _, b, rc in times], slow)
     if gat and plan.overlap_param_gather:
         gat = costs.collectives.param_gather_exposed_s(
-            costs.collectives.dp_param_gather_buckets_s(model, plan, hardware, stage), [f for f, _, _ in times])
+            costs.collectives.dp_param_gather_buckets_s(model, plan, hardware, stage), [f for f, _, _ in times], slow)
     return red + gat
 
 

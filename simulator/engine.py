@@ -81,6 +81,7 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEv
         self.overlap_dp_allreduce = plan.overlap_grad_reduce if overlap_dp_allreduce is None else overlap_dp_allreduce
         self._bwd_count: dict[int, int] = {}
         self._ar_end: dict[int, int] = {}
+        self._ar_contention: dict[int, int] = {}  # ns the last backward lost beside its buckets (optimizer.py)
         self.env = simpy.Environment()
         self.p = plan.pipeline_depth
         self.model = model

@@ -96,7 +96,8 @@ class OptimizerEvents:
             if gat and plan.overlap_param_gather:
                 gat = costs.collectives.param_gather_exposed_s(
                     costs.collectives.dp_param_gather_buckets_s(model, plan, hardware, stage),
-                    [costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l)[0] for l in stage.layers])
+                    [costs.layer_time.layer_pass_times_s(model, plan, hardware, stage, l)[0] for l in stage.layers],
+                    hardware.device.overlap_compute_slowdown)
             self._dp_reduce_ns.append(ns(red))
             self._gather_ns.append(ns(gat))
             shard = -(-costs.params.dp_param_bytes(model, plan, stage) // costs.params.grad_reduce_ranks(stage))
@@ -283,11 +284,16 @@ class OptimizerEvents:
         interleaved cool-down sends for many passes after a chunk's last backward), where NCCL
         runs the two side by side on the NIC; the blocking all-reduce at the flush stays on the
         links (:meth:`_allreduce_wait_ns`)."""
-        res, ready, end = (("dp", self.costs[s].rep),), t0, t0
+        res, ready, end, spans = (("dp", self.costs[s].rep),), t0, t0, []
         for lc, dur in zip(reversed(sc.layers), reversed(sc.ar_buckets_ns)):
             ready += lc.bwd_ns + (lc.recompute_ns if lc.action is MemoryAction.recompute else 0)
-            _, end = self.links.reserve(res, dur, min(ready, self.env.now))
+            start, end = self.links.reserve(res, dur, min(ready, self.env.now))
+            spans.append((start, end))
         self._ar_end[s] = end
+        # the backward that ran beside the buckets was slower (DeviceSpec.overlap_compute_slowdown;
+        # costs.collectives.grad_reduce_exposed_s): the position may not go on before that either
+        self._ar_contention[s] = round(costs.collectives.contention_s(  # spans in ns: ns out
+            spans, t0, self.env.now, self.hardware.device.overlap_compute_slowdown))
         self.trace.slice(self.costs[s].rep, "collective", f"allreduce_grads s{s} (buckets)", t0,
                          end - t0, "allreduce_grads")
 
@@ -299,7 +305,7 @@ class OptimizerEvents:
         if not sc.dp_allreduce_ns:
             return rest
         if self.overlap_dp_allreduce and s in self._ar_end:
-            return max(self._ar_end[s] - now, 0) + rest
+            return max(self._ar_end[s] - now, self._ar_contention.get(s, 0), 0) + rest
         # ZeRO-1: the reduce-scatter here, the all-gather after the step (_param_gather)
         _, end = self.links.reserve(self._ar_resources(s), self._dp_reduce_ns[s], now)
         return end - now + rest

@@ -106,6 +106,16 @@ class DeviceSpec(Spec):
         description="per dtype: the flash kernel's backward curve (its five products, Dao 2023 §4.1); a dtype "
                     "without points: attention_efficiency's, else the GEMM curve")
     hbm_gbps: Bandwidth = Field(description="device memory bandwidth")
+    overlap_compute_slowdown: Annotated[float, finite_in(0.0, 1.0, lo_open=False)] = Field(
+        0.0, description="fraction by which compute is slower while a collective it overlaps runs on the same "
+                         "device (NCCL's kernels hold SMs and HBM bandwidth): a compute interval of c seconds "
+                         "beside o seconds of an overlapped collective takes c + slowdown * o (first order: the "
+                         "collective's own time is left as is). "
+                         "Applied to the collectives memwall overlaps with compute: ZeRO-2/3 (FSDP) gathers and "
+                         "reduce-scatters (costs.layer_time.sharded_dp_comm_s), overlap_grad_reduce's buckets "
+                         "(costs.collectives.grad_reduce_exposed_s, simulator/optimizer.py) and "
+                         "overlap_param_gather's all-gather (costs.collectives.param_gather_exposed_s). "
+                         "0: none")
     hbm_efficiency: Efficiency = Field(
         1.0, description="achieved streaming bandwidth / hbm_gbps (a copy or elementwise kernel never reaches "
                          "the datasheet figure); the time model's memory-bound ops run at the product")

@@ -39,6 +39,8 @@ def with_value(path: str, value) -> dict:
     ("device.compute_efficiency", 1e-300), ("device.compute_efficiency", 1.5), ("device.compute_efficiency", math.nan),
     ("device.hbm_gbps", math.inf), ("device.memory_bytes", 2**64), ("device.memory_bytes", 0),
     ("device.hbm_efficiency", 0.0), ("device.hbm_efficiency", 1.5),
+    ("device.overlap_compute_slowdown", -0.1), ("device.overlap_compute_slowdown", 1.5),
+    ("device.overlap_compute_slowdown", math.nan),
     ("device.gemm_efficiency.fp16", [[1e9, math.nan]]), ("device.gemm_efficiency.fp16", [[math.inf, 0.5]]),
     ("intra_node.fallback.collective_efficiency", 2.0),
     ("intra_node.fallback.latency_s", math.inf), ("intra_node.fallback.latency_s", -1e-6),

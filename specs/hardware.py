@@ -159,9 +159,11 @@ class DeviceSpec(Spec):
 
     @model_serializer(mode="wrap")
     def _omit_empty_attention(self, handler):
-        """Leave the attention curves out of a dump when they are empty, so that hardware files and
-        cache keys written before they existed stay byte-identical."""
-        return omit_unset(self, handler(self), ("attention_efficiency", "attention_bwd_efficiency"))
+        """Leave the attention curves out of a dump when they are empty, and the overlap slowdown
+        when it is 0, so that hardware files and cache keys written before they existed stay
+        byte-identical."""
+        return omit_unset(self, handler(self), ("attention_efficiency", "attention_bwd_efficiency",
+                                                "overlap_compute_slowdown"))
 
     def attention_curve(self, dtype: str, backward: bool = False) -> list[tuple[float, float]] | None:
         """The efficiency curve of a flash-attention kernel's pass in ``dtype``: the backward's

@@ -89,6 +89,16 @@ def test_the_field_is_bounded_and_named():
     assert HardwareSpec.model_validate(hw).device.overlap_compute_slowdown > 0  # h100_node cites a value
 
 
+def test_a_dump_without_it_is_unchanged():
+    """At 0 the field stays out of a dump (specs._base.omit_unset), so hardware files, plan ids and
+    cache keys written before it existed stay byte-identical; a set value round-trips."""
+    cpu = HardwareSpec.model_validate(conf("hardware", "local_cpu"))
+    assert "overlap_compute_slowdown" not in cpu.model_dump_json()
+    h100 = HardwareSpec.model_validate(conf("hardware", "h100_node"))
+    again = HardwareSpec.model_validate_json(h100.model_dump_json())
+    assert again.device.overlap_compute_slowdown == h100.device.overlap_compute_slowdown
+
+
 MODEL = build_model(parse_model_config(conf("model", "llama3_8b")), 2)
 
 

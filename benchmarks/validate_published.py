@@ -198,7 +198,8 @@ def published_time_s(kind: str, rate: float, cfg, model, plan, causal: bool = Fa
 def why(model, plan, hardware) -> dict[str, float]:
     """Seconds of one iteration on the busiest device group, by kind: linear-layer GEMMs, attention
     core GEMMs, memory-bound and other compute, TP/SP/CP communication (memwall does not overlap
-    them), recompute, the pipeline bubble, and the exposed dp sync + optimizer step."""
+    them), recompute, what overlapped collectives cost the compute beside them (where not 0), the
+    pipeline bubble, and the exposed dp sync + optimizer step."""
     p, m, v = plan.pipeline_depth, plan.training.microbatches, plan.schedule.virtual_stages
     dev = hardware.device
     dtype = lt.compute_dtype(plan)
@@ -231,7 +232,13 @@ def why(model, plan, hardware) -> dict[str, float]:
     work = sum(out.values())
     # the interleaved closed form (m + (p-1)/v) x slowest: the bubble is what exceeds m x slowest
     pipe_extra = (p - 1) / v / m * work if plan.schedule.kind.value == "interleaved_1f1b" else None
-    rest = total - work
+    # what overlapped collectives cost the compute beside them (DeviceSpec.overlap_compute_slowdown):
+    # the same plan on the same hardware with that slowdown at 0
+    free = hardware.model_copy(update={"device": hardware.device.model_copy(update={"overlap_compute_slowdown": 0.0})})
+    contention = total - iteration_time_s(plan, model, free)
+    if contention:
+        out["overlap_contention"] = contention
+    rest = total - work - contention
     if pipe_extra is not None:
         out["bubble"] = pipe_extra
         out["dp_sync_optimizer_p2p"] = rest - pipe_extra

@@ -128,3 +128,15 @@ def test_contention_slows_overlapped_plans_and_the_simulator_agrees(policy):
     # integer-ns rounding per simulated pass and bucket
     tol = 4e-9 * (plan1.training.microbatches + 1) * (len(MODEL.layers) + 2)
     assert abs(sim - t1) <= tol, (sim, t1, tol)
+
+
+def test_the_benchmarks_breakdown_names_it():
+    """validate_published --why shows what the contention costs a row, and its parts still add up
+    to the iteration."""
+    from benchmarks.validate_published import load, why
+
+    cfg, model, plan = load("published_mpt_7b_h100_128")
+    parts = why(model, plan, cfg.hardware)
+    total = iteration_time_s(plan, model, cfg.hardware)
+    assert parts["overlap_contention"] > 0
+    assert sum(parts.values()) == pytest.approx(total, rel=1e-12)

@@ -10,7 +10,8 @@ import math
 
 from costs import gemm, window
 from costs.buffers import boundary_send_bytes, neighbour_stage, p2p_gathered_bytes
-from costs.collectives import allreduce_link, collective_link, group_link, ring_allreduce_s, transfer_s
+from costs.collectives import (allreduce_link, collective_link, contention_s, group_link, ring_allreduce_s,
+                               transfer_s)
 from costs.context_parallel import layer_cp_comm_s
 from costs.params import grad_reduce_ranks, layer_params_on_device, samples_per_replica, stage_params_on_device
 from specs.hardware import HardwareSpec, LinkSpec
@@ -330,7 +331,7 @@ def _stream_exposed_s(order: list[int], gathers: list[float], reduces: list[floa
             ready = stream
         # the stream is busy from ``start`` (or earlier) until ``stream``: nothing new is issued
         # while j computes, so the overlap is one interval
-        clock = start + busy[j] + slowdown * min(max(stream - start, 0.0), busy[j])
+        clock = start + busy[j] + contention_s([(start, stream)], start, start + busy[j], slowdown)
         stream = max(stream, clock) + reduces[j]
     return max(clock, stream) - sum(busy[j] for j in order)
 

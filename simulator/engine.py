@@ -80,8 +80,7 @@ class Engine(ScheduleWalk, Transfers, OptimizerEvents, StashEvents, WeightSwapEv
         # ZeRO-1's parameter all-gather follows the step (optimizer.py ``_param_gather``).
         self.overlap_dp_allreduce = plan.overlap_grad_reduce if overlap_dp_allreduce is None else overlap_dp_allreduce
         self._bwd_count: dict[int, int] = {}
-        self._ar_end: dict[int, int] = {}
-        self._ar_contention: dict[int, int] = {}  # ns the last backward lost beside its buckets (optimizer.py)
+        self._ar_end: dict[int, int] = {}  # stage -> ns its overlapped buckets, and the backward they slowed, are done
         self.env = simpy.Environment()
         self.p = plan.pipeline_depth
         self.model = model

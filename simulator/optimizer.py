@@ -289,23 +289,23 @@ class OptimizerEvents:
             ready += lc.bwd_ns + (lc.recompute_ns if lc.action is MemoryAction.recompute else 0)
             start, end = self.links.reserve(res, dur, min(ready, self.env.now))
             spans.append((start, end))
-        self._ar_end[s] = end
         # the backward that ran beside the buckets was slower (DeviceSpec.overlap_compute_slowdown;
-        # costs.collectives.grad_reduce_exposed_s): the position may not go on before that either
-        self._ar_contention[s] = round(costs.collectives.contention_s(  # spans in ns: ns out
+        # costs.collectives.grad_reduce_exposed_s): the position goes on when both it and the buckets are done
+        slowed = round(costs.collectives.contention_s(  # spans in ns: ns out
             spans, t0, self.env.now, self.hardware.device.overlap_compute_slowdown))
+        self._ar_end[s] = max(end, self.env.now + slowed)
         self.trace.slice(self.costs[s].rep, "collective", f"allreduce_grads s{s} (buckets)", t0,
                          end - t0, "allreduce_grads")
 
     def _allreduce_wait_ns(self, s: int, sc: StageCost, now: int) -> int:
         """Nanoseconds the position waits at its allreduce_grads entry: until the overlapped
-        buckets are done, or for the blocking all-reduce booked on the links now; any other
+        buckets, and the backward they slowed, are done (:meth:`_book_ar_buckets`), or for the blocking all-reduce booked on the links now; any other
         collective in ``allreduce_ns`` (the tied-embedding group) follows, blocking."""
         rest = max(sc.allreduce_ns - sc.dp_allreduce_ns, 0)
         if not sc.dp_allreduce_ns:
             return rest
         if self.overlap_dp_allreduce and s in self._ar_end:
-            return max(self._ar_end[s] - now, self._ar_contention.get(s, 0), 0) + rest
+            return max(self._ar_end[s] - now, 0) + rest
         # ZeRO-1: the reduce-scatter here, the all-gather after the step (_param_gather)
         _, end = self.links.reserve(self._ar_resources(s), self._dp_reduce_ns[s], now)
         return end - now + rest

@@ -24,7 +24,8 @@ from model_costs import (
 )
 from planning import plan_file_errors, plan_for, plan_hardware, planner_report, report_files, result_limits
 from reports.figure_base import human_bytes
-from reports.outputs import fit_check, summary, write_compare_figure, write_figures, write_json, write_run
+from reports.outputs import (fit_check, summary, write_compare_figure, write_figures, write_json, write_run,
+                             wrote_line)
 from runconfig import RunConfig, UsageError
 from simulator.analytic import estimate
 from specs.hardware import HardwareSpec
@@ -75,7 +76,7 @@ def run_simulate(cfg: RunConfig, outdir: Path) -> Result:
     written = report_files(cfg, outdir) + write_run(outdir, plan, result, trace, draw=False)
     limits = result_limits(cfg)
     print(summary(plan, result, written, limits), flush=True)
-    print(f"wrote {', '.join(str(p) for p in write_figures(outdir, result, trace))}", flush=True)
+    print(wrote_line(write_figures(outdir, result, trace)), flush=True)
     if cfg.policy.kind == "capture" and cfg.policy.compare_throughput and cfg.plan_file is None:
         planner_report(cfg, model, plan, result, outdir)
     fit = fit_check(result, limits)
@@ -311,7 +312,7 @@ def run_compare(cfg: RunConfig, outdir: Path) -> Result:
         print("NUMERICS DIFFER from the single-process reference (see above)", flush=True)
     if any(st.offload.window_layers is not None for st in plan.stages):
         written.append(_window_compare(cfg, plan, model, sim.result, measured, outdir))
-    print("wrote " + ", ".join(str(p) for p in written))
+    print(wrote_line(written))
     return measured
 
 

@@ -310,6 +310,11 @@ def rich_table(plan: Plan, result: Result, limits: Limits | None = None):
     return table
 
 
+def wrote_line(paths) -> str:
+    """The "wrote a, b, c" line a run prints for the files it wrote."""
+    return f"wrote {', '.join(str(p) for p in paths)}"
+
+
 def summary(plan: Plan, result: Result, written: list[Path], limits: Limits | None = None) -> str:
     """Heading, device table (rich; coloured on a terminal, plain text otherwise), timing line and
     the files written, as one string to print. ``limits``: what the table's capacity and use % and
@@ -319,14 +324,14 @@ def summary(plan: Plan, result: Result, written: list[Path], limits: Limits | No
         from rich.console import Console
     except ImportError:  # rich is a dependency, but the plain table says the same
         return "\n".join([head, device_table(plan, result, limits), tail,
-                          f"wrote {', '.join(str(p) for p in written)}"])
+                          wrote_line(written)])
     tty = sys.stdout.isatty()
     console = Console(file=io.StringIO(), force_terminal=tty, no_color=not tty, highlight=False,
                       width=shutil.get_terminal_size((120, 24)).columns if tty else 160, soft_wrap=True)
     console.print(head, style="bold", markup=False)
     console.print(rich_table(plan, result, limits))
     console.print(tail, markup=False)
-    console.print(f"wrote {', '.join(str(p) for p in written)}", markup=False, style="dim")
+    console.print(wrote_line(written), markup=False, style="dim")
     return console.file.getvalue().rstrip("\n")
 
 

@@ -299,8 +299,9 @@ class OptimizerEvents:
 
     def _allreduce_wait_ns(self, s: int, sc: StageCost, now: int) -> int:
         """Nanoseconds the position waits at its allreduce_grads entry: until the overlapped
-        buckets, and the backward they slowed, are done (:meth:`_book_ar_buckets`), or for the blocking all-reduce booked on the links now; any other
-        collective in ``allreduce_ns`` (the tied-embedding group) follows, blocking."""
+        buckets, and the backward they slowed, are done (:meth:`_book_ar_buckets`), or for the
+        blocking all-reduce booked on the links now; any other collective in ``allreduce_ns`` (the
+        tied-embedding group) follows, blocking."""
         rest = max(sc.allreduce_ns - sc.dp_allreduce_ns, 0)
         if not sc.dp_allreduce_ns:
             return rest

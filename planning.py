@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from model_costs import capture_profile_for, model_spec
-from planners import PlanningError, make_plan, verdict
+from planners import PlanningError, choose_plan, make_plan, verdict
 from planners.capture.planner import PROFILED_DEGREES, capture_space_check
 from reports.figure_base import human_bytes
 from reports.outputs import Limits, write_json
@@ -63,7 +63,7 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
                 return model, _plan_map(cfg, model, outdir, progress)
             if cfg.policy.kind == "auto":
                 return _plan_auto(cfg, model, outdir, progress)
-            plan = make_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile, progress)
+            choice = choose_plan(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, profile, progress)
     except (PlanningError, PlanError) as exc:
         raise UsageError(f"policy {cfg.policy.kind!r} cannot plan {model.name} on {cfg.hardware.name}: {exc}") from None
     except ValueError as exc:
@@ -72,12 +72,15 @@ def plan_for(cfg: RunConfig, outdir: Path) -> tuple[ModelSpec, Plan]:
         # MAP refines against the simulator, MPress emulates with it, whatever cfg.estimator says
         raise UsageError(f"policy {cfg.policy.kind!r} runs the discrete-event simulator while it plans (whatever "
                          f"the estimator), which refuses this batch: {exc}") from None
+    plan = choice.plan
+    if choice.note:  # policy.recompute=null: what was chosen, and what else was priced
+        print(choice.note, flush=True)
     if cfg.estimator == "simulator":
         from simulator import size_problem
 
         if (problem := size_problem(plan)) is not None:
             raise UsageError(problem)
-    fit = verdict(cfg.policy, model, cfg.hardware, cfg.training, cfg.schedule, plan)
+    fit = verdict(choice.policy, model, cfg.hardware, cfg.training, cfg.schedule, plan)
     if not fit.fits:  # the planner returned its closest plan: say plainly that nothing fits, and what would
         print(fit.text(), flush=True)
     return model, plan

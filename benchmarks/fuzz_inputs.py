@@ -77,7 +77,7 @@ CHOICE_FIELDS = {
     "training.precision": ["fp32", "fp16", "bf16", "fp8"],
     "policy": ["even", "balanced", "manual"],
     "schedule": ["gpipe", "1f1b", "pipedream_async", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "zb_1p", "zb_2p", "nope"],
-    "policy.recompute": ["none", "full", "half", "selective", "op_sac"],
+    "policy.recompute": ["none", "full", "half", "selective", "op_sac", "null"],
     "estimator": ["analytic", "simulator"],
     "training.optimizer": ["adam", "sgd"],
     "policy.zero_stage": ["0", "1", "2", "3", "4"],

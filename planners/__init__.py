@@ -11,6 +11,7 @@ from planners.baselines.zero_offload import plan_zero_offload
 from planners.verdict import Verdict, fit_verdict
 from planners.layout import PlanningError
 from planners.policy import PolicyConfig, parse_policy
+from planners.recompute_choice import Choice, choose_recompute, needs_choice
 from specs.hardware import HardwareSpec
 from specs.model import ModelSpec
 from specs.plan import Plan, ScheduleSpec, validate_plan
@@ -25,6 +26,23 @@ PLANNERS = {"even": plan_even, "balanced": plan_balanced, "manual": plan_manual,
 
 def make_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
               schedule: ScheduleSpec, profile=None, progress=None) -> Plan:
+    """:func:`choose_plan`'s plan: the planner's, with ``policy.recompute=null`` resolved."""
+    return choose_plan(policy, model, hardware, training, schedule, profile, progress).plan
+
+
+def choose_plan(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
+                schedule: ScheduleSpec, profile=None, progress=None) -> Choice:
+    """The plan and the policy it was made with: for even/balanced/manual with ``policy.recompute``
+    null (conf/policy's default), the fastest recompute setting that fits
+    (planners.recompute_choice, whose ``note`` says what was chosen); otherwise the policy as given."""
+    if needs_choice(policy):
+        return choose_recompute(policy, model, hardware,
+                                lambda pol: _plan_once(pol, model, hardware, training, schedule, profile, progress))
+    return Choice(policy, _plan_once(policy, model, hardware, training, schedule, profile, progress), (), "")
+
+
+def _plan_once(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
+               schedule: ScheduleSpec, profile=None, progress=None) -> Plan:
     """Run the planner ``policy.kind`` and validate its plan against the model and hardware.
     ``profile`` (a specs.profile.Profile) feeds profile-driven planners (CAPTURE). ``progress``
     (done, total) is called by searches that can take seconds (the shell may draw a bar).
@@ -69,4 +87,5 @@ def verdict(policy: PolicyConfig, model: ModelSpec, hardware: HardwareSpec, trai
                        searched=policy.kind in ("throughput", "capture", "auto"))
 
 
-__all__ = ["PLANNERS", "PlanningError", "PolicyConfig", "Verdict", "make_plan", "parse_policy", "verdict"]
+__all__ = ["PLANNERS", "Choice", "PlanningError", "PolicyConfig", "Verdict", "choose_plan", "make_plan", "parse_policy",
+           "verdict"]

@@ -16,10 +16,13 @@ class _Uniform(Spec):
     dp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1, description="context-parallel degree (ring attention over the sequence)")
-    recompute: Literal["none", "full", "selective", "op_sac"] = Field(
+    recompute: Literal["none", "full", "selective", "op_sac"] | None = Field(
         "none", description="full: every block checkpointed; selective: the attention core only (Korthikanti §5); "
         "op_sac: torchtitan's op-level selective AC (every other matmul's output and the attention kernel's "
-        "saved, the rest recomputed; LLaMA blocks, tp 1)")
+        "saved, the rest recomputed; LLaMA blocks); null (conf/policy's default, the command line's; a policy built "
+        "in Python keeps none unless it asks): none if the plan fits, else the "
+        "fastest of selective, op_sac, full on the first N blocks of each stage and full that fits "
+        "(planners.recompute_choice)")
     recompute_num_layers: int | None = Field(
         None, ge=1, description="with recompute=full: only the first N blocks of each stage (each model chunk) are "
         "recomputed, Megatron's --recompute-method block --recompute-num-layers N; null: every block")

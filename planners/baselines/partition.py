@@ -89,6 +89,11 @@ def _balanced_split_bisect(costs: list[float], parts: int) -> list[int]:
 
 def _uniform(planner: str, policy, model: ModelSpec, hardware: HardwareSpec, training: TrainingSpec,
              schedule: ScheduleSpec, split) -> Plan:
+    if policy.recompute is None:
+        # null is resolved by planners.make_plan (planners.recompute_choice); called directly, a planner
+        # plans no recompute, or full where recompute_num_layers / recompute_every say which blocks
+        full = policy.recompute_num_layers is not None or policy.recompute_every is not None
+        policy = policy.model_copy(update={"recompute": "full" if full else "none"})
     pp, dp = resolve_degrees(policy.pp, policy.dp, policy.tp * policy.cp, hardware, model, training,
                              schedule.virtual_stages)
     groups = device_groups(hardware, pp, dp, policy.tp, policy.cp)

@@ -7,25 +7,23 @@ import gc
 import subprocess
 import sys
 
-import pytest
 
 FILES = ("plan.json", "results.json", "trace.json", "memory.png", "timeline.png")
 
 
 def test_the_command_and_a_library_call_write_the_same_bytes(tmp_path, capsys):
-    from modes import PlanDoesNotFit, run
+    from modes import run
     from runconfig import compose
 
-    overrides = ("+hardware=h100_node", "+model=llama3_8b")  # issue 27's preset: 2 of 8 devices over
+    overrides = ("+hardware=h100_node", "+model=llama3_8b")  # issue 27's preset (policy.recompute=null picks one)
     cli_out = tmp_path / "cli"
     proc = subprocess.run([sys.executable, "-m", "run", *overrides, f"hydra.run.dir={cli_out}"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 3, proc.stderr  # does not fit: files written, exit status 3
+    assert proc.returncode == 0, proc.stderr
     lib_out = tmp_path / "lib"
     lib_out.mkdir()
     assert gc.get_threshold()[0] < 10_000  # this process keeps CPython's default collector
-    with pytest.raises(PlanDoesNotFit):
-        run(compose(*overrides), lib_out)
+    run(compose(*overrides), lib_out)
     printed = capsys.readouterr().out
     for name in FILES:
         assert (cli_out / name).read_bytes() == (lib_out / name).read_bytes(), name

@@ -117,7 +117,9 @@ def test_gpipe_first_stage_peaks_above_1f1b_and_1f1b_first_above_last(tmp_path):
     from modes import NOT_FIT_STATUS
 
     # GPipe holds every microbatch's activations: on a DGX-1 it runs out of memory (exit status 3)
-    gpipe, one_f = peaks(tmp_path, "g", "schedule=gpipe", status=NOT_FIT_STATUS), peaks(tmp_path, "o", "schedule=1f1b")
+    # without recompute (pinned: the default, null, would pick the recompute that fits)
+    gpipe = peaks(tmp_path, "g", "schedule=gpipe", "policy.recompute=none", status=NOT_FIT_STATUS)
+    one_f = peaks(tmp_path, "o", "schedule=1f1b", "policy.recompute=none")
     assert gpipe[0] > one_f[0]
     assert one_f[0] > one_f[-1]
 

@@ -3,7 +3,8 @@ Megatron or torchtitan user would pick by hand, chosen by the memory model inste
 
 No recompute when the plan fits: that is the fastest plan, and the plan is then byte for byte the
 one ``policy.recompute=none`` gives. Otherwise every setting memwall can express on the same
-layout is priced, and the fastest that fits wins (ties to the earlier in ``LADDER``):
+layout is priced, and the fastest that fits wins (a tie goes to the one priced first, the one with
+less recompute work):
 
 * ``selective``: the attention core only (Korthikanti et al. 2022 §5);
 * ``op_sac``: torchtitan's op-level selective AC (LLaMA blocks, a user model's profiled layers);
@@ -48,7 +49,7 @@ class Tried:
 class Choice:
     policy: object                 # the policy with recompute (and recompute_num_layers) resolved
     plan: Plan
-    tried: tuple[Tried, ...]       # every setting priced, in LADDER order
+    tried: tuple[Tried, ...]       # every setting priced, in the order priced (LADDER's, then full's N)
     note: str                      # what was chosen and what else was priced; "" when no recompute was needed
 
 

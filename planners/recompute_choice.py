@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from planners.layout import RECOMPUTED_KINDS, PlanningError
+from planners.layout import PlanningError
 from planners.verdict import peaks
 from simulator.analytic import iteration_time_s
 from specs.hardware import HardwareSpec
@@ -43,6 +43,8 @@ class Tried:
     peak_bytes: int      # highest per-device peak (analytic)
     time_s: float        # analytic iteration time
     fits: bool
+    policy: object       # the policy it was planned with
+    plan: Plan
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,6 @@ def choose_recompute(policy, model: ModelSpec, hardware: HardwareSpec,
         return Choice(resolved, make(resolved), (), "")
     capacity = hardware.device.memory_bytes
     tried: list[Tried] = []
-    plans: dict[int, tuple[object, Plan]] = {}
 
     def price(what: str, update: dict) -> Tried | None:
         pol = policy.model_copy(update=update)
@@ -82,34 +83,32 @@ def choose_recompute(policy, model: ModelSpec, hardware: HardwareSpec,
                 raise
             return None  # a setting this model or layout cannot take: not a candidate
         top = max(peaks(plan, model, hardware).values())
-        t = Tried(what, update, top, iteration_time_s(plan, model, hardware), top <= capacity)
-        plans[len(tried)] = (pol, plan)
+        t = Tried(what, update, top, iteration_time_s(plan, model, hardware), top <= capacity, pol, plan)
         tried.append(t)
         return t
 
     base = price("none", {"recompute": "none"})
     if base.fits:
-        return Choice(plans[0][0], plans[0][1], tuple(tried), "")
+        return Choice(base.policy, base.plan, tuple(tried), "")
     price("selective", {"recompute": "selective"})
     price("op_sac", {"recompute": "op_sac"})
     full = price("full", {"recompute": "full"})
     if full is not None and full.fits:
-        _fewest_blocks(plans[len(tried) - 1][1], model, price)
+        _fewest_blocks(full.plan, price)
     fitting = [i for i, t in enumerate(tried) if t.fits]
     if fitting:  # fastest, then the earlier setting (less recompute work) on a tie
         best = min(fitting, key=lambda i: (tried[i].time_s, i))
     else:
         best = min(range(len(tried)), key=lambda i: (tried[i].peak_bytes, i))
-    pol, plan = plans[best]
-    return Choice(pol, plan, tuple(tried), _note(tried, best, capacity))
+    return Choice(tried[best].policy, tried[best].plan, tuple(tried), _note(tried, best, capacity))
 
 
-def _fewest_blocks(full_plan: Plan, model: ModelSpec, price) -> None:
+def _fewest_blocks(full_plan: Plan, price) -> None:
     """Price ``full`` on the first N blocks of each stage for the smallest N that fits, by
     bisection over 1 .. (most blocks on a stage) − 1 (fewer blocks recomputed hold more: each
-    block kept holds its whole activations instead of its input)."""
-    most = max(sum(1 for i in range(s.layer_start, s.layer_stop) if model.layers[i].kind in RECOMPUTED_KINDS)
-               for s in full_plan.stages)
+    block kept holds its whole activations instead of its input). Full recompute's plan has one
+    memory action per block, so its stages count the blocks."""
+    most = max(len(s.memory) for s in full_plan.stages)
     lo, hi = 1, most - 1
     while lo <= hi:  # every N priced goes into ``tried``; the caller picks the fastest that fits
         n = (lo + hi) // 2
